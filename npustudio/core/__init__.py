@@ -1,0 +1,1 @@
+"""Qt-free pipeline: every stage is one module with one entry point."""

@@ -1,0 +1,237 @@
+"""The static decoder in the form Genie runs on the HTP.
+
+One set of weights serves every graph: AR and CL are only the shapes of the inputs, so the AR-N
+(prompt) and AR-1 (token) graphs are the same module traced at two shapes.
+
+Graph I/O (exactly what Genie binds by name):
+  inputs   input_ids (1,N) int32, attention_mask (1,1,N,CL) additive, position_ids_cos/_sin (1,1,N,hd/2),
+           past_key_{l}_in (KV,1,hd,CL-N), past_value_{l}_in (KV,1,CL-N,hd)
+  outputs  logits (1,N,V), past_key_{l}_out (KV,1,hd,N), past_value_{l}_out (KV,1,N,hd)  (new entries only)
+Inside, the residual stream is channel-first (1,D,1,N) so every Linear is a 1x1 Conv2d, and q/k/v are
+single-head convs (SHA).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from ..families import FamilyRecipe
+from .ops import Add, Concat, Conv1x1, MatMul, Mul, Rope, RMSNorm
+
+MASK_VALUE = -100.0  # additive mask for excluded positions; Genie ran with it (recipes/genie_x86)
+
+
+class DecoderSpec(BaseModel):
+    """Everything needed to rebuild the static decoder from its weights file (no transformers needed)."""
+
+    family: str
+    model_type: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    rms_norm_eps: float
+    tied_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_attention_scaling: float = 1.0
+    mask_value: float = MASK_VALUE
+
+
+class Neg(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -x
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        s = spec
+        hd, kv, g = s.head_dim, s.kv_heads, s.heads // s.kv_heads
+        self.hd, self.kv, self.g = hd, kv, g
+        z = torch.zeros
+        self.q = nn.ModuleList(Conv1x1(z(hd, s.hidden), z(hd) if s.qkv_bias else None) for _ in range(s.heads))
+        self.k = nn.ModuleList(Conv1x1(z(hd, s.hidden), z(hd) if s.qkv_bias else None) for _ in range(kv))
+        self.v = nn.ModuleList(Conv1x1(z(hd, s.hidden), z(hd) if s.qkv_bias else None) for _ in range(kv))
+        self.q_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-1) if s.qk_norm else None
+        self.k_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-2) if s.qk_norm else None
+        self.q_rope = Rope(dim=-1)  # q is (KV, G*N, hd)
+        self.k_rope = Rope(dim=-2)  # k is (KV, 1, hd, N): Genie's key layout
+        self.k_cat = Concat(dim=3)
+        self.v_cat = Concat(dim=2)
+        self.qk = MatMul()
+        self.mask_add = Add()
+        self.softmax = nn.Softmax(dim=-1)
+        self.pv = MatMul()
+        self.o = Conv1x1(z(s.hidden, s.heads * hd))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], mask: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = x.shape[-1]
+        hd, kv, g = self.hd, self.kv, self.g
+        cos_q, sin_q, cos_k, sin_k = rope
+        # (1,hd,1,N) per head -> q (KV, G*N, hd); k (KV,1,hd,N); v (KV,1,N,hd)
+        q = torch.stack([torch.cat([self.q[j * g + i](x).reshape(hd, n).t() for i in range(g)], 0)
+                         for j in range(kv)])
+        k = torch.stack([self.k[j](x).reshape(1, hd, n) for j in range(kv)])
+        v = torch.stack([self.v[j](x).reshape(hd, n).t().reshape(1, n, hd) for j in range(kv)])
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.q_rope(q, cos_q, sin_q)
+        k = self.k_rope(k, cos_k, sin_k)
+        keys = self.k_cat(past_k, k).reshape(kv, hd, -1)  # (KV, hd, CL)
+        vals = self.v_cat(past_v, v).reshape(kv, -1, hd)  # (KV, CL, hd)
+        scores = self.qk(q, keys).reshape(kv, g, n, -1)
+        p = self.softmax(self.mask_add(scores, mask)).reshape(kv, g * n, -1)
+        o = self.pv(p, vals)  # (KV, G*N, hd) -> heads in order -> (1, H*hd, 1, N)
+        o = o.reshape(kv * g, n, hd).permute(0, 2, 1).reshape(1, kv * g * hd, 1, n)
+        return self.o(o), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        z = torch.zeros
+        self.gate = Conv1x1(z(spec.intermediate, spec.hidden))
+        self.up = Conv1x1(z(spec.intermediate, spec.hidden))
+        self.down = Conv1x1(z(spec.hidden, spec.intermediate))
+        self.act = nn.SiLU()
+        self.mul = Mul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.mul(self.act(self.gate(x)), self.up(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        z = torch.zeros(spec.hidden)
+        self.input_norm = RMSNorm(z, spec.rms_norm_eps, dim=1)
+        self.attn = Attention(spec)
+        self.attn_add = Add()
+        self.post_norm = RMSNorm(z, spec.rms_norm_eps, dim=1)
+        self.mlp = MLP(spec)
+        self.mlp_add = Add()
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, ...], mask: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a, k, v = self.attn(self.input_norm(h), rope, mask, past_k, past_v)
+        h = self.attn_add(h, a)
+        h = self.mlp_add(h, self.mlp(self.post_norm(h)))
+        return h, k, v
+
+
+class StaticDecoder(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        s = spec
+        self.embed = nn.Embedding(s.vocab, s.hidden)
+        self.cos_cat = Concat(dim=-1)
+        self.sin_cat = Concat(dim=-1)
+        self.sin_neg = Neg()
+        self.layers = nn.ModuleList(Layer(s) for _ in range(s.layers))
+        self.norm = RMSNorm(torch.zeros(s.hidden), s.rms_norm_eps, dim=1)
+        self.lm_head = Conv1x1(torch.zeros(s.vocab, s.hidden))
+        if s.tied_embeddings:
+            self.tie()
+
+    def tie(self) -> None:
+        """Tied LM head: one storage for the embedding table and the head (stored once on disk too)."""
+        w = self.embed.weight
+        self.lm_head.weight = nn.Parameter(w.data.view(w.shape[0], w.shape[1], 1, 1))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids_cos: torch.Tensor,
+                position_ids_sin: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = input_ids.shape[1]
+        g = self.spec.heads // self.spec.kv_heads
+        cos2 = self.cos_cat(position_ids_cos, position_ids_cos)[0, 0]  # (N, hd)
+        sin2 = self.sin_cat(self.sin_neg(position_ids_sin), position_ids_sin)[0, 0]
+        rope = (cos2.repeat(g, 1), sin2.repeat(g, 1), cos2.t(), sin2.t())
+        h = self.embed(input_ids).permute(0, 2, 1).reshape(1, -1, 1, n)  # (1, D, 1, N)
+        kv_out: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h, k, v = layer(h, rope, attention_mask, past[2 * i], past[2 * i + 1])
+            kv_out += [k, v]
+        logits = self.lm_head(self.norm(h)).reshape(1, -1, n).transpose(1, 2)
+        return (logits, *kv_out)
+
+
+# ------------------------------------------------------------------ building from a HF model
+def spec_from(card: Any, hf_model: Any) -> DecoderSpec:
+    rot = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
+    return DecoderSpec(
+        family=card.family, model_type=card.model_type, layers=card.layers, heads=card.heads,
+        kv_heads=card.kv_heads, head_dim=card.head_dim, hidden=card.hidden, intermediate=card.intermediate,
+        vocab=card.vocab, rms_norm_eps=card.rms_norm_eps, tied_embeddings=card.tied_embeddings,
+        qkv_bias=card.qkv_bias, qk_norm=card.qk_norm,
+        rope_attention_scaling=float(getattr(rot, "attention_scaling", 1.0) or 1.0),
+    )
+
+
+@torch.no_grad()
+def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> StaticDecoder:
+    """Copy a HF model's weights into the static form. The 1/sqrt(hd) softmax scale is folded into q."""
+    m = StaticDecoder(spec)
+    hd, scale = spec.head_dim, 1.0 / math.sqrt(spec.head_dim)
+    m.embed.weight.copy_(recipe.embedding(hf_model))
+    for layer, hf_layer in zip(m.layers, recipe.layers(hf_model), strict=True):
+        w = recipe.layer(hf_layer)
+        layer.input_norm.weight.copy_(w.input_norm)
+        layer.post_norm.weight.copy_(w.post_norm)
+        at = layer.attn
+        # With a q-norm (Qwen3) the norm would undo a scaled weight: fold the scale into its gain instead.
+        q_scale = 1.0 if spec.qk_norm else scale
+        for heads, wt, b, sc in ((at.q, w.q, w.q_bias, q_scale), (at.k, w.k, w.k_bias, 1.0),
+                                 (at.v, w.v, w.v_bias, 1.0)):
+            for h, conv in enumerate(heads):
+                conv.weight.copy_(wt[h * hd:(h + 1) * hd].reshape(hd, -1, 1, 1) * sc)
+                if b is not None:
+                    conv.bias.copy_(b[h * hd:(h + 1) * hd] * sc)
+        if spec.qk_norm:
+            at.q_norm.weight.copy_(w.q_norm * scale)
+            at.k_norm.weight.copy_(w.k_norm)
+        at.o.weight.copy_(w.o.reshape(*w.o.shape, 1, 1))
+        layer.mlp.gate.weight.copy_(w.gate.reshape(*w.gate.shape, 1, 1))
+        layer.mlp.up.weight.copy_(w.up.reshape(*w.up.shape, 1, 1))
+        layer.mlp.down.weight.copy_(w.down.reshape(*w.down.shape, 1, 1))
+    m.norm.weight.copy_(recipe.final_norm(hf_model))
+    if not spec.tied_embeddings:
+        head = recipe.lm_head(hf_model)
+        m.lm_head.weight.copy_(head.reshape(*head.shape, 1, 1))
+    return m.eval()
+
+
+def io_names(layers: int) -> tuple[list[str], list[str]]:
+    ins = ["input_ids", "attention_mask", "position_ids_cos", "position_ids_sin"]
+    outs = ["logits"]
+    for i in range(layers):
+        ins += [f"past_key_{i}_in", f"past_value_{i}_in"]
+        outs += [f"past_key_{i}_out", f"past_value_{i}_out"]
+    return ins, outs
+
+
+def io_shapes(spec: DecoderSpec, ar: int, cl: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    hd, kv = spec.head_dim, spec.kv_heads
+    ins = {"input_ids": [1, ar], "attention_mask": [1, 1, ar, cl],
+           "position_ids_cos": [1, 1, ar, hd // 2], "position_ids_sin": [1, 1, ar, hd // 2]}
+    outs = {"logits": [1, ar, spec.vocab]}
+    for i in range(spec.layers):
+        ins[f"past_key_{i}_in"] = [kv, 1, hd, cl - ar]
+        ins[f"past_value_{i}_in"] = [kv, 1, cl - ar, hd]
+        outs[f"past_key_{i}_out"] = [kv, 1, hd, ar]
+        outs[f"past_value_{i}_out"] = [kv, 1, ar, hd]
+    return ins, outs
+
+
+def graph_names(ar: int, cl: int, parts: int = 1) -> dict[str, list[str]]:
+    return {"prompt": [f"prompt_ar{ar}_cl{cl}_{i}_of_{parts}" for i in range(1, parts + 1)],
+            "token": [f"token_ar1_cl{cl}_{i}_of_{parts}" for i in range(1, parts + 1)]}

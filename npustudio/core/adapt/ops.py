@@ -1,0 +1,89 @@
+"""Elementary ops as modules, one instance per use, so quantization sees (and encodes) each of them.
+
+Functional `torch.matmul`/`softmax`/`+` inside a forward are invisible to a quantization simulator:
+it only wraps modules. Reshapes and transposes stay functional (they move data, they do not compute).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MatMul(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(a, b)
+
+
+class Add(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+class Mul(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+
+class Concat(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return torch.cat(xs, dim=self.dim)
+
+
+class Conv1x1(nn.Conv2d):
+    """A Linear layer as a 1x1 convolution over (1, C, 1, N): lets HTP encode weights per output channel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        out_f, in_f = weight.shape
+        super().__init__(in_f, out_f, kernel_size=1, bias=bias is not None)
+        with torch.no_grad():
+            self.weight.copy_(weight.reshape(out_f, in_f, 1, 1))
+            if bias is not None:
+                self.bias.copy_(bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm that stays finite in fp16 on the HTP (float subgraphs run in fp16 there).
+
+    Plain x² overflows fp16 for the residual stream's |x|≈2e4 outliers, and pre-dividing by a constant
+    underflows for ordinary tokens. RMSNorm is scale-invariant, so divide by max|x| first:
+        y = w · (x/m) / sqrt(mean((x/m)²) + eps/m²),  m = max|x|
+    which equals w · x / sqrt(mean(x²) + eps) exactly, with every intermediate in [~1e-3, 1].
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, dim: int) -> None:
+        super().__init__()
+        self.eps = float(eps)
+        self.dim = dim
+        self.weight = nn.Parameter(weight.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.abs().amax(self.dim, keepdim=True).clamp_min(1e-4)
+        hs = x / m
+        ms = (hs * hs).mean(self.dim, keepdim=True) + (self.eps / m) / m
+        w = self.weight.reshape([-1 if d == (self.dim % x.dim()) else 1 for d in range(x.dim())])
+        return hs * torch.rsqrt(ms) * w
+
+
+class Rope(nn.Module):
+    """Rotary embedding x·cos + rotate_half(x)·sin, with cos/sin given as graph inputs (tables from the host).
+
+    `dim` is the head-dim axis of x; cos2/sin2 are full-width tables (sin2 carries the rotate-half sign).
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.swap = Concat(dim)
+        self.mul_cos = Mul()
+        self.mul_sin = Mul()
+        self.add = Add()
+
+    def forward(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+        half = x.shape[self.dim] // 2
+        x1, x2 = torch.split(x, half, dim=self.dim)
+        return self.add(self.mul_cos(x, cos2), self.mul_sin(self.swap(x2, x1), sin2))

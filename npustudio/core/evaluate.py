@@ -1,0 +1,167 @@
+"""Perplexity, top-1 agreement and logits difference over a text, window by window.
+
+Windows are non-overlapping; each window's numbers are emitted as a partial result as soon as it is
+done, so a chart can draw them live. Corpora: the offline default (Python's own Language Reference,
+`pydoc_data.topics`, shipped with CPython), a text file, or a `datasets` id.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .progress import StateLike
+
+# The eval and calibration slices are disjoint sets of topics (the eval slice is the one the
+# reference measurements used: 8000 chars -> 1862 SmolLM2 tokens, FP32 PPL 14.659).
+EVAL_TOPICS = ("naming", "exceptions", "execmodel", "bltin-type-objects", "truth", "types", "typesseq",
+               "typesmapping")
+CALIB_TOPICS = ("compound", "function", "class", "import", "raise", "with", "lambda", "yield")
+DEFAULT_EVAL_CHARS = 8000
+DEFAULT_WINDOW = 512
+
+LogitsFn = Callable[[Sequence[int]], torch.Tensor]
+"""Token ids of one window -> next-token logits for each position, (len, vocab)."""
+
+
+def _topics(keys: Sequence[str], nchars: int | None) -> str:
+    import pydoc_data.topics as t
+
+    text = "\n\n".join(t.topics[k] for k in keys if k in t.topics)
+    return text[:nchars] if nchars else text
+
+
+def load_corpus(spec: str = "default", purpose: str = "eval", nchars: int | None = None) -> str:
+    """`default`, a path to a UTF-8 text file, or `datasets:ID[:CONFIG][@SPLIT]` (local folders work too)."""
+    if spec == "default":
+        keys = EVAL_TOPICS if purpose == "eval" else CALIB_TOPICS
+        return _topics(keys, nchars if nchars is not None else (DEFAULT_EVAL_CHARS if purpose == "eval" else None))
+    if spec.startswith("datasets:"):
+        return _load_dataset_text(spec.removeprefix("datasets:"), nchars)
+    p = Path(spec).expanduser()
+    if not p.is_file():
+        raise UserError(f"No text file at {p}.",
+                        "Pass `default`, a UTF-8 text file, or datasets:ID for a Hugging Face dataset.")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p} is not UTF-8 text (byte {e.start} cannot be decoded).",
+                        "Save the file as UTF-8 plain text.") from e
+    if not text.strip():
+        raise UserError(f"{p} is empty.", "Use a text with at least a few hundred words.")
+    return text[:nchars] if nchars else text
+
+
+def _load_dataset_text(ident: str, nchars: int | None) -> str:
+    split = "train"
+    if "@" in ident:
+        ident, split = ident.rsplit("@", 1)
+    name, _, config = ident.partition(":")
+    try:
+        import datasets
+    except ImportError as e:
+        raise UserError("Reading a datasets id needs the `datasets` package.", "pip install datasets") from e
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split)
+    except Exception as e:
+        raise UserError(f"Could not load the dataset {name}{':' + config if config else ''} "
+                        f"(split {split}): {str(e).splitlines()[0][:200]}",
+                        "Check the id, config and split; offline, pass a local dataset folder or a text file.") from e
+    col = "text" if "text" in ds.column_names else next(
+        (c for c in ds.column_names if str(ds.features[c].dtype) == "string"), None)
+    if col is None:
+        raise UserError(f"The dataset {name} has no text column (columns: {', '.join(ds.column_names)}).",
+                        "Use a dataset with a `text` column, or a text file.")
+    parts: list[str] = []
+    size = 0
+    for row in ds:
+        s = row[col] or ""
+        parts.append(s)
+        size += len(s) + 1
+        if nchars and size >= nchars:
+            break
+    text = "\n".join(parts)
+    return text[:nchars] if nchars else text
+
+
+def windows(ids: Sequence[int], size: int) -> list[list[int]]:
+    out = [list(ids[i:i + size]) for i in range(0, len(ids), size)]
+    return [w for w in out if len(w) > 1]
+
+
+@dataclass
+class Comparison:
+    """Numbers of one evaluation; `test_*` only when a second model was compared with the reference."""
+
+    tokens: int = 0
+    windows: int = 0
+    ref_nll: float = 0.0
+    test_nll: float = 0.0
+    top1_agree: int = 0
+    positions: int = 0
+    max_abs_logit_diff: float = 0.0
+    per_window: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def ref_ppl(self) -> float:
+        return math.exp(self.ref_nll / max(self.tokens, 1))
+
+    @property
+    def test_ppl(self) -> float:
+        return math.exp(self.test_nll / max(self.tokens, 1))
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.top1_agree / max(self.positions, 1)
+
+
+def _nll(logits: torch.Tensor, ids: Sequence[int]) -> float:
+    tgt = torch.tensor(list(ids[1:]))
+    lp = torch.log_softmax(logits[:-1].double(), -1)
+    return float(-lp.gather(1, tgt[:, None]).sum())
+
+
+def compare(ids: Sequence[int], ref: LogitsFn, test: LogitsFn | None = None, window: int = DEFAULT_WINDOW,
+            state: StateLike | None = None, labels: tuple[str, str] = ("fp", "test")) -> Comparison:
+    """Perplexity of `ref` (and `test`), and how closely `test` follows `ref`, over non-overlapping windows."""
+    res = Comparison()
+    ws = windows(ids, window)
+    if not ws:
+        raise UserError("The evaluation text is shorter than two tokens.", "Use a longer text.")
+    for i, w in enumerate(ws):
+        lr = ref(w)
+        nr = _nll(lr, w)
+        res.ref_nll += nr
+        res.tokens += len(w) - 1
+        res.windows += 1
+        row = {"window": i, "tokens": len(w) - 1, f"{labels[0]}_ppl": math.exp(nr / (len(w) - 1))}
+        if test is not None:
+            lt = test(w)
+            nt = _nll(lt, w)
+            res.test_nll += nt
+            res.top1_agree += int((lr.argmax(-1) == lt.argmax(-1)).sum())
+            res.positions += len(w)
+            d = float((lr - lt).abs().max())
+            res.max_abs_logit_diff = max(res.max_abs_logit_diff, d)
+            row.update({f"{labels[1]}_ppl": math.exp(nt / (len(w) - 1)), "max_abs_logit_diff": d})
+        res.per_window.append(row)
+        if state is not None:
+            state.partial("ppl", **row, **{f"{labels[0]}_ppl_running": res.ref_ppl},
+                          **({f"{labels[1]}_ppl_running": res.test_ppl} if test is not None else {}))
+            state.progress((i + 1) / len(ws), f"window {i + 1}/{len(ws)}")
+    return res
+
+
+def hf_logits_fn(model: object) -> LogitsFn:
+    """Logits of a transformers causal LM over a window (no cache)."""
+
+    @torch.inference_mode()
+    def fn(ids: Sequence[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([list(ids)])).logits[0].float()  # type: ignore[operator]
+
+    return fn

@@ -1,0 +1,103 @@
+"""Model-family recipes, discovered from the `npustudio.families` entry point group.
+
+A recipe says which Hugging Face `model_type`s it adapts and where their weights live; the adaptation
+itself is generic (core/adapt). Third-party packages add families by declaring the same entry point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import entry_points
+from typing import Any
+
+import torch
+
+from .errors import UserError
+
+ENTRY_POINT_GROUP = "npustudio.families"
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's tensors in Hugging Face orientation (Linear weights are (out, in))."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # per-head RMSNorm on q/k before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class FamilyRecipe:
+    """How to read one family's decoder weights. Llama naming is the default; override `layer`."""
+
+    name: str
+    display: str
+    model_types: tuple[str, ...]
+
+    def layer(self, hf_layer: Any) -> LayerWeights:
+        a, m = hf_layer.self_attn, hf_layer.mlp
+
+        def bias(lin: Any) -> torch.Tensor | None:
+            return None if lin.bias is None else lin.bias.data
+
+        qn = getattr(a, "q_norm", None)
+        kn = getattr(a, "k_norm", None)
+        return LayerWeights(
+            q=a.q_proj.weight.data, k=a.k_proj.weight.data, v=a.v_proj.weight.data, o=a.o_proj.weight.data,
+            gate=m.gate_proj.weight.data, up=m.up_proj.weight.data, down=m.down_proj.weight.data,
+            input_norm=hf_layer.input_layernorm.weight.data,
+            post_norm=hf_layer.post_attention_layernorm.weight.data,
+            q_bias=bias(a.q_proj), k_bias=bias(a.k_proj), v_bias=bias(a.v_proj),
+            q_norm=None if qn is None else qn.weight.data,
+            k_norm=None if kn is None else kn.weight.data,
+        )
+
+    def embedding(self, hf_model: Any) -> torch.Tensor:
+        return hf_model.model.embed_tokens.weight.data
+
+    def final_norm(self, hf_model: Any) -> torch.Tensor:
+        return hf_model.model.norm.weight.data
+
+    def lm_head(self, hf_model: Any) -> torch.Tensor:
+        return hf_model.lm_head.weight.data
+
+    def layers(self, hf_model: Any) -> list[Any]:
+        return list(hf_model.model.layers)
+
+
+@cache
+def registry() -> dict[str, FamilyRecipe]:
+    """model_type -> recipe, from every installed plugin."""
+    out: dict[str, FamilyRecipe] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        recipe = ep.load()
+        if not isinstance(recipe, FamilyRecipe):
+            raise TypeError(f"entry point {ep.name} ({ep.value}) is not a FamilyRecipe")
+        for mt in recipe.model_types:
+            out[mt] = recipe
+    return out
+
+
+def recipe_for(model_type: str, architecture: str = "") -> FamilyRecipe:
+    reg = registry()
+    if model_type not in reg:
+        names = ", ".join(sorted({r.display for r in reg.values()})) or "none (no plugin installed)"
+        what = f"{architecture} ({model_type})" if architecture else model_type
+        raise UserError(
+            f"The model architecture {what} is not supported yet; supported families: {names}.",
+            "Pick a model of a supported family, or install a plugin that adds this family "
+            f"(entry point group '{ENTRY_POINT_GROUP}').",
+        )
+    return reg[model_type]

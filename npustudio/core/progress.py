@@ -1,0 +1,127 @@
+"""Progress, partial results and cooperative cancel for a running stage, with no Qt in it.
+
+The GUI adapts a `State` to signals, the CLI to rich progress bars: both only subscribe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Cancelled(Exception):
+    """Raised inside a stage when the user asked it to stop."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    fraction: float
+    message: str
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A partial result, e.g. kind="ppl" with {"label": "fp", "window": 2, "ppl": 14.1}."""
+
+    kind: str
+    data: dict[str, Any]
+
+
+Listener = Callable[[Progress | Partial], None]
+
+
+@dataclass
+class State:
+    """Carries a stage's progress out and the user's cancel request in.
+
+    Stages call `check()` at safe points; `progress()` rate-limits nothing itself: listeners decide
+    how often to redraw. Fractions can be nested with `sub(lo, hi)` so a step reports 0..1 locally.
+    """
+
+    listeners: list[Listener] = field(default_factory=list)
+    _cancel: threading.Event = field(default_factory=threading.Event)
+    fraction: float = 0.0
+    message: str = ""
+    partials: list[Partial] = field(default_factory=list)
+
+    def subscribe(self, fn: Listener) -> None:
+        self.listeners.append(fn)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def check(self) -> None:
+        if self._cancel.is_set():
+            raise Cancelled("stopped by the user")
+
+    def progress(self, fraction: float, message: str | None = None) -> None:
+        self.fraction = min(1.0, max(0.0, fraction))
+        if message is not None:
+            self.message = message
+        self._emit(Progress(self.fraction, self.message))
+        self.check()
+
+    def partial(self, kind: str, **data: Any) -> None:
+        p = Partial(kind, data)
+        self.partials.append(p)
+        self._emit(p)
+
+    def sub(self, lo: float, hi: float) -> SubState:
+        return SubState(self, lo, hi)
+
+    def _emit(self, event: Progress | Partial) -> None:
+        for fn in list(self.listeners):
+            fn(event)
+
+
+@dataclass
+class SubState:
+    """A view of a State that maps its own 0..1 onto [lo, hi] of the parent."""
+
+    parent: State | SubState
+    lo: float
+    hi: float
+
+    @property
+    def cancelled(self) -> bool:
+        return self.parent.cancelled
+
+    def check(self) -> None:
+        self.parent.check()
+
+    def progress(self, fraction: float, message: str | None = None) -> None:
+        f = min(1.0, max(0.0, fraction))
+        self.parent.progress(self.lo + (self.hi - self.lo) * f, message)
+
+    def partial(self, kind: str, **data: Any) -> None:
+        self.parent.partial(kind, **data)
+
+    def sub(self, lo: float, hi: float) -> SubState:
+        return SubState(self, lo, hi)
+
+
+StateLike = State | SubState
+
+
+class Timer:
+    """Wall time and peak RSS of a block, for stage records and benchmarks."""
+
+    def __enter__(self) -> Timer:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.t0
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

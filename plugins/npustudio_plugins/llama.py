@@ -1,0 +1,5 @@
+"""Llama family: Llama 2/3/3.x, SmolLM/SmolLM2, TinyLlama and other LlamaForCausalLM checkpoints."""
+
+from npustudio.core.families import FamilyRecipe
+
+RECIPE = FamilyRecipe(name="llama", display="Llama", model_types=("llama",))
