@@ -317,15 +317,19 @@ def load(source: ModelSource, dtype: Any = None) -> LoadedModel:
     """Load weights (fp32 by default). GGUF weights are dequantized by transformers' GGUF loader."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own progress goes through the State
     config, tok = load_config_and_tokenizer(source)
     card = make_card(config, tok, source)
     dtype = dtype or torch.float32
     if source.gguf_file:
         try:
             model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype)
-        except Exception as e:
-            raise _gguf_error(Path(source.path) / source.gguf_file, e) from e
+        except Exception as e:  # the file itself passed _check_gguf: this is the loader or the environment
+            raise UserError(f"Loading the weights of {source.gguf_file} failed ({e.__class__.__name__}: "
+                            f"{str(e)[:200]}).", "Repair NPU Studio's environment with "
+                            "`bash packaging/bootstrap.sh`; if it persists, download the file again.") from e
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, use_safetensors=True)

@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random models saved as real HF folders (with a real tokenizer), a clean state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests never touch the developer's config, data, keyring or HF cache."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+    monkeypatch.setenv("HF_HOME", str(home / "hf"))
+    monkeypatch.setenv("PYTHON_KEYRING_BACKEND", "keyring.backends.null.Keyring")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+def make_tokenizer(folder: Path, vocab: int = 384) -> None:
+    """A small byte-level BPE tokenizer trained on the stdlib corpus, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from npustudio.core.evaluate import load_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([load_corpus("default", "calib")], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(str(folder))
+
+
+TINY = {
+    "llama": dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=1024, bos_token_id=1,
+                  eos_token_id=2),
+    "qwen2": dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, tie_word_embeddings=False, max_position_embeddings=1024,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, bos_token_id=1,
+                  eos_token_id=2),
+    "qwen3": dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, max_position_embeddings=1024,
+                  bos_token_id=1, eos_token_id=2),
+}
+
+
+def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0) -> Path:
+    import transformers
+
+    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+    cfg = getattr(transformers, cls[0])(**TINY[family])
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls[1])(cfg).eval()
+    with torch.no_grad():  # random init is tiny; spread logits so top-1 is not a coin toss
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    make_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {f: make_tiny_model(root / f"tiny-{f}", f) for f in TINY}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]
