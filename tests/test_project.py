@@ -131,7 +131,7 @@ def test_kill_between_the_swap_renames_is_recovered(tmp_path: Path) -> None:
 def test_damaged_manifest_and_foreign_folders_give_clear_errors(tmp_path: Path) -> None:
     p = Project.open(tmp_path / "proj")
     (p.root / MANIFEST).write_text("{not json")
-    with pytest.raises(UserError, match="manifest .* is damaged"):
+    with pytest.raises(UserError, match=r"manifest .* is damaged"):
         Project.open(p.root)
     other = tmp_path / "photos"
     other.mkdir()

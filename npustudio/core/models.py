@@ -123,8 +123,10 @@ def download(source: ModelSource, token: str | None = None, cache_dir: Path | No
     token = token or get_hf_token()
     repo = source.repo_id or source.spec
     try:
+        # HF_ENDPOINT is read per call (huggingface_hub reads it once, at import)
         path = snapshot_download(repo, revision=source.revision, token=token or False,
-                                 allow_patterns=HUB_PATTERNS, cache_dir=cache_dir)
+                                 allow_patterns=HUB_PATTERNS, cache_dir=cache_dir,
+                                 endpoint=os.environ.get("HF_ENDPOINT") or None)
     except GatedRepoError as e:
         if token:
             raise UserError(f"{repo} is a gated model and your Hugging Face account has no access to it.",

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from ..families import FamilyRecipe
-from .ops import Add, Concat, Conv1x1, MatMul, Mul, Rope, RMSNorm
+from .ops import Add, Concat, Conv1x1, MatMul, Mul, RMSNorm, Rope
 
 MASK_VALUE = -100.0  # additive mask for excluded positions; Genie ran with it (recipes/genie_x86)
 

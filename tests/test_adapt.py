@@ -1,0 +1,169 @@
+"""NPU adaptation: the static Genie graphs reproduce the original model, with Genie's exact I/O."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from npustudio.core import models, pipeline
+from npustudio.core.adapt import AdaptOptions, KVCacheRunner, TorchGraph, store
+from npustudio.core.adapt.decoder import io_names
+from npustudio.core.adapt.ops import Conv1x1, MatMul, RMSNorm, Rope
+from npustudio.core.errors import UserError
+from npustudio.core.progress import Cancelled, State
+from npustudio.core.project import Project
+
+FAST = AdaptOptions(ar=32, cl=128, eval_chars=2500, window=128, decode_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Project]:
+    out = {}
+    for fam, folder in tiny_models.items():
+        p = Project.open(tmp_path_factory.mktemp(f"proj-{fam}"))
+        pipeline.adapt(p, str(folder), FAST, State())
+        out[fam] = p
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_adapted_graphs_reproduce_the_original_logits(adapted: dict[str, Project], family: str) -> None:
+    res = adapted[family].record("adapt").result
+    eq = res["equivalence"]
+    assert eq["top1_agreement"] >= 0.999
+    assert eq["max_abs_logit_diff"] <= 1e-3
+    assert eq["decode_steps"] > 0 and eq["positions"] > 3 * FAST.ar  # both graphs were exercised
+    assert res["ppl_adapted"] == pytest.approx(res["ppl_fp"], rel=1e-5)
+
+
+def test_graph_io_is_exactly_what_genie_binds(adapted: dict[str, Project]) -> None:
+    p = adapted["llama"]
+    graphs = json.loads((p.stage_dir("adapt") / "graphs.json").read_text())
+    assert [g["name"] for g in graphs] == ["prompt_ar32_cl128_1_of_1", "token_ar1_cl128_1_of_1"]
+    kv, hd = 2, 16
+    for g, n in zip(graphs, (32, 1), strict=True):
+        ins = {t["name"]: (t["shape"], t["dtype"]) for t in g["inputs"]}
+        outs = {t["name"]: t["shape"] for t in g["outputs"]}
+        assert list(ins)[:4] == ["input_ids", "attention_mask", "position_ids_cos", "position_ids_sin"]
+        assert ins["input_ids"] == ([1, n], "int32")
+        assert ins["attention_mask"][0] == [1, 1, n, 128]
+        assert ins["position_ids_cos"][0] == ins["position_ids_sin"][0] == [1, 1, n, hd // 2]
+        for layer in range(2):
+            assert ins[f"past_key_{layer}_in"][0] == [kv, 1, hd, 128 - n]
+            assert ins[f"past_value_{layer}_in"][0] == [kv, 1, 128 - n, hd]
+            assert outs[f"past_key_{layer}_out"] == [kv, 1, hd, n]
+            assert outs[f"past_value_{layer}_out"] == [kv, 1, n, hd]
+        assert outs["logits"] == [1, n, 384]
+        assert list(outs) == io_names(2)[1]
+
+
+def test_the_graph_really_has_those_shapes(adapted: dict[str, Project]) -> None:
+    model, inv = store.load(adapted["qwen3"].stage_dir("adapt"))
+    runner = KVCacheRunner(model.spec, 128, {32: TorchGraph(model)}, inv)
+    out = TorchGraph(model)(runner.feeds([5, 6, 7], 32))
+    assert out["logits"].shape == (1, 32, 384)
+    assert out["past_key_1_out"].shape == (2, 1, 32, 32) and out["past_value_1_out"].shape == (2, 1, 32, 32)
+
+
+def test_adapted_form_is_convs_and_visible_ops(adapted: dict[str, Project]) -> None:
+    model, _ = store.load(adapted["llama"].stage_dir("adapt"))
+    kinds = [type(m) for m in model.modules()]
+    assert nn.Linear not in kinds
+    per_layer = 4 + 2 + 2 + 1 + 3  # single-head q (4 heads), k and v (2 KV heads), o, gate/up/down
+    assert kinds.count(Conv1x1) == 2 * per_layer + 1  # + LM head
+    assert kinds.count(MatMul) == 2 * 2 and kinds.count(nn.Softmax) == 2 and kinds.count(Rope) == 2 * 2
+    assert kinds.count(RMSNorm) == 2 * 2 + 1
+
+
+def test_saved_model_reloads_with_identical_logits_and_tied_weights_stored_once(
+        adapted: dict[str, Project], tiny_llama: Path) -> None:
+    folder = adapted["llama"].stage_dir("adapt")
+    with safe_open(str(folder / store.WEIGHTS), "pt") as f:
+        names = set(f.keys())
+    assert "embed.weight" in names and "lm_head.weight" not in names
+    model, inv = store.load(folder)
+    assert model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()
+    lm = models.load(models.resolve_source(str(tiny_llama)))
+    ids = list(range(3, 60))
+    with torch.no_grad():
+        ref = lm.model(input_ids=torch.tensor([ids])).logits[0]
+    r = KVCacheRunner(model.spec, 128, {32: TorchGraph(model), 1: TorchGraph(model)}, inv)
+    assert (r.logits(ids, decode_tokens=10) - ref).abs().max() < 1e-4
+    for f in ("tokenizer.json", "graphs.json", "card.json", "equivalence.json"):
+        assert (folder / f).is_file()
+
+
+def test_greedy_generation_matches_transformers(adapted: dict[str, Project], tiny_models: dict[str, Path]) -> None:
+    lm = models.load(models.resolve_source(str(tiny_models["qwen2"])))
+    model, inv = store.load(adapted["qwen2"].stage_dir("adapt"))
+    prompt = lm.tokenizer("def f(x):\n    return")["input_ids"]
+    want = lm.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    r = KVCacheRunner(model.spec, 128, {32: TorchGraph(model), 1: TorchGraph(model)}, inv)
+    assert r.generate(prompt, 12) == want
+
+
+def test_second_run_is_skipped(adapted: dict[str, Project], tiny_models: dict[str, Path]) -> None:
+    p = adapted["llama"]
+    before = p.record("adapt")
+    rec = pipeline.adapt(p, str(tiny_models["llama"]), FAST, State())
+    assert rec.started == before.started  # not rerun
+
+
+def test_rmsnorm_stays_finite_and_exact_in_fp16() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1, 576, 1, 8)
+    x[0, 5, 0, :] = 23000.0  # the residual-stream outlier that overflows x² in fp16
+    small = torch.randn(1, 576, 1, 8) * 1e-3  # ordinary tokens that underflow a constant pre-scale
+    w = torch.rand(576) + 0.5
+    norm = RMSNorm(w, 1e-5, dim=1)
+    for inp in (x, small):
+        ref = inp * torch.rsqrt(inp.pow(2).mean(1, keepdim=True) + 1e-5) * w.reshape(1, -1, 1, 1)
+        got = norm.half()(inp.half()).float()
+        assert torch.isfinite(got).all()
+        assert ((got - ref).abs() / (ref.abs() + 1e-2)).max() < 1e-2
+        norm.float()
+    naive = x.half() * torch.rsqrt(x.half().pow(2).mean(1, keepdim=True) + 1e-5)
+    assert not torch.isfinite(naive).all() or naive.abs().max() == 0  # what the rescaling avoids
+
+
+@pytest.mark.parametrize(("opts", "message"), [
+    (AdaptOptions(ar=128, cl=128), "need 1 ≤ AR < CL"),
+    (AdaptOptions(ar=32, cl=4096), "exceeds what the model was trained for"),
+])
+def test_bad_options_are_refused_before_any_work(tiny_llama: Path, tmp_path: Path, opts: AdaptOptions,
+                                                 message: str) -> None:
+    p = Project.open(tmp_path / "p")
+    with pytest.raises(UserError, match=message):
+        pipeline.adapt(p, str(tiny_llama), opts, State())
+    assert p.record("adapt") is None and not p.stage_dir("adapt").exists()
+
+
+def test_cancel_stops_the_stage_and_keeps_no_partial_output(tiny_llama: Path, tmp_path: Path) -> None:
+    p = Project.open(tmp_path / "p")
+    st = State()
+    st.subscribe(lambda ev: st.cancel() if getattr(ev, "kind", "") == "ppl" else None)
+    with pytest.raises(Cancelled):
+        pipeline.adapt(p, str(tiny_llama), FAST, st)
+    assert p.record("adapt") is None and p.load().attempts["adapt"].status == "cancelled"
+    assert not p.stage_dir("adapt").exists()
+    assert pipeline.adapt(p, str(tiny_llama), FAST, State()).status == "done"  # reruns cleanly
+
+
+def test_adapt_cli_json(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from npustudio.cli import main
+
+    rc = main(["adapt", str(tiny_llama), "--project", str(tmp_path / "p"), "--ar", "32", "--cl", "128",
+               "--decode-tokens", "8", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["top1_agreement"] >= 0.999 and data["max_abs_logit_diff"] <= 1e-3
+    assert [g["name"] for g in data["graphs"]] == ["prompt_ar32_cl128_1_of_1", "token_ar1_cl128_1_of_1"]
+    rc = main(["adapt", str(tmp_path / "nowhere"), "--project", str(tmp_path / "p2")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "No model at" in err and "fix:" in err

@@ -1,0 +1,46 @@
+"""Project-wide rules: the core is Qt-free, the code is ruff-clean, the README keeps its two commands."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QT = ("PySide6", "pyqtgraph", "superqt", "qtpy", "PyQt5", "PyQt6")
+
+
+def test_core_sources_import_no_qt() -> None:
+    bad = []
+    for f in (ROOT / "npustudio" / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{f.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in QT]
+    assert bad == []
+
+
+def test_importing_every_core_module_loads_no_qt() -> None:
+    mods = sorted({".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                   for f in (ROOT / "npustudio" / "core").rglob("*.py")})
+    code = ("import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in mods)
+            + f"bad = [m for m in sys.modules if m.split('.')[0] in {QT!r}]\nprint(bad)\nassert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ruff_is_clean() -> None:
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "."], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout
+
+
+def test_readme_has_exactly_two_newcomer_commands_and_ci_runs_the_test_one() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- commands -->\s*```(?:bash|sh)?\n(.*?)```", readme, re.S)
+    assert block, "README must hold the commands block"
+    cmds = [c for c in block.group(1).strip().splitlines() if c.strip() and not c.startswith("#")]
+    assert len(cmds) == 2
+    assert "npustudio run" in cmds[0] and "pytest" in cmds[1]
+    assert cmds[1].strip() in (ROOT / ".ci" / "run").read_text()

