@@ -102,6 +102,8 @@ def test_missing_path_is_not_mistaken_for_a_hub_id(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="No model at"):
         models.resolve_source("./my-model")
     assert models.resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct").kind == "hub"
+    pinned = models.resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct@v1.0")
+    assert (pinned.repo_id, pinned.revision) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "v1.0")
 
 
 def test_corrupt_gguf_is_reported(tmp_path: Path) -> None:

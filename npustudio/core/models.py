@@ -75,11 +75,9 @@ def resolve_source(spec: str) -> ModelSource:
         check_hf_dir(p)
         return ModelSource(kind="hf_dir", spec=spec, path=str(p.resolve()))
     looks_like_path = spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or os.sep + os.sep in spec
-    if HUB_ID.match(spec) and not looks_like_path:
-        rev = None
-        if "@" in spec:
-            spec, rev = spec.split("@", 1)
-        return ModelSource(kind="hub", spec=spec, repo_id=spec, revision=rev)
+    repo, _, rev = spec.partition("@")  # org/name@revision
+    if HUB_ID.match(repo) and not looks_like_path:
+        return ModelSource(kind="hub", spec=spec, repo_id=repo, revision=rev or None)
     raise UserError(f"No model at '{spec}': it is neither a file, a folder, a hub id (org/name) nor `default`.",
                     "Check the path for typos, or use `default` for the embedded SmolLM2-135M-Instruct.")
 
