@@ -75,6 +75,10 @@ class ModelPage(QWidget):
         self.fit.setHorizontalHeaderLabels(["Precision", "Weights", "KV cache", "Parts", "Phone RAM"])
         self.fit.horizontalHeader().setStretchLastSection(True)
         lay.addWidget(self.fit, 1)
+        for table in (self.card, self.fit):
+            table.verticalHeader().setVisible(False)
+            table.verticalHeader().setDefaultSectionSize(22)
+            table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
         self.read.clicked.connect(self.start)
 
     def start(self) -> None:
