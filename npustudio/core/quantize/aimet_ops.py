@@ -18,22 +18,16 @@ from ..adapt.decoder import Neg
 # pylint: disable=abstract-method
 
 
-@QuantizationMixin.implements(ops.MatMul)
-class QuantizedMatMul(_DispatchMixin, QuantizationMixin, ops.MatMul):
-    __quant_init__ = QuantizationMixin.__binary__
-    _builtin_torch_fn = torch.matmul
+def _binary(module_cls: type[torch.nn.Module], fn: object) -> type:
+    """Quantized twin of a two-input elementwise/matmul op: quantizers on both inputs and the output."""
+    qcls = type(f"Quantized{module_cls.__name__}", (_DispatchMixin, QuantizationMixin, module_cls),
+                {"__quant_init__": QuantizationMixin.__binary__, "_builtin_torch_fn": fn, "__module__": __name__})
+    return QuantizationMixin.implements(module_cls)(qcls)
 
 
-@QuantizationMixin.implements(ops.Add)
-class QuantizedAdd(_DispatchMixin, QuantizationMixin, ops.Add):
-    __quant_init__ = QuantizationMixin.__binary__
-    _builtin_torch_fn = torch.add
-
-
-@QuantizationMixin.implements(ops.Mul)
-class QuantizedMul(_DispatchMixin, QuantizationMixin, ops.Mul):
-    __quant_init__ = QuantizationMixin.__binary__
-    _builtin_torch_fn = torch.mul
+QuantizedMatMul = _binary(ops.MatMul, torch.matmul)
+QuantizedAdd = _binary(ops.Add, torch.add)
+QuantizedMul = _binary(ops.Mul, torch.mul)
 
 
 @QuantizationMixin.implements(ops.Concat)
