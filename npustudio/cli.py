@@ -48,13 +48,12 @@ def live_state(quiet: bool = False) -> Iterator[State]:
 
 
 def _card_table(card: dict[str, Any], fits: list[dict[str, Any]]) -> None:
-    from .core.models import human_bytes
+    from .core.models import format_value, human_bytes
 
     t = Table(title=f"{card['source']}  —  {card['family']} ({card['architecture']})", show_header=False)
     for k in ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "params", "rope_theta",
               "rope_scaling", "tied_embeddings", "max_position", "bos_id", "eos_ids"):
-        v = card[k]
-        t.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
+        t.add_row(k, format_value(card[k]))
     t.add_row("chat template", "yes" if card.get("chat_template") else "no")
     out.print(t)
     f = Table(title=f"Fit at context {fits[0]['context_length']}")

@@ -408,6 +408,11 @@ def fit_table(card: ArchCard, context_length: int) -> list[FitEstimate]:
     return [fit_estimate(card, p, context_length) for p in PRECISIONS]
 
 
+def format_value(v: Any) -> str:
+    """A card value as people read it: counts with thousands separators, everything else as is."""
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -417,4 +422,4 @@ def human_bytes(n: float) -> str:
 
 
 __all__ = ["ArchCard", "FitEstimate", "LoadedModel", "ModelSource", "download", "fingerprint", "fit_estimate",
-           "fit_table", "human_bytes", "load", "make_card", "read_card", "resolve_source"]
+           "fit_table", "format_value", "human_bytes", "load", "make_card", "read_card", "resolve_source"]

@@ -90,7 +90,7 @@ class ModelPage(QWidget):
         QThreadPool.globalInstance().start(job)
 
     def show_card(self, result: tuple[Any, list[Any]]) -> None:
-        from ..core.models import human_bytes
+        from ..core.models import format_value, human_bytes
 
         card, fits = result
         rows = [(k, v) for k, v in card.model_dump().items() if k != "chat_template"]
@@ -98,8 +98,7 @@ class ModelPage(QWidget):
         self.card.setRowCount(len(rows))
         for i, (k, v) in enumerate(rows):
             self.card.setItem(i, 0, QTableWidgetItem(k))
-            self.card.setItem(i, 1, QTableWidgetItem(f"{v:,}" if isinstance(v, int) and not isinstance(v, bool)
-                                                     else str(v)))
+            self.card.setItem(i, 1, QTableWidgetItem(format_value(v)))
         self.fit.setRowCount(len(fits))
         for i, f in enumerate(fits):
             tier = f"≥ {f.min_phone_ram_gb} GB phones" if f.min_phone_ram_gb else "too large for listed phones"
