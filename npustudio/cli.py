@@ -7,7 +7,7 @@ import getpass
 import json
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,16 @@ def live_state(quiet: bool = False) -> Iterator[State]:
 
         state.subscribe(on)
         yield state
+
+
+@contextmanager
+def _stdout_is_for(json_only: bool) -> Iterator[None]:
+    """With --json, stdout carries only the JSON: anything a library prints goes to stderr."""
+    if not json_only:
+        yield
+        return
+    with redirect_stdout(sys.stderr):
+        yield
 
 
 def _card_table(card: dict[str, Any], fits: list[dict[str, Any]]) -> None:
@@ -86,23 +96,15 @@ def _adapt_options(a: argparse.Namespace) -> Any:
     return AdaptOptions(ar=a.ar, cl=a.cl, eval_corpus=a.eval_corpus, decode_tokens=a.decode_tokens)
 
 
-def _summary(rec_result: dict[str, Any]) -> dict[str, Any]:
-    eq = rec_result["equivalence"]
-    return {"top1_agreement": eq["top1_agreement"], "max_abs_logit_diff": eq["max_abs_logit_diff"],
-            "positions": eq["positions"], "decode_steps": eq["decode_steps"], "ppl_fp": rec_result["ppl_fp"],
-            "ppl_adapted": rec_result["ppl_adapted"], "eval_tokens": rec_result["eval_tokens"]}
-
-
 def cmd_adapt(a: argparse.Namespace) -> int:
     from .core import pipeline
     from .core.project import Project
 
     project = Project.open(a.project)
-    with live_state(quiet=a.json) as st:
+    with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
         rec = pipeline.adapt(project, a.model, _adapt_options(a), st)
     res = rec.result
-    summary = _summary(res) | {"project": str(project.root), "seconds": round(rec.seconds, 1),
-                               "graphs": res["graphs"]}
+    summary = pipeline.adapt_summary(res) | {"project": str(project.root), "seconds": round(rec.seconds, 1)}
     if a.json:
         _print_json(summary)
     else:
@@ -118,24 +120,96 @@ def cmd_adapt(a: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize_options(a: argparse.Namespace) -> Any:
+    from .core.quantize import QuantizeOptions
+    from .core.quantize.presets import load_overrides
+
+    return QuantizeOptions(precision=a.precision, target=a.target, seq_mse=a.seq_mse, calib_corpus=a.calib_corpus,
+                           calib_samples=a.calib_samples, calib_len=a.calib_len,
+                           overrides=load_overrides(a.overrides), eval_chars=a.eval_chars,
+                           eval_corpus=getattr(a, "eval_corpus", "default"))
+
+
+def _print_quantize(q: dict[str, Any]) -> None:
+    from .core.models import human_bytes
+
+    out.print(f"Quantized {q['precision']} for {q['target']}{' with SeqMSE' if q['seq_mse'] else ''}: "
+              f"PPL {q['ppl_quant']:.3f} vs FP {q['ppl_fp']:.3f} (ratio {q['ratio']:.4f}), "
+              f"top-1 agreement {q['top1_agreement']:.3f} over {q['eval_tokens']} tokens")
+    t = Table(title=f"Exported to {q['folder']}")
+    t.add_column("file")
+    t.add_column("size", justify="right")
+    for f in q["files"]:
+        t.add_row(f["file"], human_bytes(f["bytes"]))
+    out.print(t)
+    out.print("  " + ", ".join(f"{k} {v:.1f} s" for k, v in q["steps"].items()))
+
+
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from .core import pipeline
+    from .core.project import Project
+
+    project = Project.open(a.project, create=False)
+    opts = _quantize_options(a)
+    with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
+        rec = pipeline.quantize(project, opts, st)
+    q = pipeline.quantize_summary(rec.result, project.stage_dir("quantize"))
+    q |= {"seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)}
+    if a.json:
+        _print_json(q)
+    else:
+        _print_quantize(q)
+    return 0
+
+
+def cmd_encodings(a: argparse.Namespace) -> int:
+    from .core.quantize import encodings
+
+    table = encodings.read(a.file)
+    if a.json:
+        _print_json(table.model_dump())
+        return 0
+    rows = [r for r in table.rows if not a.flagged or r.flags]
+    t = Table(title=f"{Path(a.file).name}  (schema {table.version}, {len(table.rows)} tensors)")
+    t.add_column("tensor", overflow="fold", min_width=16)
+    for col in ("layer", "role", "kind", "bits", "sym", "granularity", "scale min/med/max", "range", "flags"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        gran = r.granularity + (f" {r.block_size}" if r.block_size else "")
+        t.add_row(r.name, "" if r.layer is None else str(r.layer), r.role, r.kind, str(r.bitwidth),
+                  "y" if r.symmetric else "n", gran, f"{r.scale_min:.2e} / {r.scale_median:.2e} / {r.scale_max:.2e}",
+                  f"[{r.range_min:.4g}, {r.range_max:.4g}]", "; ".join(r.flags))
+    out.print(t)
+    s = Table(title="Per layer")
+    for col in ("layer", "tensors", "weight bits", "activation bits", "max scale spread", "flagged"):
+        s.add_column(col)
+    for layer in table.layers:
+        s.add_row("—" if layer.layer is None else str(layer.layer), str(layer.tensors),
+                  ",".join(map(str, layer.weight_bits)), ",".join(map(str, layer.activation_bits)),
+                  f"{layer.max_scale_spread:.1f}", str(layer.flagged))
+    out.print(s)
+    return 0
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from .core import pipeline
 
     project_dir = Path(a.project) if a.project else pipeline.default_project_dir()
-    with live_state(quiet=a.json) as st:
-        summary = pipeline.run_all(project_dir, a.model, _adapt_options(a), st)
+    with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
+        summary = pipeline.run_all(project_dir, a.model, _adapt_options(a), st, _quantize_options(a))
     if a.json:
         _print_json(summary)
         return 0
-    eq = summary["equivalence"]
+    ad = summary["adapt"]
     out.print(f"[bold]NPU Studio[/] — {summary['model']} → project {summary['project']}")
     for name, s in summary["stages"].items():
-        out.print(f"  stage {name:<6} {s['seconds']:>7.1f} s  peak RSS {s['peak_rss_mb']} MB")
-    out.print(f"  graphs: {', '.join(summary['graphs'])}")
-    out.print(f"  equivalence: top-1 {eq['top1_agreement']:.4f}, max |Δlogit| {eq['max_abs_logit_diff']:.2e} "
-              f"({eq['positions']} positions)")
-    out.print(f"  FP perplexity: {summary['ppl_fp']:.3f} (adapted graphs: {summary['ppl_adapted']:.3f}) "
-              f"over {summary['eval_tokens']} tokens")
+        out.print(f"  stage {name:<8} {s['seconds']:>7.1f} s  peak RSS {s['peak_rss_mb']} MB")
+    out.print(f"  graphs: {', '.join(ad['graphs'])}")
+    out.print(f"  equivalence: top-1 {ad['top1_agreement']:.4f}, max |Δlogit| {ad['max_abs_logit_diff']:.2e} "
+              f"({ad['positions']} positions)")
+    out.print(f"  FP perplexity: {ad['ppl_fp']:.3f} (adapted graphs: {ad['ppl_adapted']:.3f}) "
+              f"over {ad['eval_tokens']} tokens")
+    _print_quantize(summary["quantize"])
     return 0
 
 
@@ -193,10 +267,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--project", required=True, help="project folder (created if new)")
     adapt_args(s)
 
+    def quantize_args(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--precision", default="w8a16", choices=["w8a16", "w4a16"])
+        s.add_argument("--target", default="SM8750", help="target SoC (SM8550, SM8650, SM8750, SM8850, SC8380XP)")
+        s.add_argument("--seq-mse", action="store_true", help="search int4 weight encodings with SeqMSE (slow)")
+        s.add_argument("--calib-corpus", default="default", help="default | text file | datasets:ID")
+        s.add_argument("--calib-samples", type=int, default=4, help="calibration sequences")
+        s.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sequence")
+        s.add_argument("--overrides", default=None, help="JSON file of per-module bitwidths (mixed precision)")
+        s.add_argument("--eval-chars", type=int, default=None, help="evaluate on the first N characters only")
+
+    s = add("quantize", cmd_quantize, "calibrate and quantize the adapted graphs with AIMET, then export them")
+    s.add_argument("--project", required=True, help="project folder with an adapted model")
+    quantize_args(s)
+    s.add_argument("--json", action="store_true")
+
+    s = add("encodings", cmd_encodings, "per-tensor table of an AIMET .encodings file")
+    s.add_argument("file")
+    s.add_argument("--flagged", action="store_true", help="only tensors with a flag")
+    s.add_argument("--json", action="store_true")
+
     s = add("run", cmd_run, "the whole job on the embedded defaults")
     s.add_argument("--model", default="default")
     s.add_argument("--project", default=None, help="project folder (default: the per-user default project)")
     adapt_args(s)
+    quantize_args(s)
 
     s = add("token", cmd_token, "store, check or delete the Hugging Face token (system keyring only)")
     s.add_argument("action", choices=["set", "delete", "status"])

@@ -12,6 +12,8 @@ import platformdirs
 
 from . import adapt as adapt_stage
 from . import models
+from . import quantize as quantize_stage
+from .errors import UserError
 from .fsutil import atomic_write_json
 from .progress import State, StateLike
 from .project import Project, StageRecord
@@ -55,23 +57,51 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
     return rec
 
 
+def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike) -> StageRecord:
+    """Quantize the project's adapted graphs (the adapt stage must have finished)."""
+    arec = project.record("adapt")
+    if arec is None or arec.status != "done" or project.verify("adapt"):
+        raise UserError(f"The project {project.root} has no intact adapted model yet.",
+                        f"Run `npustudio adapt --project {project.root}` first (or `npustudio run`).")
+
+    def fn(out: Path) -> dict[str, Any]:
+        return quantize_stage.run(project.stage_dir("adapt"), options, out, state).model_dump()
+
+    rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key}, options=options.model_dump(), fn=fn)
+    return rec
+
+
 def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,
-            state: StateLike | None = None) -> dict[str, Any]:
-    """The main job on the embedded defaults: intake -> adapt (+ equivalence, FP perplexity)."""
+            state: StateLike | None = None, qoptions: quantize_stage.QuantizeOptions | None = None
+            ) -> dict[str, Any]:
+    """The main job on the embedded defaults: intake -> adapt (+ equivalence) -> quantize + export."""
     options = options or adapt_stage.AdaptOptions()
+    qoptions = qoptions or quantize_stage.QuantizeOptions()
     state = state or State()
     project = Project.open(project_dir)
-    rec = adapt(project, model, options, state)
+    rec = adapt(project, model, options, state.sub(0.0, 0.4))
+    qrec = quantize(project, qoptions, state.sub(0.4, 1.0))
     m = project.load()
-    r = rec.result
     return {
         "project": str(project.root),
         "model": m.stages["model"].result["card"]["source"],
-        "ppl_fp": r["ppl_fp"],
-        "ppl_adapted": r["ppl_adapted"],
-        "eval_tokens": r["eval_tokens"],
-        "equivalence": r["equivalence"],
-        "graphs": [g["name"] for g in r["graphs"]],
+        "adapt": adapt_summary(rec.result),
+        "quantize": quantize_summary(qrec.result, project.stage_dir("quantize")),
         "stages": {n: {"seconds": round(s.seconds, 2), "peak_rss_mb": round(s.peak_rss_mb)}
                    for n, s in m.stages.items()},
     }
+
+
+def adapt_summary(r: dict[str, Any]) -> dict[str, Any]:
+    """What the CLI and GUI show of an adapt result (one shape for both)."""
+    eq = r["equivalence"]
+    return {"top1_agreement": eq["top1_agreement"], "max_abs_logit_diff": eq["max_abs_logit_diff"],
+            "positions": eq["positions"], "prefill_ar": eq["prefill_ar"], "decode_steps": eq["decode_steps"],
+            "ppl_fp": r["ppl_fp"], "ppl_adapted": r["ppl_adapted"], "eval_tokens": r["eval_tokens"],
+            "graphs": [g["name"] for g in r["graphs"]]}
+
+
+def quantize_summary(r: dict[str, Any], folder: Path) -> dict[str, Any]:
+    return {"precision": r["precision"], "target": r["target"], "seq_mse": r["seq_mse"], "ppl_fp": r["ppl_fp"],
+            "ppl_quant": r["ppl_quant"], "ratio": r["ratio"], "top1_agreement": r["top1_agreement"],
+            "eval_tokens": r["eval_tokens"], "folder": str(folder), "files": r["files"], "steps": r["steps"]}

@@ -1,1 +1,223 @@
-"""Quantize stage (AIMET quantsim on the adapted graphs). So far: the quantized op definitions."""
+"""Quantize stage: calibrate the adapted graphs with aimet-torch, measure perplexity live, export for the compilers.
+
+Entry point: `run(adapt_dir, options, out_dir, state) -> QuantizeResult`. Steps: FP reference over the
+eval text (points labelled "fp"), quantsim built for the preset and target arch, optional SeqMSE,
+weights folded, activation encodings calibrated through the same host KV-cache runner Genie's loop
+mirrors (AR-N prefill + AR-1 steps), quantized evaluation (points labelled "quant"), then export.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from ..adapt import KVCacheRunner, TorchGraph, store
+from ..adapt.decoder import graph_names, io_names
+from ..errors import UserError
+from ..evaluate import DEFAULT_WINDOW, compare, load_corpus
+from ..fsutil import atomic_write_json
+from ..progress import StateLike, peak_rss_mb
+from ..targets import DEFAULT_SOC, soc
+from . import export, simulate
+from .presets import Overrides, preset
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+class QuantizeOptions(BaseModel):
+    precision: str = "w8a16"
+    target: str = DEFAULT_SOC
+    seq_mse: bool = False
+    seq_mse_candidates: int = Field(20, description="grid points per weight in the SeqMSE search")
+    calib_corpus: str = "default"
+    calib_samples: int = Field(4, description="calibration sequences")
+    calib_len: int = Field(256, description="tokens per calibration sequence")
+    calib_decode: int = Field(8, description="AR-1 steps at the end of each calibration sequence")
+    overrides: Overrides = Field(default_factory=Overrides, description="per-module bitwidths (mixed precision)")
+    eval_corpus: str = "default"
+    eval_chars: int | None = None
+    window: int = DEFAULT_WINDOW
+    decode_tokens: int = Field(16, description="AR-1 steps at the end of each eval window")
+    export: bool = True
+
+
+class QuantizeResult(BaseModel):
+    precision: str
+    target: str
+    dsp_arch: str
+    seq_mse: bool
+    ppl_fp: float
+    ppl_quant: float
+    ratio: float
+    top1_agreement: float
+    max_abs_logit_diff: float
+    eval_tokens: int
+    calib_tokens: int
+    per_window: list[dict[str, float]]
+    graphs: list[str]
+    files: list[dict[str, Any]]
+    steps: dict[str, float]  # seconds per step
+    peak_rss_mb: float
+
+
+def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLike) -> QuantizeResult:
+    pre, target = preset(options.precision), soc(options.target)
+    steps: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        steps[name] = round(now - clock, 2)
+        clock = now
+
+    state.progress(0.0, "loading the adapted model")
+    model, inv_freq = store.load(adapt_dir)
+    graphs = _adapt_graphs(adapt_dir)
+    ar, cl = graphs["ar"], graphs["cl"]
+    tok = _tokenizer(adapt_dir)
+    spec = model.spec
+    eval_ids = tok(load_corpus(options.eval_corpus, "eval", options.eval_chars))["input_ids"]
+    calib = _calibration(tok(load_corpus(options.calib_corpus, "calib"))["input_ids"], options, cl)
+    window = min(options.window, cl)
+    lap("load")
+
+    def runner(m: torch.nn.Module) -> KVCacheRunner:
+        return KVCacheRunner(spec, cl, {ar: TorchGraph(m), 1: TorchGraph(m)}, inv_freq)
+
+    def logits_fn(r: KVCacheRunner):
+        def fn(ids: list[int]) -> torch.Tensor:
+            r.reset()
+            return r.logits(ids, decode_tokens=options.decode_tokens)
+        return fn
+
+    # FP reference (the model is quantized in place afterwards, so keep its logits and test-vector outputs)
+    state.progress(0.02, "FP reference")
+    fp_run = runner(model)
+    ref: list[torch.Tensor] = []
+
+    def fp_logits(ids: list[int]) -> torch.Tensor:
+        ref.append(logits_fn(fp_run)(ids))
+        return ref[-1]
+
+    compare(eval_ids, fp_logits, window=window, state=state.sub(0.02, 0.15), labels=("fp", "quant"))
+    vectors = _vector_feeds(fp_run, calib[0], ar)
+    fp_out = [TorchGraph(model)(f) for f in vectors]
+    lap("fp_reference")
+
+    state.progress(0.15, f"building the {pre.name} quantsim for {target.soc} ({target.dsp_arch})")
+    dummy = tuple(vectors[0][n] for n in io_names(spec.layers)[0])
+    sim = simulate.build(model, dummy, pre, target, options.overrides)
+    lap("build_sim")
+    if options.seq_mse:
+        state.progress(0.2, "SeqMSE: searching weight encodings layer by layer")
+        _seq_mse(sim, calib, runner, options)
+        lap("seq_mse")
+    state.check()
+    state.progress(0.45, "quantizing weights")
+    simulate.fold(sim)
+    lap("fold_weights")
+    state.progress(0.5, f"calibrating activations on {sum(map(len, calib))} tokens")
+    q_run = runner(sim.model)
+
+    def calibrate(_m: torch.nn.Module, _a: object) -> None:
+        for i, seq in enumerate(calib):
+            state.check()
+            q_run.reset()
+            q_run.logits(seq, decode_tokens=options.calib_decode)
+            state.progress(0.5 + 0.1 * (i + 1) / len(calib))
+
+    sim.compute_encodings(calibrate, None)
+    lap("calibrate")
+
+    label = "quant+seqmse" if options.seq_mse else "quant"
+    it = iter(ref)
+    cmp = compare(eval_ids, lambda _w: next(it), logits_fn(q_run), window=window, state=state.sub(0.6, 0.8),
+                  labels=("fp", label))
+    ref.clear()  # the FP logits of the whole eval text: free them before the export peaks
+    gc.collect()
+    lap("quant_eval")
+
+    files: list[Path] = []
+    names = graph_names(ar, cl)
+    graph_list = [names["prompt"][0], names["token"][0]]
+    if options.export:
+        state.progress(0.8, "exporting ONNX + encodings")
+        vec_dir = out_dir / "test_vectors"
+        vec_dir.mkdir(exist_ok=True)
+        for name, feeds, fo in zip(graph_list, vectors, fp_out, strict=True):
+            state.check()
+            files += export.export_graph(sim, feeds, name, out_dir)
+            qo = TorchGraph(sim.model)(feeds)
+            export.write_test_vectors(vec_dir / f"{name}.npz", feeds, fo, qo)
+            files.append(vec_dir / f"{name}.npz")
+            gc.collect()
+        export.share_weights([f for f in files if f.suffix == ".onnx"], out_dir)
+        files.append(out_dir / export.WEIGHTS_FILE)
+        for f in TOKENIZER_FILES:
+            if (adapt_dir / f).is_file():
+                shutil.copy2(adapt_dir / f, out_dir / f)
+                files.append(out_dir / f)
+        atomic_write_json(out_dir / "graphs.json", [{**g, "name": n} for g, n in zip(
+            graphs["specs"], graph_list, strict=True)])
+        files.append(out_dir / "graphs.json")
+        lap("export")
+    rows = export.write_manifest(out_dir, files) if files else []
+    res = QuantizeResult(
+        precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, seq_mse=options.seq_mse,
+        ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
+        top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
+        calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,
+        steps=steps, peak_rss_mb=round(peak_rss_mb()))
+    atomic_write_json(out_dir / "quantize.json", res.model_dump())
+    state.progress(1.0, f"{pre.name}: PPL {res.ppl_quant:.3f} vs FP {res.ppl_fp:.3f} (×{res.ratio:.4f})")
+    return res
+
+
+def _adapt_graphs(adapt_dir: Path) -> dict[str, Any]:
+    import json
+
+    specs = json.loads((adapt_dir / "graphs.json").read_text())
+    prompt = next(g for g in specs if g["kind"] == "prompt")
+    return {"ar": prompt["ar"], "cl": prompt["cl"], "specs": specs}
+
+
+def _tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _calibration(ids: list[int], o: QuantizeOptions, cl: int) -> list[list[int]]:
+    n = min(o.calib_len, cl)
+    seqs = [ids[i:i + n] for i in range(0, len(ids), n)][: o.calib_samples]
+    seqs = [s for s in seqs if len(s) > 1]
+    if not seqs:
+        raise UserError("The calibration text is shorter than two tokens.", "Use a longer calibration text.")
+    return seqs
+
+
+def _vector_feeds(r: KVCacheRunner, seq: list[int], ar: int) -> list[dict[str, torch.Tensor]]:
+    """Feeds of one AR-N step (empty cache) and one AR-1 step right after it, from real text."""
+    r.reset()
+    first = {k: v.clone() for k, v in r.feeds(seq[:ar], ar).items()}
+    r.step(seq[:ar], ar)
+    second = {k: v.clone() for k, v in r.feeds([seq[min(ar, len(seq) - 1)]], 1).items()}
+    return [first, second]
+
+
+def _seq_mse(sim: Any, calib: list[list[int]], runner: Any, o: QuantizeOptions) -> None:
+    from aimet_torch.seq_mse import apply_seq_mse
+
+    def forward(model: torch.nn.Module, ids: list[int]) -> None:
+        r = runner(model)
+        r.prefill(ids)
+
+    apply_seq_mse(sim, calib[: max(1, min(2, len(calib)))], num_candidates=o.seq_mse_candidates,
+                  forward_fn=forward)

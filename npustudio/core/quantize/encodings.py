@@ -1,0 +1,215 @@
+"""Read AIMET `.encodings` files (schema 1.0.0 and the legacy 0.6.1 dict form) into a per-tensor table.
+
+Each row says what a person tuning mixed precision needs: which layer and role the tensor belongs
+to, its bitwidth and granularity, the spread of its scales and the range it can represent. Flags
+point at the suspects: weights whose per-channel scales differ by orders of magnitude, activations
+whose range is far wider than the same tensor's in the other layers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ..errors import UserError
+
+SCALE_SPREAD_FLAG = 100.0  # max/min channel scale
+RANGE_FLAG = 10.0  # activation range vs the median of the same tensor in the other layers
+
+_ROLES = (  # first match wins; matched against module paths with '/' turned into '.'
+    (r"past_(key|value)|k_cat|v_cat", "kv-cache"),
+    (r"(^|\.)embed(\.|$)", "embedding"),
+    (r"(^|\.)lm_head(\.|$)", "lm_head"),
+    (r"attn\.q\.\d+", "q"), (r"attn\.k\.\d+", "k"), (r"attn\.v\.\d+", "v"), (r"attn\.o(\.|$)", "o"),
+    (r"mlp\.gate", "gate"), (r"mlp\.up", "up"), (r"mlp\.down", "down"),
+    (r"norm", "norm"),
+)
+_LAYER = re.compile(r"layers\.(\d+)|past_(?:key|value)_(\d+)")
+
+
+class TensorRow(BaseModel):
+    name: str
+    layer: int | None
+    role: str
+    kind: str  # param | activation
+    bitwidth: int
+    symmetric: bool
+    granularity: str  # tensor | channel | block
+    block_size: int | None = None
+    channels: int
+    scale_min: float
+    scale_median: float
+    scale_max: float
+    scale_spread: float
+    offset: int
+    range_min: float
+    range_max: float
+    flags: list[str] = []
+
+
+class LayerSummary(BaseModel):
+    layer: int | None
+    tensors: int
+    params: int
+    activations: int
+    weight_bits: list[int]
+    activation_bits: list[int]
+    max_scale_spread: float
+    flagged: int
+
+
+class EncodingsTable(BaseModel):
+    path: str
+    version: str
+    rows: list[TensorRow]
+    layers: list[LayerSummary]
+    excluded: list[str]
+
+    def by_name(self, name: str) -> TensorRow:
+        return next(r for r in self.rows if r.name == name)
+
+
+def read(path: str | Path) -> EncodingsTable:
+    p = Path(path).expanduser()
+    fix = "Pass an .encodings file written by the quantize stage (AIMET schema 1.0.0 or 0.6.1)."
+    if not p.is_file():
+        raise UserError(f"No encodings file at {p}.", fix)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{p.name} is not valid JSON ({e}).", fix) from e
+    if not isinstance(data, dict) or not ({"activation_encodings", "param_encodings"} & data.keys()):
+        raise UserError(f"{p.name} is JSON but not an encodings file (no activation_encodings/param_encodings).",
+                        fix)
+    version = str(data.get("version", "0.6.1"))
+    rows: list[TensorRow] = []
+    for kind, key in (("activation", "activation_encodings"), ("param", "param_encodings")):
+        section = data.get(key, [] if version.startswith("1.") else {})
+        try:
+            entries = list(_entries(section, version))
+        except (TypeError, AttributeError, ValueError) as e:
+            raise UserError(f"{p.name}: the {key} section is malformed ({e}).", fix) from e
+        for name, enc in entries:
+            try:
+                rows.append(_row(name, kind, enc))
+            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
+                raise UserError(f"{p.name}: the encoding of {name!r} is malformed ({type(e).__name__}: {e}).",
+                                fix) from e
+    _kv_carriers(rows)
+    _flag(rows)
+    return EncodingsTable(path=str(p), version=version, rows=rows, layers=_summaries(rows),
+                          excluded=[str(x) for x in data.get("excluded_layers", []) or []])
+
+
+def _entries(section: Any, version: str) -> Any:
+    if isinstance(section, list):  # 1.0.0: [{name, ...}]
+        for e in section:
+            if not isinstance(e, dict) or "name" not in e:
+                raise ValueError(f"entry without a name: {str(e)[:80]}")
+            yield e["name"], e
+    elif isinstance(section, dict):  # 0.6.1: {name: [per-channel dicts]} (or one dict)
+        for name, e in section.items():
+            yield name, _legacy(e)
+    else:
+        raise ValueError(f"expected a list or an object, got {type(section).__name__}")
+
+
+def _legacy(e: Any) -> dict[str, Any]:
+    items = e if isinstance(e, list) else [e]
+    if not items or not all(isinstance(x, dict) for x in items):
+        raise ValueError("expected a list of encodings")
+    sym = str(items[0].get("is_symmetric", "False")).lower() == "true"
+    return {"bw": int(items[0]["bitwidth"]), "is_sym": sym, "scale": [float(x["scale"]) for x in items],
+            "offset": [int(x["offset"]) for x in items],
+            "enc_type": "PER_CHANNEL" if len(items) > 1 else "PER_TENSOR",
+            "dtype": str(items[0].get("dtype", "int")).upper()}
+
+
+def _row(name: str, kind: str, e: dict[str, Any]) -> TensorRow:
+    scales = [float(s) for s in (e["scale"] if isinstance(e["scale"], list) else [e["scale"]])]
+    offsets = [int(o) for o in (e.get("offset") or [0])] if isinstance(e.get("offset", [0]), list) \
+        else [int(e["offset"])]
+    if not scales:
+        raise ValueError("no scale")
+    if any(s <= 0 for s in scales):
+        raise ValueError("a scale is not positive")
+    enc_type = str(e.get("enc_type", "PER_TENSOR")).upper()
+    bw = int(e["bw"])
+    block = e.get("block_size")
+    if enc_type == "LPBQ":  # int4 blocks with 8-bit per-channel scales: the stored weights are compressed_bw
+        bw = int(e.get("compressed_bw", bw))
+        per_block = [int(x) for x in e["per_block_int_scale"]]
+        blocks = len(per_block) // len(scales)
+        scales = [s * per_block[c * blocks + b] for c, s in enumerate(scales) for b in range(blocks)]
+        offsets = [-(2 ** (bw - 1))]
+    gran = {"PER_TENSOR": "tensor", "PER_CHANNEL": "channel", "PER_BLOCK": "block", "LPBQ": "block"}.get(enc_type)
+    if gran is None:
+        raise ValueError(f"unknown enc_type {enc_type}")
+    levels = 2 ** bw - 1
+    lo = [o * s for o, s in zip(_cycle(offsets, len(scales)), scales, strict=True)]
+    hi = [(o + levels) * s for o, s in zip(_cycle(offsets, len(scales)), scales, strict=True)]
+    flat = name.replace("/", ".")
+    m = _LAYER.search(flat)
+    role = next((r for pat, r in _ROLES if re.search(pat, flat)), "activation")
+    return TensorRow(
+        name=name, layer=int(m.group(1) or m.group(2)) if m else None, role=role, kind=kind, bitwidth=bw,
+        symmetric=bool(e.get("is_sym", False)), granularity=gran,
+        block_size=int(block) if block is not None and gran == "block" else None,
+        channels=len(e["scale"]) if isinstance(e["scale"], list) else 1,
+        scale_min=min(scales), scale_median=statistics.median(scales), scale_max=max(scales),
+        scale_spread=max(scales) / min(scales), offset=int(statistics.median(offsets)),
+        range_min=min(lo), range_max=max(hi))
+
+
+def _cycle(values: list[int], n: int) -> list[int]:
+    return [values[i % len(values)] for i in range(n)]
+
+
+def _kv_carriers(rows: list[TensorRow]) -> None:
+    """Reshapes/transposes that carry a layer's KV-cache encoding unchanged are KV cache too (8-bit by design)."""
+    kv = {(r.layer, r.bitwidth, r.scale_min, r.offset) for r in rows if r.role == "kv-cache"}
+    for r in rows:
+        if r.kind == "activation" and r.granularity == "tensor" and (r.layer, r.bitwidth, r.scale_min,
+                                                                      r.offset) in kv:
+            r.role = "kv-cache"
+
+
+def _flag(rows: list[TensorRow]) -> None:
+    by_key: dict[tuple[str, str, str], list[TensorRow]] = {}
+    for r in rows:
+        if r.kind == "param" and r.granularity != "tensor" and r.scale_spread > SCALE_SPREAD_FLAG:
+            r.flags.append(f"scales differ ×{r.scale_spread:.0f} across channels")
+        if r.kind == "activation" and r.layer is not None:
+            key = (r.role, r.kind, _LAYER.sub("layers.N", r.name.replace("/", ".")))
+            by_key.setdefault(key, []).append(r)
+    for group in by_key.values():
+        if len(group) < 3:
+            continue
+        widths = [r.range_max - r.range_min for r in group]
+        for i, (r, w) in enumerate(zip(group, widths, strict=True)):
+            others = widths[:i] + widths[i + 1:]
+            med = statistics.median(others)
+            if med > 0 and w > RANGE_FLAG * med:
+                r.flags.append(f"range ×{w / med:.0f} wider than in the other layers")
+
+
+def _summaries(rows: list[TensorRow]) -> list[LayerSummary]:
+    layers: dict[int | None, list[TensorRow]] = {}
+    for r in rows:
+        layers.setdefault(r.layer, []).append(r)
+    out = []
+    for layer in sorted(layers, key=lambda x: (x is None, x if x is not None else 0)):
+        rs = layers[layer]
+        out.append(LayerSummary(
+            layer=layer, tensors=len(rs), params=sum(r.kind == "param" for r in rs),
+            activations=sum(r.kind == "activation" for r in rs),
+            weight_bits=sorted({r.bitwidth for r in rs if r.kind == "param"}),
+            activation_bits=sorted({r.bitwidth for r in rs if r.kind == "activation"}),
+            max_scale_spread=max((r.scale_spread for r in rs if r.kind == "param"), default=1.0),
+            flagged=sum(bool(r.flags) for r in rs)))
+    return out

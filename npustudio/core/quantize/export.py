@@ -1,0 +1,124 @@
+"""Export the calibrated quantsim, one graph per AR (prompt AR-N, token AR-1), in the two forms the compilers read.
+
+- `{graph}.onnx` + `{graph}.encodings` (AIMET schema 1.0.0): float graph + encodings, for the QAIRT SDK
+  (`qairt-converter --quantization_overrides`);
+- `{graph}_qdq.onnx`: quantized weights + QuantizeLinear/DequantizeLinear pairs, for onnxruntime-qnn.
+Every large tensor goes to one shared external-data file, `weights.bin`, stored once by content: the
+two graphs share their weights, and a tied embedding/LM head is one blob.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..adapt.decoder import io_names
+from ..fsutil import atomic_write_json
+
+WEIGHTS_FILE = "weights.bin"
+_MIN_EXTERNAL = 1024  # bytes: smaller tensors stay inside the .onnx
+
+
+def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) -> list[Path]:
+    """`name`.onnx + .encodings and `name`_qdq.onnx for one graph shape (given by `feeds`)."""
+    import aimet_torch.onnx as aonnx
+
+    layers = sim.model.spec.layers
+    ins, outs = io_names(layers)
+    args = tuple(feeds[n] for n in ins)
+    kw: dict[str, Any] = {"input_names": ins, "output_names": outs, "dynamo": False, "opset_version": 21}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim.onnx.export(args, str(out / f"{name}.onnx"), encoding_version="1.0.0", **kw)
+        aonnx.export(sim.model, args, str(out / f"{name}_qdq.onnx"), prequantize_constants=True, **kw)
+    return [out / f"{name}.onnx", out / f"{name}.encodings", out / f"{name}_qdq.onnx"]
+
+
+def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:
+    """Move every large initializer of `onnx_files` into one content-addressed `weights.bin`.
+
+    A blob already written (same bytes: the other graph's copy, or a tied head) is referenced, not
+    written again. Each .onnx is rewritten atomically; returns bytes written and bytes saved.
+    """
+    import onnx
+    from onnx.external_data_helper import set_external_data
+
+    blob_path = out / WEIGHTS_FILE
+    offsets: dict[str, tuple[int, int]] = {}
+    written = saved = 0
+    with open(blob_path, "ab") as blob:
+        for f in onnx_files:
+            model = onnx.load(str(f), load_external_data=True)
+            for t in _initializers(model):
+                raw = t.raw_data
+                if len(raw) < _MIN_EXTERNAL:
+                    continue
+                key = hashlib.sha256(raw).hexdigest()
+                if key in offsets:
+                    saved += len(raw)
+                else:
+                    pad = (-blob.tell()) % 64  # aligned blobs can be memory-mapped as arrays
+                    blob.write(b"\0" * pad)
+                    offsets[key] = (blob.tell(), len(raw))
+                    blob.write(raw)
+                    written += len(raw)
+                off, length = offsets[key]
+                set_external_data(t, WEIGHTS_FILE, offset=off, length=length)
+                t.ClearField("raw_data")
+            _drop_old_external(f)
+            tmp = f.with_name(f.name + ".tmp")
+            onnx.save(model, str(tmp))
+            os.replace(tmp, f)
+            del model
+    return {"weights_bytes": written, "deduplicated_bytes": saved}
+
+
+def _initializers(model: Any) -> list[Any]:
+    out = list(model.graph.initializer)
+    for node in model.graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                out.append(a.t)
+    return out
+
+
+def _drop_old_external(onnx_file: Path) -> None:
+    """torch writes a side file for >2 GB models; its contents are now in weights.bin."""
+    for p in onnx_file.parent.glob(onnx_file.name + ".data"):
+        p.unlink()
+
+
+def write_test_vectors(path: Path, feeds: dict[str, torch.Tensor], fp: dict[str, torch.Tensor],
+                       quant: dict[str, torch.Tensor]) -> None:
+    """Inputs + FP and quantized outputs of one step, as a plain .npz (no pickle inside)."""
+    import numpy as np
+
+    arrays = {f"in/{k}": v.detach().numpy() for k, v in feeds.items()}
+    arrays |= {f"fp/{k}": v.detach().float().numpy() for k, v in fp.items()}
+    arrays |= {f"quant/{k}": v.detach().float().numpy() for k, v in quant.items()}
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def read_test_vectors(path: Path) -> dict[str, dict[str, Any]]:
+    import numpy as np
+
+    with np.load(path, allow_pickle=False) as z:
+        out: dict[str, dict[str, Any]] = {"in": {}, "fp": {}, "quant": {}}
+        for k in z.files:
+            group, _, name = k.partition("/")
+            out[group][name] = z[k]
+    return out
+
+
+def write_manifest(out: Path, files: list[Path]) -> list[dict[str, Any]]:
+    rows = [{"file": p.relative_to(out).as_posix(), "bytes": p.stat().st_size} for p in sorted(files)]
+    atomic_write_json(out / "files.json", rows)
+    return rows
+

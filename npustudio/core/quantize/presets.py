@@ -1,0 +1,84 @@
+"""Precision presets and per-layer overrides: which bitwidth each tensor of the adapted decoder gets.
+
+A preset says what the HTP runs well; an override file lets a user keep sensitive layers wider
+(mixed precision) without touching code. Override file (JSON):
+    {"weights": {"layers.0.mlp.down": 8, "layers.*.attn.o": 8}, "activations": {"layers.1.mlp.down": 16}}
+Patterns are shell globs over module names of the adapted decoder (see `npustudio encodings`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError
+
+from ..errors import UserError
+
+
+class Preset(BaseModel):
+    name: str
+    weight_bits: int
+    block_size: int | None = None  # None: per output channel; else LPBQ blocks along input channels
+    head_bits: int = 8  # the LM head stays int8 per channel: int4 there costs the most perplexity
+    activation_bits: int = 16
+    kv_bits: int = 8
+    embedding_bits: int = 16  # the table is a Gather on the HTP: per tensor, so 16-bit keeps it exact
+
+
+PRESETS: dict[str, Preset] = {
+    "w8a16": Preset(name="w8a16", weight_bits=8),
+    "w4a16": Preset(name="w4a16", weight_bits=4, block_size=64),
+}
+
+
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise UserError(f"Unknown precision {name!r}.", f"Use one of: {', '.join(PRESETS)}.")
+    return PRESETS[name]
+
+
+class Overrides(BaseModel):
+    weights: dict[str, int] = Field(default_factory=dict)
+    activations: dict[str, int] = Field(default_factory=dict)
+
+    def weight_bits(self, module: str, default: int) -> int:
+        return _match(self.weights, module, default)
+
+    def activation_bits(self, module: str, default: int) -> int:
+        return _match(self.activations, module, default)
+
+
+def _match(table: dict[str, int], name: str, default: int) -> int:
+    """The last matching pattern wins, so a file can say `layers.*` first and refine after."""
+    bits = default
+    for pattern, b in table.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            bits = b
+    return bits
+
+
+ALLOWED = {"weights": (4, 8, 16), "activations": (8, 16)}
+
+
+def load_overrides(path: str | Path | None) -> Overrides:
+    if not path:
+        return Overrides()
+    p = Path(path).expanduser()
+    fix = 'Write JSON like {"weights": {"layers.0.mlp.down": 8}, "activations": {}}.'
+    if not p.is_file():
+        raise UserError(f"No override file at {p}.", fix)
+    try:
+        ov = Overrides.model_validate(json.loads(p.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{p} is not valid JSON ({e}).", fix) from e
+    except ValidationError as e:
+        raise UserError(f"{p} has the wrong shape: {e.errors()[0]['msg']} at "
+                        f"{'.'.join(str(x) for x in e.errors()[0]['loc'])}.", fix) from e
+    for kind, allowed in ALLOWED.items():
+        for pattern, bits in getattr(ov, kind).items():
+            if bits not in allowed:
+                raise UserError(f"{p}: {kind} bitwidth {bits} for {pattern!r} is not supported.",
+                                f"Use one of {', '.join(map(str, allowed))} for {kind}.")
+    return ov

@@ -1,0 +1,40 @@
+"""The SoC table: one place that maps a phone's chip to what quantization, compilation and deploy need.
+
+Shared by the quantize stage (HTP quantsim config), the compile stage (htp_arch / soc_model) and
+the device panel (`ro.soc.model` of a connected phone).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from .errors import UserError
+
+
+class Soc(BaseModel):
+    soc: str  # e.g. SM8750 (what `getprop ro.soc.model` says)
+    product: str
+    soc_model: int | None  # QNN's soc_model id
+    dsp_arch: str  # v73, v75, v79, v81 ...
+
+    @property
+    def arch_number(self) -> int:
+        return int(self.dsp_arch.lstrip("v"))
+
+
+SOCS: dict[str, Soc] = {s.soc: s for s in (
+    Soc(soc="SM8550", product="Snapdragon 8 Gen 2", soc_model=43, dsp_arch="v73"),
+    Soc(soc="SM8650", product="Snapdragon 8 Gen 3", soc_model=57, dsp_arch="v75"),
+    Soc(soc="SM8750", product="Snapdragon 8 Elite", soc_model=69, dsp_arch="v79"),
+    Soc(soc="SM8850", product="Snapdragon 8 Elite Gen 5", soc_model=88, dsp_arch="v81"),
+    Soc(soc="SC8380XP", product="Snapdragon X Elite / X Plus", soc_model=60, dsp_arch="v73"),
+)}
+DEFAULT_SOC = "SM8750"
+
+
+def soc(name: str) -> Soc:
+    key = name.strip().upper()
+    if key not in SOCS:
+        raise UserError(f"Unknown target SoC {name!r}.",
+                        "Use one of: " + ", ".join(f"{s.soc} ({s.product})" for s in SOCS.values()) + ".")
+    return SOCS[key]

@@ -1,0 +1,223 @@
+"""The quantize stage on a tiny random model: presets, tied KV encodings, live points, export that runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from npustudio.core import pipeline
+from npustudio.core.adapt import AdaptOptions
+from npustudio.core.errors import UserError
+from npustudio.core.progress import Partial, State
+from npustudio.core.project import Project
+from npustudio.core.quantize import QuantizeOptions, encodings
+from npustudio.core.quantize.export import read_test_vectors
+from npustudio.core.quantize.presets import Overrides, load_overrides
+
+FAST = dict(calib_samples=2, calib_len=64, calib_decode=4, eval_chars=2500, window=128, decode_tokens=8)
+PROMPT, TOKEN = "prompt_ar32_cl128_1_of_1", "token_ar1_cl128_1_of_1"
+
+
+@pytest.fixture(scope="module")
+def adapted_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.conftest import make_tiny_model
+
+    root = tmp_path_factory.mktemp("q")
+    model = make_tiny_model(root / "m")
+    p = Project.open(root / "p")
+    pipeline.adapt(p, str(model), AdaptOptions(ar=32, cl=128, eval_chars=2500, window=128, decode_tokens=8), State())
+    return p.root
+
+
+@pytest.fixture(scope="module")
+def w8(adapted_project: Path) -> tuple[Project, list[Partial]]:
+    p = Project.open(adapted_project)
+    st = State()
+    pipeline.quantize(p, QuantizeOptions(precision="w8a16", **FAST), st)
+    return p, [e for e in st.partials if e.kind == "ppl"]
+
+
+def _table(p: Project, graph: str = PROMPT) -> encodings.EncodingsTable:
+    return encodings.read(p.stage_dir("quantize") / f"{graph}.encodings")
+
+
+def test_w8a16_keeps_perplexity_and_reports_it(w8: tuple[Project, list[Partial]]) -> None:
+    p, _ = w8
+    r = p.record("quantize").result
+    assert r["ratio"] == pytest.approx(1.0, abs=0.02)
+    assert r["ppl_quant"] / r["ppl_fp"] == pytest.approx(r["ratio"])
+    assert r["top1_agreement"] > 0.9
+    assert r["graphs"] == [PROMPT, TOKEN]
+
+
+def test_live_points_fp_first_then_quantized_for_every_window(w8: tuple[Project, list[Partial]]) -> None:
+    _, points = w8
+    fp = [e for e in points if "quant_ppl" not in e.data]
+    q = [e for e in points if "quant_ppl" in e.data]
+    assert len(fp) == len(q) > 1
+    assert points.index(fp[-1]) < points.index(q[0])  # the FP line is drawn before quantized points arrive
+    assert [e.data["window"] for e in q] == list(range(len(q)))
+    assert all(e.data["fp_ppl"] == f.data["fp_ppl"] for e, f in zip(q, fp, strict=True))
+
+
+def test_w8a16_encodings_match_the_preset(w8: tuple[Project, list[Partial]]) -> None:
+    p, _ = w8
+    t = _table(p)
+    params = {r.name: r for r in t.rows if r.kind == "param"}
+    convs = [r for r in params.values() if r.role in ("q", "k", "v", "o", "gate", "up", "down")]
+    assert convs and all(r.bitwidth == 8 and r.symmetric and r.granularity == "channel" for r in convs)
+    assert params["lm_head.weight"].bitwidth == 8 and params["lm_head.weight"].granularity == "channel"
+    assert params["embed.weight"].bitwidth == 16
+    assert not any(r.role == "norm" for r in params.values())  # norm gains stay float
+    kv = [r for r in t.rows if r.role == "kv-cache"]
+    assert kv and all(r.bitwidth == 8 for r in kv)
+    acts = [r for r in t.rows if r.kind == "activation" and r.role != "kv-cache"]
+    assert acts and all(r.bitwidth == 16 for r in acts)
+    assert not any("attn_add" in r.name or "mlp_add" in r.name for r in t.rows)  # residual stream float
+
+
+def test_kv_cache_in_and_out_share_one_encoding_in_both_graphs(w8: tuple[Project, list[Partial]]) -> None:
+    p, _ = w8
+    a, b = _table(p, PROMPT), _table(p, TOKEN)
+    for layer in range(2):
+        for kind in ("key", "value"):
+            rows = [t.by_name(f"past_{kind}_{layer}_{d}") for t in (a, b) for d in ("in", "out")]
+            enc = {(r.scale_min, r.offset, r.bitwidth) for r in rows}
+            assert len(enc) == 1, enc
+
+
+def test_qdq_onnx_reproduces_the_quantsim_and_float_onnx_loads(w8: tuple[Project, list[Partial]]) -> None:
+    import onnxruntime as ort
+
+    d = w8[0].stage_dir("quantize")
+    for g in (PROMPT, TOKEN):
+        tv = read_test_vectors(d / "test_vectors" / f"{g}.npz")
+        for suffix, ref, tol in (("_qdq", "quant", 2e-3), ("", "fp", 0.5)):
+            s = ort.InferenceSession(str(d / f"{g}{suffix}.onnx"), providers=["CPUExecutionProvider"])
+            got = dict(zip([o.name for o in s.get_outputs()], s.run(None, tv["in"]), strict=True))
+            assert np.abs(got["logits"] - tv[ref]["logits"]).max() < tol
+            assert got["past_key_0_out"].shape == tv[ref]["past_key_0_out"].shape
+
+
+def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, list[Partial]]) -> None:
+    import onnx
+
+    d = w8[0].stage_dir("quantize")
+    names = {f.name for f in d.rglob("*") if f.is_file()}
+    assert not [n for n in names if n.endswith((".tmp", ".data")) or ".tmp." in n]
+    assert {f"{PROMPT}.onnx", f"{PROMPT}.encodings", f"{PROMPT}_qdq.onnx", f"{TOKEN}.onnx", f"{TOKEN}.encodings",
+            f"{TOKEN}_qdq.onnx", "weights.bin", "tokenizer.json", f"{PROMPT}.npz", f"{TOKEN}.npz"} <= names
+
+    def refs(name: str) -> dict[str, tuple[str, str]]:
+        m = onnx.load(str(d / name), load_external_data=False)
+        out = {}
+        for t in m.graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                kv = {e.key: e.value for e in t.external_data}
+                out[t.name] = (kv["offset"], kv["length"])
+        return out
+
+    a, b = refs(f"{PROMPT}.onnx"), refs(f"{TOKEN}.onnx")
+    assert a and a == b  # both graphs point at the same bytes
+    blobs = set(a.values()) | set(refs(f"{PROMPT}_qdq.onnx").values())
+    unique = sum(int(n) for _, n in blobs)
+    assert (d / "weights.bin").stat().st_size < unique + 64 * len(blobs) + 1
+    rec = w8[0].record("quantize")
+    listed = {f["file"] for f in rec.result["files"]}
+    assert "weights.bin" in listed and f"test_vectors/{PROMPT}.npz" in listed
+
+
+def test_test_vectors_are_plain_arrays(w8: tuple[Project, list[Partial]]) -> None:
+    f = w8[0].stage_dir("quantize") / "test_vectors" / f"{TOKEN}.npz"
+    with np.load(f, allow_pickle=False) as z:
+        assert {"in/input_ids", "fp/logits", "quant/logits", "in/past_key_0_in"} <= set(z.files)
+        assert z["in/input_ids"].shape == (1, 1)
+
+
+def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Path) -> None:
+    ov = tmp_path / "ov.json"
+    ov.write_text(json.dumps({"weights": {"layers.1.mlp.*": 8}}))
+    shutil.copytree(adapted_project, tmp_path / "p")
+    p = Project.open(tmp_path / "p")
+    st = State()
+    pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov), seq_mse=True,
+                                         seq_mse_candidates=4, **FAST), st)
+    r = p.record("quantize").result
+    assert r["seq_mse"] and 0.8 < r["ratio"] < 1.3
+    assert any("quant+seqmse_ppl" in e.data for e in st.partials if e.kind == "ppl")
+    t = _table(p)
+    params = {r.name: r for r in t.rows if r.kind == "param"}
+    down0 = params["layers.0.mlp.down.weight"]  # 128 input channels: LPBQ blocks of 64
+    assert (down0.bitwidth, down0.granularity, down0.block_size) == (4, "block", 64)
+    assert params["layers.0.attn.q.0.weight"].bitwidth == 4
+    assert params["layers.1.mlp.down.weight"].bitwidth == 8  # the override file kept it 8-bit
+    assert params["layers.1.mlp.gate.weight"].bitwidth == 8
+    assert params["lm_head.weight"].bitwidth == 8
+    assert all(r.bitwidth == 8 for r in t.rows if r.role == "kv-cache")
+
+
+def test_quantize_before_adapt_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no intact adapted model") as e:
+        pipeline.quantize(Project.open(tmp_path / "empty"), QuantizeOptions(), State())
+    assert "npustudio adapt" in e.value.fix
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "not valid JSON"),
+    ('{"weights": {"layers.0.*": 3}}', "bitwidth 3"),
+    ('{"weights": ["layers.0"]}', "wrong shape"),
+])
+def test_bad_override_files_are_refused(tmp_path: Path, content: str, message: str) -> None:
+    f = tmp_path / "ov.json"
+    f.write_text(content)
+    with pytest.raises(UserError, match=message):
+        load_overrides(f)
+
+
+def test_override_patterns_last_match_wins() -> None:
+    ov = Overrides(weights={"layers.*": 8, "layers.1.*": 16})
+    assert ov.weight_bits("layers.0.mlp.up", 4) == 8
+    assert ov.weight_bits("layers.1.mlp.up", 4) == 16
+    assert ov.weight_bits("lm_head", 4) == 4
+
+
+def test_unknown_precision_and_target_are_refused(w8: tuple[Project, list[Partial]]) -> None:
+    with pytest.raises(UserError, match="Unknown precision"):
+        pipeline.quantize(w8[0], QuantizeOptions(precision="w2a8", **FAST), State())
+    with pytest.raises(UserError, match="Unknown target SoC") as e:
+        pipeline.quantize(w8[0], QuantizeOptions(target="SM1234", **FAST), State())
+    assert "SM8750" in e.value.fix
+    assert w8[0].record("quantize").result["precision"] == "w8a16"  # the good result is kept
+
+
+def test_cancel_keeps_the_last_good_result(w8: tuple[Project, list[Partial]]) -> None:
+    p = w8[0]
+    before = p.record("quantize")
+    st = State()
+    st.subscribe(lambda e: st.cancel() if isinstance(e, Partial) and "quant_ppl" in e.data else None)
+    from npustudio.core.progress import Cancelled
+
+    with pytest.raises(Cancelled):
+        pipeline.quantize(p, QuantizeOptions(precision="w8a16", calib_samples=1, **{
+            k: v for k, v in FAST.items() if k != "calib_samples"}), st)
+    assert p.record("quantize") == before
+    assert p.load().attempts["quantize"].status == "cancelled"
+    assert not (p.root / "stages" / ".quantize.partial").exists()
+    assert p.verify("quantize") == []
+
+
+def test_quantize_cli_json_lists_ratio_and_files(w8: tuple[Project, list[Partial]],
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from npustudio.cli import main
+
+    rc = main(["quantize", "--project", str(w8[0].root), "--precision", "w8a16", "--calib-samples", "2",
+               "--calib-len", "64", "--eval-chars", "2500", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"ppl_fp", "ppl_quant", "ratio", "files"} <= out.keys()
+    assert out["ratio"] == pytest.approx(out["ppl_quant"] / out["ppl_fp"])
+    assert any(f["file"].endswith(".encodings") and f["bytes"] > 0 for f in out["files"])
