@@ -24,23 +24,37 @@ def test_info_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert w8["precision"] == "w8a16" and w8["kv_cache_bytes"] == 2 * 30 * 3 * 64 * 1024 and w8["parts"] == 1
 
 
-def test_run_default_proves_equivalence_and_reports_fp_perplexity(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_default_adapts_quantizes_and_exports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     proj = tmp_path / "proj"
     assert main(["run", "--project", str(proj), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    eq = s["equivalence"]
+    eq = s["adapt"]
     assert eq["top1_agreement"] >= 0.999 and eq["max_abs_logit_diff"] <= 1e-3
     assert eq["positions"] == 1862 and eq["decode_steps"] == 256
-    assert s["ppl_fp"] == pytest.approx(14.659, abs=0.01)  # the reference measurement on this slice
-    assert s["graphs"] == ["prompt_ar128_cl1024_1_of_1", "token_ar1_cl1024_1_of_1"]
+    assert eq["ppl_fp"] == pytest.approx(14.659, abs=0.01)  # the reference measurement on this slice
+    assert eq["graphs"] == ["prompt_ar128_cl1024_1_of_1", "token_ar1_cl1024_1_of_1"]
     rec = json.loads((proj / "npustudio.json").read_text())["stages"]["adapt"]
-    assert rec["result"]["ppl_fp"] == s["ppl_fp"]
     names = [t["name"] for t in rec["result"]["graphs"][1]["inputs"]]
     assert names[:6] == ["input_ids", "attention_mask", "position_ids_cos", "position_ids_sin",
                          "past_key_0_in", "past_value_0_in"]
     assert names[-1] == "past_value_29_in"
+
+    q = s["quantize"]  # w8a16 on the HTP v79 config: the target is a PPL ratio <= 1.01
+    assert q["precision"] == "w8a16" and q["ppl_fp"] == pytest.approx(14.659, abs=0.01)
+    assert q["ratio"] <= 1.01 and q["top1_agreement"] > 0.9
+    files = {f["file"]: f["bytes"] for f in q["files"]}
+    enc = proj / "stages" / "quantize" / "prompt_ar128_cl1024_1_of_1.encodings"
+    assert files["prompt_ar128_cl1024_1_of_1.encodings"] == enc.stat().st_size
+    assert files["weights.bin"] < 1.0e9  # weights stored once for both graphs and both ONNX forms
+
+    assert main(["encodings", str(enc), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    weights = [r for r in rows if r["kind"] == "param" and r["role"] in ("q", "k", "v", "o", "gate", "up", "down")]
+    assert len(weights) == 30 * (9 + 3 + 3 + 4) and {r["bitwidth"] for r in weights} == {8}
+    assert {r["bitwidth"] for r in rows if r["role"] == "kv-cache"} == {8}
+    assert {r["bitwidth"] for r in rows if r["kind"] == "activation" and r["role"] != "kv-cache"} == {16}
+
     # unchanged inputs: the second run is a skip, not a recompute
     assert main(["run", "--project", str(proj), "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
-    assert again["stages"] == s["stages"] and again["ppl_fp"] == s["ppl_fp"]
+    assert again["stages"] == s["stages"] and again["quantize"]["ratio"] == q["ratio"]

@@ -1,0 +1,115 @@
+"""Fidelity and cost of the quantize stage, printed as JSON (one object per variant).
+
+Fidelity: PPL(quant) / PPL(FP) over the default eval slice, FP measured side by side in the same run
+(the baseline = 1.0). Cost: wall time per step and peak RSS of the stage, each variant in its own
+process so peaks do not mix.
+
+    .venv/bin/python benchmarks/quantize_bench.py                       # default model: w8a16, w4a16, w4a16+SeqMSE
+    .venv/bin/python benchmarks/quantize_bench.py --variants w8a16 --llama-1b   # cost on a Llama-3.2-1B shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+VARIANTS = {"w8a16": {"precision": "w8a16"}, "w4a16": {"precision": "w4a16"},
+            "w4a16+seqmse": {"precision": "w4a16", "seq_mse": True}}
+
+
+def adapted_default(work: Path) -> Path:
+    """The default model adapted once (AR-128, CL-1024) in a scratch project."""
+    from npustudio.core import pipeline
+    from npustudio.core.adapt import AdaptOptions
+    from npustudio.core.progress import State
+    from npustudio.core.project import Project
+
+    p = Project.open(work / "default")
+    pipeline.adapt(p, "default", AdaptOptions(decode_tokens=16), State())
+    return p.stage_dir("adapt")
+
+
+def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
+    """Random weights with Llama-3.2-1B's shapes (16 layers, 2048 hidden, 32/8 heads, 8192 MLP, 128256 vocab)."""
+    import shutil
+
+    import torch
+
+    from npustudio.core.adapt import AdaptOptions, store
+    from npustudio.core.adapt import graph_specs as specs
+    from npustudio.core.adapt.decoder import DecoderSpec, StaticDecoder
+    from npustudio.core.fsutil import atomic_write_json
+
+    out = work / "llama1b"
+    out.mkdir(parents=True, exist_ok=True)
+    spec = DecoderSpec(family="llama", model_type="llama", layers=16, heads=32, kv_heads=8, head_dim=64,
+                       hidden=2048, intermediate=8192, vocab=128256, rms_norm_eps=1e-5, tied_embeddings=True,
+                       qkv_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    m = StaticDecoder(spec)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    store.save(m, inv, out)
+    o = AdaptOptions()
+    atomic_write_json(out / "graphs.json", [g.model_dump() for g in specs(spec, o.ar, o.cl)])
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tokenizer_from / f, out / f)
+    return out
+
+
+def one(adapt_dir: str, variant: str, eval_chars: int | None, export: bool) -> None:
+    """Child process: one quantize run, its result as JSON on stdout."""
+    import torch
+
+    from npustudio.core.progress import State
+    from npustudio.core.quantize import QuantizeOptions, run
+
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as out:
+        opts = QuantizeOptions(**VARIANTS[variant], eval_chars=eval_chars, export=export)
+        r = run(Path(adapt_dir), opts, Path(out), State())
+        exported = sum(f["bytes"] for f in r.files)
+    print(json.dumps({"variant": variant, "ppl_fp": round(r.ppl_fp, 4), "ppl_quant": round(r.ppl_quant, 4),
+                      "ratio": round(r.ratio, 4), "top1_agreement": round(r.top1_agreement, 4),
+                      "eval_tokens": r.eval_tokens, "steps_s": r.steps, "total_s": round(sum(r.steps.values()), 1),
+                      "peak_rss_mb": r.peak_rss_mb, "exported_bytes": exported}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="w8a16,w4a16,w4a16+seqmse")
+    ap.add_argument("--llama-1b", action="store_true", help="cost on a random Llama-3.2-1B-shaped model")
+    ap.add_argument("--eval-chars", type=int, default=None)
+    ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--work", default=None, help="scratch folder (kept, so reruns skip the adapt step)")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        one(a.child[0], a.child[1], int(a.child[2]) or None, a.child[3] == "1")
+        return
+    work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-bench-"))
+    src = adapted_default(work)
+    target = llama_1b_shaped(work, src) if a.llama_1b else src
+    results = []
+    for v in a.variants.split(","):
+        p = subprocess.run([sys.executable, __file__, "--child", str(target), v, str(a.eval_chars or 0),
+                            "0" if a.no_export else "1"], capture_output=True, text=True)
+        if p.returncode:
+            results.append({"variant": v, "error": p.stderr.strip().splitlines()[-1:]})
+        else:
+            results.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    print(json.dumps({"model": "llama-3.2-1b-shaped (random)" if a.llama_1b else "SmolLM2-135M-Instruct (default)",
+                      "ar": 128, "cl": 1024, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
