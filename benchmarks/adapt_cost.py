@@ -13,12 +13,13 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from npustudio.core import models
-from npustudio.core.adapt import KVCacheRunner, TorchGraph, adapt_model, store
+from npustudio.core.adapt import KVCacheRunner, adapt_model, store
 from npustudio.core.evaluate import compare, hf_logits_fn, load_corpus
 from npustudio.core.progress import peak_rss_mb
 
@@ -46,13 +47,8 @@ def main() -> None:
     window = min(512, a.cl)
     base = compare(ids, hf_logits_fn(lm.model), window=window)
     t = mark("baseline_hf_eval", t)
-    runner = KVCacheRunner(model.spec, a.cl, {a.ar: TorchGraph(model), 1: TorchGraph(model)}, inv)
-
-    def adapted(w: list[int]) -> torch.Tensor:
-        runner.reset()
-        return runner.logits(w, decode_tokens=a.decode_tokens)
-
-    res = compare(ids, adapted, window=window)
+    runner = KVCacheRunner.over(model, a.ar, a.cl, inv)
+    res = compare(ids, partial(runner.score, decode_tokens=a.decode_tokens), window=window)
     t = mark("adapted_eval", t)
     with tempfile.TemporaryDirectory() as d:
         files = store.save(model, inv, Path(d))

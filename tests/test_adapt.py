@@ -92,7 +92,7 @@ def test_saved_model_reloads_with_identical_logits_and_tied_weights_stored_once(
     ids = list(range(3, 60))
     with torch.no_grad():
         ref = lm.model(input_ids=torch.tensor([ids])).logits[0]
-    r = KVCacheRunner(model.spec, 128, {32: TorchGraph(model), 1: TorchGraph(model)}, inv)
+    r = KVCacheRunner.over(model, 32, 128, inv)
     assert (r.logits(ids, decode_tokens=10) - ref).abs().max() < 1e-4
     for f in ("tokenizer.json", "graphs.json", "card.json", "equivalence.json"):
         assert (folder / f).is_file()
@@ -104,7 +104,7 @@ def test_greedy_generation_matches_transformers(adapted: dict[str, Project], tin
     prompt = lm.tokenizer("def f(x):\n    return")["input_ids"]
     want = lm.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
-    r = KVCacheRunner(model.spec, 128, {32: TorchGraph(model), 1: TorchGraph(model)}, inv)
+    r = KVCacheRunner.over(model, 32, 128, inv)
     assert r.generate(prompt, 12) == want
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from npustudio.core import pipeline
-from npustudio.core.adapt import AdaptOptions, KVCacheRunner, TorchGraph, store
+from npustudio.core.adapt import AdaptOptions, KVCacheRunner, store
 from npustudio.core.adapt.decoder import io_names
 from npustudio.core.evaluate import compare, load_corpus
 from npustudio.core.progress import State
@@ -29,7 +30,7 @@ def test_quantsim_wraps_the_adapted_decoder_and_w8a16_keeps_perplexity(tiny_llam
     pipeline.adapt(p, str(tiny_llama), AdaptOptions(ar=32, cl=128, eval_chars=2500, window=128, decode_tokens=8),
                    State())
     model, inv = store.load(p.stage_dir("adapt"))
-    fp = KVCacheRunner(model.spec, 128, {32: TorchGraph(model), 1: TorchGraph(model)}, inv)
+    fp = KVCacheRunner.over(model, 32, 128, inv)
     dummy = tuple(fp.feeds([1, 2, 3], 32)[n] for n in io_names(model.spec.layers)[0])
     cfg = os.path.join(os.path.dirname(qc.__file__), "htp_quantsim_config_v79.json")
     sim = QuantizationSimModel(model, dummy_input=dummy, quant_scheme=QuantScheme.post_training_tf,
@@ -43,23 +44,16 @@ def test_quantsim_wraps_the_adapted_decoder_and_w8a16_keeps_perplexity(tiny_llam
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(p.stage_dir("adapt"))
-    q = KVCacheRunner(model.spec, 128, {32: TorchGraph(sim.model), 1: TorchGraph(sim.model)}, inv)
+    q = KVCacheRunner.over(sim.model, 32, 128, inv)
     cal = tok(load_corpus("default", "calib", nchars=3000))["input_ids"]
 
     def calibrate(_m: torch.nn.Module, _: object) -> None:
         for i in range(0, 256, 128):
-            q.reset()
-            q.logits(cal[i:i + 128], decode_tokens=4)
+            q.score(cal[i:i + 128], decode_tokens=4)
 
     sim.compute_encodings(calibrate, None)
     ids = tok(load_corpus("default", nchars=2500))["input_ids"]
 
-    def run(r: KVCacheRunner):
-        def fn(w: list[int]) -> torch.Tensor:
-            r.reset()
-            return r.logits(w, decode_tokens=8)
-        return fn
-
-    res = compare(ids, run(fp), run(q), window=128)
+    res = compare(ids, partial(fp.score, decode_tokens=8), partial(q.score, decode_tokens=8), window=128)
     assert res.test_ppl / res.ref_ppl == pytest.approx(1.0, abs=0.05)
     assert res.top1_agreement > 0.8

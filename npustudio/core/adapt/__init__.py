@@ -7,6 +7,7 @@ Genie does) over the eval text and compares every next-token logit with the orig
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -110,13 +111,9 @@ def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike)
     model, inv_freq = adapt_model(lm)
     state.check()
 
-    graphs = {options.ar: TorchGraph(model), 1: TorchGraph(model)}
-    runner = KVCacheRunner(model.spec, options.cl, graphs, inv_freq)
+    runner = KVCacheRunner.over(model, options.ar, options.cl, inv_freq)
     window = min(options.window, options.cl)
-
-    def adapted(ids: list[int]) -> torch.Tensor:
-        runner.reset()
-        return runner.logits(ids, decode_tokens=options.decode_tokens)
+    adapted = partial(runner.score, decode_tokens=options.decode_tokens)
 
     text = load_corpus(options.eval_corpus, "eval", options.eval_chars)
     ids = lm.tokenizer(text)["input_ids"]

@@ -46,6 +46,12 @@ class KVCacheRunner:
         self.ar_prompt = max(graphs)
         self.reset()
 
+    @classmethod
+    def over(cls, model: torch.nn.Module, ar: int, cl: int, inv_freq: torch.Tensor) -> KVCacheRunner:
+        """One module serving both the AR-`ar` prompt graph and the AR-1 token graph (they share weights)."""
+        graph = TorchGraph(model)  # type: ignore[arg-type]
+        return cls(model.spec, cl, {ar: graph, 1: graph}, inv_freq)  # type: ignore[arg-type]
+
     def reset(self) -> None:
         s = self.spec
         self.n_past = 0
@@ -95,6 +101,11 @@ class KVCacheRunner:
         head, tail = list(tokens[: len(tokens) - t]), list(tokens[len(tokens) - t:])
         parts = [self.prefill(head)] + [self.step([tok], 1) for tok in tail]
         return torch.cat(parts)
+
+    def score(self, tokens: Sequence[int], decode_tokens: int = 0) -> torch.Tensor:
+        """`logits` from an empty cache: one eval window or calibration sequence."""
+        self.reset()
+        return self.logits(tokens, decode_tokens)
 
     def generate(self, prompt: Sequence[int], max_new: int, eos: Sequence[int] = (),
                  on_token: Callable[[int], None] | None = None) -> list[int]:

@@ -9,8 +9,10 @@ mirrors (AR-N prefill + AR-1 steps), quantized evaluation (points labelled "quan
 from __future__ import annotations
 
 import gc
+import json
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from ..adapt import KVCacheRunner, TorchGraph, store
-from ..adapt.decoder import graph_names, io_names
+from ..adapt.decoder import io_names
 from ..errors import UserError
 from ..evaluate import DEFAULT_WINDOW, compare, load_corpus
 from ..fsutil import atomic_write_json
@@ -27,7 +29,9 @@ from ..targets import DEFAULT_SOC, soc
 from . import export, simulate
 from .presets import Overrides, preset
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# the tokenizer, and the graphs' names and I/O (the exported graphs are the adapted ones, quantized)
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                "graphs.json")
 
 
 class QuantizeOptions(BaseModel):
@@ -79,8 +83,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
 
     state.progress(0.0, "loading the adapted model")
     model, inv_freq = store.load(adapt_dir)
-    graphs = _adapt_graphs(adapt_dir)
-    ar, cl = graphs["ar"], graphs["cl"]
+    ar, cl, graph_list = _adapt_graphs(adapt_dir)
     tok = _tokenizer(adapt_dir)
     spec = model.spec
     eval_ids = tok(load_corpus(options.eval_corpus, "eval", options.eval_chars))["input_ids"]
@@ -89,13 +92,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     lap("load")
 
     def runner(m: torch.nn.Module) -> KVCacheRunner:
-        return KVCacheRunner(spec, cl, {ar: TorchGraph(m), 1: TorchGraph(m)}, inv_freq)
-
-    def logits_fn(r: KVCacheRunner):
-        def fn(ids: list[int]) -> torch.Tensor:
-            r.reset()
-            return r.logits(ids, decode_tokens=options.decode_tokens)
-        return fn
+        return KVCacheRunner.over(m, ar, cl, inv_freq)
 
     # FP reference (the model is quantized in place afterwards, so keep its logits and test-vector outputs)
     state.progress(0.02, "FP reference")
@@ -103,7 +100,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     ref: list[torch.Tensor] = []
 
     def fp_logits(ids: list[int]) -> torch.Tensor:
-        ref.append(logits_fn(fp_run)(ids))
+        ref.append(fp_run.score(ids, options.decode_tokens))
         return ref[-1]
 
     compare(eval_ids, fp_logits, window=window, state=state.sub(0.02, 0.15), labels=("fp", "quant"))
@@ -129,8 +126,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     def calibrate(_m: torch.nn.Module, _a: object) -> None:
         for i, seq in enumerate(calib):
             state.check()
-            q_run.reset()
-            q_run.logits(seq, decode_tokens=options.calib_decode)
+            q_run.score(seq, options.calib_decode)
             state.progress(0.5 + 0.1 * (i + 1) / len(calib))
 
     sim.compute_encodings(calibrate, None)
@@ -138,15 +134,13 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
 
     label = "quant+seqmse" if options.seq_mse else "quant"
     it = iter(ref)
-    cmp = compare(eval_ids, lambda _w: next(it), logits_fn(q_run), window=window, state=state.sub(0.6, 0.8),
-                  labels=("fp", label))
+    cmp = compare(eval_ids, lambda _w: next(it), partial(q_run.score, decode_tokens=options.decode_tokens),
+                  window=window, state=state.sub(0.6, 0.8), labels=("fp", label))
     ref.clear()  # the FP logits of the whole eval text: free them before the export peaks
     gc.collect()
     lap("quant_eval")
 
     files: list[Path] = []
-    names = graph_names(ar, cl)
-    graph_list = [names["prompt"][0], names["token"][0]]
     if options.export:
         state.progress(0.8, "exporting ONNX + encodings")
         vec_dir = out_dir / "test_vectors"
@@ -160,13 +154,10 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
             gc.collect()
         export.share_weights([f for f in files if f.suffix == ".onnx"], out_dir)
         files.append(out_dir / export.WEIGHTS_FILE)
-        for f in TOKENIZER_FILES:
+        for f in COPIED_FILES:
             if (adapt_dir / f).is_file():
                 shutil.copy2(adapt_dir / f, out_dir / f)
                 files.append(out_dir / f)
-        atomic_write_json(out_dir / "graphs.json", [{**g, "name": n} for g, n in zip(
-            graphs["specs"], graph_list, strict=True)])
-        files.append(out_dir / "graphs.json")
         lap("export")
     rows = export.write_manifest(out_dir, files) if files else []
     res = QuantizeResult(
@@ -180,12 +171,10 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     return res
 
 
-def _adapt_graphs(adapt_dir: Path) -> dict[str, Any]:
-    import json
-
-    specs = json.loads((adapt_dir / "graphs.json").read_text())
-    prompt = next(g for g in specs if g["kind"] == "prompt")
-    return {"ar": prompt["ar"], "cl": prompt["cl"], "specs": specs}
+def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
+    """AR, CL and the names of the prompt and token graphs, as the adapt stage wrote them."""
+    specs = {g["kind"]: g for g in json.loads((adapt_dir / "graphs.json").read_text())}
+    return specs["prompt"]["ar"], specs["prompt"]["cl"], [specs["prompt"]["name"], specs["token"]["name"]]
 
 
 def _tokenizer(folder: Path) -> Any:
@@ -216,8 +205,6 @@ def _seq_mse(sim: Any, calib: list[list[int]], runner: Any, o: QuantizeOptions) 
     from aimet_torch.seq_mse import apply_seq_mse
 
     def forward(model: torch.nn.Module, ids: list[int]) -> None:
-        r = runner(model)
-        r.prefill(ids)
+        runner(model).prefill(ids)
 
-    apply_seq_mse(sim, calib[: max(1, min(2, len(calib)))], num_candidates=o.seq_mse_candidates,
-                  forward_fn=forward)
+    apply_seq_mse(sim, calib[:2], num_candidates=o.seq_mse_candidates, forward_fn=forward)

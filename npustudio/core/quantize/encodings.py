@@ -131,9 +131,9 @@ def _legacy(e: Any) -> dict[str, Any]:
 
 
 def _row(name: str, kind: str, e: dict[str, Any]) -> TensorRow:
-    scales = [float(s) for s in (e["scale"] if isinstance(e["scale"], list) else [e["scale"]])]
-    offsets = [int(o) for o in (e.get("offset") or [0])] if isinstance(e.get("offset", [0]), list) \
-        else [int(e["offset"])]
+    scales = [float(s) for s in _listify(e["scale"])]
+    offsets = [int(o) for o in _listify(e.get("offset") or 0)]
+    channels = len(scales)
     if not scales:
         raise ValueError("no scale")
     if any(s <= 0 for s in scales):
@@ -151,8 +151,9 @@ def _row(name: str, kind: str, e: dict[str, Any]) -> TensorRow:
     if gran is None:
         raise ValueError(f"unknown enc_type {enc_type}")
     levels = 2 ** bw - 1
-    lo = [o * s for o, s in zip(_cycle(offsets, len(scales)), scales, strict=True)]
-    hi = [(o + levels) * s for o, s in zip(_cycle(offsets, len(scales)), scales, strict=True)]
+    pairs = [(offsets[i % len(offsets)], sc) for i, sc in enumerate(scales)]
+    lo = [o * sc for o, sc in pairs]
+    hi = [(o + levels) * sc for o, sc in pairs]
     flat = name.replace("/", ".")
     m = _LAYER.search(flat)
     role = next((r for pat, r in _ROLES if re.search(pat, flat)), "activation")
@@ -160,14 +161,14 @@ def _row(name: str, kind: str, e: dict[str, Any]) -> TensorRow:
         name=name, layer=int(m.group(1) or m.group(2)) if m else None, role=role, kind=kind, bitwidth=bw,
         symmetric=bool(e.get("is_sym", False)), granularity=gran,
         block_size=int(block) if block is not None and gran == "block" else None,
-        channels=len(e["scale"]) if isinstance(e["scale"], list) else 1,
+        channels=channels,
         scale_min=min(scales), scale_median=statistics.median(scales), scale_max=max(scales),
         scale_spread=max(scales) / min(scales), offset=int(statistics.median(offsets)),
         range_min=min(lo), range_max=max(hi))
 
 
-def _cycle(values: list[int], n: int) -> list[int]:
-    return [values[i % len(values)] for i in range(n)]
+def _listify(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else [v]
 
 
 def _kv_carriers(rows: list[TensorRow]) -> None:
@@ -180,12 +181,12 @@ def _kv_carriers(rows: list[TensorRow]) -> None:
 
 
 def _flag(rows: list[TensorRow]) -> None:
-    by_key: dict[tuple[str, str, str], list[TensorRow]] = {}
+    by_key: dict[tuple[str, str], list[TensorRow]] = {}
     for r in rows:
         if r.kind == "param" and r.granularity != "tensor" and r.scale_spread > SCALE_SPREAD_FLAG:
             r.flags.append(f"scales differ ×{r.scale_spread:.0f} across channels")
         if r.kind == "activation" and r.layer is not None:
-            key = (r.role, r.kind, _LAYER.sub("layers.N", r.name.replace("/", ".")))
+            key = (r.role, _LAYER.sub("layers.N", r.name.replace("/", ".")))
             by_key.setdefault(key, []).append(r)
     for group in by_key.values():
         if len(group) < 3:

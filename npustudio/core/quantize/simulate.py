@@ -8,7 +8,7 @@ What the HTP needs, set explicitly rather than left to the config file's op-type
   run fp16-safe in fp16 on the HTP; a 16-bit grid over |h|≈2e4 outliers destroys the model);
 - each layer's KV cache is 8-bit with ONE encoding shared by `past_*_in`, `past_*_out` and the
   Concat that joins them (Genie copies cache entries without requantizing);
-- graph inputs used by many ops (mask, cos/sin) get one encoding each, the same in every layer;
+- the attention mask, an input every layer adds, gets one encoding (cos/sin enter the graph once);
 - everything else: 16-bit activations.
 """
 
@@ -22,8 +22,6 @@ import torch
 from ..adapt.decoder import StaticDecoder
 from ..targets import Soc
 from .presets import Overrides, Preset
-
-WEIGHT_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def config_file(target: Soc) -> str:
@@ -60,10 +58,10 @@ def build(model: StaticDecoder, dummy: tuple[torch.Tensor, ...], preset: Preset,
     return sim
 
 
-def _qdq(shape: tuple[int, ...], bits: int, symmetric: bool, block: tuple[int, ...] | None = None) -> Any:
+def _qdq(shape: tuple[int, ...], bits: int, symmetric: bool) -> Any:
     from aimet_torch.quantization.affine import QuantizeDequantize
 
-    return QuantizeDequantize(shape, bitwidth=bits, symmetric=symmetric, block_size=block)
+    return QuantizeDequantize(shape, bitwidth=bits, symmetric=symmetric)
 
 
 def _lpbq(shape: tuple[int, ...], bits: int, block: tuple[int, ...]) -> Any:
@@ -82,7 +80,7 @@ def weight_quantizer(weight: torch.Tensor, bits: int, block_size: int | None) ->
 
 
 def configure(model: torch.nn.Module, preset: Preset, ov: Overrides) -> None:
-    from .aimet_ops import QuantizedConv1x1
+    from .aimet_ops import QuantizedConv1x1, QuantizedRMSNorm
 
     names = {m: n for n, m in model.named_modules()}
     for m, name in names.items():
@@ -90,28 +88,28 @@ def configure(model: torch.nn.Module, preset: Preset, ov: Overrides) -> None:
             default = preset.head_bits if name == "lm_head" else preset.weight_bits
             bits = ov.weight_bits(name, default)
             m.param_quantizers["weight"] = weight_quantizer(m.weight, bits, preset.block_size)
+        elif isinstance(m, QuantizedRMSNorm):
+            m.param_quantizers["weight"] = None  # a gain: float costs nothing and stays exact
     model.embed.param_quantizers["weight"] = _qdq((), ov.weight_bits("embed", preset.embedding_bits), False)
 
     for layer in model.layers:
-        # residual stream: float
-        for add in (layer.attn_add, layer.mlp_add):
-            _clear(add.input_quantizers)
-            _clear(add.output_quantizers)
-        for norm in (layer.input_norm, layer.post_norm):
-            _clear(norm.input_quantizers)
-            norm.param_quantizers["weight"] = None
+        # the residual stream stays float: the adds and what the residual norms read from it
+        for op in (layer.attn_add, layer.mlp_add):
+            _clear(op.input_quantizers)
+            _clear(op.output_quantizers)
+        for op in (layer.input_norm, layer.post_norm):
+            _clear(op.input_quantizers)
         _tie_kv(layer.attn, preset.kv_bits)
     _clear(model.norm.input_quantizers)
-    model.norm.param_quantizers["weight"] = None
-    for layer in model.layers:
-        for norm in (layer.attn.q_norm, layer.attn.k_norm):
-            if norm is not None:
-                norm.param_quantizers["weight"] = None  # a gain over head_dim: float is free
+    _share_mask(model)
+    if ov.activations:
+        _override_activations(names, ov)
 
-    _share_graph_inputs(model)
+
+def _override_activations(names: dict[torch.nn.Module, str], ov: Overrides) -> None:
     for m, name in names.items():
         for q in list(getattr(m, "output_quantizers", [])) + list(getattr(m, "input_quantizers", [])):
-            if q is not None and ov.activations and not getattr(q, "_npustudio_kv", False):
+            if q is not None and not getattr(q, "_npustudio_kv", False):
                 bits = ov.activation_bits(name, q.bitwidth)
                 if bits != q.bitwidth:
                     q.bitwidth = bits
@@ -135,17 +133,12 @@ def _tie_kv(attn: torch.nn.Module, bits: int) -> None:
     attn.v_cat.output_quantizers[0] = vq
 
 
-def _share_graph_inputs(model: torch.nn.Module) -> None:
-    """The mask and the rope tables feed every layer: one quantizer each, so one encoding each."""
+def _share_mask(model: torch.nn.Module) -> None:
+    """The mask feeds every layer's score add: one quantizer, so one encoding."""
     mask = model.layers[0].attn.mask_add.input_quantizers[1]
     for layer in model.layers:
         if layer.attn.mask_add.input_quantizers[1] is not None:
             layer.attn.mask_add.input_quantizers[1] = mask
-
-
-def kv_quantizers(model: torch.nn.Module) -> list[tuple[Any, Any]]:
-    return [(layer.attn.k_cat.output_quantizers[0], layer.attn.v_cat.output_quantizers[0])
-            for layer in model.layers]
 
 
 def fold(sim: Any) -> None:
