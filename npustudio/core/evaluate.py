@@ -120,7 +120,7 @@ class Comparison:
         return self.top1_agree / max(self.positions, 1)
 
 
-def _nll(logits: torch.Tensor, ids: Sequence[int]) -> float:
+def nll(logits: torch.Tensor, ids: Sequence[int]) -> float:
     tgt = torch.tensor(list(ids[1:]))
     lp = torch.log_softmax(logits[:-1].double(), -1)
     return float(-lp.gather(1, tgt[:, None]).sum())
@@ -135,14 +135,14 @@ def compare(ids: Sequence[int], ref: LogitsFn, test: LogitsFn | None = None, win
         raise UserError("The evaluation text is shorter than two tokens.", "Use a longer text.")
     for i, w in enumerate(ws):
         lr = ref(w)
-        nr = _nll(lr, w)
+        nr = nll(lr, w)
         res.ref_nll += nr
         res.tokens += len(w) - 1
         res.windows += 1
         row = {"window": i, "tokens": len(w) - 1, f"{labels[0]}_ppl": math.exp(nr / (len(w) - 1))}
         if test is not None:
             lt = test(w)
-            nt = _nll(lt, w)
+            nt = nll(lt, w)
             res.test_nll += nt
             res.top1_agree += int((lr.argmax(-1) == lt.argmax(-1)).sum())
             res.positions += len(w)

@@ -89,7 +89,7 @@ class Attention(nn.Module):
         k = self.k_rope(k, cos_k, sin_k)
         keys = self.k_cat(past_k, k).reshape(kv, hd, -1)  # (KV, hd, CL)
         vals = self.v_cat(past_v, v).reshape(kv, -1, hd)  # (KV, CL, hd)
-        scores = self.qk(q, keys).reshape(kv, g, n, -1)
+        scores = self.qk(q, keys).reshape(1, kv * g, n, -1)  # the mask broadcasts over one axis only (HTP)
         p = self.softmax(self.mask_add(scores, mask)).reshape(kv, g * n, -1)
         o = self.pv(p, vals)  # (KV, G*N, hd) -> heads in order -> (1, H*hd, 1, N)
         o = o.reshape(kv * g, n, hd).permute(0, 2, 1).reshape(1, kv * g * hd, 1, n)
@@ -103,11 +103,15 @@ class MLP(nn.Module):
         self.gate = Conv1x1(z(spec.intermediate, spec.hidden))
         self.up = Conv1x1(z(spec.intermediate, spec.hidden))
         self.down = Conv1x1(z(spec.hidden, spec.intermediate))
-        self.act = nn.SiLU()
+        # SiLU as Sigmoid + Mul modules: each output gets its own encoding (an exported SiLU leaves the
+        # sigmoid output float between quantized ops, which the HTP cannot build)
+        self.sigmoid = nn.Sigmoid()
+        self.silu = Mul()
         self.mul = Mul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.mul(self.act(self.gate(x)), self.up(x)))
+        g = self.gate(x)
+        return self.down(self.mul(self.silu(g, self.sigmoid(g)), self.up(x)))
 
 
 class Layer(nn.Module):

@@ -10,6 +10,7 @@ two graphs share their weights, and a tied embedding/LM head is one blob.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import warnings
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 
 from ..adapt.decoder import io_names
 from ..fsutil import atomic_write_json
+from . import simulate
 
 WEIGHTS_FILE = "weights.bin"
 _MIN_EXTERNAL = 1024  # bytes: smaller tensors stay inside the .onnx
@@ -36,7 +38,22 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
         warnings.simplefilter("ignore")
         sim.onnx.export(args, str(out / f"{name}.onnx"), encoding_version="1.0.0", **kw)
         aonnx.export(sim.model, args, str(out / f"{name}_qdq.onnx"), prequantize_constants=True, **kw)
+    _add_input_encodings(out / f"{name}.encodings", simulate.input_quantizers(sim.model))
     return [out / f"{name}.onnx", out / f"{name}.encodings", out / f"{name}_qdq.onnx"]
+
+
+def _add_input_encodings(path: Path, quantizers: dict[str, Any]) -> None:
+    """Name the encodings of graph inputs that aimet's export leaves implicit (it lists none for an input
+    that only feeds a Concat), so a compiler can quantize every input exactly as the quantsim did."""
+    data = json.loads(path.read_text())
+    have = {e["name"] for e in data["activation_encodings"]}
+    for name, q in quantizers.items():
+        if name in have:
+            continue
+        data["activation_encodings"].append({
+            "name": name, "dtype": "INT", "bw": int(q.bitwidth), "is_sym": bool(q.symmetric),
+            "scale": [float(q.get_scale())], "offset": [int(q.get_offset())], "enc_type": "PER_TENSOR"})
+    atomic_write_json(path, data)
 
 
 def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:

@@ -8,7 +8,8 @@ What the HTP needs, set explicitly rather than left to the config file's op-type
   run fp16-safe in fp16 on the HTP; a 16-bit grid over |h|≈2e4 outliers destroys the model);
 - each layer's KV cache is 8-bit with ONE encoding shared by `past_*_in`, `past_*_out` and the
   Concat that joins them (Genie copies cache entries without requantizing);
-- the attention mask, an input every layer adds, gets one encoding (cos/sin enter the graph once);
+- the attention mask, an input every layer adds, gets one encoding; the cos/sin tables one fixed
+  [-1, 1] encoding through their concat/negation (so they enter the graph as uint16 inputs);
 - everything else: 16-bit activations.
 """
 
@@ -102,6 +103,7 @@ def configure(model: torch.nn.Module, preset: Preset, ov: Overrides) -> None:
         _tie_kv(layer.attn, preset.kv_bits)
     _clear(model.norm.input_quantizers)
     _share_mask(model)
+    _share_rope_tables(model)
     if ov.activations:
         _override_activations(names, ov)
 
@@ -139,6 +141,26 @@ def _share_mask(model: torch.nn.Module) -> None:
     for layer in model.layers:
         if layer.attn.mask_add.input_quantizers[1] is not None:
             layer.attn.mask_add.input_quantizers[1] = mask
+
+
+def _share_rope_tables(model: torch.nn.Module) -> None:
+    """cos/sin lie in [-1, 1]: one frozen 16-bit encoding for the inputs, the sign flip and the doubled tables."""
+    import torch as t
+
+    q = _qdq((), 16, False)
+    q.set_range(t.tensor(-1.0), t.tensor(1.0))
+    q.allow_overwrite(False)
+    for op in (model.cos_cat, model.sin_cat, model.sin_neg):
+        for qs in (op.input_quantizers, op.output_quantizers):
+            for i in range(len(qs)):
+                qs[i] = q
+
+
+def input_quantizers(model: torch.nn.Module) -> dict[str, Any]:
+    """The quantizers that encode the float graph inputs (by input name)."""
+    return {"position_ids_cos": model.cos_cat.output_quantizers[0],
+            "position_ids_sin": model.sin_cat.output_quantizers[0],
+            "attention_mask": model.layers[0].attn.mask_add.input_quantizers[1]}
 
 
 def fold(sim: Any) -> None:
