@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
@@ -53,8 +54,16 @@ def _stdout_is_for(json_only: bool) -> Iterator[None]:
     if not json_only:
         yield
         return
-    with redirect_stdout(sys.stderr):
-        yield
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)  # native libraries (QNN, Genie) print on fd 1 directly
+    try:
+        with redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _card_table(card: dict[str, Any], fits: list[dict[str, Any]]) -> None:
@@ -195,8 +204,12 @@ def cmd_run(a: argparse.Namespace) -> int:
     from .core import pipeline
 
     project_dir = Path(a.project) if a.project else pipeline.default_project_dir()
+    def stream(s: str) -> None:  # the device's answer as it arrives (stderr keeps stdout for the summary)
+        err.print(s, end="", markup=False, highlight=False)
+
     with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
-        summary = pipeline.run_all(project_dir, a.model, _adapt_options(a), st, _quantize_options(a))
+        summary = pipeline.run_all(project_dir, a.model, _adapt_options(a), st, _quantize_options(a),
+                                   _compile_options(a), ask=not a.no_ask, on_text=None if a.json else stream)
     if a.json:
         _print_json(summary)
         return 0
@@ -210,7 +223,303 @@ def cmd_run(a: argparse.Namespace) -> int:
     out.print(f"  FP perplexity: {ad['ppl_fp']:.3f} (adapted graphs: {ad['ppl_adapted']:.3f}) "
               f"over {ad['eval_tokens']} tokens")
     _print_quantize(summary["quantize"])
+    _print_compile(summary["compile"])
+    out.print(f"  bundle: {summary['bundle']['folder']} (libGenie {summary['bundle']['genie_api']}: valid)")
+    if summary["sample"]:
+        sm = summary["sample"]
+        where = f"{sm['device']}{' (virtual device)' if sm['virtual'] else ''}"
+        out.print(f"  deployed to {where}: {sm['deploy']['bytes_sent']:,} B sent")
+        cut = f" … (stopped after {sm['stopped_after_tokens']} tokens)" if sm["stopped_after_tokens"] else ""
+        out.print(f"  [bold]{sm['question']}[/] → {sm['answer'].strip()!r}{cut}")
+        ps = sm["profile_summary"]
+        if ps:
+            out.print(f"  Genie profile: init {ps['init_s']} s, TTFT {ps['ttft_s']} s, prompt {ps['prompt_tok_s']} "
+                      f"tok/s, generation {ps['generation_tok_s']} tok/s  ({sm['profile']})")
     return 0
+
+
+def _compile_options(a: argparse.Namespace) -> Any:
+    from .core.compile import CompileOptions
+
+    return CompileOptions(backend=a.backend, target=getattr(a, "compile_target", None), verify_tokens=a.verify_tokens)
+
+
+def _print_compile(c: dict[str, Any]) -> None:
+    from .core.models import human_bytes
+
+    out.print(f"Compiled with {c['backend']} for {c['target']} ({c['dsp_arch']}, soc_model {c['soc_model']}): "
+              f"{c['nodes_on_cpu']} nodes on the CPU")
+    for b in c["binaries"]:
+        out.print(f"  {b['file']}: {human_bytes(b['bytes'])}, {b['nodes_on_qnn']} nodes on QNN, "
+                  f"compiled in {b['compile_seconds']:.1f} s")
+    v = c["verification"]
+    if "nll_htp" in v:
+        out.print(f"  on the HTP simulator over {v['tokens']} tokens: NLL {v['nll_htp']:.4f} vs quantsim (CPU) "
+                  f"{v['nll_quantsim_cpu']:.4f} (Δ {v['nll_diff']:+.4f}), top-1 agreement {v['top1_agreement']:.3f}")
+
+
+def cmd_compile(a: argparse.Namespace) -> int:
+    from .core import pipeline
+    from .core.project import Project
+
+    project = Project.open(a.project, create=False)
+    with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
+        rec = pipeline.compile_graphs(project, _compile_options(a), st)
+    c = pipeline.compile_summary(rec.result) | {"seconds": round(rec.seconds, 1),
+                                                "peak_rss_mb": round(rec.peak_rss_mb)}
+    if a.json:
+        _print_json(c)
+    else:
+        _print_compile(c)
+    return 0
+
+
+def cmd_bundle(a: argparse.Namespace) -> int:
+    from .core import pipeline
+    from .core.genie.bundle import BundleOptions
+    from .core.genie.config import Sampler
+    from .core.project import Project
+
+    project = Project.open(a.project, create=False)
+    opts = BundleOptions(question=a.question, sampler=Sampler(greedy=not a.sample))
+    with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
+        rec = pipeline.bundle(project, opts, st)
+    if a.json:
+        _print_json(rec.result)
+    else:
+        out.print(f"Bundle {rec.result['folder']} (validated by libGenie {rec.result['genie_api']})")
+        for f in rec.result["files"]:
+            out.print(f"  {f['file']:<40} {f['bytes']:>12,d} B")
+        if rec.result["runtime_missing"]:
+            out.print("  phone runtime not included (set QNN_SDK_ROOT): " + ", ".join(rec.result["runtime_missing"]))
+    return 0
+
+
+def cmd_genie_run(a: argparse.Namespace) -> int:
+    """genie-t2t-run compatible: [PROMPT]/[BEGIN]: ... [END] on stdout, Genie's log on stderr."""
+    import threading
+
+    from .core.genie import runner
+
+    if a.prompt_file:
+        try:
+            prompt = Path(a.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"Cannot read the prompt file {a.prompt_file}: {e.strerror}.", "Check the path.") from e
+    else:
+        prompt = a.prompt or ""
+    stop = threading.Event()
+    sys.stdout.flush()
+    tokens_out = os.fdopen(os.dup(1), "w", encoding="utf-8")  # the answer alone on stdout:
+    # QNN and Genie print banners on fd 1 and 2 from native code; their log comes through the logger
+    # callback, so outside --log verbose both fds point at /dev/null while our own messages keep stderr
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    saved_err = None
+    if a.log != "verbose":
+        saved_err = os.dup(2)
+        err.file = os.fdopen(os.dup(saved_err), "w", encoding="utf-8")
+        os.dup2(devnull, 2)
+    os.close(devnull)
+    tokens_out.write(f"[PROMPT]: {prompt}\n\n[BEGIN]: ")
+    tokens_out.flush()
+
+    def text(s: str) -> None:
+        tokens_out.write(s)
+        tokens_out.flush()
+
+    if a.preview:
+        err.print("[yellow]preview: the quantized graphs on the CPU, not Genie on the HTP[/]")
+    try:
+        res = runner.run(Path(a.config), prompt, text, Path(a.profile) if a.profile else None, log_level=a.log,
+                         on_log=lambda line: err.print(line, markup=False, highlight=False), stop=stop,
+                         max_tokens=a.max_tokens, preview=a.preview)
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+    finally:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # native stdio buffers go to /dev/null now, not after fd 1 is back
+        tokens_out.write("[END]\n")
+        tokens_out.flush()
+        os.dup2(tokens_out.fileno(), 1)
+        tokens_out.close()
+        if saved_err is not None:
+            os.dup2(saved_err, 2)
+            os.close(saved_err)
+    if res.status == "aborted":
+        err.print("aborted")
+    elif res.status == "context-full":
+        err.print("Genie stopped: the prompt and the answer filled the model's context. Shorten the prompt.")
+    return 0
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from .core.genie import profile
+
+    prof = profile.read(Path(a.file))
+    summary = profile.summarize(prof).model_dump()
+    roof = _roofline(Path(a.bundle)) if a.bundle else None
+    if a.json:
+        _print_json({"summary": summary, "events": [e.model_dump() for e in prof.events], "roofline": roof})
+        return 0
+    t = Table(title=f"{a.file}  ({summary['runner']})", show_header=False)
+    for k, v in summary.items():
+        t.add_row(k, "—" if v is None else str(v))
+    if roof:
+        t.add_row("decode roofline (tok/s)", f"{roof['decode_tok_s_bound']} at {roof['memory_gb_s']} GB/s")
+    out.print(t)
+    return 0
+
+
+def _roofline(bundle: Path) -> dict[str, Any]:
+    from .core.genie import profile
+    from .core.genie.bundle import METADATA
+    from .core.targets import Soc
+
+    try:
+        meta = json.loads((bundle / METADATA).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{bundle} is not a bundle folder (no readable {METADATA}).",
+                        "Pass the folder `npustudio bundle` wrote.") from e
+    weights = max(f.stat().st_size for f in bundle.glob("*.bin"))
+    dec = meta["decoder"]
+    kv = 2 * dec["layers"] * dec["kv_heads"] * dec["head_dim"]  # 8-bit K and V per token
+    return profile.roofline(Soc(**meta["target"]), weights, kv, meta["context_length"])
+
+
+def cmd_devices(a: argparse.Namespace) -> int:
+    from .core import device
+
+    devs = [d.model_dump() for d in device.devices()]
+    if a.json:
+        _print_json(devs)
+        return 0
+    if not devs:
+        out.print("No device. Attach a phone with USB debugging on, or run `npustudio virtual-device`.")
+        return 0
+    t = Table(title=f"adb devices (server port {device.server_port()})")
+    for col in ("serial", "state", "model", "SoC", "arch", "Android", "RAM", "free /data/local/tmp"):
+        t.add_column(col)
+    def gb(b: int | None) -> str:
+        return f"{b / 1e9:.1f} GB" if b else "—"
+
+    for d in devs:
+        t.add_row(d["serial"] + ("  [virtual]" if d["virtual"] else ""), d["state"], d["model"],
+                  f"{d['soc']} ({d['product']})" if d["soc"] else "", f"{d['dsp_arch']} / {d['soc_model']}",
+                  d["android"], gb(d["ram_bytes"]), gb(d["free_bytes"]))
+    out.print(t)
+    return 0
+
+
+def start_virtual_device(port: int = 0, soc_name: str = "SM8750", preview: bool = False, root: Path | None = None
+                         ) -> Any:
+    """Start a virtual device in this process and have the adb server connect to it."""
+    import platformdirs
+
+    from .core import device
+    from .core.device.virtual import VirtualDevice
+
+    root = root or platformdirs.user_data_path("npustudio") / "virtual-device"
+    vd = VirtualDevice(root, port=port, soc_name=soc_name, preview=preview).start()
+    res = str(device.client().connect(vd.serial, timeout=15))
+    if "connected" not in res or "failed" in res:
+        vd.stop()
+        raise UserError(f"The adb server did not connect to the virtual device: {res}", "Restart adb and retry.")
+    return vd
+
+
+def cmd_virtual_device(a: argparse.Namespace) -> int:
+    import time
+
+    vd = start_virtual_device(a.port, a.soc, a.preview, Path(a.root) if a.root else None)
+    kind = "preview runner" if a.preview else "real Genie on the HTP simulator"
+    err.print(f"virtual device {vd.serial} ({a.soc}, {kind}) is connected; its /data/local/tmp is "
+              f"{vd.root / 'data/local/tmp'}. Ctrl-C stops it.")
+    sys.stdout.write(vd.serial + "\n")
+    sys.stdout.flush()
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        from .core import device
+
+        try:
+            device.client().disconnect(vd.serial)
+        except Exception:
+            pass
+        vd.stop()
+    return 0
+
+
+def cmd_deploy(a: argparse.Namespace) -> int:
+    from .core import device
+    from .core.device import deploy
+
+    dev = device.pick(a.device)
+    with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
+        res = deploy.deploy(Path(a.bundle), dev, st, force=a.force)
+    if a.json:
+        _print_json(res.model_dump())
+    else:
+        out.print(f"Deployed to {res.device}:{res.remote_dir}: {res.bytes_sent:,} B sent "
+                  f"({res.rate_mb_s} MB/s), {res.bytes_skipped:,} B already there")
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    import threading
+
+    from .core import chat, device
+    from .core.device import deploy
+
+    bundle = Path(a.bundle) if a.bundle else _default_bundle()
+    if a.desktop or a.preview:
+        runner: Any = chat.DesktopRunner(bundle, preview=a.preview)
+    else:
+        dev = device.pick(a.device)
+        with live_state() as st:
+            deploy.deploy(bundle, dev, st)
+        runner = chat.DeviceRunner(dev.serial, bundle)
+    session = chat.ChatSession(bundle, runner, system=a.system)
+    if a.new:
+        session.clear()
+
+    def ask(text: str) -> None:
+        stop = threading.Event()
+        try:
+            turn = session.send(text, lambda s: (sys.stdout.write(s), sys.stdout.flush()), stop)
+        except KeyboardInterrupt:
+            stop.set()
+            raise
+        rate = f", {turn.generation_tok_s:.2f} tok/s" if turn.generation_tok_s else ""
+        err.print(f"\n[dim]({runner.name}{rate})[/]")
+
+    if a.prompt:
+        ask(a.prompt)
+        return 0
+    err.print(f"chatting with {bundle} on {runner.name}; empty line or Ctrl-D ends")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            return 0
+        ask(line)
+
+
+def _default_bundle() -> Path:
+    from .core import pipeline
+
+    b = pipeline.default_project_dir() / "stages" / "bundle"
+    if not (b / "genie_config.json").is_file():
+        raise UserError("No bundle given and the default project has none.", "Pass --bundle DIR, or run "
+                        "`npustudio run` first.")
+    return b
 
 
 def cmd_token(a: argparse.Namespace) -> int:
@@ -277,6 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--overrides", default=None, help="JSON file of per-module bitwidths (mixed precision)")
         s.add_argument("--eval-chars", type=int, default=None, help="evaluate on the first N characters only")
 
+    def compile_args(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--backend", default="ort-qnn", choices=["ort-qnn", "qairt"],
+                       help="ort-qnn: embedded onnxruntime-qnn (HTP simulator); qairt: the SDK at QNN_SDK_ROOT")
+        s.add_argument("--verify-tokens", type=int, default=128, help="eval tokens run on the HTP simulator (0: skip)")
+
     s = add("quantize", cmd_quantize, "calibrate and quantize the adapted graphs with AIMET, then export them")
     s.add_argument("--project", required=True, help="project folder with an adapted model")
     quantize_args(s)
@@ -292,6 +606,58 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--project", default=None, help="project folder (default: the per-user default project)")
     adapt_args(s)
     quantize_args(s)
+    compile_args(s)
+    s.add_argument("--no-ask", action="store_true", help="stop at the verified bundle (skip the Genie question)")
+
+    s = add("compile", cmd_compile, "compile the quantized graphs to QNN HTP context binaries and verify them")
+    s.add_argument("--project", required=True)
+    compile_args(s)
+    s.add_argument("--json", action="store_true")
+
+    s = add("bundle", cmd_bundle, "write the Genie bundle (config, binaries, tokenizer), validated by libGenie")
+    s.add_argument("--project", required=True)
+    s.add_argument("--question", default="What is the capital of France?", help="the sample prompt's question")
+    s.add_argument("--sample", action="store_true", help="sample (top-k/top-p) instead of greedy decoding")
+    s.add_argument("--json", action="store_true")
+
+    s = add("genie-run", cmd_genie_run, "run a bundle with the real Genie on the HTP simulator "
+            "(genie-t2t-run compatible)")
+    s.add_argument("-c", "--config", required=True, help="the bundle's genie_config.json")
+    s.add_argument("-p", "--prompt", default=None)
+    s.add_argument("--prompt_file", default=None, help="prompt text file (real newlines)")
+    s.add_argument("--profile", default=None, help="write Genie's profile JSON here")
+    s.add_argument("--log", default="error", choices=["error", "warn", "info", "verbose"])
+    s.add_argument("--max-tokens", type=int, default=None, help="stop after N generated tokens")
+    s.add_argument("--preview", action="store_true", help="fast preview: the quantized graphs on the CPU, not Genie")
+
+    s = add("profile", cmd_profile, "read a Genie profile JSON: init, TTFT, rates; roofline with --bundle")
+    s.add_argument("file")
+    s.add_argument("--bundle", default=None, help="the bundle folder, for a roofline estimate")
+    s.add_argument("--json", action="store_true")
+
+    s = add("devices", cmd_devices, "adb devices with SoC, NPU arch, Android, RAM and free space")
+    s.add_argument("--json", action="store_true")
+
+    s = add("virtual-device", cmd_virtual_device, "start a virtual phone the adb server connects to")
+    s.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (not 5554-5585; 0 = any)")
+    s.add_argument("--soc", default="SM8750", help="the SoC it reports (ro.soc.model)")
+    s.add_argument("--preview", action="store_true", help="answer with the fast CPU preview instead of real Genie")
+    s.add_argument("--root", default=None, help="folder holding its file system")
+
+    s = add("deploy", cmd_deploy, "push a bundle to a device (incremental, resumable)")
+    s.add_argument("bundle")
+    s.add_argument("--device", default=None, help="serial (default: the only phone, else the only device)")
+    s.add_argument("--force", action="store_true", help="push every file again")
+    s.add_argument("--json", action="store_true")
+
+    s = add("chat", cmd_chat, "chat with a bundle on a device or on this computer")
+    s.add_argument("prompt", nargs="?", default=None, help="one question (omit for an interactive chat)")
+    s.add_argument("--bundle", default=None, help="bundle folder (default: the default project's)")
+    s.add_argument("--device", default=None, help="adb serial")
+    s.add_argument("--desktop", action="store_true", help="real Genie on this computer's HTP simulator")
+    s.add_argument("--preview", action="store_true", help="the fast CPU preview on this computer")
+    s.add_argument("--system", default=None, help="system prompt")
+    s.add_argument("--new", action="store_true", help="start a new conversation (forget the saved history)")
 
     s = add("token", cmd_token, "store, check or delete the Hugging Face token (system keyring only)")
     s.add_argument("action", choices=["set", "delete", "status"])

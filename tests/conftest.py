@@ -51,6 +51,10 @@ TINY = {
     "llama": dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=1024, bos_token_id=1,
                   eos_token_id=2),
+    # head_dim 64 like real models: the HTP's kernels want head dims of 32 or more
+    "llama64": dict(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=1024, bos_token_id=1,
+                    eos_token_id=2),
     "qwen2": dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=1, tie_word_embeddings=False, max_position_embeddings=1024,
                   rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, bos_token_id=1,
@@ -64,7 +68,8 @@ TINY = {
 def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0) -> Path:
     import transformers
 
-    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    llama = ("LlamaConfig", "LlamaForCausalLM")
+    cls = {"llama": llama, "llama64": llama, "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
     cfg = getattr(transformers, cls[0])(**TINY[family])
     torch.manual_seed(seed)
@@ -88,3 +93,25 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def genie_project(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """A tiny Llama (head_dim 64, CL 128, AR-32) taken through adapt, quantize, compile and bundle once."""
+    from npustudio.core import pipeline
+    from npustudio.core.adapt import AdaptOptions
+    from npustudio.core.compile import CompileOptions
+    from npustudio.core.genie.bundle import BundleOptions
+    from npustudio.core.progress import State
+    from npustudio.core.project import Project
+    from npustudio.core.quantize import QuantizeOptions
+
+    root = tmp_path_factory.mktemp("cg")
+    model = make_tiny_model(root / "m", "llama64")
+    p = Project.open(root / "p")
+    pipeline.adapt(p, str(model), AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128, decode_tokens=8), State())
+    pipeline.quantize(p, QuantizeOptions(precision="w8a16", calib_samples=2, calib_len=64, calib_decode=4,
+                                         eval_chars=1500, window=128, decode_tokens=8), State())
+    pipeline.compile_graphs(p, CompileOptions(verify_tokens=64), State())
+    pipeline.bundle(p, BundleOptions(), State())
+    return p

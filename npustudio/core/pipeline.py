@@ -5,16 +5,19 @@ Used by both the CLI and the GUI, so they run exactly the same thing.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import platformdirs
 
 from . import adapt as adapt_stage
+from . import compile as compile_stage
 from . import models
 from . import quantize as quantize_stage
 from .errors import UserError
 from .fsutil import atomic_write_json
+from .genie import bundle as bundle_stage
 from .progress import State, StateLike
 from .project import Project, StageRecord
 
@@ -67,26 +70,131 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
     def fn(out: Path) -> dict[str, Any]:
         return quantize_stage.run(project.stage_dir("adapt"), options, out, state).model_dump()
 
-    rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key}, options=options.model_dump(), fn=fn)
+    rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key, "format": quantize_stage.FORMAT},
+                               options=options.model_dump(), fn=fn)
     return rec
 
 
+def _require(project: Project, stage: str, command: str) -> StageRecord:
+    rec = project.record(stage)
+    if rec is None or rec.status != "done" or project.verify(stage):
+        raise UserError(f"The project {project.root} has no intact {stage} stage yet.",
+                        f"Run `npustudio {command} --project {project.root}` first (or `npustudio run`).")
+    return rec
+
+
+def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike) -> StageRecord:
+    """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
+    qrec = _require(project, "quantize", "quantize")
+
+    def fn(out: Path) -> dict[str, Any]:
+        return compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"), options, out,
+                                 state).model_dump()
+
+    rec, _ = project.run_stage("compile", inputs={"quantize": qrec.key, "format": compile_stage.FORMAT},
+                               options=options.model_dump(), fn=fn)
+    return rec
+
+
+def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike) -> StageRecord:
+    """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie."""
+    crec = _require(project, "compile", "compile")
+
+    def fn(out: Path) -> dict[str, Any]:
+        res = bundle_stage.run(project.stage_dir("compile"), project.stage_dir("adapt"), options, out, state)
+        return res.model_dump() | {"folder": str(project.stage_dir("bundle"))}
+
+    rec, _ = project.run_stage("bundle", inputs={"compile": crec.key}, options=options.model_dump(), fn=fn)
+    return rec
+
+
+def ask_on_device(project: Project, serial: str | None = None, max_tokens: int = 16, on_text: Any = None,
+                  state: StateLike | None = None) -> dict[str, Any]:
+    """Deploy the bundle (to the virtual device when no phone is attached) and ask its sample prompt there.
+
+    genie-t2t-run has no token limit of its own, so the answer is stopped after `max_tokens` pieces.
+    """
+    import threading
+
+    from . import device
+    from .device import deploy, run
+    from .device.virtual import VirtualDevice
+    from .genie import profile as genie_profile
+
+    state = state or State()
+    folder = project.stage_dir("bundle")
+    started = None
+    try:
+        try:
+            dev = device.pick(serial)
+        except UserError:
+            if serial:
+                raise
+            root = platformdirs.user_data_path("npustudio") / "virtual-device"
+            started = VirtualDevice(root).start()
+            device.client().connect(started.serial, timeout=15)
+            dev = device.info(started.serial)
+        state.progress(0.0, f"deploying to {dev.serial}")
+        pushed = deploy.deploy(folder, dev, state.sub(0.0, 0.3))
+        prompt = (folder / bundle_stage.SAMPLE_PROMPT).read_text(encoding="utf-8")
+        prof = project.root / "runs" / "sample_profile.json"
+        prof.parent.mkdir(exist_ok=True)
+        stop = threading.Event()
+        pieces: list[str] = []
+
+        def text(s: str) -> None:
+            pieces.append(s)
+            if on_text:
+                on_text(s)
+            if len(pieces) > max_tokens + 2:  # [PROMPT] and [BEGIN] arrive as pieces too
+                stop.set()
+
+        state.progress(0.3, f"asking on {dev.serial} (Genie on the HTP simulator for the virtual device: slow)")
+        res = run.run(dev.serial, pushed.remote_dir, prompt, text, stop=stop, profile_to=prof)
+        summary = genie_profile.summarize(genie_profile.read(prof)).model_dump() if res.profile_path else None
+        meta = json.loads((folder / bundle_stage.METADATA).read_text())
+        return {"device": dev.serial, "virtual": dev.virtual, "question": meta["question"], "answer": res.text,
+                "stopped_after_tokens": max_tokens if res.status == "stopped" else None,
+                "deploy": {"bytes_sent": pushed.bytes_sent, "bytes_skipped": pushed.bytes_skipped},
+                "profile": res.profile_path, "profile_summary": summary}
+    finally:
+        if started is not None:
+            try:
+                device.client().disconnect(started.serial)
+            except Exception:
+                pass
+            started.stop()
+
+
 def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,
-            state: StateLike | None = None, qoptions: quantize_stage.QuantizeOptions | None = None
-            ) -> dict[str, Any]:
-    """The main job on the embedded defaults: intake -> adapt (+ equivalence) -> quantize + export."""
+            state: StateLike | None = None, qoptions: quantize_stage.QuantizeOptions | None = None,
+            coptions: compile_stage.CompileOptions | None = None, ask: bool = True,
+            on_text: Any = None) -> dict[str, Any]:
+    """The main job on the embedded defaults: intake -> adapt (+ equivalence) -> quantize + export ->
+    compile (+ simulator check) -> bundle (libGenie-validated) -> deploy to a device (the virtual one when
+    no phone is attached) -> the sample prompt there, streamed."""
     options = options or adapt_stage.AdaptOptions()
     qoptions = qoptions or quantize_stage.QuantizeOptions()
+    coptions = coptions or compile_stage.CompileOptions()
     state = state or State()
     project = Project.open(project_dir)
-    rec = adapt(project, model, options, state.sub(0.0, 0.4))
-    qrec = quantize(project, qoptions, state.sub(0.4, 1.0))
+    rec = adapt(project, model, options, state.sub(0.0, 0.3))
+    qrec = quantize(project, qoptions, state.sub(0.3, 0.7))
+    crec = compile_graphs(project, coptions, state.sub(0.7, 0.85))
+    brec = bundle(project, bundle_stage.BundleOptions(), state.sub(0.85, 0.9))
+    sample = None
+    if ask:
+        sample = ask_on_device(project, on_text=on_text, state=state.sub(0.9, 1.0))
     m = project.load()
     return {
         "project": str(project.root),
         "model": m.stages["model"].result["card"]["source"],
         "adapt": adapt_summary(rec.result),
         "quantize": quantize_summary(qrec.result, project.stage_dir("quantize")),
+        "compile": compile_summary(crec.result),
+        "bundle": {"folder": brec.result["folder"], "validated": brec.result["validated"],
+                   "files": brec.result["files"], "genie_api": brec.result["genie_api"]},
+        "sample": sample,
         "stages": {n: {"seconds": round(s.seconds, 2), "peak_rss_mb": round(s.peak_rss_mb)}
                    for n, s in m.stages.items()},
     }
@@ -105,3 +213,11 @@ def quantize_summary(r: dict[str, Any], folder: Path) -> dict[str, Any]:
     return {"precision": r["precision"], "target": r["target"], "seq_mse": r["seq_mse"], "ppl_fp": r["ppl_fp"],
             "ppl_quant": r["ppl_quant"], "ratio": r["ratio"], "top1_agreement": r["top1_agreement"],
             "eval_tokens": r["eval_tokens"], "folder": str(folder), "files": r["files"], "steps": r["steps"]}
+
+
+def compile_summary(r: dict[str, Any]) -> dict[str, Any]:
+    return {"backend": r["backend"], "target": r["target"], "dsp_arch": r["dsp_arch"], "soc_model": r["soc_model"],
+            "nodes_on_cpu": r["nodes_on_cpu"],
+            "binaries": [{"graph": g["graph"], "file": g["context_bin"], "bytes": g["bin_bytes"],
+                          "nodes_on_qnn": g["nodes_on_qnn"], "compile_seconds": g["seconds"]} for g in r["graphs"]],
+            "verification": r["verification"], "steps": r["steps"]}

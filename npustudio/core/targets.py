@@ -16,6 +16,7 @@ class Soc(BaseModel):
     product: str
     soc_model: int | None  # QNN's soc_model id
     dsp_arch: str  # v73, v75, v79, v81 ...
+    memory_gb_s: float  # peak LPDDR bandwidth (public spec sheets): the decode roofline
 
     @property
     def arch_number(self) -> int:
@@ -23,11 +24,11 @@ class Soc(BaseModel):
 
 
 SOCS: dict[str, Soc] = {s.soc: s for s in (
-    Soc(soc="SM8550", product="Snapdragon 8 Gen 2", soc_model=43, dsp_arch="v73"),
-    Soc(soc="SM8650", product="Snapdragon 8 Gen 3", soc_model=57, dsp_arch="v75"),
-    Soc(soc="SM8750", product="Snapdragon 8 Elite", soc_model=69, dsp_arch="v79"),
-    Soc(soc="SM8850", product="Snapdragon 8 Elite Gen 5", soc_model=88, dsp_arch="v81"),
-    Soc(soc="SC8380XP", product="Snapdragon X Elite / X Plus", soc_model=60, dsp_arch="v73"),
+    Soc(soc="SM8550", product="Snapdragon 8 Gen 2", soc_model=43, dsp_arch="v73", memory_gb_s=68.3),
+    Soc(soc="SM8650", product="Snapdragon 8 Gen 3", soc_model=57, dsp_arch="v75", memory_gb_s=76.8),
+    Soc(soc="SM8750", product="Snapdragon 8 Elite", soc_model=69, dsp_arch="v79", memory_gb_s=85.3),
+    Soc(soc="SM8850", product="Snapdragon 8 Elite Gen 5", soc_model=88, dsp_arch="v81", memory_gb_s=85.3),
+    Soc(soc="SC8380XP", product="Snapdragon X Elite / X Plus", soc_model=60, dsp_arch="v73", memory_gb_s=135.0),
 )}
 DEFAULT_SOC = "SM8750"
 

@@ -44,3 +44,16 @@ def load(folder: Path) -> tuple[StaticDecoder, torch.Tensor]:
     if spec.tied_embeddings:
         model.tie()
     return model.eval(), inv_freq
+
+
+def load_spec(folder: Path) -> tuple[DecoderSpec, torch.Tensor]:
+    """The spec and RoPE frequencies only (what a host runner needs), without reading the weights."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if not (folder / WEIGHTS).is_file() or not (folder / SPEC).is_file():
+        raise UserError(f"{folder} holds no adapted model ({WEIGHTS}, {SPEC}).", "Run the adapt stage first.")
+    spec = DecoderSpec.model_validate(json.loads((folder / SPEC).read_text()))
+    with safe_open(str(folder / WEIGHTS), framework="pt") as f:
+        inv_freq = f.get_tensor(INV_FREQ)
+    return spec, inv_freq

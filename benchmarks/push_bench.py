@@ -1,0 +1,83 @@
+"""Push throughput to the virtual device: `npustudio deploy` vs the stock `adb push`, side by side.
+
+Both go through the same private adb server and the same loopback link to one virtual device. Prints
+JSON: MB/s of each (best of --repeat), their ratio (target ≥ 0.9), and the time of an unchanged re-deploy
+(target ≤ 1 s).  Usage: python benchmarks/push_bench.py [--mb 200] [--files 3] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=200, help="total bundle size")
+    ap.add_argument("--files", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--port", type=int, default=5327, help="private adb server port")
+    a = ap.parse_args()
+    os.environ["ANDROID_ADB_SERVER_PORT"] = str(a.port)
+
+    from npustudio.core import device
+    from npustudio.core.device import deploy
+    from npustudio.core.device.virtual import VirtualDevice
+    from npustudio.core.progress import State
+
+    work = Path(tempfile.mkdtemp(prefix="npustudio-push-"))
+    adb = [device.adb_path(), "-P", str(a.port)]
+    subprocess.run([*adb, "start-server"], check=True, capture_output=True)
+    vd = VirtualDevice(work / "phone").start()
+    try:
+        device.client().connect(vd.serial, timeout=15)
+        bundle = work / "bundle"
+        bundle.mkdir()
+        for i in range(a.files):
+            (bundle / f"part_{i}.bin").write_bytes(os.urandom(a.mb * 1024 * 1024 // a.files))
+        (bundle / "metadata.json").write_text(json.dumps(
+            {"target": {"soc": "SM8750", "dsp_arch": "v79"}, "graphs": [], "runtime_missing": []}))
+        total = sum(p.stat().st_size for p in bundle.iterdir())
+        dev = device.info(vd.serial)
+        stock, ours = [], []
+        for _ in range(a.repeat):
+            shutil.rmtree(vd.root / "data/local/tmp", ignore_errors=True)
+            (vd.root / "data/local/tmp").mkdir(parents=True)
+            t0 = time.perf_counter()
+            subprocess.run([*adb, "-s", vd.serial, "push", *map(str, sorted(bundle.iterdir())),
+                            "/data/local/tmp/stock/"], check=True, capture_output=True)
+            stock.append(total / 1e6 / (time.perf_counter() - t0))
+            shutil.rmtree(vd.root / "data/local/tmp", ignore_errors=True)
+            (vd.root / "data/local/tmp").mkdir(parents=True)
+            t0 = time.perf_counter()
+            res = deploy.deploy(bundle, dev, State(), force=True)
+            ours.append(res.bytes_sent / 1e6 / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        again = deploy.deploy(bundle, dev, State())
+        repush = time.perf_counter() - t0
+        print(json.dumps({"bundle_mb": round(total / 1e6, 1), "files": a.files + 1,
+                          "stock_adb_push_mb_s": round(max(stock), 1), "npustudio_deploy_mb_s": round(max(ours), 1),
+                          "ratio_deploy_vs_stock": round(max(ours) / max(stock), 3),
+                          "unchanged_redeploy_s": round(repush, 3), "unchanged_redeploy_bytes_sent": again.bytes_sent,
+                          "runs": a.repeat}, indent=2))
+    finally:
+        try:
+            device.client().disconnect(vd.serial)
+        except Exception:
+            pass
+        vd.stop()
+        subprocess.run([*adb, "kill-server"], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

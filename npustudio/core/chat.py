@@ -1,0 +1,187 @@
+"""Chat sessions over any runner: a phone or the virtual device (genie-t2t-run over adb), or the desktop
+runner directly (real Genie on the HTP simulator, or the fast CPU preview).
+
+Each turn renders the whole conversation with the model's chat template (system prompt + history, real
+newlines, no BOS: Genie adds it) and sends it as one prompt, so any runner works the same; the oldest
+turns are dropped when the conversation outgrows the context. Tokens stream to the caller; `stop` ends a
+turn from any thread; tokens/s come from the runner's Genie profile. History is saved per project.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, Field
+
+from .errors import UserError
+from .fsutil import atomic_write_json
+
+OnText = Callable[[str], None]
+
+
+class Turn(BaseModel):
+    user: str
+    assistant: str
+    runner: str
+    stopped: bool = False
+    generation_tok_s: float | None = None
+    ttft_s: float | None = None
+    at: float = Field(default_factory=time.time)
+
+
+class Runner(Protocol):
+    name: str
+
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, dict[str, Any]]:
+        """Answer `prompt` (already templated); returns (text, stopped, profile summary)."""
+        ...
+
+
+class DesktopRunner:
+    """The bundle on this computer: real Genie on the HTP simulator, or the CPU preview (kept loaded)."""
+
+    def __init__(self, bundle_dir: Path, preview: bool = False, max_tokens: int | None = None) -> None:
+        self.bundle_dir, self.preview, self.max_tokens = Path(bundle_dir), preview, max_tokens
+        self.name = "desktop preview (CPU)" if preview else "desktop Genie (HTP simulator)"
+        self._preview: Any = None
+
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, dict[str, Any]]:
+        from .genie import profile, runner
+
+        if self.preview:
+            if self._preview is None:
+                self._preview = runner.Preview(self.bundle_dir)
+            text, event, aborted = self._preview.query(prompt, on_text, stop, self.max_tokens)
+            summary = profile.summarize(profile.parse(self._preview.profile([event]))).model_dump()
+            return text, aborted, summary
+        res = runner.run(self.bundle_dir / "genie_config.json", prompt, on_text, stop=stop, max_tokens=self.max_tokens)
+        summary = profile.summarize(profile.parse(res.profile)).model_dump() if res.profile else {}
+        return res.text, res.status == "aborted", summary
+
+
+class DeviceRunner:
+    """The deployed bundle on an adb device (a phone, or the virtual device)."""
+
+    def __init__(self, serial: str, bundle_dir: Path) -> None:
+        from .device.deploy import remote_dir
+
+        self.serial, self.remote = serial, remote_dir(Path(bundle_dir))
+        self.name = f"device {serial}"
+
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, dict[str, Any]]:
+        from .device import run
+        from .genie import profile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            prof = Path(tmp) / "profile.json"
+            res = run.run(self.serial, self.remote, prompt, _answer_only(on_text), stop, prof)
+            summary = profile.summarize(profile.read(prof)).model_dump() if res.profile_path else {}
+        return res.text, res.status == "stopped", summary
+
+
+def _answer_only(on_text: OnText) -> OnText:
+    """genie-t2t-run prints `[PROMPT]: …` first: pass on only what comes after `[BEGIN]: `, up to `[END]`."""
+    state = {"buf": "", "on": False, "done": False}
+
+    def feed(s: str) -> None:
+        if state["done"]:
+            return
+        if not state["on"]:
+            state["buf"] += s
+            if "[BEGIN]: " not in state["buf"]:
+                return
+            state["on"] = True
+            s = state["buf"].split("[BEGIN]: ", 1)[1]
+        if "[END]" in s:
+            s = s.split("[END]", 1)[0]
+            state["done"] = True
+        if s:
+            on_text(s)
+
+    return feed
+
+
+class ChatSession:
+    def __init__(self, bundle_dir: Path, runner: Runner, system: str | None = None,
+                 history_file: Path | None = None) -> None:
+        self.bundle_dir, self.runner, self.system = Path(bundle_dir), runner, system
+        self.meta = json.loads((self.bundle_dir / "metadata.json").read_text())
+        self.tok = _template_tokenizer(self.bundle_dir, self.meta)
+        self.history_file = history_file or default_history_file(self.bundle_dir)
+        self.turns: list[Turn] = _load(self.history_file)
+
+    def prompt_for(self, user: str) -> str:
+        from .genie.config import chat_prompt
+
+        turns = list(self.turns)
+        cl = self.meta["context_length"]
+        limit = cl - max(g["ar"] for g in self.meta["graphs"]) - min(64, cl // 8)  # room for the answer
+        while True:
+            history = [m for t in turns for m in ({"role": "user", "content": t.user},
+                                                   {"role": "assistant", "content": t.assistant})]
+            text = chat_prompt(self.tok, user, self.system, history)
+            if len(self.tok(text, add_special_tokens=False)["input_ids"]) + 1 <= limit or not turns:
+                break
+            turns = turns[1:]  # the oldest turn goes first
+        if len(self.tok(text, add_special_tokens=False)["input_ids"]) + 1 > limit:
+            raise UserError("The message is too long for the model's context.", "Write a shorter message.")
+        return text
+
+    def send(self, user: str, on_text: OnText, stop: threading.Event | None = None) -> Turn:
+        if not user.strip():
+            raise UserError("The message is empty.", "Type a question.")
+        text, stopped, summary = self.runner.ask(self.prompt_for(user), on_text, stop)
+        turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.runner.name, stopped=stopped,
+                    generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"))
+        self.turns.append(turn)
+        self.save()
+        return turn
+
+    def clear(self) -> None:
+        self.turns = []
+        self.save()
+
+    def save(self) -> None:
+        self.history_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.history_file, {"system": self.system, "turns": [t.model_dump() for t in self.turns]})
+
+
+def default_history_file(bundle_dir: Path) -> Path:
+    """`<project>/chat_history.json` for a project's bundle; else beside the bundle."""
+    b = Path(bundle_dir).resolve()
+    if b.parent.name == "stages":
+        return b.parents[1] / "chat_history.json"
+    return b / "chat_history.json"
+
+
+def _load(path: Path) -> list[Turn]:
+    try:
+        data = json.loads(path.read_text())
+        return [Turn(**t) for t in data.get("turns", [])]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def _template_tokenizer(bundle_dir: Path, meta: dict[str, Any]) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / "tokenizer.json"))
+    tok.bos_token = tok.convert_ids_to_tokens(meta["bos_id"])
+    tok.eos_token = tok.convert_ids_to_tokens(meta["eos_ids"][0])
+    if not meta.get("chat_template"):
+        raise UserError("This model has no chat template.", "Use an instruct/chat model, or genie-run with a prompt.")
+    tok.chat_template = meta["chat_template"]
+    return tok
+
+
+def _clean(text: str, tok: Any) -> str:
+    """The answer without a trailing end-of-turn marker (Genie may print it before stopping)."""
+    for marker in {tok.eos_token or "", "<|im_end|>", "<|eot_id|>", "<|endoftext|>"} - {""}:
+        text = text.split(marker, 1)[0]
+    return text.strip()

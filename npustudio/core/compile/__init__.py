@@ -1,0 +1,201 @@
+"""Compile stage: the quantized graphs -> QNN HTP context binaries, verified on the HTP simulator.
+
+Entry point: `run(quant_dir, adapt_dir, options, out_dir, state) -> CompileResult`.
+Back-ends: `ort-qnn` (embedded: onnxruntime-qnn and its x86 HTP simulator) and `qairt` (the QAIRT
+SDK's tools, when `QNN_SDK_ROOT` is set; see `qairt.py`). Quantization comes from the quantize stage's
+AIMET encodings, never from a calibration of its own.
+
+For the simulator each graph gets its own binary (a weight-shared binary crashes Genie and ORT on x86).
+Verification runs the compiled AR-N and AR-1 graphs with the host KV-cache runner over the start of the
+eval text and compares them with the same graphs on the CPU, which reproduce the quantsim exactly
+(checked on the quantize stage's test vectors here too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+
+from ..adapt import KVCacheRunner, store
+from ..errors import UserError
+from ..evaluate import load_corpus, nll
+from ..fsutil import atomic_write_json
+from ..progress import StateLike, peak_rss_mb
+from ..quantize.export import WEIGHTS_FILE, read_test_vectors
+from ..targets import soc
+from . import graph_io, ort_qnn
+from .graph_io import IOEncoding
+from .ort_graph import OrtGraph, cpu_session
+
+FORMAT = 1  # bumped when the compiled output changes meaning
+PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and the verification reference
+MAX_CONTEXT_BYTES = 4 * 1024**3
+
+
+class CompileOptions(BaseModel):
+    backend: str = Field("ort-qnn", description="ort-qnn (embedded simulator) or qairt (QNN_SDK_ROOT)")
+    target: str | None = Field(None, description="SoC; default: the quantize stage's target")
+    verify_tokens: int = Field(128, description="eval tokens run through the compiled graphs (0: skip)")
+    verify_decode: int = Field(4, description="of which the last ones run as AR-1 steps")
+    eval_corpus: str = "default"
+
+
+class CompileResult(BaseModel):
+    backend: str
+    target: str
+    soc_model: int | None
+    dsp_arch: str
+    graphs: list[ort_qnn.Compiled]
+    nodes_on_cpu: int
+    io: dict[str, IOEncoding]
+    verification: dict[str, Any]
+    steps: dict[str, float]
+    peak_rss_mb: float
+
+
+def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path, state: StateLike) -> CompileResult:
+    if options.backend == "qairt":
+        from . import qairt
+
+        return qairt.run(quant_dir, options, out_dir, state)
+    if options.backend != "ort-qnn":
+        raise UserError(f"Unknown compile back-end {options.backend!r}.", "Use `ort-qnn` or `qairt`.")
+    qres = json.loads((quant_dir / "quantize.json").read_text())
+    target = soc(options.target or qres["target"])
+    graphs = qres["graphs"]
+    steps: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        steps[name] = round(now - clock, 2)
+        clock = now
+
+    weights = quant_dir / WEIGHTS_FILE
+    if weights.stat().st_size > MAX_CONTEXT_BYTES:
+        raise UserError(f"The weights ({weights.stat().st_size / 1e9:.1f} GB) exceed one 4 GB HTP context.",
+                        "Splitting a model into several contexts is not supported yet; use w4a16 or a "
+                        "smaller model.")
+    prep = out_dir / PREPARED
+    prep.mkdir(exist_ok=True)
+    _link(weights, prep / WEIGHTS_FILE)
+    io: dict[str, IOEncoding] = {}
+    for i, g in enumerate(graphs):
+        state.progress(0.05 * i, f"preparing {g}: uint16 I/O from the AIMET encodings")
+        enc = graph_io.prepare(quant_dir / f"{g}_qdq.onnx", quant_dir / f"{g}.encodings", prep / f"{g}.onnx")
+        _check_same_io(io, enc, g)
+        io.update(enc)
+    _check_kv_tied(io)
+    lap("prepare")
+
+    compiled = []
+    for i, g in enumerate(graphs):
+        state.check()
+        state.progress(0.1 + 0.3 * i / len(graphs), f"compiling {g} for {target.soc} ({target.dsp_arch})")
+        c = ort_qnn.compile_graph(prep / f"{g}.onnx", g, out_dir, target)
+        if c.nodes_on_cpu:
+            listing = "; ".join(f"{n.op_type} {n.name}" + (f" ({n.reason})" if n.reason else "")
+                                for n in c.nodes_on_cpu[:10])
+            raise UserError(f"{len(c.nodes_on_cpu)} nodes of {g} would run on the CPU, not the NPU: {listing}.",
+                            "These ops have no quantized HTP implementation as exported; report this model.")
+        compiled.append(c)
+        lap(f"compile_{g}")
+
+    verification: dict[str, Any] = {}
+    if options.verify_tokens > 0:
+        state.progress(0.45, "checking the prepared graphs against the quantsim's test vectors")
+        verification["vs_quantsim_test_vectors"] = _check_vectors(quant_dir, prep, graphs, io)
+        lap("verify_vectors")
+        verification |= _verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
+                                             state.sub(0.5, 1.0))
+        lap("verify_simulator")
+    res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
+                        dsp_arch=target.dsp_arch, graphs=compiled,
+                        nodes_on_cpu=sum(len(c.nodes_on_cpu) for c in compiled), io=io,
+                        verification=verification, steps=steps, peak_rss_mb=round(peak_rss_mb()))
+    atomic_write_json(out_dir / "compile.json", res.model_dump())
+    return res
+
+
+def _link(src: Path, dst: Path) -> None:
+    """The prepared graphs read the quantize stage's weights: a hard link, not a copy."""
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _check_same_io(seen: dict[str, IOEncoding], new: dict[str, IOEncoding], graph: str) -> None:
+    """Genie refuses graphs whose same-named tensors are quantized differently (AR-N vs AR-1)."""
+    for name, enc in new.items():
+        if name in seen and seen[name] != enc:
+            raise UserError(f"{name} is quantized differently in {graph} ({enc}) than in the other graph "
+                            f"({seen[name]}).", "Re-run the quantize stage: both graphs come from one quantsim.")
+
+
+def _check_kv_tied(io: dict[str, IOEncoding]) -> None:
+    for name, enc in io.items():
+        if name.startswith("past_") and name.endswith("_in"):
+            out = io.get(name[:-3] + "_out")
+            if out is not None and out != enc:
+                raise UserError(f"{name} and its _out are quantized differently ({enc} vs {out}).",
+                                "Re-run the quantize stage: the KV cache needs tied encodings.")
+
+
+def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str, IOEncoding]) -> dict[str, float]:
+    """The prepared graph on the CPU, fed the test-vector inputs, against the quantsim's outputs."""
+    out = {}
+    for g in graphs:
+        tv = read_test_vectors(quant_dir / "test_vectors" / f"{g}.npz")
+        got = OrtGraph(cpu_session(prep / f"{g}.onnx"), io)({k: torch.from_numpy(v) for k, v in tv["in"].items()})
+        ref = torch.from_numpy(tv["quant"]["logits"])
+        out[f"{g}_max_abs_logit_diff"] = round(float((got["logits"] - ref).abs().max()), 5)
+        out[f"{g}_top1_agreement"] = round(float((got["logits"].argmax(-1) == ref.argmax(-1)).float().mean()), 4)
+    return out
+
+
+def _verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: Path, graphs: list[str],
+                         io: dict[str, IOEncoding], target: Any, o: CompileOptions, state: StateLike
+                         ) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    spec, inv_freq = store.load_spec(adapt_dir)
+    ar_n = json.loads((quant_dir / "graphs.json").read_text())[0]["ar"]
+    cl = json.loads((quant_dir / "graphs.json").read_text())[0]["cl"]
+    tok = AutoTokenizer.from_pretrained(str(quant_dir))
+    ids = tok(load_corpus(o.eval_corpus, "eval"))["input_ids"][: min(o.verify_tokens + o.verify_decode, cl - ar_n)]
+    if len(ids) < 2:
+        raise UserError("The verification text is shorter than two tokens.", "Use a longer eval corpus.")
+    decode = min(o.verify_decode, len(ids) - 1)
+    runs: dict[str, Any] = {}
+    for i, (label, make) in enumerate((
+            ("cpu", lambda g: cpu_session(prep / f"{g}.onnx")),
+            ("htp", lambda g: ort_qnn.context_session(out_dir / f"{g}.onnx", target)))):
+        state.progress(0.5 * i, f"running {len(ids)} tokens through the graphs on the "
+                                + ("CPU" if label == "cpu" else "HTP simulator (slow)"))
+        fns = {ar: OrtGraph(make(g), io) for ar, g in zip((ar_n, 1), graphs, strict=True)}
+        runner = KVCacheRunner(spec, cl, fns, inv_freq)  # type: ignore[arg-type]
+        t0 = time.perf_counter()
+        logits = runner.score(ids, decode)
+        runs[label] = {"logits": logits, "seconds": round(time.perf_counter() - t0, 2),
+                       "per_call": {ar: round(f.seconds / max(f.calls, 1), 3) for ar, f in fns.items()}}
+        del fns, runner
+        state.check()
+    cpu, htp = runs["cpu"]["logits"], runs["htp"]["logits"]
+    nll_cpu, nll_htp = nll(cpu, ids) / (len(ids) - 1), nll(htp, ids) / (len(ids) - 1)
+    return {"tokens": len(ids), "prefill_ar": ar_n, "decode_steps": decode,
+            "nll_quantsim_cpu": round(nll_cpu, 5), "nll_htp": round(nll_htp, 5),
+            "nll_diff": round(nll_htp - nll_cpu, 5),
+            "top1_agreement": round(float((cpu.argmax(-1) == htp.argmax(-1)).float().mean()), 4),
+            "max_abs_logit_diff": round(float((cpu - htp).abs().max()), 4),
+            "seconds_per_call_htp": runs["htp"]["per_call"], "seconds_per_call_cpu": runs["cpu"]["per_call"]}

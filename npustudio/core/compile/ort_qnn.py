@@ -1,0 +1,163 @@
+"""The embedded back-end: onnxruntime + the onnxruntime-qnn plugin EP with its HTP simulator.
+
+Only the plugin-EP API (`register_execution_provider_library` + `add_provider_for_devices`) puts nodes
+on QNN; the old `providers=[...]` form silently runs on the CPU. So every session records the graph
+assignment, and compiling fails with the list of nodes left on the CPU and QNN's reason for each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ..errors import UserError
+from ..targets import Soc
+
+QNN_EP = "QNNExecutionProvider"
+_registered = False
+
+
+class CpuNode(BaseModel):
+    op_type: str
+    name: str
+    reason: str = ""
+
+
+class Compiled(BaseModel):
+    graph: str
+    context_onnx: str
+    context_bin: str
+    bin_bytes: int
+    seconds: float
+    nodes_on_qnn: int
+    nodes_on_cpu: list[CpuNode]
+
+
+def qnn_paths() -> dict[str, str]:
+    """The wheel's QNN libraries (libQnnHtp.so = the x86 HTP simulator, libGenie.so) and its SDK version."""
+    try:
+        import onnxruntime_qnn as oq
+    except ImportError as e:
+        raise UserError("The onnxruntime-qnn package is not installed.",
+                        "Run `bash packaging/bootstrap.sh` to set up the environment.") from e
+    folder = os.path.dirname(oq.__file__)
+    return {"folder": folder, "ep": oq.get_library_path(), "htp": oq.get_qnn_htp_path(),
+            "genie": os.path.join(folder, "libGenie.so"), "version": getattr(oq, "__version__", "")}
+
+
+def _qnn_devices() -> list[Any]:
+    global _registered
+    import onnxruntime as ort
+
+    if not _registered:
+        with contextlib.suppress(Exception):  # already registered by an earlier call in this process
+            ort.register_execution_provider_library(QNN_EP, qnn_paths()["ep"])
+        _registered = True
+    devs = [d for d in ort.get_ep_devices() if d.ep_name == QNN_EP]
+    if not devs:
+        raise UserError("onnxruntime found no QNN device.", "Reinstall onnxruntime-qnn (bootstrap.sh).")
+    return devs
+
+
+def session_options(target: Soc, context_onnx: Path | None = None, log_level: int = 3) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = log_level
+    so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    if context_onnx is not None:
+        so.add_session_config_entry("ep.context_enable", "1")
+        so.add_session_config_entry("ep.context_file_path", str(context_onnx))
+        so.add_session_config_entry("ep.context_embed_mode", "0")
+    so.add_provider_for_devices(_qnn_devices(), {
+        "backend_path": qnn_paths()["htp"], "htp_arch": str(target.arch_number), "soc_model": str(target.soc_model),
+        "htp_graph_finalization_optimization_mode": "3"})
+    return so
+
+
+def assignment(sess: Any) -> tuple[int, list[CpuNode]]:
+    on_qnn, cpu = 0, []
+    for sg in sess.get_provider_graph_assignment_info():
+        nodes = sg.get_nodes()
+        if sg.ep_name == QNN_EP:
+            on_qnn += len(nodes)
+        else:
+            cpu += [CpuNode(op_type=n.op_type, name=n.name) for n in nodes]
+    return on_qnn, cpu
+
+
+def compile_graph(qio_onnx: Path, graph: str, out_dir: Path, target: Soc) -> Compiled:
+    """Compile one prepared graph to `graph`.onnx (EPContext node) + `graph`_qnn.bin in `out_dir`."""
+    import onnxruntime as ort
+
+    ctx = out_dir / f"{graph}.onnx"
+    t0 = time.perf_counter()
+    try:
+        sess = ort.InferenceSession(str(qio_onnx), session_options(target, ctx))
+    except Exception as e:  # QNN's own message is the useful part
+        raise UserError(f"QNN could not compile {graph}: {_first_line(e)}",
+                        "Check that the graph came from this version's quantize stage; run with "
+                        "`--log` for QNN's messages.") from e
+    seconds = time.perf_counter() - t0
+    on_qnn, cpu = assignment(sess)
+    del sess
+    if cpu:
+        cpu = explain_cpu_nodes(qio_onnx, target, cpu)
+    binary = out_dir / f"{graph}_qnn.bin"
+    if not ctx.is_file() or not binary.is_file():
+        raise UserError(f"onnxruntime-qnn wrote no context binary for {graph}.", "Re-run the compile stage.")
+    return Compiled(graph=graph, context_onnx=ctx.name, context_bin=binary.name, bin_bytes=binary.stat().st_size,
+                    seconds=round(seconds, 2), nodes_on_qnn=on_qnn, nodes_on_cpu=cpu)
+
+
+def explain_cpu_nodes(model: Path, target: Soc, cpu: list[CpuNode]) -> list[CpuNode]:
+    """QNN's reason for each node it refused, read from the EP's verbose log of a second session."""
+    import onnxruntime as ort
+
+    with _captured_stderr() as log:
+        with contextlib.suppress(Exception):
+            ort.InferenceSession(str(model), session_options(target, log_level=0))
+    reasons: dict[str, str] = {}
+    for m in re.finditer(r"Node name: (\S+) Node index: \d+\s+REASON : ([^\n]+)", log.read_text(errors="replace")):
+        reasons.setdefault(m.group(1), m.group(2).strip())
+    log.unlink(missing_ok=True)
+    return [n.model_copy(update={"reason": reasons.get(n.name, "")}) for n in cpu]
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[Path]:
+    """onnxruntime logs from C++ straight to fd 2: point fd 2 at a file for a while."""
+    fd, name = tempfile.mkstemp(prefix="npustudio-ortlog-", suffix=".txt")
+    saved = os.dup(2)
+    try:
+        os.dup2(fd, 2)
+        yield Path(name)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
+def context_session(ctx_onnx: Path, target: Soc) -> Any:
+    """A session over a compiled context (runs on the HTP simulator here, on the NPU on a Snapdragon PC)."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(ctx_onnx), session_options(target))
+    _, cpu = assignment(sess)
+    if cpu:
+        raise UserError(f"{ctx_onnx.name} did not load onto QNN ({len(cpu)} nodes on the CPU).",
+                        "Re-run the compile stage.")
+    return sess
+
+
+def _first_line(e: Exception) -> str:
+    s = str(e).strip()
+    return s.splitlines()[-1] if s else type(e).__name__

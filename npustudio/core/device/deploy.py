@@ -1,0 +1,194 @@
+"""Deploy a bundle to a device: incremental, atomic per file, resumable, with progress.
+
+Files go to `/data/local/tmp/npustudio/<bundle>/`. Each is pushed under a temporary name and renamed
+when complete, then recorded in the device-side manifest (`.npustudio-manifest.json`: size, mtime,
+sha256). A file whose size and mtime on the device match the manifest and whose sha256 matches the
+local file is skipped, so an unchanged re-push sends nothing and an interrupted deploy resumes at the
+first file that did not finish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ..errors import UserError
+from ..progress import StateLike
+from . import REMOTE_ROOT, DeviceInfo, client, compatibility
+
+MANIFEST = ".npustudio-manifest.json"
+_CHUNK = 1024 * 1024
+
+
+class DeployResult(BaseModel):
+    device: str
+    remote_dir: str
+    files: list[dict[str, Any]]
+    bytes_sent: int
+    bytes_skipped: int
+    seconds: float
+    rate_mb_s: float
+
+
+def remote_dir(bundle_dir: Path) -> str:
+    name = Path(bundle_dir).resolve().name
+    if Path(bundle_dir).resolve().parent.name == "stages":  # a project's bundle: name it after the project
+        name = Path(bundle_dir).resolve().parents[1].name
+    return posixpath.join(REMOTE_ROOT, _safe_name(name))
+
+
+def _safe_name(name: str) -> str:
+    keep = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("._")
+    return keep or "bundle"
+
+
+def local_files(bundle_dir: Path) -> list[Path]:
+    """What the device needs: the bundle's files (with the phone runtime when the bundle carries it)."""
+    return sorted(p for p in Path(bundle_dir).iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _HashCache:
+    """sha256 of local files keyed by (size, mtime): a re-deploy does not re-read gigabytes."""
+
+    def __init__(self) -> None:
+        import platformdirs
+
+        self.path = platformdirs.user_cache_path("npustudio") / "sha256.json"
+        try:
+            self.data: dict[str, list[Any]] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.data = {}
+
+    def get(self, p: Path) -> str:
+        st = p.stat()
+        key = str(p.resolve())
+        hit = self.data.get(key)
+        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+            return str(hit[2])
+        digest = sha256(p)
+        self.data[key] = [st.st_size, st.st_mtime_ns, digest]
+        return digest
+
+    def save(self) -> None:
+        from ..fsutil import atomic_write_json
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.path, self.data)
+
+
+class _Progress:
+    """A file-like source for adbutils' push that reports bytes, rate and ETA through the state."""
+
+    def __init__(self, path: Path, state: StateLike, done_before: int, total: int, t0: float) -> None:
+        self.f = open(path, "rb")
+        self.state, self.done, self.total, self.t0 = state, done_before, total, t0
+        self.last = 0.0
+
+    def read(self, n: int = -1) -> bytes:
+        self.state.check()
+        data = self.f.read(n)
+        self.done += len(data)
+        now = time.perf_counter()
+        if now - self.last > 0.1 or not data:
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-6)
+            eta = (self.total - self.done) / rate if rate > 0 else 0.0
+            self.state.progress(self.done / max(self.total, 1),
+                                f"{self.done / 1e6:.0f}/{self.total / 1e6:.0f} MB at {rate / 1e6:.0f} MB/s, "
+                                f"ETA {eta:.0f} s")
+            self.state.partial("push", bytes=self.done, total=self.total, rate=rate, eta_s=eta)
+        return data
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = False) -> DeployResult:
+    bundle_dir = Path(bundle_dir)
+    problems = compatibility(dev, bundle_dir)
+    if problems:  # refused before any byte moves
+        raise UserError(" ".join(p for p, _ in problems), " ".join(f for _, f in problems))
+    d = client().device(serial=dev.serial)
+    rdir = remote_dir(bundle_dir)
+    files = local_files(bundle_dir)
+    hashes = _HashCache()
+    local = {p.name: (p, p.stat().st_size, hashes.get(p)) for p in files}
+    hashes.save()
+    try:
+        d.shell(["mkdir", "-p", rdir], timeout=30)
+        remote_manifest = _read_manifest(d, rdir)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"Device {dev.serial} stopped answering ({e}).", "Reconnect it and deploy again: "
+                        "finished files are kept.") from e
+
+    todo, rows, skipped = [], [], 0
+    for name, (p, size, digest) in local.items():
+        have = remote_manifest.get(name)
+        st = d.sync.stat(posixpath.join(rdir, name))
+        same = (not force and have is not None and have.get("sha256") == digest and st.size == size == have["size"]
+                and int(st.mtime.timestamp()) == have["mtime"])
+        if same:
+            skipped += size
+            rows.append({"file": name, "bytes": size, "sent": False})
+        else:
+            todo.append((name, p, size, digest))
+    total = sum(t[2] for t in todo)
+    sent = 0
+    t0 = time.perf_counter()
+    for name, p, size, digest in todo:
+        tmp = posixpath.join(rdir, f".{name}.part")
+        src = _Progress(p, state, sent, total, t0)
+        try:
+            d.sync.push(src, tmp, mode=0o755 if not name.endswith((".json", ".txt", ".bin")) else 0o644)
+            d.shell(f"mv -f {shlex.quote(tmp)} {shlex.quote(posixpath.join(rdir, name))}", timeout=60)
+            st = d.sync.stat(posixpath.join(rdir, name))
+        except Exception as e:
+            raise UserError(f"The push of {name} to {dev.serial} broke off ({e}).",
+                            "Reconnect the device and run the same deploy again: it resumes where it stopped.") from e
+        finally:
+            src.close()
+        if st.size != size:
+            raise UserError(f"{name} arrived with {st.size} bytes instead of {size}.", "Deploy again.")
+        sent += size
+        remote_manifest[name] = {"size": size, "mtime": int(st.mtime.timestamp()), "sha256": digest}
+        _write_manifest(d, rdir, remote_manifest)
+        rows.append({"file": name, "bytes": size, "sent": True})
+    secs = time.perf_counter() - t0
+    state.progress(1.0, f"deployed to {dev.serial}:{rdir}")
+    return DeployResult(device=dev.serial, remote_dir=rdir, files=sorted(rows, key=lambda r: r["file"]),
+                        bytes_sent=sent, bytes_skipped=skipped, seconds=round(secs, 3),
+                        rate_mb_s=round(sent / 1e6 / secs, 1) if sent and secs > 0 else 0.0)
+
+
+def _read_manifest(d: Any, rdir: str) -> dict[str, Any]:
+    path = posixpath.join(rdir, MANIFEST)
+    try:
+        if not d.sync.exists(path):
+            return {}
+        data = json.loads(d.sync.read_text(path))
+        return data if isinstance(data, dict) else {}
+    except ValueError:
+        return {}  # a damaged manifest only costs a full re-push
+
+
+def _write_manifest(d: Any, rdir: str, manifest: dict[str, Any]) -> None:
+    tmp = posixpath.join(rdir, f".{MANIFEST}.part")
+    d.sync.push(json.dumps(manifest, indent=1).encode(), tmp, mode=0o644)
+    d.shell(f"mv -f {shlex.quote(tmp)} {shlex.quote(posixpath.join(rdir, MANIFEST))}", timeout=30)

@@ -1,0 +1,161 @@
+"""Run a deployed bundle on a device with genie-t2t-run: the prompt goes as a file, output streams back.
+
+The prompt is pushed to the device as `prompt.txt` and passed with `--prompt_file`; it never appears in
+the shell line, which holds only fixed words and quoted paths we made. Output chunks reach the caller as
+adb delivers them. `stop` closes the stream and kills the remote process (its pid is the first line the
+command prints). The profile JSON is pulled back. Known failures map to a plain explanation and a fix.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ..errors import UserError
+from . import client
+
+PROMPT_FILE = "prompt.txt"
+PROFILE_FILE = "profile.json"
+_PID = re.compile(rb"^NPUSTUDIO_PID=(\d+)\n")
+
+# (pattern in genie-t2t-run's output, explanation, fix)
+FAILURES: list[tuple[str, str, str]] = [
+    (r"Failed to find available PD",
+     "The model's context is too large for the NPU (each HTP context must stay under 4 GB).",
+     "Split the model into more parts or use w4a16, then compile and bundle again."),
+    (r"\b5005\b", "The context binary does not fit this device (QNN error 5005: VTCM or model/device mismatch).",
+     "Compile for this phone's SoC (`--target`), with the QNN SDK version the phone runs."),
+    (r"\b5000\b", "The phone's QNN runtime is older than the one that compiled the binary, or the binary is for "
+     "another device (QNN error 5000).", "Deploy the runtime of the SDK that compiled the bundle "
+     "(set QNN_SDK_ROOT and bundle again), or compile for this phone."),
+    (r"\b1008\b", "The binary was built for another Hexagon architecture (QNN error 1008).",
+     "Compile for this phone's SoC: `npustudio quantize --target <SoC>` then compile and bundle."),
+    (r"\b1007\b", "QNN could not use a context binary (error 1007: wrong context or graph index).",
+     "Rebuild the bundle; make sure genie_config.json lists the binaries of this bundle."),
+    (r"\b1002\b|could not create op", "The NPU could not build an operation of the graph (QNN error 1002).",
+     "Compile with this version of NPU Studio; a verbose log (`--log verbose`) names the op."),
+    (r"cannot locate symbol|library \"?[\w.]+\.so\"? not found|No such file or directory.*\.so|"
+     r"dlopen failed", "A runtime library is missing on the device.",
+     "Deploy a bundle that carries the QNN runtime (set QNN_SDK_ROOT, `npustudio bundle`, deploy again)."),
+    (r"genie-t2t-run: (not found|No such file)|: not found", "genie-t2t-run is not on the device.",
+     "Set QNN_SDK_ROOT, rebuild the bundle so it carries genie-t2t-run, and deploy again."),
+    (r"Exec format error|wrong ELF class", "The runtime files are for another CPU architecture.",
+     "Use the aarch64-android files of the QAIRT SDK."),
+    (r"Could not create dialog|GenieDialog_create.*fail|Failed to create dialog",
+     "Genie could not load the model (usually a library, architecture or SDK version mismatch).",
+     "Check that the runtime and the binaries come from the same QAIRT SDK and target SoC."),
+]
+
+
+class DeviceRun(BaseModel):
+    text: str
+    output: str
+    status: str  # complete | stopped | failed
+    profile_path: str | None = None
+    seconds: float
+
+
+def explain(output: str, exit_hint: str = "") -> UserError | None:
+    for pattern, problem, fix in FAILURES:
+        if re.search(pattern, output, re.IGNORECASE):
+            return UserError(problem, fix)
+    if "[BEGIN]:" not in output:
+        tail = output.strip().splitlines()[-5:]
+        return UserError("genie-t2t-run failed on the device" + (f": {' | '.join(tail)}" if tail else "."),
+                         "Run with --log verbose and look at Genie's messages.")
+    return None
+
+
+def answer(output: str) -> str:
+    """The generated text between `[BEGIN]:` and `[END]`."""
+    _, _, rest = output.partition("[BEGIN]: ")
+    return rest.split("[END]", 1)[0]
+
+
+def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], None],
+        stop: threading.Event | None = None, profile_to: Path | None = None, log: str = "error") -> DeviceRun:
+    if log not in ("error", "warn", "info", "verbose"):
+        raise UserError(f"Unknown log level {log!r}.", "Use error, warn, info or verbose.")
+    d = client().device(serial=serial)
+    d.sync.push(prompt.encode("utf-8"), posixpath.join(remote_dir, PROMPT_FILE), mode=0o644)
+    q = shlex.quote
+    line = (f"cd {q(remote_dir)} && echo NPUSTUDIO_PID=$$ && "
+            "if [ -x ./genie-t2t-run ]; then G=./genie-t2t-run; else G=genie-t2t-run; fi && "
+            f"LD_LIBRARY_PATH=$PWD:$LD_LIBRARY_PATH ADSP_LIBRARY_PATH=$PWD exec $G -c genie_config.json "
+            f"--prompt_file {PROMPT_FILE} --profile {PROFILE_FILE} --log {log} 2>&1")
+    t0 = time.perf_counter()
+    d.shell(["rm", "-f", posixpath.join(remote_dir, PROFILE_FILE)], timeout=30)
+    conn = d.shell(line, stream=True)
+    pending, pid, parts = bytearray(), None, []
+    decoder = _Utf8()
+    if stop is not None:  # stop closes the stream from any thread; the read below then ends
+        threading.Thread(target=lambda: (stop.wait(), _close(conn)), daemon=True).start()
+    try:
+        while True:
+            try:
+                chunk = conn.conn.recv(4096)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            if pid is None:
+                pending += chunk
+                if b"\n" not in pending:
+                    continue
+                m = _PID.match(bytes(pending))
+                pid = int(m.group(1)) if m else -1
+                chunk = bytes(pending[m.end():]) if m else bytes(pending)
+            text = decoder.feed(chunk)
+            if text:
+                parts.append(text)
+                on_output(text)
+    finally:
+        _close(conn)
+    stopped = stop is not None and stop.is_set()
+    if stopped and pid and pid > 0:  # the stream is closed; make sure the process is gone too
+        try:
+            d.shell(["kill", str(pid)], timeout=10)
+        except Exception:
+            pass
+    output = "".join(parts)
+    profile_path = None
+    if not stopped and profile_to is not None:
+        try:
+            d.sync.pull(posixpath.join(remote_dir, PROFILE_FILE), str(profile_to))
+            profile_path = str(profile_to)
+        except Exception:
+            profile_path = None
+    status = "stopped" if stopped else "complete"
+    if not stopped:
+        err = explain(output)
+        if err is not None:
+            raise err
+    return DeviceRun(text=answer(output), output=output, status=status, profile_path=profile_path,
+                     seconds=round(time.perf_counter() - t0, 3))
+
+
+def _close(conn: Any) -> None:
+    try:
+        conn.close()
+    except Exception:
+        pass
+
+
+class _Utf8:
+    """Decode a byte stream without splitting a multi-byte character between chunks."""
+
+    def __init__(self) -> None:
+        import codecs
+
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, b: bytes) -> str:
+        return self.dec.decode(b)

@@ -1,0 +1,147 @@
+"""Bundle stage: everything genie-t2t-run needs, in one folder, validated by the real libGenie.
+
+Entry point: `run(compile_dir, adapt_dir, options, out_dir, state) -> BundleResult`. The folder holds the
+context binaries (hard links to the compile stage's, not copies), genie_config.json,
+htp_backend_ext_config.json, tokenizer.json, metadata.json (I/O encodings, versions, what a host runner
+needs), sample_prompt.txt in the model's chat template, and for a phone the QNN runtime files from
+`QNN_SDK_ROOT` when it is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from ..adapt import store
+from ..errors import UserError
+from ..fsutil import atomic_write_json
+from ..progress import StateLike
+from ..targets import Soc, soc
+from . import config as gc
+from . import libgenie
+
+METADATA = "metadata.json"
+SAMPLE_PROMPT = "sample_prompt.txt"
+DEFAULT_QUESTION = "What is the capital of France?"
+
+
+class BundleOptions(BaseModel):
+    sampler: gc.Sampler = Field(default_factory=gc.Sampler)
+    question: str = DEFAULT_QUESTION
+    n_threads: int = 2
+
+
+class BundleResult(BaseModel):
+    folder: str
+    target: str
+    dsp_arch: str
+    files: list[dict[str, Any]]
+    genie_api: str
+    validated: bool
+    runtime_files: list[str]
+    runtime_missing: list[str]
+
+
+def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
+    """(SDK-relative source, file name) of what a phone needs beside the bundle for this arch."""
+    v = target.dsp_arch.upper()
+    return [("bin/aarch64-android/genie-t2t-run", "genie-t2t-run"),
+            ("lib/aarch64-android/libGenie.so", "libGenie.so"),
+            ("lib/aarch64-android/libQnnHtp.so", "libQnnHtp.so"),
+            ("lib/aarch64-android/libQnnSystem.so", "libQnnSystem.so"),
+            ("lib/aarch64-android/libQnnHtpPrepare.so", "libQnnHtpPrepare.so"),
+            ("lib/aarch64-android/libQnnHtpNetRunExtensions.so", "libQnnHtpNetRunExtensions.so"),
+            (f"lib/aarch64-android/libQnnHtp{v}Stub.so", f"libQnnHtp{v}Stub.so"),
+            (f"lib/hexagon-{target.dsp_arch}/unsigned/libQnnHtp{v}Skel.so", f"libQnnHtp{v}Skel.so")]
+
+
+def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Path, state: StateLike) -> BundleResult:
+    comp = json.loads((compile_dir / "compile.json").read_text())
+    card = json.loads((adapt_dir / "card.json").read_text())
+    graphs = json.loads((adapt_dir / "graphs.json").read_text())
+    target = soc(comp["target"])
+    cl = graphs[0]["cl"]
+    state.progress(0.1, "linking the context binaries")
+    bins = []
+    for g in comp["graphs"]:
+        name = f"{g['graph']}.bin"
+        _link(compile_dir / g["context_bin"], out_dir / name)
+        bins.append(name)
+    shutil.copy2(adapt_dir / gc.TOKENIZER, out_dir / gc.TOKENIZER)
+
+    # one binary per graph: right for the simulator; a phone takes them too (weight sharing is a qairt build)
+    shared = comp["backend"] == "qairt"
+    cfg = gc.genie_config(card, cl, bins, options.sampler, options.n_threads, htp_ext=True)
+    atomic_write_json(out_dir / gc.CONFIG, cfg)
+    atomic_write_json(out_dir / gc.HTP_EXT, gc.htp_ext_config(target, shared))
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(adapt_dir))
+    (out_dir / SAMPLE_PROMPT).write_text(gc.chat_prompt(tok, options.question), encoding="utf-8")
+
+    state.progress(0.4, "runtime files")
+    copied, missing = _runtime(target, out_dir)
+    spec, inv_freq = store.load_spec(adapt_dir)
+    meta = {"model": card.get("source"), "family": card.get("family"), "target": target.model_dump(),
+            "context_length": cl, "graphs": [{"name": g["name"], "ar": g["ar"], "cl": g["cl"]} for g in graphs],
+            "io_encodings": comp["io"], "backend": comp["backend"], "weight_shared": shared,
+            "versions": _versions(), "decoder": spec.model_dump(), "rope_inv_freq": inv_freq.tolist(),
+            "eos_ids": card["eos_ids"], "bos_id": card["bos_id"], "question": options.question,
+            "chat_template": card.get("chat_template"), "runtime_files": copied, "runtime_missing": missing,
+            "project_compile_dir": str(compile_dir.resolve())}
+    atomic_write_json(out_dir / METADATA, meta)
+
+    state.progress(0.7, "validating genie_config.json with libGenie")
+    status, log = libgenie.validate_config(json.dumps(gc.absolute(cfg, out_dir)))
+    if status != 0:
+        raise UserError(f"libGenie rejected the bundle's genie_config.json: status {libgenie.describe(status)}.\n"
+                        + "\n".join(log[-10:]), "This is a bug in the bundle writer; please report it with the log.")
+    files = [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(out_dir.iterdir()) if p.is_file()]
+    state.progress(1.0, "bundle ready")
+    return BundleResult(folder=str(out_dir), target=target.soc, dsp_arch=target.dsp_arch, files=files,
+                        genie_api=libgenie.api_version(), validated=True, runtime_files=copied,
+                        runtime_missing=missing)
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _runtime(target: Soc, out_dir: Path) -> tuple[list[str], list[str]]:
+    """Copy the phone runtime from QNN_SDK_ROOT when set; else list what a phone deploy will need."""
+    sdk = os.environ.get("QNN_SDK_ROOT")
+    libs = runtime_libraries(target)
+    if not sdk:
+        return [], [name for _, name in libs]
+    copied, missing = [], []
+    for rel, name in libs:
+        src = Path(sdk) / rel
+        if src.is_file():
+            shutil.copy2(src, out_dir / name)
+            copied.append(name)
+        else:
+            missing.append(name)
+    return copied, missing
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("npustudio", "onnxruntime", "onnxruntime-qnn", "aimet-torch", "torch", "transformers"):
+        try:
+            out[pkg] = importlib_metadata.version(pkg)
+        except importlib_metadata.PackageNotFoundError:
+            pass
+    out["genie_api"] = libgenie.api_version()
+    out["qnn_sdk_build"] = "2.51.0 (onnxruntime-qnn)" if not os.environ.get("QNN_SDK_ROOT") else \
+        os.environ["QNN_SDK_ROOT"]
+    return out

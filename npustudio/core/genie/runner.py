@@ -1,0 +1,208 @@
+"""The desktop runner: a bundle run by the real libGenie on the HTP simulator, or a fast CPU preview.
+
+`run(config_path, prompt, on_text, ...)` is what `npustudio genie-run` (genie-t2t-run compatible), the
+virtual device's `genie-t2t-run` and the chat panel call. Text arrives through `on_text` as Genie
+produces it; `stop` (a threading.Event) aborts a query from any thread; the profile JSON Genie writes
+is saved where asked.
+
+The preview runs the same quantized graphs (the compile stage's prepared graphs, uint16 I/O with the
+same encodings) on onnxruntime's CPU EP through the host KV-cache loop, with greedy sampling; its profile
+has Genie's shape and says `"runner": "preview (CPU)"`. It is not the HTP: use it for interactive chat.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ..errors import UserError
+from ..fsutil import atomic_write_text
+from . import config as gc
+from . import libgenie
+
+OnText = Callable[[str], None]
+
+
+class RunResult(BaseModel):
+    text: str
+    status: str  # complete | aborted | context-full (the prompt plus answer filled the context)
+    runner: str  # genie (HTP simulator) | preview (CPU)
+    seconds: float
+    profile: str | None = None
+
+
+def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None = None, log_level: str = "error",
+        on_log: Callable[[str], None] | None = None, stop: threading.Event | None = None,
+        max_tokens: int | None = None, preview: bool = False) -> RunResult:
+    if not prompt:
+        raise UserError("The prompt is empty.", "Give a prompt with -p or --prompt_file.")
+    if preview:
+        return _preview(Path(config_path), prompt, on_text, profile_path, stop, max_tokens)
+    return _genie(Path(config_path), prompt, on_text, profile_path, log_level, on_log, stop, max_tokens)
+
+
+def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None, log_level: str,
+           on_log: Callable[[str], None] | None, stop: threading.Event | None, max_tokens: int | None) -> RunResult:
+    cfg = gc.absolute(gc.read(config_path), config_path.parent)
+    level = libgenie.LOG_LEVELS.get(log_level)
+    if level is None:
+        raise UserError(f"Unknown log level {log_level!r}.", "Use error, warn, info or verbose.")
+    t0 = time.perf_counter()
+    dialog = libgenie.Dialog(json.dumps(cfg), log_level=level,
+                             on_log=(lambda _lv, line: on_log(line)) if on_log else None)
+    pieces: list[str] = []
+    done = threading.Event()
+    watcher = None
+    if stop is not None:
+        def watch() -> None:
+            while not done.is_set():
+                if stop.wait(0.05):
+                    dialog.abort()
+                    return
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+    try:
+        # Genie refuses a query outright ("Context Size was exceeded") when prompt + its token budget
+        # exceed the context, and its default budget is the whole context: give it the room that is left
+        room = _room(config_path, cfg, prompt)
+        dialog.set_max_tokens(min(max_tokens, room) if max_tokens else room)
+
+        def text(s: str, _code: str) -> None:
+            if s:
+                pieces.append(s)
+                on_text(s)
+
+        status = dialog.query(prompt, text)
+    finally:
+        done.set()
+        dialog.close()  # ends the profile's query events
+        profile = dialog.profile_json()
+        dialog.free_profile()
+        if watcher:
+            watcher.join()
+    if profile and profile_path:
+        atomic_write_text(Path(profile_path), profile)
+    aborted = status == 1 or (stop is not None and stop.is_set())
+    if status not in (0, 1, 4) and not aborted:
+        raise libgenie.GenieError("Genie's query failed", status, dialog.log)
+    outcome = "aborted" if aborted else "context-full" if status == 4 else "complete"
+    return RunResult(text="".join(pieces), status=outcome, runner="genie (HTP simulator)",
+                     seconds=round(time.perf_counter() - t0, 3), profile=profile)
+
+
+def _room(config_path: Path, cfg: dict[str, Any], prompt: str) -> int:
+    from tokenizers import Tokenizer
+
+    size = int(cfg["dialog"]["context"]["size"])
+    tok = Tokenizer.from_file(cfg["dialog"]["tokenizer"]["path"])
+    n = 1 + len(tok.encode(prompt, add_special_tokens=False).ids)  # Genie prepends BOS
+    if n >= size:
+        raise UserError(f"The prompt is {n} tokens; the model's context holds {size}.",
+                        "Shorten the prompt (or the chat history).")
+    return size - n
+
+
+class Preview:
+    """The bundle's quantized graphs on the CPU, kept loaded between queries (chat)."""
+
+    def __init__(self, bundle_dir: Path) -> None:
+        import torch
+        from transformers import PreTrainedTokenizerFast
+
+        from ..adapt import KVCacheRunner
+        from ..adapt.decoder import DecoderSpec
+        from ..compile.graph_io import IOEncoding
+        from ..compile.ort_graph import OrtGraph, cpu_session
+
+        t0 = time.perf_counter()
+        meta = _metadata(bundle_dir)
+        prepared = Path(meta["project_compile_dir"]) / "prepared"
+        if not prepared.is_dir():
+            raise UserError(f"The preview needs the project that built this bundle ({prepared} is missing).",
+                            "Run without --preview (real Genie), or rebuild the bundle from its project.")
+        io = {k: IOEncoding(**v) for k, v in meta["io_encodings"].items()}
+        graphs = {g["ar"]: OrtGraph(cpu_session(prepared / f"{g['name']}.onnx"), io) for g in meta["graphs"]}
+        self.runner = KVCacheRunner(DecoderSpec(**meta["decoder"]), meta["context_length"], graphs,  # type: ignore[arg-type]
+                                    torch.tensor(meta["rope_inv_freq"]))
+        self.tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / gc.TOKENIZER))
+        self.bos, self.eos = meta["bos_id"], set(meta["eos_ids"])
+        self.init_us = int((time.perf_counter() - t0) * 1e6)
+
+    def query(self, prompt: str, on_text: OnText, stop: threading.Event | None = None,
+              max_tokens: int | None = None) -> tuple[str, dict[str, Any], bool]:
+        """Greedy answer to `prompt` (BOS prepended, as Genie does); returns text, profile event, aborted."""
+        r = self.runner
+        ids = [self.bos] + self.tok(prompt, add_special_tokens=False)["input_ids"]
+        room = r.cl - r.ar_prompt - len(ids)
+        if room <= 0:
+            raise UserError(f"The prompt ({len(ids)} tokens) does not fit the context ({r.cl}).",
+                            "Shorten the prompt or the history.")
+        limit = min(max_tokens or room, room)
+        t0 = time.perf_counter()
+        r.reset()
+        last = r.prefill(ids)[-1]
+        ttft = time.perf_counter() - t0
+        out: list[int] = []
+        shown = ""
+        aborted = False
+        t_gen = time.perf_counter()
+        while len(out) < limit:
+            if stop is not None and stop.is_set():
+                aborted = True
+                break
+            tok = int(last.argmax())
+            if tok in self.eos:
+                break
+            out.append(tok)
+            text = self.tok.decode(out, skip_special_tokens=False)
+            if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+                on_text(text[len(shown):])
+                shown = text
+            last = r.step([tok], 1)[-1]
+        gen = time.perf_counter() - t_gen
+        stop_t = time.perf_counter()
+        event = {"type": "GenieDialog_query", "duration": int((stop_t - t0) * 1e6), "start": 0,
+                 "stop": int((stop_t - t0) * 1e6),
+                 "num-prompt-tokens": {"value": len(ids), "unit": ""},
+                 "prompt-processing-rate": {"value": round(len(ids) / max(ttft, 1e-9), 3), "unit": "toks/sec"},
+                 "time-to-first-token": {"value": int(ttft * 1e6), "unit": "us"},
+                 "num-generated-tokens": {"value": len(out), "unit": ""},
+                 "token-generation-rate": {"value": round(len(out) / max(gen, 1e-9), 3), "unit": "toks/sec"},
+                 "token-generation-time": {"value": int(gen * 1e6), "unit": "us"}}
+        return self.tok.decode(out, skip_special_tokens=False), event, aborted
+
+    def profile(self, events: list[dict[str, Any]]) -> str:
+        create = {"type": "GenieDialog_create", "duration": self.init_us, "start": 0, "stop": self.init_us,
+                  "init-time": {"value": self.init_us, "unit": "us"}}
+        return json.dumps({"header": {"header_version": {"major": 0, "minor": 1, "patch": 0},
+                                      "artifact_type": "GENIE_PROFILE"},
+                           "metadata": {"timestamp": int(time.time() * 1e6), "runner": "preview (CPU)"},
+                           "components": [{"name": "dialog0", "type": "dialog", "events": [create, *events]}]})
+
+
+def _preview(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None,
+             stop: threading.Event | None, max_tokens: int | None) -> RunResult:
+    t0 = time.perf_counter()
+    pv = Preview(config_path.parent)
+    text, event, aborted = pv.query(prompt, on_text, stop, max_tokens)
+    profile = pv.profile([event])
+    if profile_path:
+        atomic_write_text(Path(profile_path), profile)
+    return RunResult(text=text, status="aborted" if aborted else "complete", runner="preview (CPU)",
+                     seconds=round(time.perf_counter() - t0, 3), profile=profile)
+
+
+def _metadata(bundle_dir: Path) -> dict[str, Any]:
+    from .bundle import METADATA
+
+    try:
+        return json.loads((bundle_dir / METADATA).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{bundle_dir} has no readable {METADATA}.",
+                        "Rebuild the bundle with `npustudio bundle`.") from e

@@ -1,0 +1,160 @@
+"""Compile -> bundle -> real Genie on the HTP simulator, on a tiny random Llama (head_dim 64, CL 128, AR-32)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from npustudio.core import pipeline
+from npustudio.core.compile import CompileOptions
+from npustudio.core.errors import UserError
+from npustudio.core.genie import bundle as bundle_stage
+from npustudio.core.genie import config as gc
+from npustudio.core.genie import libgenie, profile, runner
+from npustudio.core.progress import State
+from npustudio.core.project import Project
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def project(genie_project: Project) -> Project:
+    return genie_project
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "npustudio.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_every_node_lands_on_the_htp_and_the_binaries_are_written(project: Project) -> None:
+    r = project.record("compile").result
+    assert r["nodes_on_cpu"] == 0
+    assert [g["graph"] for g in r["graphs"]] == ["prompt_ar32_cl128_1_of_1", "token_ar1_cl128_1_of_1"]
+    for g in r["graphs"]:
+        assert g["nodes_on_qnn"] > 100
+        assert (project.stage_dir("compile") / g["context_bin"]).stat().st_size == g["bin_bytes"] > 100_000
+    assert (r["target"], r["dsp_arch"], r["soc_model"]) == ("SM8750", "v79", 69)
+
+
+def test_graph_io_is_quantized_as_genie_needs(project: Project) -> None:
+    io = project.record("compile").result["io"]
+    assert io["input_ids"]["dtype"] == "int32"
+    for name in ("attention_mask", "position_ids_cos", "position_ids_sin", "logits"):
+        assert io[name]["dtype"] == "uint16", name
+    for layer in range(2):
+        for kind in ("key", "value"):
+            assert io[f"past_{kind}_{layer}_in"]["dtype"] == "uint8"
+            assert io[f"past_{kind}_{layer}_in"] == io[f"past_{kind}_{layer}_out"]  # tied
+
+
+def test_simulator_agrees_with_the_quantsim(project: Project) -> None:
+    v = project.record("compile").result["verification"]
+    assert v["tokens"] > 40 and v["decode_steps"] == 4
+    assert abs(v["nll_diff"]) < 0.01
+    assert v["top1_agreement"] >= 0.95
+    tv = v["vs_quantsim_test_vectors"]
+    assert all(x == 1.0 for k, x in tv.items() if k.endswith("top1_agreement"))
+    assert all(x < 0.05 for k, x in tv.items() if k.endswith("max_abs_logit_diff"))
+
+
+def test_compile_cli_json_lists_binaries_and_nodes_on_cpu(project: Project) -> None:
+    res = _cli("compile", "--project", str(project.root), "--json")  # unchanged inputs: the stage is reused
+    assert res.returncode == 0, res.stderr
+    c = json.loads(res.stdout)
+    assert c["nodes_on_cpu"] == 0 and c["dsp_arch"] == "v79"
+    assert all(b["bytes"] > 0 for b in c["binaries"])
+    assert "nll_htp" in c["verification"]
+
+
+def test_bundle_holds_a_genie_config_libgenie_accepts(project: Project) -> None:
+    b = project.stage_dir("bundle")
+    names = {p.name for p in b.iterdir()}
+    assert {gc.CONFIG, gc.HTP_EXT, gc.TOKENIZER, bundle_stage.METADATA, bundle_stage.SAMPLE_PROMPT,
+            "prompt_ar32_cl128_1_of_1.bin", "token_ar1_cl128_1_of_1.bin"} <= names
+    cfg = json.loads((b / gc.CONFIG).read_text())["dialog"]
+    assert cfg["context"]["size"] == 128 and cfg["context"]["n-vocab"] == 384
+    assert (cfg["context"]["bos-token"], cfg["context"]["eos-token"]) == (1, 2)
+    assert cfg["engine"]["backend"]["QnnHtp"]["kv-dim"] == 64
+    assert cfg["engine"]["model"]["positional-encoding"]["rope-dim"] == 32
+    status, _ = libgenie.validate_config(json.dumps(gc.absolute(json.loads((b / gc.CONFIG).read_text()), b)))
+    assert status == 0
+    ext = json.loads((b / gc.HTP_EXT).read_text())
+    assert ext["devices"][0] == {**ext["devices"][0], "soc_model": 69, "dsp_arch": "v79"}
+    prompt = (b / bundle_stage.SAMPLE_PROMPT).read_text()
+    assert "\n" in prompt and "\\n" not in prompt and not prompt.startswith("<|im_start|>")  # Genie adds BOS
+    assert prompt.rstrip().endswith("assistant")
+
+
+def test_a_broken_config_shows_genies_own_message(tmp_path: Path) -> None:
+    status, _ = libgenie.validate_config("{not json")
+    assert status == -7  # JSON format error
+    status, _ = libgenie.validate_config("{}")
+    assert status == -8  # schema: no dialog
+    with pytest.raises(UserError) as e:
+        libgenie.Dialog(json.dumps({"dialog": {"version": 1, "type": "basic"}}))
+    assert "status -8" in e.value.problem or "status -9" in e.value.problem or "status -4" in e.value.problem
+
+
+def test_genie_run_streams_begin_end_and_writes_its_profile(project: Project, tmp_path: Path) -> None:
+    cfg = project.stage_dir("bundle") / gc.CONFIG
+    prof = tmp_path / "p.json"
+    res = _cli("genie-run", "-c", str(cfg), "-p", PROMPT, "--profile", str(prof), "--max-tokens", "6")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"[PROMPT]: {PROMPT}")
+    body = res.stdout.split("[BEGIN]: ", 1)[1]
+    assert body.rstrip().endswith("[END]") and len(body) > len("[END]") + 1
+    s = json.loads(_cli("profile", str(prof), "--json", "--bundle", str(cfg.parent)).stdout)
+    assert s["summary"]["runner"] == "genie"
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(cfg.parent / gc.TOKENIZER))
+    n_prompt = 1 + len(tok(PROMPT, add_special_tokens=False)["input_ids"])  # Genie prepends BOS
+    assert s["summary"]["generated_tokens"] == 6 and s["summary"]["prompt_tokens"] == n_prompt
+    assert s["summary"]["ttft_s"] > 0 and s["summary"]["generation_tok_s"] > 0
+    assert s["roofline"]["decode_tok_s_bound"] > 0
+
+
+def test_genie_and_the_cpu_preview_give_the_same_greedy_tokens(project: Project) -> None:
+    cfg = project.stage_dir("bundle") / gc.CONFIG
+    real = runner.run(cfg, PROMPT, lambda _s: None, max_tokens=8)
+    fast = runner.run(cfg, PROMPT, lambda _s: None, max_tokens=8, preview=True)
+    assert real.runner.startswith("genie") and fast.runner.startswith("preview")
+    assert real.text and real.text == fast.text
+
+
+def test_stop_aborts_a_genie_query(project: Project) -> None:
+    cfg = project.stage_dir("bundle") / gc.CONFIG
+    stop = threading.Event()
+    seen: list[str] = []
+
+    def on_text(s: str) -> None:
+        seen.append(s)
+        stop.set()  # the user presses stop once text appears
+
+    res = runner.run(cfg, PROMPT, on_text, stop=stop, max_tokens=100)
+    assert res.status == "aborted"
+    assert 1 <= len(seen) < 100
+
+
+def test_profile_reader_tolerates_missing_fields_and_names_bad_files(tmp_path: Path) -> None:
+    minimal = {"components": [{"name": "dialog0", "events": [{"type": "GenieDialog_query", "duration": 5_000_000}]}]}
+    s = profile.summarize(profile.parse(json.dumps(minimal)))
+    assert s.queries == 1 and s.query_s == 5.0 and s.ttft_s is None and s.init_s is None
+    for bad, words in (("[]", "no 'components'"), ("{", "not JSON"),
+                       (json.dumps({"components": [{"events": [{"duration": 1}]}]}), "has no type")):
+        with pytest.raises(UserError) as e:
+            profile.parse(bad, "p.json")
+        assert words in e.value.problem
+    res = _cli("profile", str(tmp_path / "missing.json"))
+    assert res.returncode == 2 and "Cannot read the profile" in res.stderr
+
+
+def test_compile_refuses_a_project_without_quantized_graphs(tmp_path: Path) -> None:
+    with pytest.raises(UserError) as e:
+        pipeline.compile_graphs(Project.open(tmp_path / "empty"), CompileOptions(), State())
+    assert "no intact quantize stage" in e.value.problem and "npustudio quantize" in e.value.fix

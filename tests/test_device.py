@@ -1,0 +1,299 @@
+"""Devices end to end through the real adb server (private port) against the virtual device."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from npustudio.core import chat, device
+from npustudio.core.device import deploy, run
+from npustudio.core.device.virtual import VirtualDevice
+from npustudio.core.errors import UserError
+from npustudio.core.progress import State
+from npustudio.core.project import Project
+
+PORT = 5311  # a private adb server: never the developer's
+
+
+@pytest.fixture(scope="module")
+def adb_server() -> Iterator[list[str]]:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ANDROID_ADB_SERVER_PORT", str(PORT))
+    adb = [device.adb_path(), "-P", str(PORT)]
+    subprocess.run([*adb, "start-server"], check=True, capture_output=True, timeout=60)
+    yield adb
+    subprocess.run([*adb, "kill-server"], capture_output=True, timeout=60)
+    mp.undo()
+
+
+def _connect(vd: VirtualDevice) -> None:
+    assert "connected" in str(device.client().connect(vd.serial, timeout=15))
+
+
+@pytest.fixture(scope="module")
+def vdev(adb_server: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VirtualDevice]:
+    vd = VirtualDevice(tmp_path_factory.mktemp("phone")).start()
+    _connect(vd)
+    yield vd
+    device.client().disconnect(vd.serial)
+    vd.stop()
+
+
+@pytest.fixture(scope="module")
+def bundle(genie_project: Project) -> Path:
+    return genie_project.stage_dir("bundle")
+
+
+def _fake_genie(vd: VirtualDevice, script: str) -> None:
+    """Replace the virtual device's genie-t2t-run (tests of the run plumbing, not of Genie)."""
+    p = vd.root / "system" / "bin" / "genie-t2t-run"
+    p.write_text("#!/bin/sh\n" + script)
+    p.chmod(0o755)
+
+
+def _restore_genie(vd: VirtualDevice) -> None:
+    vd._prepare_sandbox()
+
+
+def test_stock_adb_sees_the_virtual_device_and_can_shell_push_pull(vdev: VirtualDevice, adb_server: list[str],
+                                                                  tmp_path: Path) -> None:
+    listing = subprocess.run([*adb_server, "devices"], capture_output=True, text=True, timeout=30).stdout
+    assert f"{vdev.serial}\tdevice" in listing
+    s = [*adb_server, "-s", vdev.serial]
+    assert subprocess.run([*s, "shell", "getprop", "ro.soc.model"], capture_output=True, text=True).stdout == "SM8750\n"
+    src = tmp_path / "a.bin"
+    src.write_bytes(os.urandom(300_000))  # several 64 KiB sync chunks
+    assert subprocess.run([*s, "push", str(src), "/data/local/tmp/t/a.bin"], capture_output=True).returncode == 0
+    assert (vdev.root / "data/local/tmp/t/a.bin").read_bytes() == src.read_bytes()
+    back = tmp_path / "b.bin"
+    assert subprocess.run([*s, "pull", "/data/local/tmp/t/a.bin", str(back)], capture_output=True).returncode == 0
+    assert back.read_bytes() == src.read_bytes()
+
+
+def test_the_sandbox_cannot_be_left_through_sync(vdev: VirtualDevice, adb_server: list[str], tmp_path: Path) -> None:
+    outside = tmp_path / "secret.txt"
+    outside.write_text("host file")
+    bad = f"/../../../../../../..{outside}"
+    res = subprocess.run([*adb_server, "-s", vdev.serial, "pull", bad, str(tmp_path / "x")],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and not (tmp_path / "x").exists()
+
+
+def test_devices_json_shows_the_virtual_device_with_its_soc(vdev: VirtualDevice) -> None:
+    res = subprocess.run([sys.executable, "-m", "npustudio.cli", "devices", "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    d = next(x for x in json.loads(res.stdout) if x["serial"] == vdev.serial)
+    assert (d["virtual"], d["soc"], d["dsp_arch"], d["soc_model"], d["android"]) == (True, "SM8750", "v79", 69, "15")
+    assert d["ram_bytes"] > 1e9 and d["free_bytes"] > 1e8
+
+
+def _remote(vd: VirtualDevice, bundle: Path) -> Path:
+    return vd.host_path(deploy.remote_dir(bundle))
+
+
+def test_deploy_pushes_once_then_sends_nothing(vdev: VirtualDevice, bundle: Path) -> None:
+    dev = device.info(vdev.serial)
+    first = deploy.deploy(bundle, dev, State(), force=True)
+    assert first.bytes_sent == sum(p.stat().st_size for p in bundle.iterdir() if p.is_file())
+    for p in bundle.iterdir():
+        if p.is_file():
+            assert (_remote(vdev, bundle) / p.name).read_bytes() == p.read_bytes()
+    assert not [p for p in _remote(vdev, bundle).iterdir() if p.name.endswith(".part")]
+    res = subprocess.run([sys.executable, "-m", "npustudio.cli", "deploy", str(bundle), "--device", vdev.serial,
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    again = json.loads(res.stdout)
+    assert again["bytes_sent"] == 0 and again["bytes_skipped"] == first.bytes_sent
+    assert {f["file"] for f in again["files"]} == {f["file"] for f in first.files}
+
+
+def test_a_device_killed_mid_push_resumes_on_the_next_deploy(adb_server: list[str], bundle: Path,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "phone"
+    vd = VirtualDevice(root).start()
+    _connect(vd)
+    dev = device.info(vd.serial)
+    real_read = deploy._Progress.read
+    sent = {"n": 0}
+
+    def read_then_unplug(self: deploy._Progress, n: int = -1) -> bytes:
+        data = real_read(self, n)
+        sent["n"] += len(data)
+        if sent["n"] > 700_000:  # inside the second binary: the phone goes away
+            vd.stop()
+        return data
+
+    monkeypatch.setattr(deploy._Progress, "read", read_then_unplug)
+    with pytest.raises(UserError) as e:
+        deploy.deploy(bundle, dev, State(), force=True)
+    assert "broke off" in e.value.problem and "resumes" in e.value.fix
+    monkeypatch.setattr(deploy._Progress, "read", real_read)
+    device.client().disconnect(vd.serial)
+    vd2 = VirtualDevice(root, port=vd.port).start()  # plugged back in
+    _connect(vd2)
+    try:
+        res = deploy.deploy(bundle, device.info(vd2.serial), State())
+        total = sum(p.stat().st_size for p in bundle.iterdir() if p.is_file())
+        assert 0 < res.bytes_sent < total and res.bytes_skipped > 0  # finished files were not sent again
+        for p in bundle.iterdir():
+            if p.is_file():
+                got = (_remote(vd2, bundle) / p.name).read_bytes()
+                assert hashlib.sha256(got).digest() == hashlib.sha256(p.read_bytes()).digest(), p.name
+    finally:
+        device.client().disconnect(vd2.serial)
+        vd2.stop()
+
+
+def test_a_bundle_for_another_arch_is_refused_before_any_byte_moves(adb_server: list[str], bundle: Path,
+                                                                    tmp_path: Path) -> None:
+    vd = VirtualDevice(tmp_path / "old", soc_name="SM8650").start()
+    _connect(vd)
+    try:
+        dev = device.info(vd.serial)
+        assert (dev.soc, dev.dsp_arch) == ("SM8650", "v75")
+        with pytest.raises(UserError) as e:
+            deploy.deploy(bundle, dev, State())
+        assert "compiled for SM8750 (v79)" in e.value.problem and "--target SM8650" in e.value.fix
+        assert not (tmp_path / "old/data/local/tmp/npustudio").exists()
+    finally:
+        device.client().disconnect(vd.serial)
+        vd.stop()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.one_of(
+    st.text(min_size=1, max_size=200),
+    st.sampled_from(["'\"; touch /data/local/tmp/PWNED; echo \"'", "$(touch /data/local/tmp/PWNED)",
+                     "`touch /data/local/tmp/PWNED`", "a && touch /data/local/tmp/PWNED", "x\n; rm -rf /\n",
+                     "nul\0byte", "ünïcödé 🚀 \\n literal", "x" * 100_000])))
+def test_the_device_receives_exactly_the_prompt_and_runs_nothing_else(vdev: VirtualDevice, bundle: Path,
+                                                                       prompt: str) -> None:
+    _fake_genie(vdev, 'f=""; while [ $# -gt 0 ]; do [ "$1" = --prompt_file ] && f=$2; shift; done\n'
+                      'printf "[BEGIN]: "; printf ok; printf "[END]\\n"\n')
+    rdir = deploy.remote_dir(bundle)
+    vdev.host_path(rdir).mkdir(parents=True, exist_ok=True)
+    try:
+        res = run.run(vdev.serial, rdir, prompt, lambda _s: None)
+    finally:
+        _restore_genie(vdev)
+    assert res.text == "ok"
+    assert (vdev.host_path(rdir) / run.PROMPT_FILE).read_bytes() == prompt.encode("utf-8")
+    assert not (vdev.root / "data/local/tmp/PWNED").exists()
+
+
+@pytest.mark.parametrize("line,words", [
+    ("Failed to find available PD for contextId 1", "under 4 GB"),
+    ("QnnContext_createFromBinary failed with error 5005", "does not fit this device"),
+    ("Failed to load context: error 5000", "older than the one that compiled"),
+    ("Error 1008: arch mismatch", "another Hexagon architecture"),
+    ("Graph execute failed 1007", "error 1007"),
+    ("Failed to finalize graph 1002 could not create op", "could not build an operation"),
+    ('CANNOT LINK EXECUTABLE "genie-t2t-run": library "libQnnHtp.so" not found', "runtime library is missing"),
+    ("Failed to create dialog", "could not load the model"),
+])
+def test_known_failures_are_explained(vdev: VirtualDevice, bundle: Path, line: str, words: str) -> None:
+    _fake_genie(vdev, f"echo '{line}'; exit 1\n")
+    try:
+        with pytest.raises(UserError) as e:
+            run.run(vdev.serial, deploy.remote_dir(bundle), "hi", lambda _s: None)
+    finally:
+        _restore_genie(vdev)
+    assert words in e.value.problem and e.value.fix
+
+
+def test_stop_closes_the_stream_and_kills_the_remote_process(vdev: VirtualDevice, bundle: Path) -> None:
+    _fake_genie(vdev, 'printf "[BEGIN]: "; echo $$ > genie.pid; '
+                      'while true; do printf tok; sleep 0.05; done\n')
+    stop = threading.Event()
+    got: list[str] = []
+
+    def on_out(s: str) -> None:
+        got.append(s)
+        if "tok" in "".join(got):
+            stop.set()
+
+    t0 = time.monotonic()
+    try:
+        res = run.run(vdev.serial, deploy.remote_dir(bundle), "hi", on_out, stop=stop)
+    finally:
+        _restore_genie(vdev)
+    assert res.status == "stopped" and time.monotonic() - t0 < 20
+    pid = int((_remote(vdev, bundle) / "genie.pid").read_text())
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_chat_on_the_virtual_device_streams_an_answer_with_real_genie(vdev: VirtualDevice, bundle: Path,
+                                                                      tmp_path: Path) -> None:
+    deploy.deploy(bundle, device.info(vdev.serial), State())
+    session = chat.ChatSession(bundle, chat.DeviceRunner(vdev.serial, bundle), system="You are helpful.",
+                               history_file=tmp_path / "h.json")
+    pieces: list[str] = []
+    turn = session.send("Hello", pieces.append)  # this random tiny model answers "o o o ..." to it
+    streamed = "".join(pieces)
+    assert len(pieces) > 1 and streamed.strip().startswith("o o")  # token by token, not all at the end
+    assert "[BEGIN]" not in streamed and "[END]" not in streamed and "[INFO]" not in streamed
+    assert turn.assistant == streamed.strip() and turn.runner == f"device {vdev.serial}"
+    saved = json.loads((tmp_path / "h.json").read_text())
+    assert saved["system"] == "You are helpful." and saved["turns"][0]["user"] == "Hello"
+    session.turns = [chat.Turn(user="Hi", assistant="Yo", runner="x")]
+    prompt2 = session.prompt_for("And then?")  # the history goes into the next prompt, in the template
+    assert "You are helpful." in prompt2 and "user\nHi" in prompt2 and "assistant\nYo" in prompt2
+    session.turns = [chat.Turn(user="old " * 30, assistant="x", runner="x"), *session.turns]
+    prompt3 = session.prompt_for("And then?")  # too long for CL 128: the oldest turn is dropped
+    assert "old" not in prompt3 and "user\nHi" in prompt3
+
+
+def test_watcher_follows_plug_and_unplug_and_stops(adb_server: list[str], tmp_path: Path) -> None:
+    events: list[tuple[list[str], list[str]]] = []
+    w = device.Watcher(lambda a, r: events.append((a, r)), interval=0.2).start()
+    vd = VirtualDevice(tmp_path / "w").start()
+    try:
+        _connect(vd)
+        _wait(lambda: any(vd.serial in a for a, _ in events))
+        device.client().disconnect(vd.serial)
+        _wait(lambda: any(vd.serial in r for _, r in events))
+    finally:
+        vd.stop()
+        t0 = time.monotonic()
+        w.stop()
+        assert time.monotonic() - t0 < 2
+
+
+def _wait(cond: object, timeout: float = 10) -> None:
+    t0 = time.monotonic()
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() - t0 < timeout
+        time.sleep(0.1)
+
+
+def test_a_missing_adb_is_said_plainly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ANDROID_ADB_SERVER_PORT", "5317")  # no server there
+    monkeypatch.setenv("ADBUTILS_ADB_PATH", str(tmp_path / "no-adb"))
+    with pytest.raises(UserError) as e:
+        device.devices()
+    assert "No adb binary" in e.value.problem or "could not be started" in e.value.problem
+
+
+def test_chat_on_the_desktop_preview_reports_tokens_per_second(bundle: Path, tmp_path: Path) -> None:
+    session = chat.ChatSession(bundle, chat.DesktopRunner(bundle, preview=True, max_tokens=8),
+                               history_file=tmp_path / "h.json")
+    first = session.send("Hello", lambda _s: None)
+    second = session.send("And then?", lambda _s: None)
+    assert first.generation_tok_s and first.generation_tok_s > 0 and first.ttft_s is not None
+    assert second.runner == "desktop preview (CPU)"
+    again = chat.ChatSession(bundle, chat.DesktopRunner(bundle, preview=True), history_file=tmp_path / "h.json")
+    assert [t.user for t in again.turns] == ["Hello", "And then?"]  # history survives a restart
