@@ -24,9 +24,12 @@ def test_info_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert w8["precision"] == "w8a16" and w8["kv_cache_bytes"] == 2 * 30 * 3 * 64 * 1024 and w8["parts"] == 1
 
 
-def test_run_default_adapts_quantizes_and_exports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+RUN = ["--json", "--no-ask", "--verify-tokens", "0"]  # the simulator check and Genie's answer: separate tests
+
+
+def test_run_default_adapts_quantizes_exports_and_compiles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     proj = tmp_path / "proj"
-    assert main(["run", "--project", str(proj), "--json"]) == 0
+    assert main(["run", "--project", str(proj), *RUN]) == 0
     s = json.loads(capsys.readouterr().out)
     eq = s["adapt"]
     assert eq["top1_agreement"] >= 0.999 and eq["max_abs_logit_diff"] <= 1e-3
@@ -54,7 +57,13 @@ def test_run_default_adapts_quantizes_and_exports(tmp_path: Path, capsys: pytest
     assert {r["bitwidth"] for r in rows if r["role"] == "kv-cache"} == {8}
     assert {r["bitwidth"] for r in rows if r["kind"] == "activation" and r["role"] != "kv-cache"} == {16}
 
+    c = s["compile"]  # every node of both graphs on the HTP, one binary per graph for the v79 target
+    assert c["nodes_on_cpu"] == 0 and (c["dsp_arch"], c["soc_model"]) == ("v79", 69)
+    assert [b["graph"] for b in c["binaries"]] == eq["graphs"]
+    assert all(1e8 < b["bytes"] < 3e8 and b["nodes_on_qnn"] > 10_000 for b in c["binaries"])
+    assert s["bundle"]["validated"] and s["sample"] is None
+
     # unchanged inputs: the second run is a skip, not a recompute
-    assert main(["run", "--project", str(proj), "--json"]) == 0
+    assert main(["run", "--project", str(proj), *RUN]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["stages"] == s["stages"] and again["quantize"]["ratio"] == q["ratio"]

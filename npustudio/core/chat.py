@@ -80,12 +80,12 @@ class DeviceRunner:
 
         with tempfile.TemporaryDirectory() as tmp:
             prof = Path(tmp) / "profile.json"
-            res = run.run(self.serial, self.remote, prompt, _answer_only(on_text), stop, prof)
+            res = run.run(self.serial, self.remote, prompt, answer_stream(on_text), stop, prof)
             summary = profile.summarize(profile.read(prof)).model_dump() if res.profile_path else {}
         return res.text, res.status == "stopped", summary
 
 
-def _answer_only(on_text: OnText) -> OnText:
+def answer_stream(on_text: OnText) -> OnText:
     """genie-t2t-run prints `[PROMPT]: …` first: pass on only what comes after `[BEGIN]: `, up to `[END]`."""
     state = {"buf": "", "on": False, "done": False}
 

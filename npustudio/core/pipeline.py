@@ -104,7 +104,8 @@ def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLi
         res = bundle_stage.run(project.stage_dir("compile"), project.stage_dir("adapt"), options, out, state)
         return res.model_dump() | {"folder": str(project.stage_dir("bundle"))}
 
-    rec, _ = project.run_stage("bundle", inputs={"compile": crec.key}, options=options.model_dump(), fn=fn)
+    rec, _ = project.run_stage("bundle", inputs={"compile": crec.key, "format": bundle_stage.FORMAT},
+                               options=options.model_dump(), fn=fn)
     return rec
 
 
@@ -117,6 +118,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
     import threading
 
     from . import device
+    from .chat import answer_stream
     from .device import deploy, run
     from .device.virtual import VirtualDevice
     from .genie import profile as genie_profile
@@ -142,19 +144,24 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
         stop = threading.Event()
         pieces: list[str] = []
 
-        def text(s: str) -> None:
+        def answer(s: str) -> None:
             pieces.append(s)
             if on_text:
                 on_text(s)
-            if len(pieces) > max_tokens + 2:  # [PROMPT] and [BEGIN] arrive as pieces too
+            if len(pieces) >= max_tokens and not dev.virtual:
                 stop.set()
 
+        text = answer_stream(answer)  # genie-t2t-run's output: only what comes between [BEGIN]: and [END]
+
         state.progress(0.3, f"asking on {dev.serial} (Genie on the HTP simulator for the virtual device: slow)")
-        res = run.run(dev.serial, pushed.remote_dir, prompt, text, stop=stop, profile_to=prof)
+        # the virtual device's runner stops by itself after max_tokens (and so writes its profile);
+        # a phone's genie-t2t-run has no limit: it is stopped once enough text has arrived
+        res = run.run(dev.serial, pushed.remote_dir, prompt, text, stop=stop, profile_to=prof,
+                      max_tokens=max_tokens if dev.virtual else None)
         summary = genie_profile.summarize(genie_profile.read(prof)).model_dump() if res.profile_path else None
         meta = json.loads((folder / bundle_stage.METADATA).read_text())
         return {"device": dev.serial, "virtual": dev.virtual, "question": meta["question"], "answer": res.text,
-                "stopped_after_tokens": max_tokens if res.status == "stopped" else None,
+                "stopped_after_tokens": max_tokens if res.status == "stopped" or dev.virtual else None,
                 "deploy": {"bytes_sent": pushed.bytes_sent, "bytes_skipped": pushed.bytes_skipped},
                 "profile": res.profile_path, "profile_summary": summary}
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -101,7 +102,8 @@ def compile_graph(qio_onnx: Path, graph: str, out_dir: Path, target: Soc) -> Com
     ctx = out_dir / f"{graph}.onnx"
     t0 = time.perf_counter()
     try:
-        sess = ort.InferenceSession(str(qio_onnx), session_options(target, ctx))
+        with quiet_stdout():
+            sess = ort.InferenceSession(str(qio_onnx), session_options(target, ctx))
     except Exception as e:  # QNN's own message is the useful part
         raise UserError(f"QNN could not compile {graph}: {_first_line(e)}",
                         "Check that the graph came from this version's quantize stage; run with "
@@ -146,11 +148,29 @@ def _captured_stderr() -> Iterator[Path]:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """The QNN libraries print a banner on fd 1 when they load: keep stdout for the answer / the JSON."""
+    import ctypes
+
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def context_session(ctx_onnx: Path, target: Soc) -> Any:
     """A session over a compiled context (runs on the HTP simulator here, on the NPU on a Snapdragon PC)."""
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(str(ctx_onnx), session_options(target))
+    with quiet_stdout():
+        sess = ort.InferenceSession(str(ctx_onnx), session_options(target))
     _, cpu = assignment(sess)
     if cpu:
         raise UserError(f"{ctx_onnx.name} did not load onto QNN ({len(cpu)} nodes on the CPU).",

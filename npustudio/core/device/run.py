@@ -81,7 +81,10 @@ def answer(output: str) -> str:
 
 
 def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], None],
-        stop: threading.Event | None = None, profile_to: Path | None = None, log: str = "error") -> DeviceRun:
+        stop: threading.Event | None = None, profile_to: Path | None = None, log: str = "error",
+        max_tokens: int | None = None) -> DeviceRun:
+    """`max_tokens` is for the virtual device only: its genie-t2t-run (our desktop runner) takes
+    `--max-tokens`; a phone's genie-t2t-run has no such flag (stop it with `stop` instead)."""
     if log not in ("error", "warn", "info", "verbose"):
         raise UserError(f"Unknown log level {log!r}.", "Use error, warn, info or verbose.")
     d = client().device(serial=serial)
@@ -90,7 +93,8 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
     line = (f"cd {q(remote_dir)} && echo NPUSTUDIO_PID=$$ && "
             "if [ -x ./genie-t2t-run ]; then G=./genie-t2t-run; else G=genie-t2t-run; fi && "
             f"LD_LIBRARY_PATH=$PWD:$LD_LIBRARY_PATH ADSP_LIBRARY_PATH=$PWD exec $G -c genie_config.json "
-            f"--prompt_file {PROMPT_FILE} --profile {PROFILE_FILE} --log {log} 2>&1")
+            f"--prompt_file {PROMPT_FILE} --profile {PROFILE_FILE} --log {log}"
+            + (f" --max-tokens {int(max_tokens)}" if max_tokens else "") + " 2>&1")
     t0 = time.perf_counter()
     d.shell(["rm", "-f", posixpath.join(remote_dir, PROFILE_FILE)], timeout=30)
     conn = d.shell(line, stream=True)

@@ -26,6 +26,7 @@ from ..targets import Soc, soc
 from . import config as gc
 from . import libgenie
 
+FORMAT = 1  # bumped when the bundle's contents change meaning
 METADATA = "metadata.json"
 SAMPLE_PROMPT = "sample_prompt.txt"
 DEFAULT_QUESTION = "What is the capital of France?"
