@@ -136,6 +136,7 @@ def test_a_device_killed_mid_push_resumes_on_the_next_deploy(adb_server: list[st
         return data
 
     monkeypatch.setattr(deploy._Progress, "read", read_then_unplug)
+    monkeypatch.setattr(deploy, "_MANIFEST_EVERY", 0)  # record every file (by default: files >= 8 MB)
     with pytest.raises(UserError) as e:
         deploy.deploy(bundle, dev, State(), force=True)
     assert "broke off" in e.value.problem and "resumes" in e.value.fix

@@ -25,6 +25,7 @@ from . import REMOTE_ROOT, DeviceInfo, client, compatibility
 
 MANIFEST = ".npustudio-manifest.json"
 _CHUNK = 1024 * 1024
+_MANIFEST_EVERY = 8 * 1024 * 1024  # files at least this large are recorded as soon as they are on the device
 
 
 class DeployResult(BaseModel):
@@ -121,10 +122,11 @@ class _Progress:
 SYNC_CHUNK = 64 * 1024  # the sync protocol's largest DATA packet
 
 
-def push(d: Any, src: Any, dst: str, mode: int = 0o644) -> int:
+def push(d: Any, src: Any, dst: str, mode: int = 0o644) -> tuple[int, int]:
     """sync SEND with 64 KiB DATA packets (adbutils' push sends 4 KiB ones: several times slower).
 
     `src` is read in 64 KiB pieces (that is where progress is reported); the device answers OKAY or FAIL.
+    Returns the bytes sent and the mtime given to the file.
     """
     import stat as st
     import struct
@@ -138,14 +140,15 @@ def push(d: Any, src: Any, dst: str, mode: int = 0o644) -> int:
         while chunk := src.read(SYNC_CHUNK):
             c.conn.sendall(b"DATA" + struct.pack("<I", len(chunk)) + chunk)
             sent += len(chunk)
-        c.conn.sendall(b"DONE" + struct.pack("<I", int(time.time())))
+        mtime = int(time.time())
+        c.conn.sendall(b"DONE" + struct.pack("<I", mtime))
         reply = c.read_string(4)
         if reply != "OKAY":
             n = struct.unpack("<I", c.conn.recv(4))[0]
             raise UserError(f"The device refused {dst}: {c.read_string(n) if n else reply}.",
                             "Check free space and permissions under /data/local/tmp.")
         c.conn.recv(4)
-    return sent
+    return sent, mtime
 
 
 def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = False) -> DeployResult:
@@ -168,11 +171,15 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
         raise UserError(f"Device {dev.serial} stopped answering ({e}).", "Reconnect it and deploy again: "
                         "finished files are kept.") from e
 
+    try:
+        on_device = {posixpath.basename(f.path): f for f in d.sync.list(rdir)}
+    except Exception:
+        on_device = {}
     todo, rows, skipped = [], [], 0
     for name, (p, size, digest) in local.items():
-        have = remote_manifest.get(name)
-        st = d.sync.stat(posixpath.join(rdir, name))
-        same = (not force and have is not None and have.get("sha256") == digest and st.size == size == have["size"]
+        have, st = remote_manifest.get(name), on_device.get(name)
+        same = (not force and have is not None and st is not None and st.mtime is not None
+                and have.get("sha256") == digest and st.size == size == have["size"]
                 and int(st.mtime.timestamp()) == have["mtime"])
         if same:
             skipped += size
@@ -182,23 +189,25 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
     total = sum(t[2] for t in todo)
     sent = 0
     t0 = time.perf_counter()
-    for name, p, size, digest in todo:
+    for i, (name, p, size, digest) in enumerate(todo):
         tmp = posixpath.join(rdir, f".{name}.part")
         src = _Progress(p, state, sent, total, t0)
         try:
-            push(d, src, tmp, mode=0o755 if not name.endswith((".json", ".txt", ".bin")) else 0o644)
+            n, mtime = push(d, src, tmp, mode=0o755 if not name.endswith((".json", ".txt", ".bin")) else 0o644)
             d.shell(f"mv -f {shlex.quote(tmp)} {shlex.quote(posixpath.join(rdir, name))}", timeout=60)
-            st = d.sync.stat(posixpath.join(rdir, name))
+            if n != size:
+                raise UserError(f"{name} changed while it was pushed ({n} of {size} bytes).", "Deploy again.")
+            sent += size
+            remote_manifest[name] = {"size": size, "mtime": mtime, "sha256": digest}
+            if size >= _MANIFEST_EVERY or i == len(todo) - 1:  # what finished survives a disconnect
+                _write_manifest(d, rdir, remote_manifest)
+        except UserError:
+            raise
         except Exception as e:
             raise UserError(f"The push of {name} to {dev.serial} broke off ({e}).",
                             "Reconnect the device and run the same deploy again: it resumes where it stopped.") from e
         finally:
             src.close()
-        if st.size != size:
-            raise UserError(f"{name} arrived with {st.size} bytes instead of {size}.", "Deploy again.")
-        sent += size
-        remote_manifest[name] = {"size": size, "mtime": int(st.mtime.timestamp()), "sha256": digest}
-        _write_manifest(d, rdir, remote_manifest)
         rows.append({"file": name, "bytes": size, "sent": True})
     secs = time.perf_counter() - t0
     state.progress(1.0, f"deployed to {dev.serial}:{rdir}")
@@ -219,6 +228,7 @@ def _read_manifest(d: Any, rdir: str) -> dict[str, Any]:
 
 
 def _write_manifest(d: Any, rdir: str, manifest: dict[str, Any]) -> None:
-    tmp = posixpath.join(rdir, f".{MANIFEST}.part")
-    d.sync.push(json.dumps(manifest, indent=1).encode(), tmp, mode=0o644)
-    d.shell(f"mv -f {shlex.quote(tmp)} {shlex.quote(posixpath.join(rdir, MANIFEST))}", timeout=30)
+    """One sync SEND (a torn manifest reads as invalid JSON and only costs a full re-push)."""
+    import io
+
+    push(d, io.BytesIO(json.dumps(manifest, indent=1).encode()), posixpath.join(rdir, MANIFEST))
