@@ -31,15 +31,13 @@ def main() -> None:
 
     from npustudio.core import device
     from npustudio.core.device import deploy
-    from npustudio.core.device.virtual import VirtualDevice
     from npustudio.core.progress import State
 
     work = Path(tempfile.mkdtemp(prefix="npustudio-push-"))
     adb = [device.adb_path(), "-P", str(a.port)]
     subprocess.run([*adb, "start-server"], check=True, capture_output=True)
-    vd = VirtualDevice(work / "phone").start()
+    vd = device.start_virtual(work / "phone")
     try:
-        device.client().connect(vd.serial, timeout=15)
         bundle = work / "bundle"
         bundle.mkdir()
         for i in range(a.files):
@@ -71,11 +69,7 @@ def main() -> None:
                           "unchanged_redeploy_s": round(repush, 3), "unchanged_redeploy_bytes_sent": again.bytes_sent,
                           "runs": a.repeat}, indent=2))
     finally:
-        try:
-            device.client().disconnect(vd.serial)
-        except Exception:
-            pass
-        vd.stop()
+        device.stop_virtual(vd)
         subprocess.run([*adb, "kill-server"], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
 

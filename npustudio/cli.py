@@ -413,27 +413,12 @@ def cmd_devices(a: argparse.Namespace) -> int:
     return 0
 
 
-def start_virtual_device(port: int = 0, soc_name: str = "SM8750", preview: bool = False, root: Path | None = None
-                         ) -> Any:
-    """Start a virtual device in this process and have the adb server connect to it."""
-    import platformdirs
-
-    from .core import device
-    from .core.device.virtual import VirtualDevice
-
-    root = root or platformdirs.user_data_path("npustudio") / "virtual-device"
-    vd = VirtualDevice(root, port=port, soc_name=soc_name, preview=preview).start()
-    res = str(device.client().connect(vd.serial, timeout=15))
-    if "connected" not in res or "failed" in res:
-        vd.stop()
-        raise UserError(f"The adb server did not connect to the virtual device: {res}", "Restart adb and retry.")
-    return vd
-
-
 def cmd_virtual_device(a: argparse.Namespace) -> int:
     import time
 
-    vd = start_virtual_device(a.port, a.soc, a.preview, Path(a.root) if a.root else None)
+    from .core import device
+
+    vd = device.start_virtual(Path(a.root) if a.root else None, a.port, a.soc, a.preview)
     kind = "preview runner" if a.preview else "real Genie on the HTP simulator"
     err.print(f"virtual device {vd.serial} ({a.soc}, {kind}) is connected; its /data/local/tmp is "
               f"{vd.root / 'data/local/tmp'}. Ctrl-C stops it.")
@@ -445,13 +430,7 @@ def cmd_virtual_device(a: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        from .core import device
-
-        try:
-            device.client().disconnect(vd.serial)
-        except Exception:
-            pass
-        vd.stop()
+        device.stop_virtual(vd)
     return 0
 
 

@@ -120,7 +120,6 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
     from . import device
     from .chat import answer_stream
     from .device import deploy, run
-    from .device.virtual import VirtualDevice
     from .genie import profile as genie_profile
 
     state = state or State()
@@ -132,9 +131,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
         except UserError:
             if serial:
                 raise
-            root = platformdirs.user_data_path("npustudio") / "virtual-device"
-            started = VirtualDevice(root).start()
-            device.client().connect(started.serial, timeout=15)
+            started = device.start_virtual()
             dev = device.info(started.serial)
         state.progress(0.0, f"deploying to {dev.serial}")
         pushed = deploy.deploy(folder, dev, state.sub(0.0, 0.3))
@@ -166,11 +163,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
                 "profile": res.profile_path, "profile_summary": summary}
     finally:
         if started is not None:
-            try:
-                device.client().disconnect(started.serial)
-            except Exception:
-                pass
-            started.stop()
+            device.stop_virtual(started)
 
 
 def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,

@@ -125,3 +125,19 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Laps:
+    """Wall time per named step, for a stage's result: `lap("calibrate")` closes the step begun at the last lap."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.perf_counter
+        self._t = self._clock()
+        self.steps: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        now = self._clock()
+        self.steps[name] = round(now - self._t, 2)
+        self._t = now

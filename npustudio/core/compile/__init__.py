@@ -27,7 +27,7 @@ from ..adapt import KVCacheRunner, store
 from ..errors import UserError
 from ..evaluate import load_corpus, nll
 from ..fsutil import atomic_write_json
-from ..progress import StateLike, peak_rss_mb
+from ..progress import Laps, StateLike, peak_rss_mb
 from ..quantize.export import WEIGHTS_FILE, read_test_vectors
 from ..targets import soc
 from . import graph_io, ort_qnn
@@ -70,14 +70,8 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     qres = json.loads((quant_dir / "quantize.json").read_text())
     target = soc(options.target or qres["target"])
     graphs = qres["graphs"]
-    steps: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        steps[name] = round(now - clock, 2)
-        clock = now
+    lap = Laps()
+    steps = lap.steps
 
     weights = quant_dir / WEIGHTS_FILE
     if weights.stat().st_size > MAX_CONTEXT_BYTES:

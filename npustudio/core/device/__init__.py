@@ -222,3 +222,27 @@ class Watcher:
                 self.seen = now
                 self.on_change(added, removed)
             self._stop.wait(self.interval)
+
+
+def start_virtual(root: Path | None = None, port: int = 0, soc_name: str = "SM8750", preview: bool = False) -> Any:
+    """Start a virtual device in this process and have the adb server connect to it."""
+    import platformdirs
+
+    from .virtual import VirtualDevice
+
+    root = root or platformdirs.user_data_path("npustudio") / "virtual-device"
+    vd = VirtualDevice(root, port=port, soc_name=soc_name, preview=preview).start()
+    res = str(client().connect(vd.serial, timeout=15))
+    if "connected" not in res or "failed" in res:
+        vd.stop()
+        raise UserError(f"The adb server did not connect to the virtual device: {res}", "Restart adb and retry.")
+    return vd
+
+
+def stop_virtual(vd: Any) -> None:
+    """Disconnect the adb server from a virtual device (if it still answers) and stop the device."""
+    try:
+        client().disconnect(vd.serial)
+    except Exception:  # the server may be gone already; the device stops either way
+        pass
+    vd.stop()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import shutil
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from ..adapt.decoder import io_names
 from ..errors import UserError
 from ..evaluate import DEFAULT_WINDOW, compare, load_corpus
 from ..fsutil import atomic_write_json
-from ..progress import StateLike, peak_rss_mb
+from ..progress import Laps, StateLike, peak_rss_mb
 from ..targets import DEFAULT_SOC, soc
 from . import export, simulate
 from .presets import Overrides, preset
@@ -74,14 +73,8 @@ class QuantizeResult(BaseModel):
 
 def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLike) -> QuantizeResult:
     pre, target = preset(options.precision), soc(options.target)
-    steps: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        steps[name] = round(now - clock, 2)
-        clock = now
+    lap = Laps()
+    steps = lap.steps
 
     state.progress(0.0, "loading the adapted model")
     model, inv_freq = store.load(adapt_dir)
