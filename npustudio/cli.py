@@ -54,16 +54,10 @@ def _stdout_is_for(json_only: bool) -> Iterator[None]:
     if not json_only:
         yield
         return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)  # native libraries (QNN, Genie) print on fd 1 directly
-    try:
-        with redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+    from .core.native_io import fd_redirected
+
+    with fd_redirected(1, 2), redirect_stdout(sys.stderr):
+        yield
 
 
 def _card_table(card: dict[str, Any], fits: list[dict[str, Any]]) -> None:
@@ -156,18 +150,26 @@ def _print_quantize(q: dict[str, Any]) -> None:
 
 def cmd_quantize(a: argparse.Namespace) -> int:
     from .core import pipeline
+
+    opts = _quantize_options(a)
+    return _stage_command(a, lambda p, st: pipeline.quantize(p, opts, st),
+                          lambda rec, p: pipeline.quantize_summary(rec.result, p.stage_dir("quantize")),
+                          _print_quantize)
+
+
+def _stage_command(a: argparse.Namespace, run: Callable[[Any, State], Any],
+                   summarize: Callable[[Any, Any], dict[str, Any]], show: Callable[[dict[str, Any]], None]) -> int:
+    """A stage on an existing project (--project, --json): live progress, then its summary as JSON or tables."""
     from .core.project import Project
 
     project = Project.open(a.project, create=False)
-    opts = _quantize_options(a)
     with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
-        rec = pipeline.quantize(project, opts, st)
-    q = pipeline.quantize_summary(rec.result, project.stage_dir("quantize"))
-    q |= {"seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)}
+        rec = run(project, st)
+    summary = summarize(rec, project) | {"seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)}
     if a.json:
-        _print_json(q)
+        _print_json(summary)
     else:
-        _print_quantize(q)
+        show(summary)
     return 0
 
 
@@ -260,18 +262,10 @@ def _print_compile(c: dict[str, Any]) -> None:
 
 def cmd_compile(a: argparse.Namespace) -> int:
     from .core import pipeline
-    from .core.project import Project
 
-    project = Project.open(a.project, create=False)
-    with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
-        rec = pipeline.compile_graphs(project, _compile_options(a), st)
-    c = pipeline.compile_summary(rec.result) | {"seconds": round(rec.seconds, 1),
-                                                "peak_rss_mb": round(rec.peak_rss_mb)}
-    if a.json:
-        _print_json(c)
-    else:
-        _print_compile(c)
-    return 0
+    opts = _compile_options(a)
+    return _stage_command(a, lambda p, st: pipeline.compile_graphs(p, opts, st),
+                          lambda rec, _p: pipeline.compile_summary(rec.result), _print_compile)
 
 
 def cmd_bundle(a: argparse.Namespace) -> int:
@@ -297,9 +291,12 @@ def cmd_bundle(a: argparse.Namespace) -> int:
 
 def cmd_genie_run(a: argparse.Namespace) -> int:
     """genie-t2t-run compatible: [PROMPT]/[BEGIN]: ... [END] on stdout, Genie's log on stderr."""
+    import contextlib
+    import ctypes
     import threading
 
     from .core.genie import runner
+    from .core.native_io import fd_redirected
 
     if a.prompt_file:
         try:
@@ -309,49 +306,40 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
     else:
         prompt = a.prompt or ""
     stop = threading.Event()
-    sys.stdout.flush()
-    tokens_out = os.fdopen(os.dup(1), "w", encoding="utf-8")  # the answer alone on stdout:
-    # QNN and Genie print banners on fd 1 and 2 from native code; their log comes through the logger
-    # callback, so outside --log verbose both fds point at /dev/null while our own messages keep stderr
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    saved_err = None
-    if a.log != "verbose":
-        saved_err = os.dup(2)
-        err.file = os.fdopen(os.dup(saved_err), "w", encoding="utf-8")
-        os.dup2(devnull, 2)
-    os.close(devnull)
-    tokens_out.write(f"[PROMPT]: {prompt}\n\n[BEGIN]: ")
-    tokens_out.flush()
-
-    def text(s: str) -> None:
-        tokens_out.write(s)
+    # the answer alone on stdout: QNN's and Genie's native banners go to /dev/null (their log comes through
+    # the logger callback), and so does their stderr outside --log verbose, while our messages keep stderr
+    with contextlib.ExitStack() as stack:
+        tokens_out = stack.enter_context(os.fdopen(os.dup(stack.enter_context(fd_redirected(1))), "w",
+                                                   encoding="utf-8"))
+        if a.log != "verbose":
+            real_err = stack.enter_context(os.fdopen(os.dup(stack.enter_context(fd_redirected(2))), "w",
+                                                     encoding="utf-8"))
+            stack.callback(setattr, err, "file", err.file)
+            err.file = real_err
+        tokens_out.write(f"[PROMPT]: {prompt}\n\n[BEGIN]: ")
         tokens_out.flush()
 
-    if a.preview:
-        err.print("[yellow]preview: the quantized graphs on the CPU, not Genie on the HTP[/]")
-    try:
-        res = runner.run(Path(a.config), prompt, text, Path(a.profile) if a.profile else None, log_level=a.log,
-                         on_log=lambda line: err.print(line, markup=False, highlight=False), stop=stop,
-                         max_tokens=a.max_tokens, preview=a.preview)
-    except KeyboardInterrupt:
-        stop.set()
-        raise
-    finally:
-        import ctypes
+        def text(s: str) -> None:
+            tokens_out.write(s)
+            tokens_out.flush()
 
-        ctypes.CDLL(None).fflush(None)  # native stdio buffers go to /dev/null now, not after fd 1 is back
-        tokens_out.write("[END]\n")
-        tokens_out.flush()
-        os.dup2(tokens_out.fileno(), 1)
-        tokens_out.close()
-        if saved_err is not None:
-            os.dup2(saved_err, 2)
-            os.close(saved_err)
-    if res.status == "aborted":
-        err.print("aborted")
-    elif res.status == "context-full":
-        err.print("Genie stopped: the prompt and the answer filled the model's context. Shorten the prompt.")
+        if a.preview:
+            err.print("[yellow]preview: the quantized graphs on the CPU, not Genie on the HTP[/]")
+        try:
+            res = runner.run(Path(a.config), prompt, text, Path(a.profile) if a.profile else None, log_level=a.log,
+                             on_log=lambda line: err.print(line, markup=False, highlight=False), stop=stop,
+                             max_tokens=a.max_tokens, preview=a.preview)
+        except KeyboardInterrupt:
+            stop.set()
+            raise
+        finally:
+            ctypes.CDLL(None).fflush(None)  # native buffers to /dev/null before [END] ends the answer
+            tokens_out.write("[END]\n")
+            tokens_out.flush()
+        if res.status == "aborted":
+            err.print("aborted")
+        elif res.status == "context-full":
+            err.print("Genie stopped: the prompt and the answer filled the model's context. Shorten the prompt.")
     return 0
 
 

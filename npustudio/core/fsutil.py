@@ -40,3 +40,15 @@ def sha256_file(path: Path) -> str:
 
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """A later stage reading an earlier stage's big file: a hard link (no bytes copied), else a copy."""
+    import shutil
+
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

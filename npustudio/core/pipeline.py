@@ -62,10 +62,7 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
 
 def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
-    arec = project.record("adapt")
-    if arec is None or arec.status != "done" or project.verify("adapt"):
-        raise UserError(f"The project {project.root} has no intact adapted model yet.",
-                        f"Run `npustudio adapt --project {project.root}` first (or `npustudio run`).")
+    arec = _require(project, "adapt", "adapt", "adapted model")
 
     def fn(out: Path) -> dict[str, Any]:
         return quantize_stage.run(project.stage_dir("adapt"), options, out, state).model_dump()
@@ -75,10 +72,11 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
     return rec
 
 
-def _require(project: Project, stage: str, command: str) -> StageRecord:
+def _require(project: Project, stage: str, command: str, what: str | None = None) -> StageRecord:
+    """The record of an earlier stage that finished and whose outputs are intact; else say what to run."""
     rec = project.record(stage)
     if rec is None or rec.status != "done" or project.verify(stage):
-        raise UserError(f"The project {project.root} has no intact {stage} stage yet.",
+        raise UserError(f"The project {project.root} has no intact {what or stage + ' stage'} yet.",
                         f"Run `npustudio {command} --project {project.root}` first (or `npustudio run`).")
     return rec
 

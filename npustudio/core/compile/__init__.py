@@ -14,8 +14,6 @@ eval text and compares them with the same graphs on the CPU, which reproduce the
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from pydantic import BaseModel, Field
 from ..adapt import KVCacheRunner, store
 from ..errors import UserError
 from ..evaluate import load_corpus, nll
-from ..fsutil import atomic_write_json
+from ..fsutil import atomic_write_json, link_or_copy
 from ..progress import Laps, StateLike, peak_rss_mb
 from ..quantize.export import WEIGHTS_FILE, read_test_vectors
 from ..targets import soc
@@ -80,7 +78,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
                         "smaller model.")
     prep = out_dir / PREPARED
     prep.mkdir(exist_ok=True)
-    _link(weights, prep / WEIGHTS_FILE)
+    link_or_copy(weights, prep / WEIGHTS_FILE)  # the prepared graphs read the quantize stage's weights
     io: dict[str, IOEncoding] = {}
     for i, g in enumerate(graphs):
         state.progress(0.05 * i, f"preparing {g}: uint16 I/O from the AIMET encodings")
@@ -119,16 +117,6 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     return res
 
 
-def _link(src: Path, dst: Path) -> None:
-    """The prepared graphs read the quantize stage's weights: a hard link, not a copy."""
-    if dst.exists():
-        dst.unlink()
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def _check_same_io(seen: dict[str, IOEncoding], new: dict[str, IOEncoding], graph: str) -> None:
     """Genie refuses graphs whose same-named tensors are quantized differently (AR-N vs AR-1)."""
     for name, enc in new.items():
@@ -164,8 +152,8 @@ def _verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: 
     from transformers import AutoTokenizer
 
     spec, inv_freq = store.load_spec(adapt_dir)
-    ar_n = json.loads((quant_dir / "graphs.json").read_text())[0]["ar"]
-    cl = json.loads((quant_dir / "graphs.json").read_text())[0]["cl"]
+    prompt_spec = json.loads((quant_dir / "graphs.json").read_text())[0]
+    ar_n, cl = prompt_spec["ar"], prompt_spec["cl"]
     tok = AutoTokenizer.from_pretrained(str(quant_dir))
     ids = tok(load_corpus(o.eval_corpus, "eval"))["input_ids"][: min(o.verify_tokens + o.verify_decode, cl - ar_n)]
     if len(ids) < 2:

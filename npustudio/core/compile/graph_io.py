@@ -14,7 +14,6 @@ The weights are not loaded: external data keeps pointing at the quantize stage's
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ def prepare(src: Path, encodings_file: Path, dst: Path) -> dict[str, IOEncoding]
 
     model = onnx.load(str(src), load_external_data=False)
     g = model.graph
-    known = _activation_encodings(encodings_file)
+    known = activation_encodings(encodings_file)
     inits = {t.name: t for t in g.initializer}
     consts = {n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant" and n.attribute}
 
@@ -96,7 +95,8 @@ def prepare(src: Path, encodings_file: Path, dst: Path) -> dict[str, IOEncoding]
                 rename_uses(q.output[0], x)
                 g.node.remove(q)
         elif x in known:
-            scale, zp, elem = known[x]
+            scale, zp = known[x].scale, known[x].zero_point
+            elem = TensorProto.UINT16 if known[x].dtype == "uint16" else TensorProto.UINT8
             s_name, z_name = add_params(x, scale, zp, elem)
         else:
             raise UserError(f"Input {x} of {src.name} has no quantization encoding.",
@@ -170,25 +170,16 @@ def _widen_narrowing_ops(g: Any, arr: Any, qparams: Any, add_params: Any) -> Non
         g.node.insert(at, q16)
 
 
-def _activation_encodings(path: Path) -> dict[str, tuple[float, int, int]]:
-    """name -> (scale, zero point as ONNX stores it, ONNX elem type) of per-tensor activation encodings."""
-    from onnx import TensorProto
+def activation_encodings(path: Path) -> dict[str, IOEncoding]:
+    """Per-tensor activation encodings of an `.encodings` file (by tensor name), as a host quantizes with them.
 
-    try:
-        data = json.loads(path.read_text())
-        rows = data["activation_encodings"]
-        rows = rows if isinstance(rows, list) else [dict(e[0], name=k) for k, e in rows.items()]
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise UserError(f"Cannot read the encodings {path}: {e}.", "Re-run the quantize stage.") from e
-    out = {}
-    for r in rows:
-        if r.get("enc_type", "PER_TENSOR") != "PER_TENSOR" or "scale" not in r:
-            continue
-        bw = int(r.get("bw", r.get("bitwidth", 16)))
-        scale = r["scale"][0] if isinstance(r["scale"], list) else r["scale"]
-        offset = r["offset"][0] if isinstance(r["offset"], list) else r["offset"]
-        out[r["name"]] = (float(scale), -int(offset), TensorProto.UINT16 if bw > 8 else TensorProto.UINT8)
-    return out
+    Read with the quantize stage's encodings reader (1.0.0 and legacy, clear errors on malformed files).
+    """
+    from ..quantize import encodings
+
+    return {r.name: IOEncoding(dtype="uint16" if r.bitwidth > 8 else "uint8", scale=r.scale_min,
+                               zero_point=-r.offset)
+            for r in encodings.read(path).rows if r.kind == "activation" and r.granularity == "tensor"}
 
 
 def _np_name(elem: int) -> str:

@@ -10,16 +10,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from ..errors import UserError
+from ..native_io import fd_redirected
 from ..targets import Soc
 
 QNN_EP = "QNNExecutionProvider"
@@ -102,7 +101,7 @@ def compile_graph(qio_onnx: Path, graph: str, out_dir: Path, target: Soc) -> Com
     ctx = out_dir / f"{graph}.onnx"
     t0 = time.perf_counter()
     try:
-        with quiet_stdout():
+        with fd_redirected(1):
             sess = ort.InferenceSession(str(qio_onnx), session_options(target, ctx))
     except Exception as e:  # QNN's own message is the useful part
         raise UserError(f"QNN could not compile {graph}: {_first_line(e)}",
@@ -124,52 +123,22 @@ def explain_cpu_nodes(model: Path, target: Soc, cpu: list[CpuNode]) -> list[CpuN
     """QNN's reason for each node it refused, read from the EP's verbose log of a second session."""
     import onnxruntime as ort
 
-    with _captured_stderr() as log:
-        with contextlib.suppress(Exception):
+    with tempfile.TemporaryFile() as log:
+        with fd_redirected(2, log.fileno()), contextlib.suppress(Exception):  # ORT logs from C++ on fd 2
             ort.InferenceSession(str(model), session_options(target, log_level=0))
+        log.seek(0)
+        text = log.read().decode(errors="replace")
     reasons: dict[str, str] = {}
-    for m in re.finditer(r"Node name: (\S+) Node index: \d+\s+REASON : ([^\n]+)", log.read_text(errors="replace")):
+    for m in re.finditer(r"Node name: (\S+) Node index: \d+\s+REASON : ([^\n]+)", text):
         reasons.setdefault(m.group(1), m.group(2).strip())
-    log.unlink(missing_ok=True)
     return [n.model_copy(update={"reason": reasons.get(n.name, "")}) for n in cpu]
-
-
-@contextlib.contextmanager
-def _captured_stderr() -> Iterator[Path]:
-    """onnxruntime logs from C++ straight to fd 2: point fd 2 at a file for a while."""
-    fd, name = tempfile.mkstemp(prefix="npustudio-ortlog-", suffix=".txt")
-    saved = os.dup(2)
-    try:
-        os.dup2(fd, 2)
-        yield Path(name)
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def quiet_stdout() -> Iterator[None]:
-    """The QNN libraries print a banner on fd 1 when they load: keep stdout for the answer / the JSON."""
-    import ctypes
-
-    sys.stdout.flush()
-    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    try:
-        yield
-    finally:
-        ctypes.CDLL(None).fflush(None)
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
 
 
 def context_session(ctx_onnx: Path, target: Soc) -> Any:
     """A session over a compiled context (runs on the HTP simulator here, on the NPU on a Snapdragon PC)."""
     import onnxruntime as ort
 
-    with quiet_stdout():
+    with fd_redirected(1):
         sess = ort.InferenceSession(str(ctx_onnx), session_options(target))
     _, cpu = assignment(sess)
     if cpu:

@@ -164,7 +164,7 @@ def _find(x: Any, keys: tuple[str, ...]) -> Any:
 
 def run(quant_dir: Path, options: Any, out_dir: Path, state: StateLike) -> Any:
     from . import CompileResult
-    from .graph_io import _activation_encodings
+    from .graph_io import activation_encodings
     from .ort_qnn import Compiled
 
     root = sdk_root()
@@ -190,11 +190,8 @@ def run(quant_dir: Path, options: Any, out_dir: Path, state: StateLike) -> Any:
     atomic_write_json(out_dir / "compile_commands.json", cmds)
     binary = out_dir / f"{binary_name(graphs)}.bin"
     check = parse_utility(out_dir / f"{binary_name(graphs)}.json", graphs, specs)
-    io = {}
-    known = _activation_encodings(quant_dir / f"{graphs[0]}.encodings")
-    for name, (scale, zp, elem) in known.items():
-        if name in ("attention_mask", "position_ids_cos", "position_ids_sin", "logits") or name.startswith("past_"):
-            io[name] = {"dtype": "uint16" if elem == 4 else "uint8", "scale": scale, "zero_point": zp}
+    io = {name: enc for name, enc in activation_encodings(quant_dir / f"{graphs[0]}.encodings").items()
+          if name in ("attention_mask", "position_ids_cos", "position_ids_sin", "logits") or name.startswith("past_")}
     size = binary.stat().st_size if binary.is_file() else 0
     compiled = [Compiled(graph=g, context_onnx="", context_bin=binary.name, bin_bytes=size, seconds=0.0,
                          nodes_on_qnn=0, nodes_on_cpu=[]) for g in graphs]

@@ -63,7 +63,7 @@ class DeviceRun(BaseModel):
     seconds: float
 
 
-def explain(output: str, exit_hint: str = "") -> UserError | None:
+def explain(output: str) -> UserError | None:
     for pattern, problem, fix in FAILURES:
         if re.search(pattern, output, re.IGNORECASE):
             return UserError(problem, fix)

@@ -174,9 +174,7 @@ class VirtualDevice:
         self.props = default_props(soc_name) | (props or {})
         self.stopping = threading.Event()
         self._server: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
         self._connections: list[_Connection] = []
-        self.bytes_received = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -204,9 +202,7 @@ class VirtualDevice:
         srv.listen(8)
         srv.settimeout(0.2)
         self._server, self.port = srv, srv.getsockname()[1]
-        t = threading.Thread(target=self._accept, name="virtual-device", daemon=True)
-        t.start()
-        self._threads.append(t)
+        threading.Thread(target=self._accept, name="virtual-device", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -420,7 +416,6 @@ class VirtualDevice:
                         return False
                     if f is not None:
                         f.write(data)
-                    self.bytes_received += n
                 elif rid == b"DONE":
                     if f is None or tmp is None or target is None:
                         return s.write(_fail(f"cannot write {path}: permission denied"))

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from ..adapt import store
 from ..errors import UserError
-from ..fsutil import atomic_write_json
+from ..fsutil import atomic_write_json, link_or_copy
 from ..progress import StateLike
 from ..targets import Soc, soc
 from . import config as gc
@@ -72,7 +72,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     bins = []
     for g in comp["graphs"]:
         name = f"{g['graph']}.bin"
-        _link(compile_dir / g["context_bin"], out_dir / name)
+        link_or_copy(compile_dir / g["context_bin"], out_dir / name)
         bins.append(name)
     shutil.copy2(adapt_dir / gc.TOKENIZER, out_dir / gc.TOKENIZER)
 
@@ -109,13 +109,6 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     return BundleResult(folder=str(out_dir), target=target.soc, dsp_arch=target.dsp_arch, files=files,
                         genie_api=libgenie.api_version(), validated=True, runtime_files=copied,
                         runtime_missing=missing)
-
-
-def _link(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def _runtime(target: Soc, out_dir: Path) -> tuple[list[str], list[str]]:

@@ -54,9 +54,9 @@ def load() -> ctypes.CDLL:
         if not (folder / "libGenie.so").is_file():
             raise UserError(f"libGenie.so is not in {folder}.", "Reinstall onnxruntime-qnn (bootstrap.sh) or "
                             "point QNN_SDK_ROOT at a QAIRT SDK.")
-        from ..compile.ort_qnn import quiet_stdout
+        from ..native_io import fd_redirected
 
-        with quiet_stdout():  # their load-time banner would land in the answer on stdout
+        with fd_redirected(1):  # their load-time banner would land in the answer on stdout
             for dep in ("libQnnSystem.so", "libQnnHtp.so"):
                 if (folder / dep).is_file():
                     ctypes.CDLL(str(folder / dep), mode=ctypes.RTLD_GLOBAL)

@@ -70,7 +70,7 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
     try:
         # Genie refuses a query outright ("Context Size was exceeded") when prompt + its token budget
         # exceed the context, and its default budget is the whole context: give it the room that is left
-        room = _room(config_path, cfg, prompt)
+        room = _room(cfg, prompt)
         dialog.set_max_tokens(min(max_tokens, room) if max_tokens else room)
 
         def text(s: str, _code: str) -> None:
@@ -96,7 +96,7 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
                      seconds=round(time.perf_counter() - t0, 3), profile=profile)
 
 
-def _room(config_path: Path, cfg: dict[str, Any], prompt: str) -> int:
+def _room(cfg: dict[str, Any], prompt: str) -> int:
     from tokenizers import Tokenizer
 
     size = int(cfg["dialog"]["context"]["size"])
