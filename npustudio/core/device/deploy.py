@@ -9,7 +9,6 @@ first file that did not finish.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
 import shlex
@@ -20,11 +19,11 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..errors import UserError
+from ..fsutil import sha256_file
 from ..progress import StateLike
 from . import REMOTE_ROOT, DeviceInfo, client, compatibility
 
 MANIFEST = ".npustudio-manifest.json"
-_CHUNK = 1024 * 1024
 _MANIFEST_EVERY = 8 * 1024 * 1024  # files at least this large are recorded as soon as they are on the device
 
 
@@ -55,14 +54,6 @@ def local_files(bundle_dir: Path) -> list[Path]:
     return sorted(p for p in Path(bundle_dir).iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class _HashCache:
     """sha256 of local files keyed by (size, mtime): a re-deploy does not re-read gigabytes."""
 
@@ -81,7 +72,7 @@ class _HashCache:
         hit = self.data.get(key)
         if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
             return str(hit[2])
-        digest = sha256(p)
+        digest = sha256_file(p)
         self.data[key] = [st.st_size, st.st_mtime_ns, digest]
         return digest
 
