@@ -348,7 +348,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     prof = profile.read(Path(a.file))
     summary = profile.summarize(prof).model_dump()
-    roof = _roofline(Path(a.bundle)) if a.bundle else None
+    roof = profile.bundle_roofline(Path(a.bundle)) if a.bundle else None
     if a.json:
         _print_json({"summary": summary, "events": [e.model_dump() for e in prof.events], "roofline": roof})
         return 0
@@ -359,22 +359,6 @@ def cmd_profile(a: argparse.Namespace) -> int:
         t.add_row("decode roofline (tok/s)", f"{roof['decode_tok_s_bound']} at {roof['memory_gb_s']} GB/s")
     out.print(t)
     return 0
-
-
-def _roofline(bundle: Path) -> dict[str, Any]:
-    from .core.genie import profile
-    from .core.genie.bundle import METADATA
-    from .core.targets import Soc
-
-    try:
-        meta = json.loads((bundle / METADATA).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{bundle} is not a bundle folder (no readable {METADATA}).",
-                        "Pass the folder `npustudio bundle` wrote.") from e
-    weights = max(f.stat().st_size for f in bundle.glob("*.bin"))
-    dec = meta["decoder"]
-    kv = 2 * dec["layers"] * dec["kv_heads"] * dec["head_dim"]  # 8-bit K and V per token
-    return profile.roofline(Soc(**meta["target"]), weights, kv, meta["context_length"])
 
 
 def cmd_devices(a: argparse.Namespace) -> int:
@@ -514,7 +498,7 @@ def cmd_token(a: argparse.Namespace) -> int:
 def cmd_gui(a: argparse.Namespace) -> int:
     from .gui.app import main as gui_main
 
-    return gui_main([])
+    return gui_main([a.project] if getattr(a, "project", None) else [])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -629,7 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("token", cmd_token, "store, check or delete the Hugging Face token (system keyring only)")
     s.add_argument("action", choices=["set", "delete", "status"])
 
-    add("gui", cmd_gui, "open the desktop application")
+    s = add("gui", cmd_gui, "open the desktop application")
+    s.add_argument("--project", default=None, help="project folder to open (default: the last one)")
     return p
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
+import keyring
 import pytest
+from keyring.backend import KeyringBackend
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -115,3 +119,47 @@ def genie_project(tmp_path_factory: pytest.TempPathFactory) -> object:
     pipeline.compile_graphs(p, CompileOptions(verify_tokens=64), State())
     pipeline.bundle(p, BundleOptions(), State())
     return p
+
+
+class MemoryKeyring(KeyringBackend):
+    priority = 1  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store: dict[tuple[str, str], str] = {}
+
+    def get_password(self, service: str, username: str) -> str | None:
+        return self.store.get((service, username))
+
+    def set_password(self, service: str, username: str, password: str) -> None:
+        self.store[(service, username)] = password
+
+    def delete_password(self, service: str, username: str) -> None:
+        self.store.pop((service, username), None)
+
+
+@pytest.fixture
+def memory_keyring() -> object:
+    """An in-memory keyring: tests never reach the developer's."""
+    old = keyring.get_keyring()
+    kr = MemoryKeyring()
+    keyring.set_keyring(kr)
+    yield kr
+    keyring.set_keyring(old)
+
+
+PORT = 5311  # a private adb server: never the developer's
+
+
+@pytest.fixture(scope="module")
+def adb_server() -> Iterator[list[str]]:
+    """A private adb server for the module (never the developer's, on 5037)."""
+    mp = pytest.MonkeyPatch()
+    from npustudio.core import device
+
+    mp.setenv("ANDROID_ADB_SERVER_PORT", str(PORT))
+    adb = [device.adb_path(), "-P", str(PORT)]
+    subprocess.run([*adb, "start-server"], check=True, capture_output=True, timeout=60)
+    yield adb
+    subprocess.run([*adb, "kill-server"], capture_output=True, timeout=60)
+    mp.undo()

@@ -61,6 +61,11 @@ class FakeHub:
         auth = h.headers.get("authorization", "")
         token = auth.removeprefix("Bearer ") if auth else None
         self.requests.append((h.command, path, token))
+        if path == "/api/whoami-v2":  # a token is valid when it opens some gated repo here
+            if token and token in self.gated.values():
+                return self._send(h, 200, json.dumps({"type": "user", "name": "tester"}).encode(),
+                                  {"Content-Type": "application/json"}, head)
+            return self._send(h, 401, b'{"error":"Invalid credentials in Authorization header"}', {}, head)
         m = (re.match(r"^/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/.*)?$", path)
              or re.match(r"^/([^/]+/[^/]+)/(resolve)/([^/]+)/(.+)$", path))
         if not m:

@@ -23,19 +23,6 @@ from npustudio.core.errors import UserError
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 
-PORT = 5311  # a private adb server: never the developer's
-
-
-@pytest.fixture(scope="module")
-def adb_server() -> Iterator[list[str]]:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ANDROID_ADB_SERVER_PORT", str(PORT))
-    adb = [device.adb_path(), "-P", str(PORT)]
-    subprocess.run([*adb, "start-server"], check=True, capture_output=True, timeout=60)
-    yield adb
-    subprocess.run([*adb, "kill-server"], capture_output=True, timeout=60)
-    mp.undo()
-
 
 def _connect(vd: VirtualDevice) -> None:
     assert "connected" in str(device.client().connect(vd.serial, timeout=15))

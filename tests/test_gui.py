@@ -1,30 +1,259 @@
-"""The desktop window: the Model step reads a model off the GUI thread and shows its card and fit."""
+"""The desktop window, driven as a user would (pytest-qt, offscreen): a tiny model through every wizard step to a
+chat answer from the virtual device, cancel mid-stage, reopen, the token dialog, the inspector, the profile view."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
+from typing import Any
 
+import pytest
+from PySide6.QtWidgets import QMessageBox
+
+from npustudio.core.device import DeviceInfo
+from npustudio.core.errors import UserError
+from npustudio.core.project import Project
 from npustudio.gui.app import STEPS, MainWindow
+from npustudio.gui.widgets import cells
+from tests.conftest import make_tiny_model
+
+SHOTS = os.environ.get("NPUSTUDIO_SCREENSHOTS")  # set to a folder to keep a PNG of every page and panel
 
 
-def test_model_step_shows_card_and_fit(qtbot, tiny_llama: Path) -> None:
-    w = MainWindow()
+def shot(w: Any, name: str) -> None:
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        w.grab().save(str(Path(SHOTS) / f"{name}.png"))
+
+
+def run_page(qtbot: Any, page: Any, timeout: int = 300_000) -> None:
+    """Click the page's Run button and wait for the job; fail with what the page says when it failed."""
+    with qtbot.waitSignal(page.strip.finished, timeout=timeout) as blocker:
+        page.strip.run.click()
+    assert blocker.args == [True], page.strip.status.text()
+
+
+def marks(w: MainWindow) -> list[str]:
+    return [w.step_state(s) for s in STEPS]
+
+
+def table_dict(t: Any) -> dict[str, str]:
+    return {r[0]: r[1] for r in cells(t)}
+
+
+def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_path: Path, adb_server: Any) -> None:
+    model = make_tiny_model(tmp_path / "m", "llama64")
+    w = MainWindow(tmp_path / "proj", watch_devices=False)
     qtbot.addWidget(w)
-    assert [w.steps.item(i).text() for i in range(w.steps.count())] == list(STEPS)
-    page = w.model_page
-    page.source.setText(str(tiny_llama))
-    page.read.click()
-    assert not page.read.isEnabled()  # busy while the worker runs
-    qtbot.waitUntil(lambda: page.read.isEnabled(), timeout=30_000)
-    values = {page.card.item(r, 0).text(): page.card.item(r, 1).text() for r in range(page.card.rowCount())}
-    assert values["layers"] == "2" and values["family"] == "Llama"
-    assert [page.fit.item(r, 0).text() for r in range(page.fit.rowCount())] == ["w8a16", "w4a16"]
+    w.show()
+    assert marks(w) == ["todo", "todo", "locked", "locked", "locked", "locked"]
+
+    # Model: a local folder -> card and fit
+    m = w.model_page
+    m.kind.button(1).setChecked(True)
+    m.source.setText(str(model))
+    run_page(qtbot, m)
+    card = table_dict(m.card)
+    assert card["layers"] == "2" and card["head_dim"] == "64" and card["family"] == "Llama"
+    assert [r[0] for r in cells(m.fit)] == ["w8a16", "w4a16"]
+    assert "phones with" in cells(m.fit)[0][5]
+
+    # Target: picked from the SoC table
+    w.go("Target")
+    w.target_page.select("SM8650")
+    assert "v75" in table_dict(w.target_page.details)["Hexagon (dsp_arch)"]
+    w.target_page.select("SM8750")
+    w.target_page.strip.run.click()
+    assert w.project.choices()["target"] == "SM8750"
+    assert marks(w)[:3] == ["done", "done", "todo"]
+
+    # Adapt at AR-32 / CL-128: equivalence shown, the PPL chart drew both series
+    w.go("Adapt")
+    w.adapt_page.ar.setValue(32)
+    w.adapt_page.cl.setValue(128)
+    run_page(qtbot, w.adapt_page)
+    res = table_dict(w.adapt_page.results)
+    assert float(res["Top-1 agreement with the original"]) >= 0.999
+    assert set(w.adapt_page.chart.series) == {"fp", "adapted"}
+
+    # Quantize: cancelled as soon as the first PPL point arrives -> the project keeps no quantize stage
+    q = w.quantize_page
+    w.go("Quantize")
+    q.calib_samples.setValue(2)
+    q.calib_len.setValue(64)
+    points: list[dict] = []
+
+    def first_point(kind: str, data: dict) -> None:
+        points.append(data)
+        if len(points) == 1:
+            q.strip.cancel.click()
+
+    with qtbot.waitSignal(q.strip.finished, timeout=120_000) as blocker:
+        q.strip.run.click()
+        q.strip.job.partial.connect(first_point)
+    assert blocker.args == [False] and "Cancelled" in q.strip.status.text()
+    proj = Project.open(tmp_path / "proj", create=False)
+    assert proj.record("quantize") is None and proj.load().attempts["quantize"].status == "cancelled"
+    assert not proj.stage_dir("quantize").exists() and marks(w)[3] == "todo"
+
+    # ... and run again to the end: FP line and quantized points, results, the inspector on the export
+    run_page(qtbot, q)
+    assert {"fp", "quant"} <= set(q.chart.series) and len(q.chart.series["quant"]) >= 1
+    r = table_dict(q.results)
+    assert r["Precision / target"] == "w8a16 / SM8750" and r["Ratio"].startswith("×")
+    qtbot.waitUntil(lambda: q.inspector.table_ is not None, timeout=30_000)
+    assert q.inspector.proxy.rowCount() == len(q.inspector.table_.rows) > 0
+    shot(w, "tiny_quantize")
+
+    # Compile and bundle (no simulator check: covered by the compile tests)
+    w.go("Compile")
+    w.compile_page.verify.setValue(0)
+    run_page(qtbot, w.compile_page)
+    c = table_dict(w.compile_page.results)
+    assert c["Ops left on the CPU"] == "0" and c["Validated by libGenie"] == "yes"
+    assert c["Target"].startswith("SM8750 (Hexagon v79")
+    assert len(cells(w.compile_page.binaries)) == 2
+    assert marks(w) == ["done"] * 5 + ["todo"]
+
+    # Deploy: a v75 phone is refused for this v79 bundle; the virtual device (SM8750) started from the panel fits
+    w.go("Deploy")
+    d = w.deploy_page
+    assert "No device selected" in d.target.text() and not d.strip.run.isEnabled()
+    w.set_device(DeviceInfo(serial="R5CX", state="device", model="Galaxy S24", soc="SM8650",
+                            product="Snapdragon 8 Gen 3", soc_model=57, dsp_arch="v75", ram_bytes=12 * 2**30,
+                            free_bytes=100 * 2**30))
+    assert "compiled for SM8750" in cells(d.compat)[0][0] and not d.strip.run.isEnabled()
+    w.devices.start_virtual.click()
+    qtbot.waitUntil(lambda: w.device is not None and w.device.virtual, timeout=60_000)
+    assert "[virtual]" in w.devices.list.currentItem().text()
+    assert cells(d.compat)[0][0] == "Compatible" and d.strip.run.isEnabled()
+    run_page(qtbot, d, timeout=120_000)
+    assert {r[2] for r in cells(d.files)} == {"yes"} and "sent" in d.strip.status.text()
+    assert w.devices.push.value() == 1000
+    assert marks(w) == ["done"] * 6
+
+    # Ask: the answer streams into the chat panel and the device console; history saved; profile charted
+    with qtbot.waitSignal(w.chat.answered, timeout=300_000) as answered:
+        d.ask.click()
+    turn = answered.args[0]
+    assert turn.runner == f"device {w.device.serial}" and turn.assistant
+    assert "What is the capital of France?" in w.chat.transcript.toPlainText()
+    assert turn.assistant[:20] in w.chat.transcript.toPlainText()
+    assert w.devices.console.toPlainText().strip()
+    hist = json.loads((tmp_path / "proj" / "chat_history.json").read_text())
+    assert hist["turns"][0]["assistant"] == turn.assistant
+    assert w.profiles.runs and cells(w.profiles.table)[0][1] == "genie"
+    shot(w, "tiny_deploy_chat")
+    w.close()
+
+    # Reopen: every step shows done, the window resumes on the last step, results and the chat are back
+    w2 = MainWindow(tmp_path / "proj", watch_devices=False)
+    qtbot.addWidget(w2)
+    assert marks(w2) == ["done"] * 6 and w2.steps.currentRow() == 5
+    assert float(table_dict(w2.adapt_page.results)["Top-1 agreement with the original"]) >= 0.999
+    assert w2.quantize_page.precision.currentData() == "w8a16" and w2.quantize_page.calib_samples.value() == 2
+    assert w2.target_page.selected() == "SM8750"
+    w2.chat.runner.setCurrentIndex(2)  # this computer (no device selected here)
+    assert "You: What is the capital of France?" in w2.chat.transcript.toPlainText()
 
 
-def test_model_step_shows_the_error_and_the_fix(qtbot, tmp_path: Path) -> None:
-    w = MainWindow()
+def test_a_failed_stage_shows_the_problem_and_the_fix(qtbot: Any, tmp_path: Path) -> None:
+    w = MainWindow(tmp_path / "p", watch_devices=False)
     qtbot.addWidget(w)
-    w.model_page.source.setText(str(tmp_path / "missing.gguf"))
-    w.model_page.read.click()
-    qtbot.waitUntil(lambda: w.model_page.read.isEnabled(), timeout=10_000)
-    assert "No model at" in w.model_page.status.text() and "Fix:" in w.model_page.status.text()
+    m = w.model_page
+    m.kind.button(2).setChecked(True)
+    m.source.setText(str(tmp_path / "missing.gguf"))
+    with qtbot.waitSignal(m.strip.finished, timeout=30_000) as blocker:
+        m.strip.run.click()
+    assert blocker.args == [False] and "No model at" in m.strip.status.text()
+    box = w.findChild(QMessageBox, "error_dialog")
+    assert box is not None and "How to fix it" in box.informativeText()
+    assert marks(w)[0] == "todo"
+
+
+def test_a_folder_that_is_not_a_project_is_refused_untouched(qtbot: Any, tmp_path: Path) -> None:
+    (tmp_path / "mine.txt").write_text("my notes")
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    assert not w.open_project(tmp_path)
+    assert w.project.root == (tmp_path / "p").resolve()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt", "p"]
+
+
+def test_token_dialog_checks_with_the_hub_and_stores_only_in_the_keyring(
+        qtbot: Any, tmp_path: Path, memory_keyring: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from npustudio.core import settings
+    from tests.fake_hub import FakeHub
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    with FakeHub({}, gated={"meta/llama": "hf_good_token_123"}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        dlg = w.open_settings()
+        assert dlg.token.echoMode() == dlg.token.EchoMode.Password
+        dlg.token.setText("hf_wrong")
+        dlg.check_save.click()
+        qtbot.waitUntil(lambda: "does not accept" in dlg.token_status.text(), timeout=15_000)
+        assert memory_keyring.store == {}
+        dlg.token.setText("hf_good_token_123")
+        dlg.check_save.click()
+        qtbot.waitUntil(lambda: "saved in the system keyring" in dlg.token_status.text(), timeout=15_000)
+    assert "tester" in dlg.token_status.text() and dlg.token.text() == ""
+    assert memory_keyring.store == {("npustudio", "huggingface"): "hf_good_token_123"}
+    dlg.preview.setChecked(True)
+    dlg.accept()
+    saved = settings.path().read_text()
+    assert json.loads(saved)["virtual_preview"] is True and "hf_good" not in saved
+    assert "hf_good" not in caplog.text and "hf_wrong" not in caplog.text
+
+
+def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_project: Project) -> None:
+    from npustudio.core.quantize import encodings
+    from npustudio.gui.inspector import Inspector
+
+    f = next(genie_project.stage_dir("quantize").glob("prompt_*.encodings"))
+    table = encodings.read(f)
+    ins = Inspector()
+    qtbot.addWidget(ins)
+    ins.load(table)
+    assert ins.proxy.rowCount() == len(table.rows)
+    ins.role.setCurrentIndex(ins.role.findData("kv-cache"))
+    kv = ins.visible_rows()
+    assert kv and {r.role for r in kv} == {"kv-cache"} and {r.bitwidth for r in kv} == {8}
+    ins.role.setCurrentIndex(0)
+    ins.search.setText("mlp.down")
+    assert all("mlp.down" in r.name for r in ins.visible_rows()) and ins.visible_rows()
+    ins.search.setText("")
+    ins.sort_by("scale_spread", descending=True)
+    spreads = [r.scale_spread for r in ins.visible_rows()]
+    assert spreads == sorted(spreads, reverse=True)
+    ins.view.selectRow(0)
+    top = ins.visible_rows()[0]
+    assert top.name in ins.detail_label.text() and ins.detail_points == top.channels
+    for metric in range(ins.metric.count()):  # every colouring draws a layers x roles grid
+        ins.metric.setCurrentIndex(metric)
+        assert ins.heat_grid.shape[1] == 2
+
+
+def test_profile_view_draws_a_real_genie_profile(qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    from npustudio.core.genie import runner
+    from npustudio.gui.profile_view import ProfileView, spans
+
+    bundle = genie_project.stage_dir("bundle")
+    prof = tmp_path / "p.json"
+    runner.run(bundle / "genie_config.json", "Hello there", lambda s: None, profile_path=prof, max_tokens=4)
+    view = ProfileView()
+    qtbot.addWidget(view)
+    view.set_roofline(bundle)
+    view.add_file(prof)
+    view.add_file(prof)  # two runs side by side
+    rows = cells(view.table)
+    assert len(rows) == 2 and rows[0][1] == "genie" and float(rows[0][3]) > 0 and rows[0][8] != "—"
+    phases = [p for p, _a, _b in spans(view.runs[0][1])]
+    assert phases[0] == "create" and "prompt" in phases and "generate" in phases
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"components": 3}')
+    with pytest.raises(UserError, match="not a Genie profile"):
+        view.add_file(bad)

@@ -6,40 +6,13 @@ import json
 import sys
 from pathlib import Path
 
-import keyring
 import numpy as np
 import pytest
-from keyring.backend import KeyringBackend
 
 from npustudio.core import models
 from npustudio.core.errors import UserError
+from tests.conftest import MemoryKeyring
 from tests.fake_hub import FakeHub
-
-
-class MemoryKeyring(KeyringBackend):
-    priority = 1  # type: ignore[assignment]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.store: dict[tuple[str, str], str] = {}
-
-    def get_password(self, service: str, username: str) -> str | None:
-        return self.store.get((service, username))
-
-    def set_password(self, service: str, username: str, password: str) -> None:
-        self.store[(service, username)] = password
-
-    def delete_password(self, service: str, username: str) -> None:
-        self.store.pop((service, username), None)
-
-
-@pytest.fixture
-def memory_keyring():
-    old = keyring.get_keyring()
-    kr = MemoryKeyring()
-    keyring.set_keyring(kr)
-    yield kr
-    keyring.set_keyring(old)
 
 
 def test_default_source_is_found_without_importing_its_package() -> None:

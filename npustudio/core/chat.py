@@ -38,8 +38,8 @@ class Turn(BaseModel):
 class Runner(Protocol):
     name: str
 
-    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, dict[str, Any]]:
-        """Answer `prompt` (already templated); returns (text, stopped, profile summary)."""
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, str | None]:
+        """Answer `prompt` (already templated); returns (text, stopped, Genie profile JSON or None)."""
         ...
 
 
@@ -51,18 +51,16 @@ class DesktopRunner:
         self.name = "desktop preview (CPU)" if preview else "desktop Genie (HTP simulator)"
         self._preview: Any = None
 
-    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, dict[str, Any]]:
-        from .genie import profile, runner
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, str | None]:
+        from .genie import runner
 
         if self.preview:
             if self._preview is None:
                 self._preview = runner.Preview(self.bundle_dir)
             text, event, aborted = self._preview.query(prompt, on_text, stop, self.max_tokens)
-            summary = profile.summarize(profile.parse(self._preview.profile([event]))).model_dump()
-            return text, aborted, summary
+            return text, aborted, self._preview.profile([event])
         res = runner.run(self.bundle_dir / "genie_config.json", prompt, on_text, stop=stop, max_tokens=self.max_tokens)
-        summary = profile.summarize(profile.parse(res.profile)).model_dump() if res.profile else {}
-        return res.text, res.status == "aborted", summary
+        return res.text, res.status == "aborted", res.profile or None
 
 
 class DeviceRunner:
@@ -74,15 +72,13 @@ class DeviceRunner:
         self.serial, self.remote = serial, remote_dir(Path(bundle_dir))
         self.name = f"device {serial}"
 
-    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, dict[str, Any]]:
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, str | None]:
         from .device import run
-        from .genie import profile
 
         with tempfile.TemporaryDirectory() as tmp:
             prof = Path(tmp) / "profile.json"
             res = run.run(self.serial, self.remote, prompt, answer_stream(on_text), stop, prof)
-            summary = profile.summarize(profile.read(prof)).model_dump() if res.profile_path else {}
-        return res.text, res.status == "stopped", summary
+            return res.text, res.status == "stopped", prof.read_text(encoding="utf-8") if res.profile_path else None
 
 
 def answer_stream(on_text: OnText) -> OnText:
@@ -115,6 +111,7 @@ class ChatSession:
         self.tok = _template_tokenizer(self.bundle_dir, self.meta)
         self.history_file = history_file or default_history_file(self.bundle_dir)
         self.turns: list[Turn] = _load(self.history_file)
+        self.last_profile: str | None = None  # Genie's profile JSON of the last turn, for the profile view
 
     def prompt_for(self, user: str) -> str:
         from .genie.config import chat_prompt
@@ -136,7 +133,11 @@ class ChatSession:
     def send(self, user: str, on_text: OnText, stop: threading.Event | None = None) -> Turn:
         if not user.strip():
             raise UserError("The message is empty.", "Type a question.")
-        text, stopped, summary = self.runner.ask(self.prompt_for(user), on_text, stop)
+        from .genie import profile
+
+        text, stopped, prof = self.runner.ask(self.prompt_for(user), on_text, stop)
+        self.last_profile = prof
+        summary = profile.summarize(profile.parse(prof)).model_dump() if prof else {}
         turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.runner.name, stopped=stopped,
                     generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"))
         self.turns.append(turn)
@@ -158,6 +159,17 @@ def default_history_file(bundle_dir: Path) -> Path:
     if b.parent.name == "stages":
         return b.parents[1] / "chat_history.json"
     return b / "chat_history.json"
+
+
+def saved_turns(bundle_dir: Path) -> list[Turn]:
+    """The saved conversation of a bundle's project (what a chat window shows on open)."""
+    return _load(default_history_file(bundle_dir))
+
+
+def clear_history(bundle_dir: Path) -> None:
+    f = default_history_file(bundle_dir)
+    if f.exists():
+        atomic_write_json(f, {"system": None, "turns": []})
 
 
 def _load(path: Path) -> list[Turn]:

@@ -72,6 +72,23 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
     return rec
 
 
+STAGES = ("model", "adapt", "quantize", "compile", "bundle")
+
+
+def stage_status(project: Project) -> dict[str, str | None]:
+    """Per stage: "done" (outputs intact), "changed" (outputs edited or gone), "failed"/"cancelled" (last
+    attempt, nothing good yet), or None (never run): what the wizard shows and unlocks by."""
+    m = project.load()
+    out: dict[str, str | None] = {}
+    for name in STAGES:
+        rec, att = m.stages.get(name), m.attempts.get(name)
+        if rec is not None and rec.status == "done":
+            out[name] = "changed" if project.changed(name) else "done"
+        else:
+            out[name] = att.status if att is not None else None
+    return out
+
+
 def _require(project: Project, stage: str, command: str, what: str | None = None) -> StageRecord:
     """The record of an earlier stage that finished and whose outputs are intact; else say what to run."""
     rec = project.record(stage)

@@ -53,6 +53,8 @@ class Manifest(BaseModel):
     stages: dict[str, StageRecord] = Field(default_factory=dict)
     # Failures and cancels are kept apart so they never replace the last good record.
     attempts: dict[str, StageRecord] = Field(default_factory=dict)
+    # What the user picked before a stage ran (model, target, ...), so a reopened project shows it again.
+    choices: dict[str, Any] = Field(default_factory=dict)
 
 
 StageFn = Callable[[Path], dict[str, Any]]
@@ -101,6 +103,15 @@ class Project:
     def record(self, name: str) -> StageRecord | None:
         return self.load().stages.get(name)
 
+    def choices(self) -> dict[str, Any]:
+        return dict(self.load().choices)
+
+    def choose(self, **values: Any) -> None:
+        """Remember the user's picks (JSON values) in the manifest."""
+        m = self.load()
+        m.choices.update(values)
+        self.save(m)
+
     @contextmanager
     def _lock(self) -> Iterator[None]:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -120,11 +131,13 @@ class Project:
         rec = self.record(name)
         if rec is None or rec.status != "done" or rec.key != key:
             return False
-        for fr in rec.outputs:
-            f = self.root / fr.path
-            if not f.is_file() or f.stat().st_size != fr.bytes:
-                return False
-        return True
+        return not self.changed(name)
+
+    def changed(self, name: str) -> list[str]:
+        """A quick check (existence and size, no hashing) of a stage's outputs: the paths that differ."""
+        rec = self.record(name)
+        return [fr.path for fr in (rec.outputs if rec else [])
+                if not (self.root / fr.path).is_file() or (self.root / fr.path).stat().st_size != fr.bytes]
 
     def verify(self, name: str) -> list[str]:
         """Re-hash a stage's outputs; returns the paths whose content changed or vanished."""

@@ -45,3 +45,32 @@ def delete_hf_token() -> None:
 
 def redact(text: str, token: str | None) -> str:
     return text.replace(token, "hf_***") if token else text
+
+
+def validate_hf_token(token: str) -> str:
+    """Ask the hub (HF_ENDPOINT honoured) who the token belongs to; the account name, or a UserError.
+
+    The token travels only in the Authorization header; messages never contain it.
+    """
+    from .errors import UserError
+
+    token = token.strip()
+    if not token:
+        raise UserError("No token given.", "Paste the token from https://huggingface.co/settings/tokens.")
+    if any(c.isspace() for c in token):
+        raise UserError("The token contains spaces.", "Copy it again from https://huggingface.co/settings/tokens.")
+    try:
+        from huggingface_hub import whoami
+        from huggingface_hub.errors import HfHubHTTPError
+
+        info = whoami(token=token, cache=False)
+    except HfHubHTTPError as e:
+        code = getattr(getattr(e, "response", None), "status_code", None)
+        if code in (401, 403):
+            raise UserError("The Hugging Face hub does not accept this token.",
+                            "Create a new read token at https://huggingface.co/settings/tokens.") from None
+        raise UserError(f"The hub answered with an error ({code}).", "Try again later.") from None
+    except Exception as e:  # httpx/OS connection errors: offline
+        raise UserError(f"The Hugging Face hub cannot be reached ({e.__class__.__name__}).",
+                        "Check the network; the token can be saved without checking.") from None
+    return str(info.get("name", "?"))

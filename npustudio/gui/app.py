@@ -1,141 +1,232 @@
-"""The desktop application. For now: the Model step (architecture card and phone fit); the other wizard
-steps are listed and come with the next issues. A thin view: all work is core.models, run off the GUI thread.
-"""
+"""The desktop application: the wizard (Model · Target · Adapt · Quantize · Compile · Deploy) in the centre, the
+device and chat panels docked beside it, Genie profiles below. A thin view: all work is in npustudio.core and
+runs off the GUI thread (gui.worker)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QObject, QRunnable, Qt, QThreadPool, Signal
+from PySide6.QtCore import QSize, Qt, QThreadPool
+from PySide6.QtGui import QAction, QCloseEvent, QIcon
 from PySide6.QtWidgets import (
     QApplication,
+    QDockWidget,
+    QFileDialog,
     QHBoxLayout,
-    QLabel,
-    QLineEdit,
     QListWidget,
+    QListWidgetItem,
     QMainWindow,
-    QPushButton,
-    QTableWidget,
-    QTableWidgetItem,
-    QVBoxLayout,
+    QStackedWidget,
     QWidget,
 )
 
+from ..core import pipeline
+from ..core import settings as user_settings
+from ..core.device import DeviceInfo
+from ..core.errors import UserError
+from ..core.project import Project
+from . import worker
+from .chat import ChatPanel
+from .devices import DevicePanel
+from .pages import PAGES
+from .profile_view import ProfileView
+from .settings_dialog import SettingsDialog
+from .widgets import show_error
+
 STEPS = ("Model", "Target", "Adapt", "Quantize", "Compile", "Deploy")
+ICON = Path(__file__).resolve().parents[2] / "resources" / "npustudio.svg"
 
 
-class _Signals(QObject):
-    done = Signal(object)
-    failed = Signal(str)
-
-
-class CardJob(QRunnable):
-    """Reads a model's card and fit off the GUI thread."""
-
-    def __init__(self, spec: str, cl: int) -> None:
-        super().__init__()
-        self.spec, self.cl = spec, cl
-        self.signals = _Signals()
-
-    def run(self) -> None:
-        from ..core import models
-        from ..core.errors import UserError
-
-        try:
-            src = models.download(models.resolve_source(self.spec))
-            card = models.read_card(src)
-            self.signals.done.emit((card, models.fit_table(card, self.cl)))
-        except UserError as e:
-            self.signals.failed.emit(str(e))
-        except Exception as e:  # shown to the user, never a crash of the window
-            self.signals.failed.emit(f"{e.__class__.__name__}: {e}")
-
-
-class ModelPage(QWidget):
-    def __init__(self) -> None:
-        super().__init__()
-        lay = QVBoxLayout(self)
-        row = QHBoxLayout()
-        self.source = QLineEdit("default")
-        self.source.setPlaceholderText("default, a model folder, a .gguf file, or org/name")
-        self.read = QPushButton("Read model")
-        row.addWidget(QLabel("Model:"))
-        row.addWidget(self.source, 1)
-        row.addWidget(self.read)
-        lay.addLayout(row)
-        self.status = QLabel("")
-        self.status.setWordWrap(True)
-        lay.addWidget(self.status)
-        self.card = QTableWidget(0, 2)
-        self.card.setHorizontalHeaderLabels(["Property", "Value"])
-        self.card.horizontalHeader().setStretchLastSection(True)
-        lay.addWidget(self.card, 2)
-        self.fit = QTableWidget(0, 5)
-        self.fit.setHorizontalHeaderLabels(["Precision", "Weights", "KV cache", "Parts", "Phone RAM"])
-        self.fit.horizontalHeader().setStretchLastSection(True)
-        lay.addWidget(self.fit, 1)
-        for table in (self.card, self.fit):
-            table.verticalHeader().setVisible(False)
-            table.verticalHeader().setDefaultSectionSize(22)
-            table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
-        self.read.clicked.connect(self.start)
-
-    def start(self) -> None:
-        self.read.setEnabled(False)
-        self.status.setText(f"Reading {self.source.text()}…")
-        job = CardJob(self.source.text().strip(), 1024)
-        job.signals.done.connect(self.show_card)
-        job.signals.failed.connect(self.show_error)
-        QThreadPool.globalInstance().start(job)
-
-    def show_card(self, result: tuple[Any, list[Any]]) -> None:
-        from ..core.models import format_value, human_bytes
-
-        card, fits = result
-        rows = [(k, v) for k, v in card.model_dump().items() if k != "chat_template"]
-        rows.append(("chat template", "yes" if card.chat_template else "no"))
-        self.card.setRowCount(len(rows))
-        for i, (k, v) in enumerate(rows):
-            self.card.setItem(i, 0, QTableWidgetItem(k))
-            self.card.setItem(i, 1, QTableWidgetItem(format_value(v)))
-        self.fit.setRowCount(len(fits))
-        for i, f in enumerate(fits):
-            tier = f"≥ {f.min_phone_ram_gb} GB phones" if f.min_phone_ram_gb else "too large for listed phones"
-            for j, v in enumerate((f.precision, human_bytes(f.weight_bytes), human_bytes(f.kv_cache_bytes),
-                                   str(f.parts), f"{human_bytes(f.phone_ram_bytes)} ({tier})")):
-                self.fit.setItem(i, j, QTableWidgetItem(v))
-        self.status.setText(f"{card.source}: {card.family}, {card.params / 1e6:.1f} M parameters")
-        self.read.setEnabled(True)
-
-    def show_error(self, message: str) -> None:
-        self.status.setText(message)
-        self.read.setEnabled(True)
+def step_states(project: Project) -> list[str]:
+    """Per wizard step: "done", "todo" (unlocked) or "locked" — steps unlock in order."""
+    st = pipeline.stage_status(project)
+    ch = project.choices()
+    done = [st["model"] == "done", "target" in ch or st["quantize"] == "done", st["adapt"] == "done",
+            st["quantize"] == "done", st["compile"] == "done" and st["bundle"] == "done", "deployed" in ch]
+    # Model and Target can be done in either order; each later step needs every step before it
+    return ["done" if d and (i <= 1 or all(done[:i])) else "todo" if i <= 1 or all(done[:i]) else "locked"
+            for i, d in enumerate(done)]
 
 
 class MainWindow(QMainWindow):
-    def __init__(self) -> None:
+    def __init__(self, project: Path | str | None = None, watch_devices: bool = True) -> None:
         super().__init__()
         self.setWindowTitle("NPU Studio")
-        self.resize(1000, 700)
+        if ICON.is_file():
+            self.setWindowIcon(QIcon(str(ICON)))
+        self.resize(1440, 900)
+        QThreadPool.globalInstance().setMaxThreadCount(max(6, QThreadPool.globalInstance().maxThreadCount()))
+        self.settings = user_settings.load()
+        self.settings.apply()
+        self.project: Project | None = None
+        self.device: DeviceInfo | None = None
+
         central = QWidget()
         lay = QHBoxLayout(central)
         self.steps = QListWidget()
-        for s in STEPS:
-            self.steps.addItem(s)
-        for i in range(1, len(STEPS)):  # later steps are not built yet: shown, not clickable
-            item = self.steps.item(i)
-            item.setFlags(item.flags() & ~Qt.ItemFlag.ItemIsEnabled)
-        self.steps.setCurrentRow(0)
-        self.steps.setMaximumWidth(160)
+        self.steps.setMaximumWidth(170)
+        self.steps.setIconSize(QSize(16, 16))
+        self.stack = QStackedWidget()
+        self.pages = [cls(self) for cls in PAGES]
+        for name, page in zip(STEPS, self.pages, strict=True):
+            self.steps.addItem(QListWidgetItem(name))
+            self.stack.addWidget(page)
+            page.changed.connect(self.refresh)
         lay.addWidget(self.steps)
-        self.model_page = ModelPage()
-        lay.addWidget(self.model_page, 1)
+        lay.addWidget(self.stack, 1)
         self.setCentralWidget(central)
+        self.steps.currentRowChanged.connect(self._go)
+        (self.model_page, self.target_page, self.adapt_page, self.quantize_page, self.compile_page,
+         self.deploy_page) = self.pages
+
+        self.devices = DevicePanel(self)
+        self.chat = ChatPanel(self)
+        self.profiles = ProfileView()
+        self.device_dock = self._dock("Devices", self.devices, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.chat_dock = self._dock("Chat", self.chat, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.profile_dock = self._dock("Genie profiles", self.profiles, Qt.DockWidgetArea.BottomDockWidgetArea)
+        self.splitDockWidget(self.device_dock, self.chat_dock, Qt.Orientation.Vertical)
+        self.profile_dock.hide()
+        self.devices.selected.connect(self.set_device)
+        self._menus()
+        self.open_project(Path(project) if project else self._last_project())
+        if watch_devices:
+            self.devices.watch()
+            self.devices.refresh()
+
+    def _dock(self, title: str, w: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
+        d = QDockWidget(title, self)
+        d.setObjectName(title)
+        d.setWidget(w)
+        self.addDockWidget(area, d)
+        return d
+
+    def _menus(self) -> None:
+        bar = self.menuBar()
+        f = bar.addMenu("&File")
+        self._action(f, "&New project…", self._new_project, "Ctrl+N")
+        self._action(f, "&Open project…", self._open_project, "Ctrl+O")
+        self.recent_menu = f.addMenu("Recent projects")
+        f.addSeparator()
+        self._action(f, "&Quit", self.close, "Ctrl+Q")
+        v = bar.addMenu("&View")
+        for d in (self.device_dock, self.chat_dock, self.profile_dock):
+            v.addAction(d.toggleViewAction())
+        s = bar.addMenu("&Settings")
+        self._action(s, "&Preferences and Hugging Face token…", self.open_settings)
+
+    def _action(self, menu: Any, text: str, slot: Any, shortcut: str | None = None) -> QAction:
+        a = QAction(text, self)
+        if shortcut:
+            a.setShortcut(shortcut)
+        a.triggered.connect(slot)
+        menu.addAction(a)
+        return a
+
+    def _last_project(self) -> Path:
+        for r in self.settings.recent_projects:
+            if (Path(r) / "npustudio.json").is_file():
+                return Path(r)
+        return pipeline.default_project_dir()
+
+    def _fill_recent(self) -> None:
+        self.recent_menu.clear()
+        for r in self.settings.recent_projects:
+            self._action(self.recent_menu, r, lambda _c=False, p=r: self.open_project(Path(p)))
+
+    # ----- projects -----
+    def open_project(self, folder: Path) -> bool:
+        if self.busy():
+            show_error(self, "A task is still running.", "Cancel it or wait for it, then open the project.")
+            return False
+        try:
+            project = Project.open(folder)
+        except UserError as e:
+            show_error(self, e.problem, e.fix)
+            return False
+        self.project = project
+        self.settings.remember(project.root)
+        user_settings.save(self.settings)
+        self._fill_recent()
+        self.setWindowTitle(f"NPU Studio — {project.root}")
+        self.profiles.set_roofline(project.stage_dir("bundle"))
+        self.refresh()
+        states = step_states(project)
+        first = next((i for i, s in enumerate(states) if s != "done"), len(states) - 1)
+        self.steps.setCurrentRow(first)  # resume where it stopped
+        self.chat.reload()
+        return True
+
+    def _new_project(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Folder for the new project (empty or new)",
+                                                  options=QFileDialog.Option.DontUseNativeDialog)
+        if folder:
+            self.open_project(Path(folder))
+
+    def _open_project(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Open a project folder",
+                                                  options=QFileDialog.Option.DontUseNativeDialog)
+        if folder:
+            self.open_project(Path(folder))
+
+    def refresh(self) -> None:
+        """Redraw the step list (done / unlocked / locked) and every page from the project."""
+        if self.project is None:
+            return
+        states = step_states(self.project)
+        marks = {"done": "✓ ", "todo": "● ", "locked": "🔒 "}
+        for i, (name, state) in enumerate(zip(STEPS, states, strict=True)):
+            item = self.steps.item(i)
+            item.setText(marks[state] + name)
+            item.setData(Qt.ItemDataRole.UserRole, state)
+            flags = item.flags()
+            item.setFlags(flags | Qt.ItemFlag.ItemIsEnabled if state != "locked"
+                          else flags & ~Qt.ItemFlag.ItemIsEnabled)
+        for page in self.pages:
+            if not page.strip.busy:
+                page.refresh()
+        self.profiles.set_roofline(self.project.stage_dir("bundle"))
+
+    def step_state(self, name: str) -> str:
+        return str(self.steps.item(STEPS.index(name)).data(Qt.ItemDataRole.UserRole))
+
+    def go(self, name: str) -> None:
+        self.steps.setCurrentRow(STEPS.index(name))
+
+    def _go(self, row: int) -> None:
+        if row >= 0:
+            self.stack.setCurrentIndex(row)
+
+    def set_device(self, dev: DeviceInfo | None) -> None:
+        self.device = dev
+        self.model_page.show_fit()
+        self.deploy_page.refresh()
+        if not self.chat.busy:
+            self.chat.reload()
+
+    def busy(self) -> bool:
+        return bool(worker.running())
+
+    def open_settings(self) -> SettingsDialog:
+        d = SettingsDialog(self, self.settings)
+        d.finished.connect(lambda _r: self.compile_page.find_sdk())
+        d.open()
+        return d
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        """Cancel running work at its next safe point and wait for it, so no stage is left half-swapped."""
+        self.chat.stop()
+        worker.cancel_all()
+        self.devices.close_down()
+        super().closeEvent(event)
 
 
 def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1] + list(argv or []))
-    w = MainWindow()
+    app.setApplicationName("NPU Studio")
+    project = next((a for a in (argv or []) if not a.startswith("-")), None)
+    w = MainWindow(project)
     w.show()
     return app.exec()

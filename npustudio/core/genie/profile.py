@@ -111,6 +111,21 @@ def roofline(target: Soc, weight_bytes: int, kv_bytes_per_token: int, context: i
             "decode_tok_s_bound": round(bw / per_token, 1)}
 
 
+def bundle_roofline(bundle: Path) -> dict[str, float]:
+    """The decode roofline of a bundle: its target's bandwidth, its largest binary, its 8-bit KV cache."""
+    from .bundle import METADATA
+
+    try:
+        meta = json.loads((Path(bundle) / METADATA).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{bundle} is not a bundle folder (no readable {METADATA}).",
+                        "Pass the folder `npustudio bundle` wrote.") from e
+    weights = max(f.stat().st_size for f in Path(bundle).glob("*.bin"))
+    dec = meta["decoder"]
+    kv = 2 * dec["layers"] * dec["kv_heads"] * dec["head_dim"]  # 8-bit K and V per token
+    return roofline(Soc(**meta["target"]), weights, kv, meta["context_length"])
+
+
 def _num(v: Any, kind: type) -> Any:
     if isinstance(v, bool) or v is None:
         return None

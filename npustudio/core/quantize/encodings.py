@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from ..errors import UserError
 
@@ -50,6 +50,9 @@ class TensorRow(BaseModel):
     range_min: float
     range_max: float
     flags: list[str] = []
+    # per channel (or block) scales and offsets, for a detail plot; left out of the JSON table
+    scales: list[float] = Field(default_factory=list, exclude=True, repr=False)
+    offsets: list[int] = Field(default_factory=list, exclude=True, repr=False)
 
 
 class LayerSummary(BaseModel):
@@ -164,7 +167,7 @@ def _row(name: str, kind: str, e: dict[str, Any]) -> TensorRow:
         channels=channels,
         scale_min=min(scales), scale_median=statistics.median(scales), scale_max=max(scales),
         scale_spread=max(scales) / min(scales), offset=int(statistics.median(offsets)),
-        range_min=min(lo), range_max=max(hi))
+        range_min=min(lo), range_max=max(hi), scales=scales, offsets=offsets)
 
 
 def _listify(v: Any) -> list[Any]:

@@ -1,0 +1,53 @@
+"""Per-user settings (the platform config dir): recent projects, tool paths, defaults.
+
+Qt-free so the CLI could share them; written atomically; a damaged file falls back to defaults
+instead of keeping the app from starting. The HF token is never here: it lives in the keyring.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+from pydantic import BaseModel, Field, ValidationError
+
+from .fsutil import atomic_write_text
+from .targets import DEFAULT_SOC
+
+MAX_RECENT = 8
+
+
+class Settings(BaseModel):
+    recent_projects: list[str] = Field(default_factory=list)
+    qnn_sdk_root: str = ""  # empty: the QNN_SDK_ROOT environment variable, if any
+    adb_path: str = ""  # empty: adb on PATH, else the one adbutils ships
+    default_target: str = DEFAULT_SOC
+    default_precision: str = "w8a16"
+    virtual_preview: bool = Field(False, description="the virtual device answers with the CPU preview (fast)")
+
+    def remember(self, project: Path | str) -> None:
+        p = str(Path(project).expanduser().resolve())
+        self.recent_projects = [p, *[r for r in self.recent_projects if r != p]][:MAX_RECENT]
+
+    def apply(self) -> None:
+        """Point the tools at the configured paths, unless the environment already says otherwise."""
+        if self.qnn_sdk_root and not os.environ.get("QNN_SDK_ROOT"):
+            os.environ["QNN_SDK_ROOT"] = self.qnn_sdk_root
+        if self.adb_path and not os.environ.get("ADBUTILS_ADB_PATH"):
+            os.environ["ADBUTILS_ADB_PATH"] = self.adb_path
+
+
+def path() -> Path:
+    return platformdirs.user_config_path("npustudio") / "settings.json"
+
+
+def load() -> Settings:
+    try:
+        return Settings.model_validate_json(path().read_text(encoding="utf-8"))
+    except (OSError, ValidationError, ValueError):
+        return Settings()
+
+
+def save(s: Settings) -> None:
+    atomic_write_text(path(), s.model_dump_json(indent=2) + "\n")

@@ -1,0 +1,84 @@
+"""Adapt: the static AR-N/AR-1 graphs Genie runs, proven equivalent to the original model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtWidgets import QSpinBox
+
+from ...core import pipeline
+from ...core.adapt import AdaptOptions
+from ..charts import PplChart
+from ..widgets import Page, fill, table
+
+
+def spin(lo: int, hi: int, value: int, step: int = 1) -> QSpinBox:
+    s = QSpinBox()
+    s.setRange(lo, hi)
+    s.setSingleStep(step)
+    s.setValue(value)
+    return s
+
+
+class AdaptPage(Page):
+    title = "Adapt"
+    why = ("Rewrites the model into the fixed-shape graphs the NPU runs (prompt graph AR-N and token graph AR-1 over "
+           "a KV cache of CL entries) and checks they give the original model's next-token logits.")
+
+    def __init__(self, window: Any) -> None:
+        super().__init__(window)
+        self.ar = spin(1, 1024, 128, 32)
+        self.cl = spin(64, 32768, 1024, 128)
+        self.form.addRow("Prompt tokens per step (AR):", self.ar)
+        self.form.addRow("Context length (CL):", self.cl)
+        self.add_strip("Adapt")
+        self.chart = PplChart()
+        self.results = table(["Check", "Value"])
+        self.lay.addWidget(self.chart, 2)
+        self.lay.addWidget(self.results, 1)
+        self.strip.run.clicked.connect(self.start)
+
+    def options(self) -> AdaptOptions:
+        return AdaptOptions(ar=self.ar.value(), cl=self.cl.value())
+
+    def start(self) -> None:
+        project, opts = self.project, self.options()
+        model = project.choices().get("model", "default")
+        self.chart.clear()
+
+        def work(state: Any) -> dict[str, Any]:
+            return pipeline.adapt(project, model, opts, state).result
+
+        self.strip.start(work, self.finish, "Adapting", on_partial=self._partial)
+
+    def _partial(self, kind: str, data: dict) -> None:
+        if kind == "ppl":
+            self.chart.add(data)
+
+    def finish(self, result: dict[str, Any]) -> None:
+        self._show(result)
+        self.changed.emit()
+
+    def refresh(self) -> None:
+        rec = self.project.record("adapt")
+        ch = self.project.choices()
+        if rec and rec.status == "done":
+            self.ar.setValue(int(rec.options["ar"]))
+            self.cl.setValue(int(rec.options["cl"]))
+            self._show(rec.result)
+        else:
+            self.cl.setValue(int(ch.get("cl", 1024)))
+
+    def _show(self, r: dict[str, Any]) -> None:
+        s = pipeline.adapt_summary(r)
+        if not self.chart.series:
+            for w in r.get("per_window", []):
+                self.chart.add(w)
+        fill(self.results, [
+            ("Top-1 agreement with the original", f"{s['top1_agreement']:.4f}"),
+            ("Max |Δ logit|", f"{s['max_abs_logit_diff']:.2e}"),
+            ("Positions compared", f"{s['positions']} (prefill AR-{s['prefill_ar']}, {s['decode_steps']} AR-1 steps)"),
+            ("Perplexity: original / adapted", f"{s['ppl_fp']:.3f} / {s['ppl_adapted']:.3f}"),
+            ("Graphs", ", ".join(s["graphs"])),
+        ])
+        self.strip.status.setText(f"Adapted: top-1 {s['top1_agreement']:.4f}, FP perplexity {s['ppl_fp']:.3f}.")

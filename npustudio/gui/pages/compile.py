@@ -1,0 +1,113 @@
+"""Compile: QNN HTP context binaries (embedded simulator or the QAIRT SDK), checked on the simulator,
+then the Genie bundle validated by the real libGenie."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtWidgets import QButtonGroup, QRadioButton
+
+from ...core import pipeline
+from ...core.compile import CompileOptions, qairt
+from ...core.errors import UserError
+from ...core.genie.bundle import BundleOptions
+from ...core.models import human_bytes
+from ..widgets import Page, fill, table
+from .adapt import spin
+
+
+def sdk_found() -> tuple[str | None, str]:
+    """(version, where) of the QAIRT SDK, or (None, why not)."""
+    try:
+        root = qairt.sdk_root()
+        return qairt.sdk_version(root), str(root)
+    except UserError as e:
+        return None, e.problem
+
+
+class CompilePage(Page):
+    title = "Compile"
+    why = ("Compiles the quantized graphs into Hexagon context binaries (every op must land on the NPU), runs them "
+           "on the HTP simulator against the quantsim, and writes the Genie bundle.")
+
+    def __init__(self, window: Any) -> None:
+        super().__init__(window)
+        self.backend = QButtonGroup(self)
+        self.embedded = QRadioButton("Embedded: onnxruntime-qnn + x86 HTP simulator (no SDK needed)")
+        self.sdk = QRadioButton()
+        self.backend.addButton(self.embedded, 0)
+        self.backend.addButton(self.sdk, 1)
+        self.embedded.setChecked(True)
+        self.verify = spin(0, 2048, 128, 32)
+        self.verify.setToolTip("eval tokens run through the compiled graphs on the simulator (0: skip; ~0.6 s each)")
+        self.form.addRow("Back-end:", self.embedded)
+        self.form.addRow("", self.sdk)
+        self.form.addRow("Verify on the simulator (tokens):", self.verify)
+        self.add_strip("Compile and bundle")
+        self.binaries = table(["Graph", "Context binary", "Size", "Ops on the NPU", "Compile time"])
+        self.results = table(["Result", "Value"])
+        self.lay.addWidget(self.binaries, 1)
+        self.lay.addWidget(self.results, 1)
+        self.strip.run.clicked.connect(self.start)
+        self.find_sdk()
+
+    def find_sdk(self) -> None:
+        version, where = sdk_found()
+        if version:
+            self.sdk.setText(f"QAIRT SDK {version} at {where}")
+            self.sdk.setEnabled(True)
+        else:
+            self.sdk.setText(f"QAIRT SDK: not found ({where})")
+            self.sdk.setEnabled(False)
+
+    def options(self) -> CompileOptions:
+        return CompileOptions(backend="qairt" if self.sdk.isChecked() else "ort-qnn", verify_tokens=self.verify.value())
+
+    def start(self) -> None:
+        project, opts = self.project, self.options()
+
+        def work(state: Any) -> dict[str, Any]:
+            crec = pipeline.compile_graphs(project, opts, state.sub(0.0, 0.9))
+            brec = pipeline.bundle(project, BundleOptions(), state.sub(0.9, 1.0))
+            return {"compile": crec.result, "bundle": brec.result}
+
+        self.strip.start(work, self.finish, "Compiling")
+
+    def finish(self, result: dict[str, Any]) -> None:
+        self._show(result["compile"], result["bundle"])
+        self.changed.emit()
+
+    def refresh(self) -> None:
+        self.find_sdk()
+        crec, brec = self.project.record("compile"), self.project.record("bundle")
+        if crec and crec.status == "done":
+            self.verify.setValue(int(crec.options.get("verify_tokens", 128)))
+            (self.sdk if crec.options.get("backend") == "qairt" and self.sdk.isEnabled() else self.embedded
+             ).setChecked(True)
+            self._show(crec.result, brec.result if brec and brec.status == "done" else None)
+
+    def _show(self, c: dict[str, Any], b: dict[str, Any] | None) -> None:
+        s = pipeline.compile_summary(c)
+        fill(self.binaries, [(x["graph"], x["file"], human_bytes(x["bytes"]), f"{x['nodes_on_qnn']:,}",
+                              f"{x['compile_seconds']:.0f} s") for x in s["binaries"]])
+        v = s["verification"] or {}
+        rows: list[tuple[str, Any]] = [
+            ("Target", f"{s['target']} (Hexagon {s['dsp_arch']}, soc_model {s['soc_model']})"),
+            ("Back-end", s["backend"]), ("Ops left on the CPU", s["nodes_on_cpu"])]
+        for g in (x["graph"] for x in s["binaries"]):
+            if f"{g}_top1_agreement" in v.get("vs_quantsim_test_vectors", {}):
+                t = v["vs_quantsim_test_vectors"]
+                rows.append((f"{g} on the CPU vs quantsim", f"top-1 {t[f'{g}_top1_agreement']:.3f}, "
+                             f"max |Δ logit| {t[f'{g}_max_abs_logit_diff']:.3f}"))
+        if v.get("tokens"):
+            rows += [("HTP simulator vs quantsim", f"NLL {v['nll_htp']:.3f} vs {v['nll_quantsim_cpu']:.3f} "
+                      f"(Δ {v['nll_diff']:+.3f}) over {v['tokens']} tokens"),
+                     ("Top-1 agreement on the simulator", f"{v['top1_agreement']:.3f}")]
+        else:
+            rows.append(("HTP simulator check", "skipped (0 tokens)"))
+        if b:
+            rows += [("Genie bundle", b["folder"]), ("Validated by libGenie", "yes" if b["validated"] else "no"),
+                     ("Genie API", b["genie_api"])]
+        fill(self.results, rows)
+        self.strip.status.setText(f"{len(s['binaries'])} context binaries, {s['nodes_on_cpu']} ops on the CPU"
+                                  + (", bundle validated by libGenie." if b and b["validated"] else "."))

@@ -1,0 +1,115 @@
+"""Deploy: the bundle's contents, whether it fits the selected device, the push with progress; then ask it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtWidgets import QLabel, QPushButton
+
+from ...core import device
+from ...core.device import deploy
+from ...core.errors import UserError
+from ...core.genie.bundle import METADATA
+from ...core.models import human_bytes
+from ..widgets import BAD, GOOD, Page, fill, table
+
+
+class DeployPage(Page):
+    title = "Deploy"
+    why = ("Pushes the Genie bundle to the selected device over adb (only changed files; an interrupted push resumes) "
+           "and asks it the sample question. With no phone, start the virtual device in the device panel.")
+
+    def __init__(self, window: Any) -> None:
+        super().__init__(window)
+        self.target = QLabel("No device selected.")
+        self.target.setWordWrap(True)
+        self.form.addRow("Device:", self.target)
+        self.compat = table(["Check", "Result"])
+        self.compat.setMaximumHeight(120)
+        self.lay.addWidget(self.compat)
+        self.add_strip("Deploy")
+        self.ask = QPushButton("Ask the sample question in the chat panel")
+        self.ask.setEnabled(False)
+        self.lay.addWidget(self.ask)
+        self.files = table(["Bundle file", "Size", "Pushed"])
+        self.lay.addWidget(self.files, 1)
+        self.strip.run.clicked.connect(self.start)
+        self.ask.clicked.connect(self._ask)
+        self.pushed: dict[str, bool] = {}
+
+    @property
+    def bundle(self) -> Path:
+        return self.project.stage_dir("bundle")
+
+    def refresh(self) -> None:
+        self.device_changed()
+        d = self.project.choices().get("deployed")
+        dev = self.window_.device
+        self.ask.setEnabled(bool(d) and dev is not None and d.get("device") == dev.serial)
+
+    def device_changed(self) -> None:
+        """The selected device or the bundle changed: show the files and whether it fits."""
+        dev = self.window_.device
+        files = sorted(p for p in self.bundle.iterdir() if p.is_file()) if self.bundle.is_dir() else []
+        fill(self.files, [(p.name, human_bytes(p.stat().st_size), "yes" if self.pushed.get(p.name) else "")
+                          for p in files])
+        ok = False
+        if dev is None:
+            self.target.setText("No device selected: pick one in the device panel, or start the virtual device.")
+            fill(self.compat, [])
+        else:
+            kind = "virtual device (Genie on the HTP simulator)" if dev.virtual else "phone"
+            self.target.setText(f"{dev.serial}: {dev.model or '?'} — {dev.soc} {dev.product} ({kind})")
+            if not files:
+                fill(self.compat, [("Bundle", "none yet: run the Compile step")], [BAD])
+            else:
+                try:
+                    problems = device.compatibility(dev, self.bundle)
+                except UserError as e:
+                    problems = [(e.problem, e.fix)]
+                meta = json.loads((self.bundle / METADATA).read_text())
+                if problems:
+                    fill(self.compat, [(p, f) for p, f in problems], [BAD] * len(problems))
+                else:
+                    fill(self.compat, [("Compatible", f"bundle for {meta['target']['soc']} "
+                                        f"({meta['target']['dsp_arch']}) fits {dev.serial}")], [GOOD])
+                    ok = True
+        self.strip.run.setEnabled(ok and not self.strip.busy)
+
+    def start(self) -> None:
+        dev, folder, project = self.window_.device, self.bundle, self.project
+        if dev is None:
+            return
+
+        def work(state: Any) -> deploy.DeployResult:
+            return deploy.deploy(folder, dev, state)
+
+        self.window_.devices.log(f"Deploying {folder} to {dev.serial}…")
+        self.strip.start(work, self.finish, f"Deploying to {dev.serial}", on_partial=self._partial)
+        self._project = project
+
+    def _partial(self, kind: str, data: dict) -> None:
+        if kind == "push":
+            eta = f", {data['eta_s']:.0f} s left" if data.get("eta_s") is not None else ""
+            self.strip.status.setText(f"Pushed {human_bytes(data['bytes'])} of {human_bytes(data['total'])} at "
+                                      f"{data['rate'] / 1e6:.0f} MB/s{eta}")
+            self.window_.devices.show_push(data)
+
+    def finish(self, r: deploy.DeployResult) -> None:
+        self.pushed = {f["file"]: f["sent"] for f in r.files}
+        self._project.choose(deployed={"device": r.device, "remote_dir": r.remote_dir, "at": time.time()})
+        msg = (f"Deployed to {r.device}:{r.remote_dir}: {human_bytes(r.bytes_sent)} sent"
+               + (f" at {r.rate_mb_s:.0f} MB/s" if r.bytes_sent else "")
+               + f", {human_bytes(r.bytes_skipped)} already there.")
+        self.window_.devices.log(msg)
+        self.window_.chat.use_device(r.device)
+        self.changed.emit()
+        self.strip.status.setText(msg)
+        self.ask.setEnabled(True)
+
+    def _ask(self) -> None:
+        meta = json.loads((self.bundle / METADATA).read_text())
+        self.window_.chat.ask(meta["question"])

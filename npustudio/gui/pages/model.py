@@ -1,0 +1,146 @@
+"""Model: the embedded default, a local folder, a GGUF file or a hub id; its card and whether it fits a phone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QFileDialog,
+    QHBoxLayout,
+    QLineEdit,
+    QPushButton,
+    QRadioButton,
+    QSpinBox,
+    QWidget,
+)
+
+from ...core import models, pipeline
+from ..widgets import BAD, GOOD, WARN, Page, fill, table
+
+KINDS = (("default", "Embedded default (SmolLM2-135M-Instruct)"), ("folder", "Local model folder"),
+         ("gguf", "GGUF file"), ("hub", "Hugging Face hub id"))
+
+
+class ModelPage(Page):
+    title = "Model"
+    why = ("Pick the causal LLM to put on the phone. Its architecture card and a memory estimate per precision "
+           "tell at a glance whether it fits.")
+
+    def __init__(self, window: Any) -> None:
+        super().__init__(window)
+        self.kind = QButtonGroup(self)
+        kinds = QWidget()
+        kl = QHBoxLayout(kinds)
+        kl.setContentsMargins(0, 0, 0, 0)
+        for i, (_k, label) in enumerate(KINDS):
+            b = QRadioButton(label)
+            self.kind.addButton(b, i)
+            kl.addWidget(b)
+        self.kind.button(0).setChecked(True)
+        self.source = QLineEdit()
+        self.source.setPlaceholderText("a model folder, a .gguf file, or org/name")
+        self.browse = QPushButton("Browse…")
+        row = QWidget()
+        rl = QHBoxLayout(row)
+        rl.setContentsMargins(0, 0, 0, 0)
+        rl.addWidget(self.source, 1)
+        rl.addWidget(self.browse)
+        self.cl = QSpinBox()
+        self.cl.setRange(128, 32768)
+        self.cl.setSingleStep(128)
+        self.cl.setValue(1024)
+        self.form.addRow("Source:", kinds)
+        self.form.addRow("", row)
+        self.form.addRow("Context length (for the estimate):", self.cl)
+        self.add_strip("Read model")
+        self.card = table(["Property", "Value"])
+        self.fit = table(["Precision", "Weights", "KV cache", "Parts", "Phone RAM needed", "Fits"])
+        self.lay.addWidget(self.card, 3)
+        self.lay.addWidget(self.fit, 1)
+        self.kind.idToggled.connect(self._kind_changed)
+        self.browse.clicked.connect(self._browse)
+        self.strip.run.clicked.connect(self.start)
+        self._kind_changed(0, True)
+        self.fits: list[models.FitEstimate] = []
+
+    def spec(self) -> str:
+        k = KINDS[self.kind.checkedId()][0]
+        return "default" if k == "default" else self.source.text().strip()
+
+    def set_spec(self, spec: str) -> None:
+        if spec == "default":
+            self.kind.button(0).setChecked(True)
+            return
+        i = 2 if spec.lower().endswith(".gguf") else 1 if spec.startswith(("/", ".", "~")) else 3
+        self.kind.button(i).setChecked(True)
+        self.source.setText(spec)
+
+    def _kind_changed(self, i: int, on: bool) -> None:
+        if on:
+            k = KINDS[i][0]
+            self.source.setEnabled(k != "default")
+            self.browse.setEnabled(k in ("folder", "gguf"))
+
+    def _browse(self) -> None:
+        k = KINDS[self.kind.checkedId()][0]
+        opts = QFileDialog.Option.DontUseNativeDialog
+        if k == "folder":
+            path = QFileDialog.getExistingDirectory(self, "Model folder", options=opts)
+        else:
+            path, _ = QFileDialog.getOpenFileName(self, "GGUF file", filter="GGUF (*.gguf)", options=opts)
+        if path:
+            self.source.setText(path)
+
+    def start(self) -> None:
+        spec, cl, project = self.spec(), self.cl.value(), self.project
+        if not spec:
+            self.strip.status.setText("Type a model folder, a .gguf file or a hub id first.")
+            return
+
+        def work(state: Any) -> dict[str, Any]:
+            _src, rec = pipeline.intake(project, spec, cl, state)
+            project.choose(model=spec, cl=cl)
+            return rec.result
+
+        self.strip.start(work, self.finish, f"Reading {spec}")
+
+    def finish(self, result: dict[str, Any]) -> None:
+        self._show(result)
+        self.changed.emit()
+
+    def refresh(self) -> None:
+        ch = self.project.choices()
+        self.set_spec(ch.get("model", "default"))
+        self.cl.setValue(int(ch.get("cl", 1024)))
+        rec = self.project.record("model")
+        if rec and rec.status == "done":
+            self._show(rec.result)
+
+    def _show(self, result: dict[str, Any]) -> None:
+        card = models.ArchCard(**result["card"])
+        self.fits = [models.FitEstimate(**f) for f in result["fit"]]
+        rows = [(k, models.format_value(v)) for k, v in card.model_dump().items() if k != "chat_template"]
+        rows.append(("chat template", "yes" if card.chat_template else "no"))
+        fill(self.card, rows)
+        self.show_fit()
+        self.strip.status.setText(f"{card.source}: {card.family}, {card.params / 1e6:.1f} M parameters")
+
+    def show_fit(self) -> None:
+        """Colour each precision by whether it fits: the selected device's RAM if one is picked, else a typical
+        8 GB phone."""
+        dev = self.window_.device
+        ram = dev.ram_bytes if dev is not None and dev.ram_bytes else None
+        rows, colours = [], []
+        for f in self.fits:
+            if ram:
+                ok = f.phone_ram_bytes <= 0.5 * ram
+                verdict = f"{'fits' if ok else 'too large for'} {dev.serial} ({models.human_bytes(ram)})"
+            else:
+                ok = f.min_phone_ram_gb is not None and f.min_phone_ram_gb <= 8
+                verdict = (f"phones with ≥ {f.min_phone_ram_gb} GB" if f.min_phone_ram_gb
+                           else "too large for the listed phones")
+            colours.append(GOOD if ok else WARN if f.min_phone_ram_gb else BAD)
+            rows.append((f.precision, models.human_bytes(f.weight_bytes), models.human_bytes(f.kv_cache_bytes),
+                         f.parts, models.human_bytes(f.phone_ram_bytes), verdict))
+        fill(self.fit, rows, colours)

@@ -1,0 +1,151 @@
+"""Quantize: AIMET calibration with the live perplexity chart, then the encodings inspector on the export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLineEdit,
+    QPushButton,
+    QTabWidget,
+    QWidget,
+)
+
+from ...core import pipeline
+from ...core.models import human_bytes
+from ...core.quantize import QuantizeOptions
+from ...core.quantize import encodings as enc
+from ...core.quantize.presets import load_overrides
+from .. import worker
+from ..charts import PplChart
+from ..inspector import Inspector
+from ..widgets import Page, fill, show_error, table
+from .adapt import spin
+
+
+def _file_row(edit: QLineEdit, title: str, filt: str, parent: QWidget) -> QWidget:
+    w = QWidget()
+    lay = QHBoxLayout(w)
+    lay.setContentsMargins(0, 0, 0, 0)
+    b = QPushButton("Browse…")
+    lay.addWidget(edit, 1)
+    lay.addWidget(b)
+
+    def browse() -> None:
+        path, _ = QFileDialog.getOpenFileName(parent, title, filter=filt,
+                                              options=QFileDialog.Option.DontUseNativeDialog)
+        if path:
+            edit.setText(path)
+
+    b.clicked.connect(browse)
+    return w
+
+
+class QuantizePage(Page):
+    title = "Quantize"
+    why = ("AIMET simulates the NPU's integer arithmetic and calibrates the encodings on sample text; the chart "
+           "shows the quantized perplexity per eval window beside the FP line as calibration runs.")
+
+    def __init__(self, window: Any) -> None:
+        super().__init__(window)
+        self.precision = QComboBox()
+        self.precision.addItem("w8a16 — int8 weights, 16-bit activations (best quality)", "w8a16")
+        self.precision.addItem("w4a16 — int4 weight blocks, LM head int8 (smallest)", "w4a16")
+        self.seq_mse = QCheckBox("SeqMSE (search weight encodings layer by layer; slower, better w4)")
+        self.calib_samples = spin(1, 256, 4)
+        self.calib_len = spin(16, 4096, 256, 64)
+        self.calib = QLineEdit("default")
+        self.calib.setToolTip("default (offline text), a UTF-8 text file, or datasets:ID")
+        self.overrides = QLineEdit()
+        self.overrides.setPlaceholderText("optional: per-module bitwidth overrides (JSON)")
+        self.form.addRow("Precision:", self.precision)
+        self.form.addRow("", self.seq_mse)
+        self.form.addRow("Calibration sequences:", self.calib_samples)
+        self.form.addRow("Tokens per sequence:", self.calib_len)
+        self.form.addRow("Calibration text:", _file_row(self.calib, "Calibration text", "Text (*.txt)", self))
+        self.form.addRow("Mixed precision:", _file_row(self.overrides, "Overrides", "JSON (*.json)", self))
+        self.add_strip("Quantize")
+        self.tabs = QTabWidget()
+        live = QWidget()
+        ll = QHBoxLayout(live)
+        self.chart = PplChart()
+        self.results = table(["Result", "Value"])
+        ll.addWidget(self.chart, 3)
+        ll.addWidget(self.results, 2)
+        self.inspector = Inspector()
+        self.tabs.addTab(live, "Live perplexity")
+        self.tabs.addTab(self.inspector, "Encodings inspector")
+        self.lay.addWidget(self.tabs, 1)
+        self.strip.run.clicked.connect(self.start)
+
+    def options(self) -> QuantizeOptions:
+        ch = self.project.choices()
+        return QuantizeOptions(precision=self.precision.currentData(), target=ch.get("target", "SM8750"),
+                               seq_mse=self.seq_mse.isChecked(), calib_corpus=self.calib.text().strip() or "default",
+                               calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
+                               overrides=load_overrides(self.overrides.text().strip() or None))
+
+    def start(self) -> None:
+        from ...core.errors import UserError
+
+        try:
+            opts = self.options()
+        except UserError as e:
+            show_error(self, e.problem, e.fix)
+            return
+        project = self.project
+        self.chart.clear()
+        self.tabs.setCurrentIndex(0)
+
+        def work(state: Any) -> dict[str, Any]:
+            return pipeline.quantize(project, opts, state).result
+
+        self.strip.start(work, self.finish, "Quantizing", on_partial=self._partial)
+
+    def _partial(self, kind: str, data: dict) -> None:
+        if kind == "ppl":
+            self.chart.add(data)
+
+    def finish(self, result: dict[str, Any]) -> None:
+        self._show(result)
+        self.changed.emit()
+
+    def refresh(self) -> None:
+        rec = self.project.record("quantize")
+        if rec and rec.status == "done":
+            o = rec.options
+            self.precision.setCurrentIndex(max(0, self.precision.findData(o["precision"])))
+            self.seq_mse.setChecked(bool(o["seq_mse"]))
+            self.calib_samples.setValue(int(o["calib_samples"]))
+            self.calib_len.setValue(int(o["calib_len"]))
+            self.calib.setText(o["calib_corpus"])
+            self._show(rec.result)
+        else:
+            self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
+
+    def _show(self, r: dict[str, Any]) -> None:
+        folder = self.project.stage_dir("quantize")
+        s = pipeline.quantize_summary(r, folder)
+        if not self.chart.series:
+            for w in r.get("per_window", []):
+                self.chart.add(w)
+        rows = [("Precision / target", f"{s['precision']} / {s['target']}{' + SeqMSE' if s['seq_mse'] else ''}"),
+                ("Perplexity FP", f"{s['ppl_fp']:.3f}"), ("Perplexity quantized", f"{s['ppl_quant']:.3f}"),
+                ("Ratio", f"×{s['ratio']:.4f}"), ("Top-1 agreement", f"{s['top1_agreement']:.3f}")]
+        rows += [(f["file"], human_bytes(f["bytes"])) for f in s["files"]]
+        fill(self.results, rows)
+        self.strip.status.setText(f"{s['precision']}: PPL {s['ppl_quant']:.3f} vs FP {s['ppl_fp']:.3f} "
+                                  f"(×{s['ratio']:.4f}).")
+        graphs = r.get("graphs") or []
+        if graphs:
+            self.load_encodings(folder / f"{graphs[0]}.encodings")
+
+    def load_encodings(self, path: Path) -> None:
+        """Read the table off the GUI thread (tens of MB of JSON for a real model), then show it."""
+        worker.start(lambda _s: enc.read(path), "Reading encodings", done=self.inspector.load,
+                     failed=lambda p, f: self.inspector.title.setText(f"{p} {f}"))

@@ -1,0 +1,130 @@
+"""Genie profiles as charts: a timeline per run (dialog create, then each query split into prompt processing
+and generation), bars for TTFT and the two rates with several runs side by side, and the decode roofline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyqtgraph as pg
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+
+from ..core.errors import UserError
+from ..core.genie import profile
+from .widgets import fill, show_error, table
+
+CREATE, PROMPT, GENERATE = "#8c8c8c", "#1f77b4", "#2ca02c"
+
+
+def spans(p: profile.Profile) -> list[tuple[str, float, float]]:
+    """(phase, start s, end s) relative to the run's first event: create, prompt processing, generation."""
+    t0 = min((e.start_us for e in p.events if e.start_us is not None), default=0)
+    out = []
+    for e in p.events:
+        if e.start_us is None or e.stop_us is None:
+            continue
+        a, b = (e.start_us - t0) / 1e6, (e.stop_us - t0) / 1e6
+        if e.type == "GenieDialog_create":
+            out.append(("create", a, b))
+        elif e.type == "GenieDialog_query":
+            mid = min(b, a + e.ttft_us / 1e6) if e.ttft_us is not None else b
+            out.append(("prompt", a, mid))
+            if mid < b:
+                out.append(("generate", mid, b))
+    return out
+
+
+class ProfileView(QWidget):
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs: list[tuple[str, profile.Profile, profile.Summary]] = []
+        self.roof: dict[str, float] | None = None
+        lay = QVBoxLayout(self)
+        top = QHBoxLayout()
+        self.open_btn = QPushButton("Open profile…")
+        self.clear_btn = QPushButton("Clear")
+        self.note = QLabel("Profiles of chat turns and deploy runs appear here; open Genie --profile files too.")
+        top.addWidget(self.open_btn)
+        top.addWidget(self.clear_btn)
+        top.addWidget(self.note, 1)
+        lay.addLayout(top)
+        charts = QHBoxLayout()
+        self.timeline = pg.PlotWidget(title="Timeline (s)")
+        self.timeline.setLabel("bottom", "seconds from the first event")
+        self.ttft = pg.PlotWidget(title="Time to first token (s)")
+        self.rates = pg.PlotWidget(title="Tokens per second")
+        self.rates.addLegend(offset=(5, 5))
+        charts.addWidget(self.timeline, 2)
+        charts.addWidget(self.ttft, 1)
+        charts.addWidget(self.rates, 1)
+        lay.addLayout(charts, 1)
+        self.table = table(["Run", "Runner", "Init s", "TTFT s", "Prompt tok", "Prompt tok/s", "Gen tok",
+                            "Gen tok/s", "Decode bound tok/s"])
+        self.table.setMaximumHeight(150)
+        lay.addWidget(self.table)
+        self.open_btn.clicked.connect(self._open)
+        self.clear_btn.clicked.connect(self.clear)
+
+    def set_roofline(self, bundle: Path | None) -> None:
+        try:
+            self.roof = profile.bundle_roofline(bundle) if bundle and bundle.is_dir() else None
+        except (UserError, ValueError, KeyError):
+            self.roof = None
+        self._draw()
+
+    def add(self, label: str, p: profile.Profile) -> None:
+        self.runs.append((label, p, profile.summarize(p)))
+        self._draw()
+
+    def add_json(self, label: str, text: str) -> None:
+        self.add(label, profile.parse(text, label))
+
+    def add_file(self, path: Path) -> None:
+        self.add(Path(path).name, profile.read(Path(path)))
+
+    def clear(self) -> None:
+        self.runs.clear()
+        self._draw()
+
+    def _open(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Genie profile", filter="JSON (*.json)",
+                                              options=QFileDialog.Option.DontUseNativeDialog)
+        if path:
+            try:
+                self.add_file(Path(path))
+            except UserError as e:
+                show_error(self, e.problem, e.fix)
+
+    def _draw(self) -> None:
+        for w in (self.timeline, self.ttft, self.rates):
+            w.clear()
+        labels = [(i, lbl) for i, (lbl, _p, _s) in enumerate(self.runs)]
+        colours = {"create": CREATE, "prompt": PROMPT, "generate": GENERATE}
+        for i, (_label, p, _s) in enumerate(self.runs):
+            for phase, a, b in spans(p):
+                bar = pg.BarGraphItem(x0=[a], width=[max(b - a, 1e-3)], y=[i], height=0.6, brush=colours[phase])
+                self.timeline.addItem(bar)
+        self.timeline.getAxis("left").setTicks([labels])
+        xs = list(range(len(self.runs)))
+        ttft = [s.ttft_s or 0.0 for _l, _p, s in self.runs]
+        self.ttft.addItem(pg.BarGraphItem(x=xs, height=ttft, width=0.6, brush=PROMPT))
+        self.ttft.getAxis("bottom").setTicks([labels])
+        prompt = [s.prompt_tok_s or 0.0 for _l, _p, s in self.runs]
+        gen = [s.generation_tok_s or 0.0 for _l, _p, s in self.runs]
+        self.rates.addItem(pg.BarGraphItem(x=[x - 0.18 for x in xs], height=prompt, width=0.35, brush=PROMPT,
+                                           name="prompt"))
+        self.rates.addItem(pg.BarGraphItem(x=[x + 0.18 for x in xs], height=gen, width=0.35, brush=GENERATE,
+                                           name="generation"))
+        if self.roof:
+            self.rates.addItem(pg.InfiniteLine(pos=self.roof["decode_tok_s_bound"], angle=0,
+                                               pen=pg.mkPen("#d62728", style=pg.QtCore.Qt.PenStyle.DashLine),
+                                               label=f"decode roofline {self.roof['decode_tok_s_bound']} tok/s "
+                                                     f"(phone, {self.roof['memory_gb_s']} GB/s)"))
+        self.rates.getAxis("bottom").setTicks([labels])
+        bound = self.roof["decode_tok_s_bound"] if self.roof else None
+        fill(self.table, [(lbl, s.runner, s.init_s, s.ttft_s, s.prompt_tokens, _r(s.prompt_tok_s),
+                           s.generated_tokens, _r(s.generation_tok_s), bound) for lbl, _p, s in self.runs])
+
+
+def _r(v: Any) -> Any:
+    return None if v is None else round(v, 2)

@@ -1,0 +1,125 @@
+"""Settings: the Hugging Face token (password field, checked with the hub off the GUI thread, stored only in the
+system keyring), tool paths and defaults (saved in the platform config dir)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QVBoxLayout,
+)
+
+from ..core import secrets
+from ..core import settings as user_settings
+from ..core.targets import SOCS
+from . import worker
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, parent: Any, s: user_settings.Settings) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("NPU Studio settings")
+        self.settings = s
+        lay = QVBoxLayout(self)
+
+        tok = QGroupBox("Hugging Face token (for gated models such as Llama)")
+        tl = QVBoxLayout(tok)
+        self.token = QLineEdit()
+        self.token.setEchoMode(QLineEdit.EchoMode.Password)
+        self.token.setPlaceholderText("hf_… (kept only in the system keyring)")
+        row = QHBoxLayout()
+        self.check_save = QPushButton("Check and save")
+        self.save_unchecked = QPushButton("Save without checking")
+        self.forget = QPushButton("Remove")
+        for b in (self.check_save, self.save_unchecked, self.forget):
+            row.addWidget(b)
+        self.token_status = QLabel("A token is stored." if secrets.get_hf_token() else "No token is stored.")
+        self.token_status.setWordWrap(True)
+        tl.addWidget(self.token)
+        tl.addLayout(row)
+        tl.addWidget(self.token_status)
+        lay.addWidget(tok)
+
+        paths = QGroupBox("Tools and defaults")
+        form = QFormLayout(paths)
+        self.sdk = QLineEdit(s.qnn_sdk_root)
+        self.sdk.setPlaceholderText("QAIRT SDK folder (optional; else QNN_SDK_ROOT)")
+        self.adb = QLineEdit(s.adb_path)
+        self.adb.setPlaceholderText("adb binary (optional; else the one on PATH or shipped with adbutils)")
+        self.target = QComboBox()
+        for soc in SOCS.values():
+            self.target.addItem(f"{soc.soc} — {soc.product}", soc.soc)
+        self.target.setCurrentIndex(max(0, self.target.findData(s.default_target)))
+        self.precision = QComboBox()
+        self.precision.addItems(["w8a16", "w4a16"])
+        self.precision.setCurrentText(s.default_precision)
+        self.preview = QCheckBox("The virtual device answers with the CPU preview (fast) instead of Genie on the "
+                                 "HTP simulator")
+        self.preview.setChecked(s.virtual_preview)
+        form.addRow("QNN SDK:", self.sdk)
+        form.addRow("adb:", self.adb)
+        form.addRow("Default target:", self.target)
+        form.addRow("Default precision:", self.precision)
+        form.addRow("", self.preview)
+        lay.addWidget(paths)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
+        lay.addWidget(buttons)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        self.check_save.clicked.connect(self._check_and_save)
+        self.save_unchecked.clicked.connect(lambda: self._store(self.token.text().strip(), None))
+        self.forget.clicked.connect(self._forget)
+        self.job: worker.Job | None = None
+
+    def _check_and_save(self) -> None:
+        token = self.token.text().strip()
+        self.check_save.setEnabled(False)
+        self.token_status.setText("Checking the token with the Hugging Face hub…")
+
+        def failed(problem: str, fix: str) -> None:
+            self.check_save.setEnabled(True)
+            self.token_status.setText(f"{problem} {fix}")
+
+        self.job = worker.start(lambda _s: secrets.validate_hf_token(token), "Checking the token",
+                                done=lambda user: self._store(token, user), failed=failed)
+
+    def _store(self, token: str, user: str | None) -> None:
+        self.check_save.setEnabled(True)
+        if not token:
+            self.token_status.setText("Paste a token first.")
+            return
+        try:
+            secrets.set_hf_token(token)
+        except Exception as e:  # a missing or locked keyring: say so, never fall back to a file
+            self.token_status.setText(f"The system keyring refused the token ({e.__class__.__name__}). Unlock or "
+                                      "install a keyring, or set HF_TOKEN for one session.")
+            return
+        self.token.clear()
+        self.token_status.setText(f"Token of {user} saved in the system keyring." if user else
+                                  "Token saved in the system keyring (not checked).")
+
+    def _forget(self) -> None:
+        try:
+            secrets.delete_hf_token()
+            self.token_status.setText("Token removed from the system keyring.")
+        except Exception as e:
+            self.token_status.setText(f"The keyring refused ({e.__class__.__name__}).")
+
+    def accept(self) -> None:
+        s = self.settings
+        s.qnn_sdk_root, s.adb_path = self.sdk.text().strip(), self.adb.text().strip()
+        s.default_target, s.default_precision = str(self.target.currentData()), self.precision.currentText()
+        s.virtual_preview = self.preview.isChecked()
+        user_settings.save(s)
+        s.apply()
+        super().accept()

@@ -1,0 +1,172 @@
+"""Pieces every page shares: the Run/Cancel/progress strip, read-only tables, the error dialog."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from . import worker
+
+GOOD, BAD, WARN = QColor("#d7f5dd"), QColor("#f8d7da"), QColor("#fff3cd")
+
+
+def show_error(parent: QWidget, problem: str, fix: str) -> QMessageBox:
+    """The core's plain explanation and fix, in a window-modal box that does not block the event loop."""
+    box = QMessageBox(QMessageBox.Icon.Warning, "NPU Studio", problem, QMessageBox.StandardButton.Ok, parent)
+    box.setObjectName("error_dialog")
+    if fix:
+        box.setInformativeText(f"How to fix it: {fix}")
+    box.open()
+    return box
+
+
+def table(headers: Sequence[str], stretch_last: bool = True) -> QTableWidget:
+    t = QTableWidget(0, len(headers))
+    t.setHorizontalHeaderLabels(list(headers))
+    t.horizontalHeader().setStretchLastSection(stretch_last)
+    t.verticalHeader().setVisible(False)
+    t.verticalHeader().setDefaultSectionSize(22)
+    t.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+    t.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
+    return t
+
+
+def fill(t: QTableWidget, rows: Sequence[Sequence[Any]], colours: Sequence[QColor | None] | None = None) -> None:
+    t.setRowCount(len(rows))
+    for i, row in enumerate(rows):
+        for j, v in enumerate(row):
+            item = QTableWidgetItem("—" if v is None else str(v))
+            if colours and colours[i] is not None:
+                item.setBackground(colours[i])
+            t.setItem(i, j, item)
+    t.resizeColumnsToContents()
+    t.horizontalHeader().setStretchLastSection(True)
+
+
+def cells(t: QTableWidget) -> list[list[str]]:
+    """What a person reads in a table (tests assert on it)."""
+    return [[t.item(r, c).text() if t.item(r, c) else "" for c in range(t.columnCount())] for r in range(t.rowCount())]
+
+
+class RunStrip(QWidget):
+    """Run and Cancel buttons, a progress bar and a status line, wired to one `worker.Job` at a time."""
+
+    finished = Signal(bool)  # True when the job succeeded
+
+    def __init__(self, label: str = "Run") -> None:
+        super().__init__()
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        self.run = QPushButton(label)
+        self.cancel = QPushButton("Cancel")
+        self.cancel.setEnabled(False)
+        self.bar = QProgressBar()
+        self.bar.setRange(0, 1000)
+        self.bar.setTextVisible(False)
+        self.status = QLabel("")
+        self.status.setWordWrap(True)
+        lay.addWidget(self.run)
+        lay.addWidget(self.cancel)
+        lay.addWidget(self.bar, 1)
+        self.job: worker.Job | None = None
+        self.cancel.clicked.connect(self._cancel)
+
+    def start(self, fn: Callable[[Any], Any], on_done: Callable[[Any], None], name: str,
+              on_partial: Callable[[str, dict], None] | None = None) -> worker.Job:
+        self.run.setEnabled(False)
+        self.cancel.setEnabled(True)
+        self.bar.setValue(0)
+        self.status.setText(f"{name}…")
+        self._on_done = on_done
+        slots: dict[str, Any] = {"progress": self._progress, "done": self._done, "failed": self._failed,
+                                 "cancelled": self._cancelled}
+        if on_partial:
+            slots["partial"] = on_partial
+        self.job = worker.start(fn, name, **slots)
+        return self.job
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None and self.job.running
+
+    def _cancel(self) -> None:
+        if self.job:
+            self.job.cancel()
+            self.cancel.setEnabled(False)
+            self.status.setText("Stopping at the next safe point…")
+
+    def _progress(self, fraction: float, message: str) -> None:
+        self.bar.setValue(int(fraction * 1000))
+        if message:
+            self.status.setText(message)
+
+    def _reset(self) -> None:
+        self.run.setEnabled(True)
+        self.cancel.setEnabled(False)
+        self.job = None
+
+    def _done(self, result: Any) -> None:
+        self.bar.setValue(1000)
+        self._reset()
+        self._on_done(result)
+        self.finished.emit(True)
+
+    def _failed(self, problem: str, fix: str) -> None:
+        self._reset()
+        self.status.setText(f"Failed: {problem}")
+        show_error(self, problem, fix)
+        self.finished.emit(False)
+
+    def _cancelled(self) -> None:
+        self._reset()
+        self.bar.setValue(0)
+        self.status.setText("Cancelled. The project keeps its last good state.")
+        self.finished.emit(False)
+
+
+class Page(QWidget):
+    """A wizard page: a title, a short why, an options form, the run strip and a results area."""
+
+    changed = Signal()  # a stage finished: the window refreshes the step list
+
+    title = ""
+    why = ""
+
+    def __init__(self, window: Any) -> None:
+        super().__init__()
+        self.window_ = window
+        self.lay = QVBoxLayout(self)
+        head = QLabel(f"<h2>{self.title}</h2><p>{self.why}</p>")
+        head.setWordWrap(True)
+        head.setTextFormat(Qt.TextFormat.RichText)
+        self.lay.addWidget(head)
+        self.form = QFormLayout()
+        self.lay.addLayout(self.form)
+
+    def add_strip(self, label: str = "Run") -> RunStrip:
+        self.strip = RunStrip(label)
+        self.lay.addWidget(self.strip)
+        self.lay.addWidget(self.strip.status)
+        return self.strip
+
+    @property
+    def project(self) -> Any:
+        return self.window_.project
+
+    def refresh(self) -> None:
+        """Show what the project already holds (called on open and after any stage)."""

@@ -1,0 +1,102 @@
+"""Long work off the GUI thread: a core `State` turned into Qt signals, throttled, with cancel.
+
+Every stage, deploy, device query and chat turn goes through `start()`, so the GUI thread only ever
+draws: progress is emitted at most every `THROTTLE_S`, partial results (PPL points) as they come,
+and a `UserError`'s problem and fix reach the window unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
+
+from ..core.errors import UserError
+from ..core.progress import Cancelled, Partial, Progress, State
+
+THROTTLE_S = 0.05
+_live: set[Job] = set()  # jobs running now: kept alive until they finish, cancelled when the window closes
+
+
+class Job(QObject):
+    progress = Signal(float, str)
+    partial = Signal(str, dict)
+    done = Signal(object)
+    failed = Signal(str, str)  # problem, fix
+    cancelled = Signal()
+    finished = Signal()
+
+    def __init__(self, fn: Callable[[State], Any], name: str = "") -> None:
+        super().__init__()
+        self.fn, self.name = fn, name
+        self.state = State()
+        self.state.subscribe(self._on_event)
+        self._last = 0.0
+        self.running = False
+
+    def cancel(self) -> None:
+        self.state.cancel()
+
+    def _on_event(self, ev: Progress | Partial) -> None:  # worker thread
+        if isinstance(ev, Partial):
+            self.partial.emit(ev.kind, dict(ev.data))
+            return
+        now = time.monotonic()
+        if now - self._last >= THROTTLE_S or ev.fraction >= 1.0:
+            self._last = now
+            self.progress.emit(ev.fraction, ev.message)
+
+    def run(self) -> None:  # worker thread
+        try:
+            result = self.fn(self.state)
+        except Cancelled:
+            self.cancelled.emit()
+        except UserError as e:
+            if self.state.cancelled:
+                self.cancelled.emit()
+            else:
+                self.failed.emit(e.problem, e.fix)
+        except Exception as e:  # shown as a dialog, never a crash of the window
+            traceback.print_exc()
+            self.failed.emit(f"{self.name or 'The task'} failed: {e.__class__.__name__}: {e}",
+                             "This is a bug in NPU Studio; the project keeps its last good state.")
+        else:
+            self.done.emit(result)
+        finally:
+            self.running = False
+            self.finished.emit()
+
+
+class _Runnable(QRunnable):
+    def __init__(self, job: Job) -> None:
+        super().__init__()
+        self.job = job
+
+    def run(self) -> None:
+        self.job.run()
+
+
+def start(fn: Callable[[State], Any], name: str = "", **slots: Callable[..., Any]) -> Job:
+    """Run `fn(state)` in the thread pool; `slots` connect signals by name (done=..., failed=...)."""
+    job = Job(fn, name)
+    for sig, slot in slots.items():
+        getattr(job, sig).connect(slot)
+    job.running = True
+    _live.add(job)
+    job.finished.connect(lambda: _live.discard(job))
+    QThreadPool.globalInstance().start(_Runnable(job))
+    return job
+
+
+def cancel_all(wait_ms: int = 30_000) -> bool:
+    """Ask every running job to stop and wait for them (closing the window). True when all ended."""
+    for job in list(_live):
+        job.cancel()
+    return QThreadPool.globalInstance().waitForDone(wait_ms)
+
+
+def running() -> list[Job]:
+    return [j for j in _live if j.running]
