@@ -316,6 +316,8 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
                                                      encoding="utf-8"))
             stack.callback(setattr, err, "file", err.file)
             err.file = real_err
+        if a.preview:  # before [BEGIN]: over adb, stderr and stdout arrive as one stream
+            err.print("[yellow]preview: the quantized graphs on the CPU, not Genie on the HTP[/]")
         tokens_out.write(f"[PROMPT]: {prompt}\n\n[BEGIN]: ")
         tokens_out.flush()
 
@@ -323,8 +325,6 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
             tokens_out.write(s)
             tokens_out.flush()
 
-        if a.preview:
-            err.print("[yellow]preview: the quantized graphs on the CPU, not Genie on the HTP[/]")
         try:
             res = runner.run(Path(a.config), prompt, text, Path(a.profile) if a.profile else None, log_level=a.log,
                              on_log=lambda line: err.print(line, markup=False, highlight=False), stop=stop,

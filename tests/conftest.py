@@ -163,3 +163,21 @@ def adb_server() -> Iterator[list[str]]:
     yield adb
     subprocess.run([*adb, "kill-server"], capture_output=True, timeout=60)
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The real default model through `npustudio run --json --no-ask --verify-tokens 0`, once per session: the CLI
+    test checks its numbers, the GUI test opens the project it left (the simulator check and Genie's answer have
+    tests of their own)."""
+    import contextlib
+    import io
+    import json
+
+    from npustudio.cli import main
+
+    proj = tmp_path_factory.mktemp("default") / "proj"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["run", "--project", str(proj), "--json", "--no-ask", "--verify-tokens", "0"]) == 0
+    return proj, json.loads(buf.getvalue())

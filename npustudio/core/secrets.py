@@ -60,10 +60,11 @@ def validate_hf_token(token: str) -> str:
     if any(c.isspace() for c in token):
         raise UserError("The token contains spaces.", "Copy it again from https://huggingface.co/settings/tokens.")
     try:
-        from huggingface_hub import whoami
+        from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError
 
-        info = whoami(token=token, cache=False)
+        # HF_ENDPOINT read per call (huggingface_hub reads it once, at import)
+        info = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None).whoami(token=token, cache=False)
     except HfHubHTTPError as e:
         code = getattr(getattr(e, "response", None), "status_code", None)
         if code in (401, 403):

@@ -143,6 +143,7 @@ class ChatPanel(QWidget):
         self.stop_btn.setEnabled(True)
         self.stats.setText("waiting for the first token…")
         self.window_.devices.log(f"> {text}")
+        self.window_.devices.log("")  # the answer streams into a line of its own
         session = self.session
 
         def work(state: Any) -> tuple[ChatSession, Turn]:

@@ -97,19 +97,20 @@ class TensorFilter(QSortFilterProxyModel):
                 and (not self.flagged_only or bool(r.flags)))
 
 
-def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int]]:
-    """(roles × layers) values of `metric`, NaN where a layer has no tensor of that role."""
+def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], list[str]]:
+    """(roles × layers) values of `metric` over the roles the layers have, NaN where a layer lacks one."""
     layers = sorted({r.layer for r in table.rows if r.layer is not None})
-    grid = np.full((len(ROLES), len(layers)), np.nan)
+    roles = [x for x in ROLES if any(r.role == x and r.layer is not None for r in table.rows)]
+    grid = np.full((len(roles), len(layers)), np.nan)
     col = {layer: i for i, layer in enumerate(layers)}
     for r in table.rows:
-        if r.layer is None or r.role not in ROLES:
+        if r.layer is None or r.role not in roles:
             continue
         v = {"bitwidth": float(r.bitwidth), "spread": math.log10(max(r.scale_spread, 1.0)),
              "range": math.log10(max(r.range_max - r.range_min, 1e-12))}[metric]
-        i, j = ROLES.index(r.role), col[r.layer]
+        i, j = roles.index(r.role), col[r.layer]
         grid[i, j] = v if np.isnan(grid[i, j]) else max(grid[i, j], v)
-    return grid, layers
+    return grid, layers, roles
 
 
 class Inspector(QWidget):
@@ -138,7 +139,6 @@ class Inspector(QWidget):
         self.heatmap.setLabel("bottom", "layer")
         self.image = pg.ImageItem()
         self.heatmap.addItem(self.image)
-        self.heatmap.getAxis("left").setTicks([[(i + 0.5, r) for i, r in enumerate(ROLES)]])
         self.heatmap.invertY(True)
         self.colorbar: Any = None
         split.addWidget(self.heatmap)
@@ -159,7 +159,7 @@ class Inspector(QWidget):
         dl.addWidget(self.detail_label)
         dl.addWidget(self.detail, 1)
         split.addWidget(det)
-        split.setSizes([220, 300, 180])
+        split.setSizes([300, 280, 170])
         lay.addWidget(split, 1)
         self.metric.currentIndexChanged.connect(self._draw_heat)
         self.search.textChanged.connect(lambda t: self.proxy.set(text=t))
@@ -188,7 +188,8 @@ class Inspector(QWidget):
     def _draw_heat(self) -> None:
         if self.table_ is None:
             return
-        grid, layers = heat(self.table_, self.metric.currentData())
+        grid, layers, roles = heat(self.table_, self.metric.currentData())
+        self.heatmap.getAxis("left").setTicks([[(i + 0.5, r) for i, r in enumerate(roles)]])
         img = np.nan_to_num(grid.T, nan=np.nanmin(grid) if np.isfinite(grid).any() else 0.0)
         self.image.setImage(img, autoLevels=True)
         self.image.setColorMap(pg.colormap.get("viridis"))

@@ -49,7 +49,7 @@ class ProfileView(QWidget):
         top.addWidget(self.note, 1)
         lay.addLayout(top)
         charts = QHBoxLayout()
-        self.timeline = pg.PlotWidget(title="Timeline (s)")
+        self.timeline = pg.PlotWidget(title="Timeline: create (grey), prompt processing (blue), generation (green)")
         self.timeline.setLabel("bottom", "seconds from the first event")
         self.ttft = pg.PlotWidget(title="Time to first token (s)")
         self.rates = pg.PlotWidget(title="Tokens per second")
@@ -101,8 +101,9 @@ class ProfileView(QWidget):
         labels = [(i, lbl) for i, (lbl, _p, _s) in enumerate(self.runs)]
         colours = {"create": CREATE, "prompt": PROMPT, "generate": GENERATE}
         for i, (_label, p, _s) in enumerate(self.runs):
-            for phase, a, b in spans(p):
-                bar = pg.BarGraphItem(x0=[a], width=[max(b - a, 1e-3)], y=[i], height=0.6, brush=colours[phase])
+            for phase, a, b in spans(p):  # create on the upper lane, queries on the lower one
+                y = i + 0.18 if phase == "create" else i - 0.18
+                bar = pg.BarGraphItem(x0=[a], width=[max(b - a, 1e-3)], y=[y], height=0.32, brush=colours[phase])
                 self.timeline.addItem(bar)
         self.timeline.getAxis("left").setTicks([labels])
         xs = list(range(len(self.runs)))

@@ -170,3 +170,16 @@ class Page(QWidget):
 
     def refresh(self) -> None:
         """Show what the project already holds (called on open and after any stage)."""
+
+    def show_result(self, result: Any) -> None:
+        """Draw a stage's result record."""
+
+    def finish(self, result: Any) -> None:
+        """A run ended well: show it, and let the window tick the step."""
+        self.show_result(result)
+        self.changed.emit()
+
+    def ppl_point(self, kind: str, data: dict) -> None:
+        """A stage's partial result: perplexity points go to the page's live chart."""
+        if kind == "ppl" and hasattr(self, "chart"):
+            self.chart.add(data)

@@ -120,7 +120,7 @@ class Preview:
         from ..compile.graph_io import IOEncoding
         from ..compile.ort_graph import OrtGraph, cpu_session
 
-        t0 = time.perf_counter()
+        t0 = self.origin = time.perf_counter()  # profile times count from here, as Genie's do from create
         meta = _metadata(bundle_dir)
         prepared = Path(meta["project_compile_dir"]) / "prepared"
         if not prepared.is_dir():
@@ -167,8 +167,8 @@ class Preview:
             last = r.step([tok], 1)[-1]
         gen = time.perf_counter() - t_gen
         stop_t = time.perf_counter()
-        event = {"type": "GenieDialog_query", "duration": int((stop_t - t0) * 1e6), "start": 0,
-                 "stop": int((stop_t - t0) * 1e6),
+        event = {"type": "GenieDialog_query", "duration": int((stop_t - t0) * 1e6),
+                 "start": int((t0 - self.origin) * 1e6), "stop": int((stop_t - self.origin) * 1e6),
                  "num-prompt-tokens": {"value": len(ids), "unit": ""},
                  "prompt-processing-rate": {"value": round(len(ids) / max(ttft, 1e-9), 3), "unit": "toks/sec"},
                  "time-to-first-token": {"value": int(ttft * 1e6), "unit": "us"},

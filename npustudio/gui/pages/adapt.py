@@ -49,15 +49,7 @@ class AdaptPage(Page):
         def work(state: Any) -> dict[str, Any]:
             return pipeline.adapt(project, model, opts, state).result
 
-        self.strip.start(work, self.finish, "Adapting", on_partial=self._partial)
-
-    def _partial(self, kind: str, data: dict) -> None:
-        if kind == "ppl":
-            self.chart.add(data)
-
-    def finish(self, result: dict[str, Any]) -> None:
-        self._show(result)
-        self.changed.emit()
+        self.strip.start(work, self.finish, "Adapting", on_partial=self.ppl_point)
 
     def refresh(self) -> None:
         rec = self.project.record("adapt")
@@ -65,11 +57,11 @@ class AdaptPage(Page):
         if rec and rec.status == "done":
             self.ar.setValue(int(rec.options["ar"]))
             self.cl.setValue(int(rec.options["cl"]))
-            self._show(rec.result)
+            self.show_result(rec.result)
         else:
             self.cl.setValue(int(ch.get("cl", 1024)))
 
-    def _show(self, r: dict[str, Any]) -> None:
+    def show_result(self, r: dict[str, Any]) -> None:
         s = pipeline.adapt_summary(r)
         if not self.chart.series:
             for w in r.get("per_window", []):

@@ -73,9 +73,8 @@ class CompilePage(Page):
 
         self.strip.start(work, self.finish, "Compiling")
 
-    def finish(self, result: dict[str, Any]) -> None:
+    def show_result(self, result: dict[str, Any]) -> None:
         self._show(result["compile"], result["bundle"])
-        self.changed.emit()
 
     def refresh(self) -> None:
         self.find_sdk()

@@ -105,19 +105,15 @@ class ModelPage(Page):
 
         self.strip.start(work, self.finish, f"Reading {spec}")
 
-    def finish(self, result: dict[str, Any]) -> None:
-        self._show(result)
-        self.changed.emit()
-
     def refresh(self) -> None:
         ch = self.project.choices()
         self.set_spec(ch.get("model", "default"))
         self.cl.setValue(int(ch.get("cl", 1024)))
         rec = self.project.record("model")
         if rec and rec.status == "done":
-            self._show(rec.result)
+            self.show_result(rec.result)
 
-    def _show(self, result: dict[str, Any]) -> None:
+    def show_result(self, result: dict[str, Any]) -> None:
         card = models.ArchCard(**result["card"])
         self.fits = [models.FitEstimate(**f) for f in result["fit"]]
         rows = [(k, models.format_value(v)) for k, v in card.model_dump().items() if k != "chat_template"]

@@ -82,6 +82,7 @@ class QuantizePage(Page):
         self.tabs.addTab(self.inspector, "Encodings inspector")
         self.lay.addWidget(self.tabs, 1)
         self.strip.run.clicked.connect(self.start)
+        self._loaded: tuple[str, int] | None = None
 
     def options(self) -> QuantizeOptions:
         ch = self.project.choices()
@@ -105,15 +106,7 @@ class QuantizePage(Page):
         def work(state: Any) -> dict[str, Any]:
             return pipeline.quantize(project, opts, state).result
 
-        self.strip.start(work, self.finish, "Quantizing", on_partial=self._partial)
-
-    def _partial(self, kind: str, data: dict) -> None:
-        if kind == "ppl":
-            self.chart.add(data)
-
-    def finish(self, result: dict[str, Any]) -> None:
-        self._show(result)
-        self.changed.emit()
+        self.strip.start(work, self.finish, "Quantizing", on_partial=self.ppl_point)
 
     def refresh(self) -> None:
         rec = self.project.record("quantize")
@@ -124,11 +117,11 @@ class QuantizePage(Page):
             self.calib_samples.setValue(int(o["calib_samples"]))
             self.calib_len.setValue(int(o["calib_len"]))
             self.calib.setText(o["calib_corpus"])
-            self._show(rec.result)
+            self.show_result(rec.result)
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
 
-    def _show(self, r: dict[str, Any]) -> None:
+    def show_result(self, r: dict[str, Any]) -> None:
         folder = self.project.stage_dir("quantize")
         s = pipeline.quantize_summary(r, folder)
         if not self.chart.series:
@@ -146,6 +139,10 @@ class QuantizePage(Page):
             self.load_encodings(folder / f"{graphs[0]}.encodings")
 
     def load_encodings(self, path: Path) -> None:
-        """Read the table off the GUI thread (tens of MB of JSON for a real model), then show it."""
+        """Read the table off the GUI thread (tens of MB of JSON for a real model), then show it; once per file."""
+        key = (str(path), path.stat().st_mtime_ns if path.is_file() else 0)
+        if key == self._loaded:
+            return
+        self._loaded = key
         worker.start(lambda _s: enc.read(path), "Reading encodings", done=self.inspector.load,
                      failed=lambda p, f: self.inspector.title.setText(f"{p} {f}"))

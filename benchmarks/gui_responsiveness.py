@@ -1,0 +1,157 @@
+"""How responsive the window stays while a stage runs: the longest GUI event-loop stall and the update rates.
+
+Opens the main window (offscreen unless QT_QPA_PLATFORM says otherwise) on a fresh project, runs the Adapt step,
+then clicks Quantize and measures while it runs:
+- event-loop stalls: a 10 ms QTimer's late ticks (max, p99, count over 50 ms);
+- progress updates that reached the GUI per second, and the PPL points drawn;
+- the chart's own ceiling: points pushed into the live PPL chart as fast as it redraws (updates/s).
+Prints JSON. `--model tiny` (default, ~1 min) uses a small random Llama; `--model default` the real SmolLM2.
+
+    python benchmarks/gui_responsiveness.py [--model tiny|default|PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TICK_MS = 10
+STALL_MS = 50
+
+
+class StallMeter:
+    """A QTimer that notes how late each tick comes: lateness is time the event loop could not run."""
+
+    def __init__(self) -> None:
+        from PySide6.QtCore import QTimer
+
+        self.gaps: list[float] = []
+        self.timer = QTimer()
+        self.timer.setInterval(TICK_MS)
+        self.timer.timeout.connect(self._tick)
+        self.last = 0.0
+
+    def start(self) -> None:
+        self.gaps.clear()
+        self.last = time.perf_counter()
+        self.timer.start()
+
+    def stop(self) -> None:
+        self.timer.stop()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        self.gaps.append((now - self.last) * 1000 - TICK_MS)
+        self.last = now
+
+    def summary(self) -> dict[str, float]:
+        g = sorted(self.gaps) or [0.0]
+        return {"ticks": len(self.gaps), "max_stall_ms": round(max(g), 1),
+                "p99_stall_ms": round(g[int(0.99 * (len(g) - 1))], 1),
+                "stalls_over_50ms": sum(x > STALL_MS for x in g)}
+
+
+def chart_ceiling(seconds: float = 2.0) -> float:
+    """Updates per second the live PPL chart sustains when points arrive back to back (drawn and painted)."""
+    from PySide6.QtWidgets import QApplication
+
+    from npustudio.gui.charts import PplChart
+
+    chart = PplChart()
+    chart.resize(800, 500)
+    chart.show()
+    app = QApplication.instance()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        chart.add({"window": n % 64, "fp_ppl": 14 + n % 7, "quant_ppl": 14.2 + n % 5, "fp_ppl_running": 14.6,
+                   "quant_ppl_running": 14.7})
+        chart.plot.repaint()
+        app.processEvents()
+        n += 1
+    chart.close()
+    return round(n / (time.perf_counter() - t0), 1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    a = ap.parse_args()
+
+    import torch
+    from PySide6.QtWidgets import QApplication
+
+    from npustudio.gui.app import MainWindow
+
+    torch.set_num_threads(2)
+    app = QApplication.instance() or QApplication([])
+    tmp = Path(tempfile.mkdtemp(prefix="npustudio-gui-bench-"))
+    os.environ["XDG_CONFIG_HOME"] = str(tmp / "config")  # never the user's recent projects
+    model = a.model
+    if model == "tiny":
+        from tests.conftest import make_tiny_model
+
+        model = str(make_tiny_model(tmp / "model", "llama64"))
+    w = MainWindow(tmp / "proj", watch_devices=False)
+    w.resize(1440, 900)
+    w.show()
+    w.project.choose(model=model, target="SM8750")
+    w.refresh()
+    meter = StallMeter()
+    out: dict[str, object] = {"model": a.model, "qt_platform": os.environ["QT_QPA_PLATFORM"],
+                              "tick_ms": TICK_MS}
+
+    def run(page: object, name: str, setup: object = None) -> None:
+        counts = {"progress": 0, "points": 0}
+        done = {"ok": None}
+        if setup:
+            setup()  # type: ignore[operator]
+        meter.start()
+        t0 = time.perf_counter()
+        page.strip.finished.connect(lambda ok: done.__setitem__("ok", ok))  # type: ignore[attr-defined]
+        page.strip.run.click()  # type: ignore[attr-defined]
+        job = page.strip.job  # type: ignore[attr-defined]
+        job.progress.connect(lambda *_: counts.__setitem__("progress", counts["progress"] + 1))
+        job.partial.connect(lambda k, _d: counts.__setitem__("points", counts["points"] + (k == "ppl")))
+        while done["ok"] is None:
+            app.processEvents()
+            time.sleep(0.002)
+        secs = time.perf_counter() - t0
+        meter.stop()
+        if not done["ok"]:
+            raise SystemExit(f"{name} failed: {page.strip.status.text()}")  # type: ignore[attr-defined]
+        out[name] = {"seconds": round(secs, 1), **meter.summary(),
+                     "progress_updates_hz": round(counts["progress"] / secs, 1), "ppl_points": counts["points"]}
+
+    tiny = a.model == "tiny"
+
+    def adapt_setup() -> None:
+        if tiny:
+            w.adapt_page.ar.setValue(32)
+            w.adapt_page.cl.setValue(128)
+
+    def quant_setup() -> None:
+        if tiny:
+            w.quantize_page.calib_samples.setValue(2)
+            w.quantize_page.calib_len.setValue(64)
+
+    run(w.adapt_page, "adapt", adapt_setup)
+    run(w.quantize_page, "quantize", quant_setup)
+    out["chart_max_updates_hz"] = chart_ceiling()
+    q = out["quantize"]
+    out["targets"] = {"max_stall_ms<=50": q["max_stall_ms"] <= STALL_MS,  # type: ignore[index]
+                      "chart_updates_hz>=10": out["chart_max_updates_hz"] >= 10}  # type: ignore[operator]
+    w.close()
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
