@@ -34,6 +34,8 @@ class StallMeter:
         from PySide6.QtCore import QTimer
 
         self.gaps: list[float] = []
+        self.where: list[tuple[int, str]] = []
+        self.step = ""
         self.timer = QTimer()
         self.timer.setInterval(TICK_MS)
         self.timer.timeout.connect(self._tick)
@@ -41,6 +43,7 @@ class StallMeter:
 
     def start(self) -> None:
         self.gaps.clear()
+        self.where.clear()
         self.last = time.perf_counter()
         self.timer.start()
 
@@ -49,14 +52,17 @@ class StallMeter:
 
     def _tick(self) -> None:
         now = time.perf_counter()
-        self.gaps.append((now - self.last) * 1000 - TICK_MS)
+        gap = (now - self.last) * 1000 - TICK_MS
+        self.gaps.append(gap)
+        if gap > STALL_MS:
+            self.where.append((round(gap), self.step))  # what the stage was doing when the loop stalled
         self.last = now
 
     def summary(self) -> dict[str, float]:
         g = sorted(self.gaps) or [0.0]
         return {"ticks": len(self.gaps), "max_stall_ms": round(max(g), 1),
                 "p99_stall_ms": round(g[int(0.99 * (len(g) - 1))], 1),
-                "stalls_over_50ms": sum(x > STALL_MS for x in g)}
+                "stalls_over_50ms": sum(x > STALL_MS for x in g), "stalls_during": self.where[:10]}
 
 
 def chart_ceiling(seconds: float = 2.0) -> float:
@@ -119,11 +125,16 @@ def main() -> int:
         page.strip.run.click()  # type: ignore[attr-defined]
         job = page.strip.job  # type: ignore[attr-defined]
         job.progress.connect(lambda *_: counts.__setitem__("progress", counts["progress"] + 1))
+        job.progress.connect(lambda _f, msg: setattr(meter, "step", msg))
         job.partial.connect(lambda k, _d: counts.__setitem__("points", counts["points"] + (k == "ppl")))
         while done["ok"] is None:
             app.processEvents()
             time.sleep(0.002)
         secs = time.perf_counter() - t0
+        meter.step = "showing the result"
+        for _ in range(20):  # the result is drawn after the job's finished signal
+            app.processEvents()
+            time.sleep(0.01)
         meter.stop()
         if not done["ok"]:
             raise SystemExit(f"{name} failed: {page.strip.status.text()}")  # type: ignore[attr-defined]

@@ -232,8 +232,8 @@ def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_pro
     ins.view.selectRow(0)
     top = ins.visible_rows()[0]
     assert top.name in ins.detail_label.text() and ins.detail_points == top.channels
-    for metric in range(ins.metric.count()):  # every colouring draws a layers x roles grid
-        ins.metric.setCurrentIndex(metric)
+    for metric in range(ins.colour_by.count()):  # every colouring draws a layers x roles grid
+        ins.colour_by.setCurrentIndex(metric)
         assert ins.heat_grid.shape[1] == 2
 
 

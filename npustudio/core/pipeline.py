@@ -124,6 +124,14 @@ def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLi
     return rec
 
 
+def compile_and_bundle(project: Project, options: compile_stage.CompileOptions, state: StateLike,
+                       boptions: bundle_stage.BundleOptions | None = None) -> tuple[StageRecord, StageRecord]:
+    """Compile (+ simulator check), then the libGenie-validated bundle: the wizard's Compile step."""
+    crec = compile_graphs(project, options, state.sub(0.0, 0.9))
+    brec = bundle(project, boptions or bundle_stage.BundleOptions(), state.sub(0.9, 1.0))
+    return crec, brec
+
+
 def ask_on_device(project: Project, serial: str | None = None, max_tokens: int = 16, on_text: Any = None,
                   state: StateLike | None = None) -> dict[str, Any]:
     """Deploy the bundle (to the virtual device when no phone is attached) and ask its sample prompt there.
@@ -195,8 +203,7 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     project = Project.open(project_dir)
     rec = adapt(project, model, options, state.sub(0.0, 0.3))
     qrec = quantize(project, qoptions, state.sub(0.3, 0.7))
-    crec = compile_graphs(project, coptions, state.sub(0.7, 0.85))
-    brec = bundle(project, bundle_stage.BundleOptions(), state.sub(0.85, 0.9))
+    crec, brec = compile_and_bundle(project, coptions, state.sub(0.7, 0.9))
     sample = None
     if ask:
         sample = ask_on_device(project, on_text=on_text, state=state.sub(0.9, 1.0))

@@ -40,6 +40,18 @@ class TensorModel(QAbstractTableModel):
         super().__init__()
         self.rows = rows
 
+    def sort(self, column: int, order: Qt.SortOrder = Qt.SortOrder.AscendingOrder) -> None:
+        """One Python sort by the raw value (a proxy sort would call data() for every comparison)."""
+        key = COLUMNS[column][0]
+
+        def value(r: TensorRow) -> Any:
+            v = getattr(r, key)
+            return (v is not None, len(v) if key == "flags" else v if v is not None else 0)
+
+        self.layoutAboutToBeChanged.emit()
+        self.rows.sort(key=value, reverse=order == Qt.SortOrder.DescendingOrder)
+        self.layoutChanged.emit()
+
     def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008 (Qt API)
         return 0 if parent.isValid() else len(self.rows)
 
@@ -62,10 +74,6 @@ class TensorModel(QAbstractTableModel):
             if isinstance(v, float):
                 return f"{v:.4g}"
             return "—" if v is None else str(v)
-        if role == Qt.ItemDataRole.UserRole:  # sort key: numbers as numbers
-            if key == "flags":
-                return len(v)
-            return -1 if v is None else v
         if role == Qt.ItemDataRole.BackgroundRole and r.flags:
             return FLAGGED
         if role == Qt.ItemDataRole.ToolTipRole and r.flags:
@@ -79,7 +87,9 @@ class TensorFilter(QSortFilterProxyModel):
     def __init__(self) -> None:
         super().__init__()
         self.text, self.role, self.flagged_only = "", "", False
-        self.setSortRole(Qt.ItemDataRole.UserRole)
+
+    def sort(self, column: int, order: Qt.SortOrder = Qt.SortOrder.AscendingOrder) -> None:
+        self.sourceModel().sort(column, order)  # rows stay in the source's order, filtered here
 
     def set(self, text: str | None = None, role: str | None = None, flagged_only: bool | None = None) -> None:
         self.beginFilterChange()
@@ -119,9 +129,9 @@ class Inspector(QWidget):
         self.table_: EncodingsTable | None = None
         lay = QVBoxLayout(self)
         bar = QHBoxLayout()
-        self.metric = QComboBox()
+        self.colour_by = QComboBox()
         for k, label in METRICS.items():
-            self.metric.addItem(label, k)
+            self.colour_by.addItem(label, k)
         self.search = QLineEdit()
         self.search.setPlaceholderText("filter by tensor name")
         self.role = QComboBox()
@@ -130,7 +140,7 @@ class Inspector(QWidget):
             self.role.addItem(r, r)
         self.flagged = QCheckBox("flagged only")
         self.title = QLabel("No encodings loaded.")
-        for w in (QLabel("Colour:"), self.metric, self.search, self.role, self.flagged):
+        for w in (QLabel("Colour:"), self.colour_by, self.search, self.role, self.flagged):
             bar.addWidget(w)
         lay.addWidget(self.title)
         lay.addLayout(bar)
@@ -147,6 +157,7 @@ class Inspector(QWidget):
         self.view.setSelectionBehavior(QTableView.SelectionBehavior.SelectRows)
         self.view.setSelectionMode(QTableView.SelectionMode.SingleSelection)
         self.view.verticalHeader().setDefaultSectionSize(20)
+        self.view.horizontalHeader().setResizeContentsPrecision(60)  # column widths from the first rows only
         self.proxy = TensorFilter()
         self.view.setModel(self.proxy)
         split.addWidget(self.view)
@@ -161,7 +172,7 @@ class Inspector(QWidget):
         split.addWidget(det)
         split.setSizes([300, 280, 170])
         lay.addWidget(split, 1)
-        self.metric.currentIndexChanged.connect(self._draw_heat)
+        self.colour_by.currentIndexChanged.connect(self._draw_heat)
         self.search.textChanged.connect(lambda t: self.proxy.set(text=t))
         self.role.currentIndexChanged.connect(lambda _i: self.proxy.set(role=self.role.currentData()))
         self.flagged.toggled.connect(lambda on: self.proxy.set(flagged_only=on))
@@ -188,7 +199,7 @@ class Inspector(QWidget):
     def _draw_heat(self) -> None:
         if self.table_ is None:
             return
-        grid, layers, roles = heat(self.table_, self.metric.currentData())
+        grid, layers, roles = heat(self.table_, self.colour_by.currentData())
         self.heatmap.getAxis("left").setTicks([[(i + 0.5, r) for i, r in enumerate(roles)]])
         img = np.nan_to_num(grid.T, nan=np.nanmin(grid) if np.isfinite(grid).any() else 0.0)
         self.image.setImage(img, autoLevels=True)

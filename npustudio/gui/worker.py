@@ -35,6 +35,7 @@ class Job(QObject):
         self.state = State()
         self.state.subscribe(self._on_event)
         self._last = 0.0
+        self._message = ""
         self.running = False
 
     def cancel(self) -> None:
@@ -45,8 +46,8 @@ class Job(QObject):
             self.partial.emit(ev.kind, dict(ev.data))
             return
         now = time.monotonic()
-        if now - self._last >= THROTTLE_S or ev.fraction >= 1.0:
-            self._last = now
+        if now - self._last >= THROTTLE_S or ev.fraction >= 1.0 or ev.message != self._message:
+            self._last, self._message = now, ev.message  # a new step's message always gets through
             self.progress.emit(ev.fraction, ev.message)
 
     def run(self) -> None:  # worker thread

@@ -6,7 +6,7 @@ from typing import Any
 
 from PySide6.QtWidgets import QSpinBox
 
-from ...core import pipeline
+from ...core import isolated, pipeline
 from ...core.adapt import AdaptOptions
 from ..charts import PplChart
 from ..widgets import Page, fill, table
@@ -47,7 +47,7 @@ class AdaptPage(Page):
         self.chart.clear()
 
         def work(state: Any) -> dict[str, Any]:
-            return pipeline.adapt(project, model, opts, state).result
+            return isolated.run(pipeline.adapt, project, model, opts, state=state).result
 
         self.strip.start(work, self.finish, "Adapting", on_partial=self.ppl_point)
 

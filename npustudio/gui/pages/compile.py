@@ -7,10 +7,9 @@ from typing import Any
 
 from PySide6.QtWidgets import QButtonGroup, QRadioButton
 
-from ...core import pipeline
+from ...core import isolated, pipeline
 from ...core.compile import CompileOptions, qairt
 from ...core.errors import UserError
-from ...core.genie.bundle import BundleOptions
 from ...core.models import human_bytes
 from ..widgets import Page, fill, table
 from .adapt import spin
@@ -67,8 +66,7 @@ class CompilePage(Page):
         project, opts = self.project, self.options()
 
         def work(state: Any) -> dict[str, Any]:
-            crec = pipeline.compile_graphs(project, opts, state.sub(0.0, 0.9))
-            brec = pipeline.bundle(project, BundleOptions(), state.sub(0.9, 1.0))
+            crec, brec = isolated.run(pipeline.compile_and_bundle, project, opts, state=state)
             return {"compile": crec.result, "bundle": brec.result}
 
         self.strip.start(work, self.finish, "Compiling")

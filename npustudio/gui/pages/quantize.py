@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ...core import pipeline
+from ...core import isolated, pipeline
 from ...core.models import human_bytes
 from ...core.quantize import QuantizeOptions
 from ...core.quantize import encodings as enc
@@ -104,7 +104,7 @@ class QuantizePage(Page):
         self.tabs.setCurrentIndex(0)
 
         def work(state: Any) -> dict[str, Any]:
-            return pipeline.quantize(project, opts, state).result
+            return isolated.run(pipeline.quantize, project, opts, state=state).result
 
         self.strip.start(work, self.finish, "Quantizing", on_partial=self.ppl_point)
 
@@ -139,10 +139,12 @@ class QuantizePage(Page):
             self.load_encodings(folder / f"{graphs[0]}.encodings")
 
     def load_encodings(self, path: Path) -> None:
-        """Read the table off the GUI thread (tens of MB of JSON for a real model), then show it; once per file."""
+        """Read the table in a child process (parsing 10 MB of JSON holds the GIL ~0.1 s), then show it; once per
+        file."""
         key = (str(path), path.stat().st_mtime_ns if path.is_file() else 0)
         if key == self._loaded:
             return
         self._loaded = key
-        worker.start(lambda _s: enc.read(path), "Reading encodings", done=self.inspector.load,
-                     failed=lambda p, f: self.inspector.title.setText(f"{p} {f}"))
+        self.inspector.title.setText(f"Reading {path.name}…")
+        worker.start(lambda s: isolated.run(enc.read, path, state=s, pass_state=False), "Reading encodings",
+                     done=self.inspector.load, failed=lambda p, f: self.inspector.title.setText(f"{p} {f}"))

@@ -1,0 +1,51 @@
+"""A stage in a child process looks like one in-process: events, result, UserError and cancel all come through."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from npustudio.core import isolated
+from npustudio.core.errors import UserError
+from npustudio.core.progress import Cancelled, Partial, Progress, State
+
+
+def counting(n: int, state: State) -> int:
+    for i in range(n):
+        state.partial("ppl", window=i, fp_ppl=10.0 + i)
+        state.progress((i + 1) / n, f"window {i + 1}/{n}")
+    return n * 10
+
+
+def failing(state: State) -> None:
+    raise UserError("The model folder has no tokenizer.", "Copy tokenizer.json into it.")
+
+
+def endless(state: State) -> None:
+    while True:
+        state.progress(0.5, "working")
+        time.sleep(0.02)
+
+
+def test_events_and_result_come_back() -> None:
+    st, seen = State(), []
+    st.subscribe(seen.append)
+    assert isolated.run(counting, 3, state=st) == 30
+    assert [e.data["window"] for e in seen if isinstance(e, Partial)] == [0, 1, 2]
+    assert [e.message for e in seen if isinstance(e, Progress)][-1] == "window 3/3" and st.fraction == 1.0
+
+
+def test_user_error_keeps_problem_and_fix() -> None:
+    with pytest.raises(UserError) as e:
+        isolated.run(failing, state=State())
+    assert e.value.problem == "The model folder has no tokenizer." and e.value.fix == "Copy tokenizer.json into it."
+
+
+def test_cancel_stops_the_child() -> None:
+    st = State()
+    st.subscribe(lambda ev: st.cancel())  # the user presses Cancel as soon as the stage reports anything
+    t0 = time.perf_counter()
+    with pytest.raises(Cancelled):
+        isolated.run(endless, state=st)
+    assert time.perf_counter() - t0 < 60
