@@ -166,18 +166,8 @@ def adb_server() -> Iterator[list[str]]:
 
 
 @pytest.fixture(scope="session")
-def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """The real default model through `npustudio run --json --no-ask --verify-tokens 0`, once per session: the CLI
-    test checks its numbers, the GUI test opens the project it left (the simulator check and Genie's answer have
-    tests of their own)."""
-    import contextlib
-    import io
-    import json
-
-    from npustudio.cli import main
-
-    proj = tmp_path_factory.mktemp("default") / "proj"
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert main(["run", "--project", str(proj), "--json", "--no-ask", "--verify-tokens", "0"]) == 0
-    return proj, json.loads(buf.getvalue())
+def default_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One project folder for the real default model per session: the GUI test walks the wizard through every
+    stage into it, then the CLI test's `npustudio run` finds each stage current (same options) and checks the
+    numbers; run alone, either test computes what it needs."""
+    return tmp_path_factory.mktemp("default") / "proj"
