@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PySide6.QtGui import QImage, QPainter
 from PySide6.QtWidgets import QMessageBox
 
 from npustudio.core.device import DeviceInfo
@@ -23,6 +24,9 @@ SHOTS = os.environ.get("NPUSTUDIO_SCREENSHOTS")  # set to a folder to keep a PNG
 
 def shot(w: Any, name: str) -> None:
     if SHOTS:
+        from PySide6.QtWidgets import QApplication
+
+        QApplication.processEvents()  # a plot's axes size themselves on their first paint
         Path(SHOTS).mkdir(parents=True, exist_ok=True)
         w.grab().save(str(Path(SHOTS) / f"{name}.png"))
 
@@ -235,6 +239,15 @@ def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_pro
     for metric in range(ins.colour_by.count()):  # every colouring draws a layers x roles grid
         ins.colour_by.setCurrentIndex(metric)
         assert ins.heat_grid.shape[1] == 2
+    ins.resize(1000, 800)
+    ins.show()
+    qtbot.waitExposed(ins)
+    qtbot.wait(200)  # layout settles
+    img = QImage(10, 10, QImage.Format.Format_ARGB32)
+    painter = QPainter(img)
+    drawn = [text for _rect, _flags, text in ins.heatmap.getAxis("left").generateDrawSpecs(painter)[2]]
+    painter.end()
+    assert sorted(drawn) == sorted(ins.heat_roles) and "activation" in drawn  # every row is labelled
 
 
 def test_profile_view_draws_a_real_genie_profile(qtbot: Any, genie_project: Project, tmp_path: Path) -> None:

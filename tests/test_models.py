@@ -181,3 +181,9 @@ def test_card_json_is_what_info_prints(tiny_llama: Path, capsys: pytest.CaptureF
     assert data["layers"] == 2 and data["kv_heads"] == 2 and data["head_dim"] == 16
     assert [f["precision"] for f in data["fit"]] == ["w8a16", "w4a16"]
     assert data["fit"][0]["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 512
+
+
+def test_card_values_read_as_people_write_them() -> None:
+    """A float32 eps reads 1e-05 on the card, counts get separators, flags stay words."""
+    assert [models.format_value(v) for v in (9.999999747378752e-06, 100000.0, 134515008, True, [2])] == [
+        "1e-05", "100000", "134,515,008", "True", "[2]"]

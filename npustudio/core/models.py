@@ -413,8 +413,13 @@ def fit_table(card: ArchCard, context_length: int) -> list[FitEstimate]:
 
 
 def format_value(v: Any) -> str:
-    """A card value as people read it: counts with thousands separators, everything else as is."""
-    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+    """A card value as people read it: counts with thousands separators, floats without float32 noise
+    (an eps stored as 9.999999747e-06 reads 1e-05), everything else as is."""
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
 def human_bytes(n: float) -> str:

@@ -176,7 +176,7 @@ class MainWindow(QMainWindow):
         if self.project is None:
             return
         states = step_states(self.project)
-        marks = {"done": "✓ ", "todo": "● ", "locked": "🔒 "}
+        marks = {"done": "✓ ", "todo": "● ", "locked": "○ "}
         for i, (name, state) in enumerate(zip(STEPS, states, strict=True)):
             item = self.steps.item(i)
             item.setText(marks[state] + name)

@@ -65,6 +65,9 @@ class PplChart(QWidget):
                                                        symbolBrush=colour, name=label)
             else:
                 self.items[label].setData(xs, ys)
+        last = max((max(p) for p in self.series.values() if p), default=0)
+        step = max(1, -(-last // 8))  # whole eval windows only, at most ~8 labels
+        self.plot.getAxis("bottom").setTickSpacing(major=step, minor=step)
         self.redraws += 1
         parts = [f"{k}: PPL {v:.3f}" for k, v in self.running.items()]
         fp = self.running.get("fp")

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, QSortFilterProxyModel, Qt
-from PySide6.QtGui import QColor
+from PySide6.QtGui import QColor, QFontMetrics
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -150,7 +150,11 @@ class Inspector(QWidget):
         self.image = pg.ImageItem()
         self.heatmap.addItem(self.image)
         self.heatmap.invertY(True)
+        # room for the longest role name: pyqtgraph drops a label that overflows the axis (only 6 of 10 showed)
+        self.heatmap.getAxis("left").setWidth(QFontMetrics(self.font()).horizontalAdvance("activation") + 16)
+        self.heatmap.setMinimumHeight(len(ROLES) * 16 + 60)
         self.colorbar: Any = None
+        self.heat_grid, self.heat_roles = np.zeros((0, 0)), list[str]()
         split.addWidget(self.heatmap)
         self.view = QTableView()
         self.view.setSortingEnabled(True)
@@ -211,7 +215,7 @@ class Inspector(QWidget):
         self.colorbar.setLevels((lo, hi if hi > lo else lo + 1))
         step = max(1, len(layers) // 15)
         self.heatmap.getAxis("bottom").setTicks([[(j + 0.5, str(layer)) for j, layer in enumerate(layers)][::step]])
-        self.heat_grid = grid
+        self.heat_grid, self.heat_roles = grid, roles
 
     def _select(self, current: QModelIndex, _prev: QModelIndex) -> None:
         if not current.isValid():
