@@ -89,7 +89,8 @@ class TensorFilter(QSortFilterProxyModel):
         self.text, self.role, self.flagged_only = "", "", False
 
     def sort(self, column: int, order: Qt.SortOrder = Qt.SortOrder.AscendingOrder) -> None:
-        self.sourceModel().sort(column, order)  # rows stay in the source's order, filtered here
+        if self.sourceModel() is not None:  # a header clicked before any encodings are loaded
+            self.sourceModel().sort(column, order)  # rows stay in the source's order, filtered here
 
     def set(self, text: str | None = None, role: str | None = None, flagged_only: bool | None = None) -> None:
         self.beginFilterChange()
