@@ -221,3 +221,61 @@ def test_quantize_cli_json_lists_ratio_and_files(w8: tuple[Project, list[Partial
     assert {"ppl_fp", "ppl_quant", "ratio", "files"} <= out.keys()
     assert out["ratio"] == pytest.approx(out["ppl_quant"] / out["ppl_fp"])
     assert any(f["file"].endswith(".encodings") and f["bytes"] > 0 for f in out["files"])
+
+
+def _aimet_two_exports(sim: object, feeds: dict, name: str, out: Path) -> None:
+    """What the stage did before: aimet's two public exporters, two traces."""
+    import warnings
+
+    import aimet_torch.onnx as aonnx
+
+    from npustudio.core.adapt.decoder import io_names
+    from npustudio.core.quantize import export, simulate
+
+    ins, outs = io_names(sim.model.spec.layers)
+    kw = {"input_names": ins, "output_names": outs, "dynamo": False, "opset_version": 21}
+    args = tuple(feeds[n] for n in ins)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim.onnx.export(args, str(out / f"{name}.onnx"), encoding_version="1.0.0", **kw)
+        aonnx.export(sim.model, args, str(out / f"{name}_qdq.onnx"), prequantize_constants=True, **kw)
+    export._add_input_encodings(out / f"{name}.encodings", simulate.input_quantizers(sim.model))
+
+
+def _graph(path: Path) -> tuple[list[tuple], dict[str, bytes]]:
+    import onnx
+
+    m = onnx.load(str(path))
+    nodes = [(n.op_type, tuple(n.input), tuple(n.output), n.SerializeToString()) for n in m.graph.node]
+    return nodes, {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
+
+
+def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Project, list[Partial]],
+                                                                 tmp_path: Path) -> None:
+    """The stage traces each graph once and writes both forms; they must equal aimet's own two exports."""
+    import torch
+
+    from npustudio.core.adapt import TorchGraph, store
+    from npustudio.core.adapt.decoder import io_names
+    from npustudio.core.quantize import export, simulate
+    from npustudio.core.quantize.presets import preset
+    from npustudio.core.targets import soc
+
+    p = w8[0]
+    tv = read_test_vectors(p.stage_dir("quantize") / "test_vectors" / f"{PROMPT}.npz")
+    feeds = {k: torch.from_numpy(v) for k, v in tv["in"].items()}
+    model, _ = store.load(p.stage_dir("adapt"))
+    sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset("w8a16"),
+                         soc("SM8750"), Overrides())
+    simulate.fold(sim)
+    sim.compute_encodings(lambda m, _a: TorchGraph(m)(feeds), None)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    export.export_graph(sim, feeds, PROMPT, one)
+    _aimet_two_exports(sim, feeds, PROMPT, two)
+    assert sorted(f.name for f in one.iterdir()) == sorted(f.name for f in two.iterdir())
+    a, b = (json.loads((d / f"{PROMPT}.encodings").read_text()) for d in (one, two))
+    assert a == b
+    for suffix in ("", "_qdq"):
+        assert _graph(one / f"{PROMPT}{suffix}.onnx") == _graph(two / f"{PROMPT}{suffix}.onnx")
