@@ -40,10 +40,23 @@ class StallMeter:
         self.timer.setInterval(TICK_MS)
         self.timer.timeout.connect(self._tick)
         self.last = 0.0
+        self.gc_ms: list[float] = []
+        self._gc_t0 = 0.0
+        import gc
+
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        """Time every cyclic-GC pass of the GUI process: a full one over torch's objects is a stall."""
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_ms.append((time.perf_counter() - self._gc_t0) * 1000)
 
     def start(self) -> None:
         self.gaps.clear()
         self.where.clear()
+        self.gc_ms.clear()
         self.last = time.perf_counter()
         self.timer.start()
 
@@ -62,7 +75,8 @@ class StallMeter:
         g = sorted(self.gaps) or [0.0]
         return {"ticks": len(self.gaps), "max_stall_ms": round(max(g), 1),
                 "p99_stall_ms": round(g[int(0.99 * (len(g) - 1))], 1),
-                "stalls_over_50ms": sum(x > STALL_MS for x in g), "stalls_during": self.where[:10]}
+                "stalls_over_50ms": sum(x > STALL_MS for x in g), "stalls_during": self.where[:10],
+                "gc_passes": len(self.gc_ms), "gc_max_ms": round(max(self.gc_ms, default=0.0), 1)}
 
 
 def chart_ceiling(seconds: float = 2.0) -> float:
@@ -89,12 +103,14 @@ def chart_ceiling(seconds: float = 2.0) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="baseline: leave start-up objects to the cyclic GC, as before the app froze them")
     a = ap.parse_args()
 
     import torch
     from PySide6.QtWidgets import QApplication
 
-    from npustudio.gui.app import MainWindow
+    from npustudio.gui.app import MainWindow, freeze_startup_objects
 
     torch.set_num_threads(2)
     app = QApplication.instance() or QApplication([])
@@ -110,9 +126,11 @@ def main() -> int:
     w.show()
     w.project.choose(model=model, target="SM8750")
     w.refresh()
+    if not a.no_gc_freeze:
+        freeze_startup_objects()  # as `npustudio` does once its window is up
     meter = StallMeter()
     out: dict[str, object] = {"model": a.model, "qt_platform": os.environ["QT_QPA_PLATFORM"],
-                              "tick_ms": TICK_MS}
+                              "tick_ms": TICK_MS, "gc_freeze": not a.no_gc_freeze}
 
     def run(page: object, name: str, setup: object = None) -> None:
         counts = {"progress": 0, "points": 0}

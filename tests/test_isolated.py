@@ -49,3 +49,17 @@ def test_cancel_stops_the_child() -> None:
     with pytest.raises(Cancelled):
         isolated.run(endless, state=st)
     assert time.perf_counter() - t0 < 60
+
+
+def niceness(state: State) -> int:
+    import os
+
+    return os.nice(0)
+
+
+def test_the_stage_runs_at_a_lower_priority_than_the_window() -> None:
+    """So a busy stage cannot take the CPU the window's event loop needs."""
+    import os
+
+    assert isolated.run(niceness, state=State()) == min(19, os.nice(0) + 10)
+    assert isolated.run(niceness, state=State(), nice=0) == os.nice(0)

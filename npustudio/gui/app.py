@@ -4,6 +4,7 @@ runs off the GUI thread (gui.worker)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -223,10 +224,18 @@ class MainWindow(QMainWindow):
         super().closeEvent(event)
 
 
+def freeze_startup_objects() -> None:
+    """Put what exists once the window is up (torch's ~240k objects) out of the cyclic GC's reach: a full
+    collection walks them all, 118 ms on this machine, a visible freeze each time it triggers."""
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1] + list(argv or []))
     app.setApplicationName("NPU Studio")
     project = next((a for a in (argv or []) if not a.startswith("-")), None)
     w = MainWindow(project)
     w.show()
+    freeze_startup_objects()
     return app.exec()
