@@ -85,6 +85,7 @@ class MainWindow(QMainWindow):
         self.devices = DevicePanel(self)
         self.chat = ChatPanel(self)
         self.profiles = ProfileView()
+        self.profiles.setMinimumHeight(300)  # its charts and runs table stay readable when the dock opens
         self.device_dock = self._dock("Devices", self.devices, Qt.DockWidgetArea.RightDockWidgetArea)
         self.chat_dock = self._dock("Chat", self.chat, Qt.DockWidgetArea.RightDockWidgetArea)
         self.profile_dock = self._dock("Genie profiles", self.profiles, Qt.DockWidgetArea.BottomDockWidgetArea)

@@ -153,7 +153,6 @@ class Inspector(QWidget):
         self.heatmap.invertY(True)
         # room for the longest role name: pyqtgraph drops a label that overflows the axis (only 6 of 10 showed)
         self.heatmap.getAxis("left").setWidth(QFontMetrics(self.font()).horizontalAdvance("activation") + 16)
-        self.heatmap.setMinimumHeight(len(ROLES) * 16 + 60)
         self.colorbar: Any = None
         self.heat_grid, self.heat_roles = np.zeros((0, 0)), list[str]()
         split.addWidget(self.heatmap)
