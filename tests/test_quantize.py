@@ -131,6 +131,16 @@ def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, 
     assert "weights.bin" in listed and f"test_vectors/{PROMPT}.npz" in listed
 
 
+def test_quantize_leaves_the_adapted_weights_untouched(w8: tuple[Project, list[Partial]]) -> None:
+    """The stage maps the adapt stage's weights copy-on-write and folds them in place: the file must not change."""
+    from npustudio.core.fsutil import sha256_file
+
+    p = w8[0]
+    rec = p.record("adapt")
+    for f in rec.outputs:
+        assert sha256_file(p.root / f.path) == f.sha256, f.path
+
+
 def test_test_vectors_are_plain_arrays(w8: tuple[Project, list[Partial]]) -> None:
     f = w8[0].stage_dir("quantize") / "test_vectors" / f"{TOKEN}.npz"
     with np.load(f, allow_pickle=False) as z:
@@ -250,8 +260,9 @@ def _graph(path: Path) -> tuple[list[tuple], dict[str, bytes]]:
     return nodes, {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
 
 
+@pytest.mark.parametrize("precision", ["w8a16", "w4a16"])
 def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Project, list[Partial]],
-                                                                 tmp_path: Path) -> None:
+                                                                 tmp_path: Path, precision: str) -> None:
     """The stage traces each graph once and writes both forms; they must equal aimet's own two exports."""
     import torch
 
@@ -265,7 +276,7 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
     tv = read_test_vectors(p.stage_dir("quantize") / "test_vectors" / f"{PROMPT}.npz")
     feeds = {k: torch.from_numpy(v) for k, v in tv["in"].items()}
     model, _ = store.load(p.stage_dir("adapt"))
-    sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset("w8a16"),
+    sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset(precision),
                          soc("SM8750"), Overrides())
     simulate.fold(sim)
     sim.compute_encodings(lambda m, _a: TorchGraph(m)(feeds), None)

@@ -32,10 +32,14 @@ def load(folder: Path) -> tuple[StaticDecoder, torch.Tensor]:
     if not (folder / WEIGHTS).is_file() or not (folder / SPEC).is_file():
         raise UserError(f"{folder} holds no adapted model ({WEIGHTS}, {SPEC}).", "Run the adapt stage first.")
     spec = DecoderSpec.model_validate(json.loads((folder / SPEC).read_text()))
+    # The file's tensors become the parameters (assign=True on a meta-device model): no second copy, and
+    # the weights stay a private copy-on-write mapping of the file until a stage changes them (halves the
+    # stage's memory at load; the adapt stage's file is never written).
     sd = load_file(str(folder / WEIGHTS))
     inv_freq = sd.pop(INV_FREQ)
-    model = StaticDecoder(spec)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    with torch.device("meta"):
+        model = StaticDecoder(spec)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     allowed = {"lm_head.weight"} if spec.tied_embeddings else set()
     if set(missing) - allowed or unexpected:
         raise UserError(f"The adapted weights in {folder} do not match their spec "
