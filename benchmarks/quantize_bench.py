@@ -6,6 +6,7 @@ process so peaks do not mix.
 
     .venv/bin/python benchmarks/quantize_bench.py                       # default model: w8a16, w4a16, w4a16+SeqMSE
     .venv/bin/python benchmarks/quantize_bench.py --variants w8a16 --llama-1b   # cost on a Llama-3.2-1B shape
+    .venv/bin/python benchmarks/quantize_bench.py --variants w4a16,w4a16/down8,w4a16@smollm2-w4a16-mixed --no-export
 """
 
 from __future__ import annotations
@@ -17,8 +18,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-VARIANTS = {"w8a16": {"precision": "w8a16"}, "w4a16": {"precision": "w4a16"},
-            "w4a16+seqmse": {"precision": "w4a16", "seq_mse": True}}
+W4 = {"precision": "w4a16"}
+VARIANTS: dict[str, dict] = {
+    "w8a16": {"precision": "w8a16"}, "w4a16": W4, "w4a16+seqmse": W4 | {"seq_mse": True},
+    # mixed precision, one group of weights kept int8 (which group costs the most at int4?)
+    "w4a16/attn8": W4 | {"overrides": {"weights": {"layers.*.attn.*": 8}}},
+    "w4a16/qk8": W4 | {"overrides": {"weights": {"layers.*.attn.q.*": 8, "layers.*.attn.k.*": 8}}},
+    "w4a16/vo8": W4 | {"overrides": {"weights": {"layers.*.attn.v.*": 8, "layers.*.attn.o": 8}}},
+    "w4a16/gateup8": W4 | {"overrides": {"weights": {"layers.*.mlp.gate": 8, "layers.*.mlp.up": 8}}},
+    "w4a16/down8": W4 | {"overrides": {"weights": {"layers.*.mlp.down": 8}}},
+}
+MIXED_DIR = Path(__file__).resolve().parents[1] / "resources" / "overrides"
 
 
 def adapted_default(work: Path) -> Path:
@@ -66,6 +76,16 @@ def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
     return out
 
 
+def _variant(name: str) -> dict:
+    """A named variant, or `w4a16@FILE`: a preset with a shipped override file (resources/overrides/FILE.json)."""
+    if "@" in name:
+        from npustudio.core.quantize.presets import load_overrides
+
+        precision, file = name.split("@", 1)
+        return {"precision": precision, "overrides": load_overrides(MIXED_DIR / f"{file}.json")}
+    return VARIANTS[name]
+
+
 def one(adapt_dir: str, variant: str, eval_chars: int | None, export: bool) -> None:
     """Child process: one quantize run, its result as JSON on stdout."""
     import torch
@@ -75,7 +95,7 @@ def one(adapt_dir: str, variant: str, eval_chars: int | None, export: bool) -> N
 
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as out:
-        opts = QuantizeOptions(**VARIANTS[variant], eval_chars=eval_chars, export=export)
+        opts = QuantizeOptions(**_variant(variant), eval_chars=eval_chars, export=export)
         r = run(Path(adapt_dir), opts, Path(out), State())
         exported = sum(f["bytes"] for f in r.files)
     print(json.dumps({"variant": variant, "ppl_fp": round(r.ppl_fp, 4), "ppl_quant": round(r.ppl_quant, 4),
