@@ -127,7 +127,8 @@ def _quantize_options(a: argparse.Namespace) -> Any:
     from .core.quantize import QuantizeOptions
     from .core.quantize.presets import load_overrides
 
-    return QuantizeOptions(precision=a.precision, target=a.target, seq_mse=a.seq_mse, calib_corpus=a.calib_corpus,
+    return QuantizeOptions(precision=a.precision, target=a.target, seq_mse=a.seq_mse, rotate=a.rotate,
+                           calib_corpus=a.calib_corpus,
                            calib_samples=a.calib_samples, calib_len=a.calib_len,
                            overrides=load_overrides(a.overrides), eval_chars=a.eval_chars,
                            eval_corpus=getattr(a, "eval_corpus", "default"))
@@ -136,7 +137,8 @@ def _quantize_options(a: argparse.Namespace) -> Any:
 def _print_quantize(q: dict[str, Any]) -> None:
     from .core.models import human_bytes
 
-    out.print(f"Quantized {q['precision']} for {q['target']}{' with SeqMSE' if q['seq_mse'] else ''}: "
+    how = " with SeqMSE" * bool(q["seq_mse"]) + " (stream rotated)" * bool(q.get("rotated"))
+    out.print(f"Quantized {q['precision']} for {q['target']}{how}: "
               f"PPL {q['ppl_quant']:.3f} vs FP {q['ppl_fp']:.3f} (ratio {q['ratio']:.4f}), "
               f"top-1 agreement {q['top1_agreement']:.3f} over {q['eval_tokens']} tokens")
     t = Table(title=f"Exported to {q['folder']}")
@@ -531,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--precision", default="w8a16", choices=["w8a16", "w4a16"])
         s.add_argument("--target", default="SM8750", help="target SoC (SM8550, SM8650, SM8750, SM8850, SC8380XP)")
         s.add_argument("--seq-mse", action="store_true", help="search int4 weight encodings with SeqMSE (slow)")
+        s.add_argument("--rotate", action="store_true",
+                       help="rotate the residual stream before quantizing (QuaRot-style; hurts models that come "
+                            "from a 4-bit GGUF, such as the default)")
         s.add_argument("--calib-corpus", default="default", help="default | text file | datasets:ID")
         s.add_argument("--calib-samples", type=int, default=4, help="calibration sequences")
         s.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sequence")

@@ -167,3 +167,20 @@ def test_adapt_cli_json(tiny_llama: Path, tmp_path: Path, capsys: pytest.Capture
     rc = main(["adapt", str(tmp_path / "nowhere"), "--project", str(tmp_path / "p2")])
     err = capsys.readouterr().err
     assert rc == 2 and "No model at" in err and "fix:" in err
+
+
+def test_adapted_weights_read_back_exactly_and_a_cut_file_is_named(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from npustudio.core.adapt.store import read_tensors
+
+    t = {"w": torch.randn(3, 5).bfloat16(), "s": torch.tensor(3.0), "i": torch.arange(7, dtype=torch.int32),
+         "big": torch.randn(64, 48)}
+    save_file(t, str(tmp_path / "ok.safetensors"))
+    back = read_tensors(tmp_path / "ok.safetensors")
+    assert back.keys() == t.keys() and all(torch.equal(back[k], t[k]) and back[k].dtype == t[k].dtype for k in t)
+    data = (tmp_path / "ok.safetensors").read_bytes()
+    for cut in (data[:-10], data[:5], b"\xff" * 64):
+        (tmp_path / "bad.safetensors").write_bytes(cut)
+        with pytest.raises(UserError, match="not a complete safetensors file"):
+            read_tensors(tmp_path / "bad.safetensors")

@@ -141,6 +141,26 @@ def test_quantize_leaves_the_adapted_weights_untouched(w8: tuple[Project, list[P
         assert sha256_file(p.root / f.path) == f.sha256, f.path
 
 
+def test_rotating_the_residual_stream_keeps_the_float_model(w8: tuple[Project, list[Partial]]) -> None:
+    import torch
+
+    from npustudio.core.adapt import TorchGraph, store
+    from npustudio.core.quantize.rotate import rotate_residual
+
+    p = w8[0]
+    tv = read_test_vectors(p.stage_dir("quantize") / "test_vectors" / f"{PROMPT}.npz")
+    feeds = {k: torch.from_numpy(v) for k, v in tv["in"].items()}
+    model, _ = store.load(p.stage_dir("adapt"))
+    before = TorchGraph(model)(feeds)
+    w_q = model.layers[0].attn.q[0].weight.detach().clone()
+    rotate_residual(model, seed=1)
+    after = TorchGraph(model)(feeds)
+    for name in ("logits", "past_key_0_out", "past_value_1_out"):
+        assert torch.allclose(after[name], before[name], atol=1e-4 * before[name].abs().max().item()), name
+    assert not torch.allclose(model.layers[0].attn.q[0].weight, w_q)  # the weights did change
+    assert model.lm_head.weight.data_ptr() != model.embed.weight.data_ptr()
+
+
 def test_test_vectors_are_plain_arrays(w8: tuple[Project, list[Partial]]) -> None:
     f = w8[0].stage_dir("quantize") / "test_vectors" / f"{TOKEN}.npz"
     with np.load(f, allow_pickle=False) as z:
@@ -155,9 +175,9 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
     p = Project.open(tmp_path / "p")
     st = State()
     pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov), seq_mse=True,
-                                         seq_mse_candidates=4, **FAST), st)
+                                         seq_mse_candidates=4, rotate=True, **FAST), st)
     r = p.record("quantize").result
-    assert r["seq_mse"] and 0.8 < r["ratio"] < 1.3
+    assert r["seq_mse"] and r["rotated"] and 0.8 < r["ratio"] < 1.3
     assert any("quant+seqmse_ppl" in e.data for e in st.partials if e.kind == "ppl")
     t = _table(p)
     params = {r.name: r for r in t.rows if r.kind == "param"}

@@ -232,7 +232,8 @@ def adapt_summary(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def quantize_summary(r: dict[str, Any], folder: Path) -> dict[str, Any]:
-    return {"precision": r["precision"], "target": r["target"], "seq_mse": r["seq_mse"], "ppl_fp": r["ppl_fp"],
+    return {"precision": r["precision"], "target": r["target"], "seq_mse": r["seq_mse"],
+            "rotated": r.get("rotated", False), "ppl_fp": r["ppl_fp"],
             "ppl_quant": r["ppl_quant"], "ratio": r["ratio"], "top1_agreement": r["top1_agreement"],
             "eval_tokens": r["eval_tokens"], "folder": str(folder), "files": r["files"], "steps": r["steps"]}
 

@@ -25,7 +25,7 @@ from ..evaluate import DEFAULT_WINDOW, compare, load_corpus
 from ..fsutil import atomic_write_json
 from ..progress import Laps, StateLike, peak_rss_mb
 from ..targets import DEFAULT_SOC, soc
-from . import export, simulate
+from . import export, rotate, simulate
 from .presets import Overrides, preset
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
@@ -40,6 +40,8 @@ class QuantizeOptions(BaseModel):
     target: str = DEFAULT_SOC
     seq_mse: bool = False
     seq_mse_candidates: int = Field(20, description="grid points per weight in the SeqMSE search")
+    rotate: bool = Field(False, description="rotate the residual stream (random orthogonal, folded into the "
+                                            "weights) before quantizing: spreads outlier channels")
     calib_corpus: str = "default"
     calib_samples: int = Field(4, description="calibration sequences")
     calib_len: int = Field(256, description="tokens per calibration sequence")
@@ -57,6 +59,7 @@ class QuantizeResult(BaseModel):
     target: str
     dsp_arch: str
     seq_mse: bool
+    rotated: bool = False
     ppl_fp: float
     ppl_quant: float
     ratio: float
@@ -78,6 +81,8 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
 
     state.progress(0.0, "loading the adapted model")
     model, inv_freq = store.load(adapt_dir)
+    if options.rotate:
+        rotate.rotate_residual(model)
     ar, cl, graph_list = _adapt_graphs(adapt_dir)
     tok = _tokenizer(adapt_dir)
     spec = model.spec
@@ -157,6 +162,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     rows = export.write_manifest(out_dir, files) if files else []
     res = QuantizeResult(
         precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, seq_mse=options.seq_mse,
+        rotated=options.rotate,
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
         calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,

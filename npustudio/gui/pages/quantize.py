@@ -57,6 +57,7 @@ class QuantizePage(Page):
         self.precision.addItem("w8a16 — int8 weights, 16-bit activations (best quality)", "w8a16")
         self.precision.addItem("w4a16 — int4 weight blocks, LM head int8 (smallest)", "w4a16")
         self.seq_mse = QCheckBox("SeqMSE (search weight encodings layer by layer; slower, better w4)")
+        self.rotate = QCheckBox("Rotate the residual stream (spreads outlier channels; not for 4-bit GGUF sources)")
         self.calib_samples = spin(1, 256, 4)
         self.calib_len = spin(16, 4096, 256, 64)
         self.calib = QLineEdit("default")
@@ -65,6 +66,7 @@ class QuantizePage(Page):
         self.overrides.setPlaceholderText("optional: per-module bitwidth overrides (JSON)")
         self.form.addRow("Precision:", self.precision)
         self.form.addRow("", self.seq_mse)
+        self.form.addRow("", self.rotate)
         self.form.addRow("Calibration sequences:", self.calib_samples)
         self.form.addRow("Tokens per sequence:", self.calib_len)
         self.form.addRow("Calibration text:", _file_row(self.calib, "Calibration text", "Text (*.txt)", self))
@@ -87,7 +89,8 @@ class QuantizePage(Page):
     def options(self) -> QuantizeOptions:
         ch = self.project.choices()
         return QuantizeOptions(precision=self.precision.currentData(), target=ch.get("target", "SM8750"),
-                               seq_mse=self.seq_mse.isChecked(), calib_corpus=self.calib.text().strip() or "default",
+                               seq_mse=self.seq_mse.isChecked(), rotate=self.rotate.isChecked(),
+                               calib_corpus=self.calib.text().strip() or "default",
                                calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
                                overrides=load_overrides(self.overrides.text().strip() or None))
 
@@ -114,6 +117,7 @@ class QuantizePage(Page):
             o = rec.options
             self.precision.setCurrentIndex(max(0, self.precision.findData(o["precision"])))
             self.seq_mse.setChecked(bool(o["seq_mse"]))
+            self.rotate.setChecked(bool(o.get("rotate", False)))
             self.calib_samples.setValue(int(o["calib_samples"]))
             self.calib_len.setValue(int(o["calib_len"]))
             self.calib.setText(o["calib_corpus"])
@@ -127,7 +131,8 @@ class QuantizePage(Page):
         if not self.chart.series:
             for w in r.get("per_window", []):
                 self.chart.add(w)
-        rows = [("Precision / target", f"{s['precision']} / {s['target']}{' + SeqMSE' if s['seq_mse'] else ''}"),
+        rows = [("Precision / target", f"{s['precision']} / {s['target']}{' + SeqMSE' if s['seq_mse'] else ''}"
+                                      f"{' + rotation' if s.get('rotated') else ''}"),
                 ("Perplexity FP", f"{s['ppl_fp']:.3f}"), ("Perplexity quantized", f"{s['ppl_quant']:.3f}"),
                 ("Ratio", f"×{s['ratio']:.4f}"), ("Top-1 agreement", f"{s['top1_agreement']:.3f}")]
         rows += [(f["file"], human_bytes(f["bytes"])) for f in s["files"]]
