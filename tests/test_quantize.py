@@ -310,3 +310,23 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
     assert a == b
     for suffix in ("", "_qdq"):
         assert _graph(one / f"{PROMPT}{suffix}.onnx") == _graph(two / f"{PROMPT}{suffix}.onnx")
+
+
+def test_shipped_override_files_load_and_every_pattern_names_a_module() -> None:
+    import fnmatch
+
+    import torch
+
+    from npustudio.core.adapt.decoder import DecoderSpec, StaticDecoder
+
+    spec = DecoderSpec(family="llama", model_type="llama", layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,
+                       intermediate=128, vocab=100, rms_norm_eps=1e-5, tied_embeddings=True, qkv_bias=False,
+                       qk_norm=False)
+    with torch.device("meta"):
+        names = [n for n, _ in StaticDecoder(spec).named_modules()]
+    files = sorted((Path(__file__).parents[1] / "resources" / "overrides").glob("*.json"))
+    assert files
+    for f in files:
+        ov = load_overrides(f)
+        for pattern in [*ov.weights, *ov.activations]:
+            assert any(fnmatch.fnmatchcase(n, pattern) for n in names), (f.name, pattern)
