@@ -6,7 +6,7 @@ process so peaks do not mix.
 
     .venv/bin/python benchmarks/quantize_bench.py                       # default model: w8a16, w4a16, w4a16+SeqMSE
     .venv/bin/python benchmarks/quantize_bench.py --variants w8a16 --llama-1b   # cost on a Llama-3.2-1B shape
-    .venv/bin/python benchmarks/quantize_bench.py --variants w4a16,w4a16/down8,w4a16@smollm2-w4a16-mixed --no-export
+    .venv/bin/python benchmarks/quantize_bench.py --variants w4a16,w4a16/down8,w4a16@w4a16-mlp-gateup8 --no-export
 """
 
 from __future__ import annotations
