@@ -6,7 +6,7 @@ process so peaks do not mix.
 
     .venv/bin/python benchmarks/quantize_bench.py                       # default model: w8a16, w4a16, w4a16+SeqMSE
     .venv/bin/python benchmarks/quantize_bench.py --variants w8a16 --llama-1b   # cost on a Llama-3.2-1B shape
-    .venv/bin/python benchmarks/quantize_bench.py --variants w4a16,w4a16/down8,w4a16@w4a16-mlp-gateup8 --no-export
+    .venv/bin/python benchmarks/quantize_bench.py --variants w4a16/down8,w4a16@w4a16-mlp-gateup8+seqmse --no-export
 """
 
 from __future__ import annotations
@@ -78,13 +78,21 @@ def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
     return out
 
 
+FLAGS = {"seqmse": {"seq_mse": True}, "rotate": {"rotate": True}}
+
+
 def _variant(name: str) -> dict:
-    """A named variant, or `w4a16@FILE`: a preset with a shipped override file (resources/overrides/FILE.json)."""
+    """A named variant, or `w4a16@FILE[+seqmse][+rotate]`: a preset with a shipped override file
+    (resources/overrides/FILE.json), optionally with SeqMSE and/or rotation."""
     if "@" in name:
         from npustudio.core.quantize.presets import load_overrides
 
-        precision, file = name.split("@", 1)
-        return {"precision": precision, "overrides": load_overrides(MIXED_DIR / f"{file}.json")}
+        precision, rest = name.split("@", 1)
+        file, *flags = rest.split("+")
+        out = {"precision": precision, "overrides": load_overrides(MIXED_DIR / f"{file}.json")}
+        for f in flags:
+            out |= FLAGS[f]
+        return out
     return VARIANTS[name]
 
 

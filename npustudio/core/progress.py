@@ -127,6 +127,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc keeps them after big temporary buffers are
+    freed, so RSS stays at its high-water mark). A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+
+
 class Laps:
     """Wall time per named step, for a stage's result: `lap("calibrate")` closes the step begun at the last lap."""
 

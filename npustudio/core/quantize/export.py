@@ -21,6 +21,7 @@ import torch
 
 from ..adapt.decoder import io_names
 from ..fsutil import atomic_write_json
+from ..progress import trim_heap
 from . import simulate
 
 WEIGHTS_FILE = "weights.bin"
@@ -40,6 +41,9 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
     import aimet_torch
     import onnx
     from aimet_torch import onnx as aonnx
+    from aimet_torch.utils import patch_attr
+
+    trim_heap()  # what the evaluation freed goes back to the system before the export's peak
 
     layers = sim.model.spec.layers
     ins, outs = io_names(layers)
@@ -60,6 +64,7 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
         stack.enter_context(type(sim)._apply_qdq_to_model_parameters(model if biased else model.embed))
         stack.enter_context(aonnx._remove_fp16_quantizers(model))
         stack.enter_context(aonnx._remove_fp16_quantized_parameters(model))
+        stack.enter_context(patch_attr(aonnx._onnx, "export", _weights_outside(aonnx._onnx.export)))
         graph, enc_map = aonnx._to_onnx(model, args, str(float_onnx), **kw, propagate_int32_encodings=False)
     onnx.save(graph, str(float_onnx))
     data = sim.onnx._to_json(enc_map, "1.0.0", aonnx._get_all_constants(graph))
@@ -75,6 +80,29 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
     del qdq
     _add_input_encodings(enc_file, simulate.input_quantizers(sim.model))
     return [float_onnx, enc_file, qdq_onnx]
+
+
+def _weights_outside(trace: Any) -> Any:
+    """aimet's trace writes the weights inside the .onnx, and its graph passes after it copy the whole
+    protobuf twice (+1.3 GB on the default model). Moved to a side file (`NAME.onnx.data`, folded into
+    weights.bin by `share_weights`) right after the trace, the passes work on a graph of a few MB."""
+
+    def traced(model: Any, args: Any, f: str, **kw: Any) -> Any:
+        import onnx
+
+        out = trace(model, args, f, **kw)
+        path = Path(f)
+        proto = onnx.load(str(path), load_external_data=False)
+        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
+            return out  # over 2 GB torch writes side files itself
+        path.with_name(path.name + ".data").unlink(missing_ok=True)  # onnx appends to an existing one
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=_MIN_EXTERNAL)
+        del proto
+        trim_heap()
+        return out
+
+    return traced
 
 
 def _has_bias(model: torch.nn.Module) -> bool:
@@ -132,11 +160,12 @@ def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:
                 off, length = offsets[key]
                 set_external_data(t, WEIGHTS_FILE, offset=off, length=length)
                 t.ClearField("raw_data")
-            _drop_old_external(f)
             tmp = f.with_name(f.name + ".tmp")
             onnx.save(model, str(tmp))
             os.replace(tmp, f)
             del model
+    for f in onnx_files:  # only now: a QDQ graph may still have read its float twin's side file
+        _drop_old_external(f)
     return {"weights_bytes": written, "deduplicated_bytes": saved}
 
 
@@ -150,7 +179,7 @@ def _initializers(model: Any) -> list[Any]:
 
 
 def _drop_old_external(onnx_file: Path) -> None:
-    """torch writes a side file for >2 GB models; its contents are now in weights.bin."""
+    """The trace's side file (`_weights_outside`, or torch's own for >2 GB models) is now in weights.bin."""
     for p in onnx_file.parent.glob(onnx_file.name + ".data"):
         p.unlink()
 
