@@ -103,6 +103,35 @@ def test_qdq_onnx_reproduces_the_quantsim_and_float_onnx_loads(w8: tuple[Project
             assert got["past_key_0_out"].shape == tv[ref]["past_key_0_out"].shape
 
 
+@pytest.mark.parametrize("torch_over_2gb", [False, True])
+def test_traced_weights_go_to_one_side_file(tmp_path: Path, torch_over_2gb: bool) -> None:
+    """Inline weights, or torch's one-file-per-tensor output for graphs over 2 GB, end in NAME.onnx.data
+    with the same values, and no per-tensor file is left for the next trace to overwrite."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from npustudio.core.quantize import export
+
+    rng = np.random.default_rng(0)
+    ws = {"layers.0.w": rng.standard_normal((32, 32), dtype=np.float32),
+          "onnx__MatMul_7": rng.standard_normal((32, 16), dtype=np.float32)}
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 32])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 16])
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "layers.0.w"], ["h"]),
+                           helper.make_node("MatMul", ["h", "onnx__MatMul_7"], ["y"])], "g", [x], [y],
+                          [numpy_helper.from_array(v, k) for k, v in ws.items()])
+    path = tmp_path / "prompt.onnx"
+    onnx.save_model(helper.make_model(g), str(path), save_as_external_data=torch_over_2gb,
+                    all_tensors_to_one_file=False, size_threshold=0)
+    assert len(list(tmp_path.iterdir())) == (3 if torch_over_2gb else 1)
+    export.to_side_file(path)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["prompt.onnx", "prompt.onnx.data"]
+    m = onnx.load(str(path))
+    assert {t.name: numpy_helper.to_array(t).tolist() for t in m.graph.initializer} == \
+        {k: v.tolist() for k, v in ws.items()}
+
+
 def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, list[Partial]]) -> None:
     import onnx
 

@@ -88,21 +88,49 @@ def _weights_outside(trace: Any) -> Any:
     weights.bin by `share_weights`) right after the trace, the passes work on a graph of a few MB."""
 
     def traced(model: Any, args: Any, f: str, **kw: Any) -> Any:
-        import onnx
-
         out = trace(model, args, f, **kw)
-        path = Path(f)
-        proto = onnx.load(str(path), load_external_data=False)
-        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer):
-            return out  # over 2 GB torch writes side files itself
-        path.with_name(path.name + ".data").unlink(missing_ok=True)  # onnx appends to an existing one
-        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=_MIN_EXTERNAL)
-        del proto
+        to_side_file(Path(f))
         trim_heap()
         return out
 
     return traced
+
+
+def to_side_file(path: Path) -> None:
+    """Put every large tensor of `path` in `NAME.onnx.data`, whether inside the .onnx or, as torch writes
+    graphs over 2 GB, in one file per tensor named after it (deleted here: the next trace of the same
+    model would write files of the same names, and a leftover would be junk in the stage folder)."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    side = path.with_name(path.name + ".data")
+    side.unlink(missing_ok=True)  # onnx appends to an existing one
+    proto = onnx.load(str(path), load_external_data=False)
+    outside = [t for t in _initializers(proto) if uses_external_data(t)]
+    if not outside:
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=side.name, size_threshold=_MIN_EXTERNAL)
+        return
+    sources: set[Path] = set()
+    with open(side, "wb") as blob:
+        for t in outside:
+            info = ExternalDataInfo(t)
+            src = path.parent / info.location
+            with open(src, "rb") as fh:
+                fh.seek(info.offset or 0)
+                data = fh.read(info.length) if info.length else fh.read()
+            off = blob.tell()
+            blob.write(data)
+            del t.external_data[:]  # (onnx's set_external_data wants the bytes inline first)
+            for key, value in (("location", side.name), ("offset", str(off)), ("length", str(len(data)))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            sources.add(src)
+    tmp = path.with_name(path.name + ".tmp")
+    onnx.save(proto, str(tmp))
+    os.replace(tmp, path)
+    for src in sources - {side}:
+        src.unlink()
 
 
 def _has_bias(model: torch.nn.Module) -> bool:
@@ -179,7 +207,7 @@ def _initializers(model: Any) -> list[Any]:
 
 
 def _drop_old_external(onnx_file: Path) -> None:
-    """The trace's side file (`_weights_outside`, or torch's own for >2 GB models) is now in weights.bin."""
+    """The trace's side file (`to_side_file`) is now in weights.bin."""
     for p in onnx_file.parent.glob(onnx_file.name + ".data"):
         p.unlink()
 
