@@ -103,33 +103,43 @@ def test_qdq_onnx_reproduces_the_quantsim_and_float_onnx_loads(w8: tuple[Project
             assert got["past_key_0_out"].shape == tv[ref]["past_key_0_out"].shape
 
 
-@pytest.mark.parametrize("torch_over_2gb", [False, True])
-def test_traced_weights_go_to_one_side_file(tmp_path: Path, torch_over_2gb: bool) -> None:
-    """Inline weights, or torch's one-file-per-tensor output for graphs over 2 GB, end in NAME.onnx.data
-    with the same values, and no per-tensor file is left for the next trace to overwrite."""
+def test_traced_weights_are_attached_from_memory_to_one_side_file(tmp_path: Path) -> None:
+    """The trace runs without its weights (they stay graph inputs); they are written from the tensors to
+    NAME.onnx.data, small ones inline, with the same values, and only the real inputs stay inputs."""
     import numpy as np
     import onnx
+    import onnxruntime as ort
+    import torch
     from onnx import helper, numpy_helper
 
     from npustudio.core.quantize import export
 
-    rng = np.random.default_rng(0)
-    ws = {"layers.0.w": rng.standard_normal((32, 32), dtype=np.float32),
-          "onnx__MatMul_7": rng.standard_normal((32, 16), dtype=np.float32)}
-    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 32])
-    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 16])
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "layers.0.w"], ["h"]),
-                           helper.make_node("MatMul", ["h", "onnx__MatMul_7"], ["y"])], "g", [x], [y],
-                          [numpy_helper.from_array(v, k) for k, v in ws.items()])
+    g = torch.Generator().manual_seed(0)
+    params = {"layers.0.w": torch.randn(32, 32, generator=g), "onnx::MatMul_7": torch.randn(32, 16, generator=g),
+              "bias": torch.randn(16, generator=g).half(), "unused": torch.ones(3)}
+    f32, f16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+    ins = [helper.make_tensor_value_info("x", f32, [1, 32]), helper.make_tensor_value_info("layers.0.w", f32, [32, 32]),
+           helper.make_tensor_value_info("onnx::MatMul_7", f32, [32, 16]),
+           helper.make_tensor_value_info("bias", f16, [16])]
+    nodes = [helper.make_node("MatMul", ["x", "layers.0.w"], ["h"]),
+             helper.make_node("MatMul", ["h", "onnx::MatMul_7"], ["y0"]),
+             helper.make_node("Cast", ["bias"], ["b32"], to=f32), helper.make_node("Add", ["y0", "b32"], ["y"])]
+    out = [helper.make_tensor_value_info("y", f32, [1, 16])]
     path = tmp_path / "prompt.onnx"
-    onnx.save_model(helper.make_model(g), str(path), save_as_external_data=torch_over_2gb,
-                    all_tensors_to_one_file=False, size_threshold=0)
-    assert len(list(tmp_path.iterdir())) == (3 if torch_over_2gb else 1)
-    export.to_side_file(path)
+    model = helper.make_model(helper.make_graph(nodes, "g", ins, out), opset_imports=[helper.make_opsetid("", 21)],
+                              ir_version=10)  # what onnxruntime reads
+    onnx.save(model, str(path))
+    export.attach_weights(path, params)
     assert sorted(f.name for f in tmp_path.iterdir()) == ["prompt.onnx", "prompt.onnx.data"]
     m = onnx.load(str(path))
+    assert [i.name for i in m.graph.input] == ["x"]
     assert {t.name: numpy_helper.to_array(t).tolist() for t in m.graph.initializer} == \
-        {k: v.tolist() for k, v in ws.items()}
+        {k: v.numpy().tolist() for k, v in params.items() if k != "unused"}
+    assert (tmp_path / "prompt.onnx.data").stat().st_size == (32 * 32 + 32 * 16) * 4  # the fp16 bias is inline
+    x = np.ones((1, 32), np.float32)
+    y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = x @ params["layers.0.w"].numpy() @ params["onnx::MatMul_7"].numpy() + params["bias"].float().numpy()
+    assert np.allclose(y, want, atol=1e-4)
 
 
 def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, list[Partial]]) -> None:
@@ -301,12 +311,13 @@ def _aimet_two_exports(sim: object, feeds: dict, name: str, out: Path) -> None:
     export._add_input_encodings(out / f"{name}.encodings", simulate.input_quantizers(sim.model))
 
 
-def _graph(path: Path) -> tuple[list[tuple], dict[str, bytes]]:
+def _graph(path: Path) -> tuple[list[tuple], list[list[bytes]], dict[str, bytes]]:
     import onnx
 
     m = onnx.load(str(path))
     nodes = [(n.op_type, tuple(n.input), tuple(n.output), n.SerializeToString()) for n in m.graph.node]
-    return nodes, {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
+    io = [[v.SerializeToString() for v in vs] for vs in (m.graph.input, m.graph.output)]
+    return nodes, io, {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
 
 
 @pytest.mark.parametrize("precision", ["w8a16", "w4a16"])

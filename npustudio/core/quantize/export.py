@@ -83,54 +83,65 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
 
 
 def _weights_outside(trace: Any) -> Any:
-    """aimet's trace writes the weights inside the .onnx, and its graph passes after it copy the whole
-    protobuf twice (+1.3 GB on the default model). Moved to a side file (`NAME.onnx.data`, folded into
-    weights.bin by `share_weights`) right after the trace, the passes work on a graph of a few MB."""
+    """aimet's trace (torch's TorchScript exporter) serializes every weight into the protobuf, parses it back
+    and serializes it again: 3-4 copies of the weights at once, the stage's memory peak. Traced with
+    `export_params=False`, the weights stay graph inputs; the tensors torch would have written (after its
+    constant folding and de-duplication, so the same names and values) are caught on the way and written
+    straight from memory to `NAME.onnx.data` (folded into weights.bin by `share_weights`). aimet's graph
+    passes after the trace then also work on a graph of a few MB instead of copying the weights."""
+    from aimet_torch.utils import patch_attr
 
     def traced(model: Any, args: Any, f: str, **kw: Any) -> Any:
-        out = trace(model, args, f, **kw)
-        to_side_file(Path(f))
+        params: dict[str, torch.Tensor] = {}
+        dedupe = torch._C._jit_pass_onnx_deduplicate_initializers
+
+        def keep(*a: Any) -> Any:
+            out = dedupe(*a)
+            params.update(out)
+            return out
+
+        with patch_attr(torch._C, "_jit_pass_onnx_deduplicate_initializers", keep):
+            out = trace(model, args, f, **kw, export_params=False)
+        attach_weights(Path(f), params)
+        params.clear()
         trim_heap()
         return out
 
     return traced
 
 
-def to_side_file(path: Path) -> None:
-    """Put every large tensor of `path` in `NAME.onnx.data`, whether inside the .onnx or, as torch writes
-    graphs over 2 GB, in one file per tensor named after it (deleted here: the next trace of the same
-    model would write files of the same names, and a leftover would be junk in the stage folder)."""
+def attach_weights(path: Path, params: dict[str, torch.Tensor]) -> None:
+    """Turn the graph inputs of `path` named in `params` into initializers; the large ones go to
+    `NAME.onnx.data`, written one tensor at a time from the tensors' own memory."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-    side = path.with_name(path.name + ".data")
-    side.unlink(missing_ok=True)  # onnx appends to an existing one
     proto = onnx.load(str(path), load_external_data=False)
-    outside = [t for t in _initializers(proto) if uses_external_data(t)]
-    if not outside:
-        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=side.name, size_threshold=_MIN_EXTERNAL)
-        return
-    sources: set[Path] = set()
+    side = path.with_name(path.name + ".data")
+    inputs = list(proto.graph.input)
+    weights = [i.name for i in inputs if i.name in params]
     with open(side, "wb") as blob:
-        for t in outside:
-            info = ExternalDataInfo(t)
-            src = path.parent / info.location
-            with open(src, "rb") as fh:
-                fh.seek(info.offset or 0)
-                data = fh.read(info.length) if info.length else fh.read()
-            off = blob.tell()
-            blob.write(data)
-            del t.external_data[:]  # (onnx's set_external_data wants the bytes inline first)
-            for key, value in (("location", side.name), ("offset", str(off)), ("length", str(len(data)))):
-                entry = t.external_data.add()
-                entry.key, entry.value = key, value
-            sources.add(src)
+        for name in weights:
+            t = params[name].detach().cpu().contiguous()
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+            init = onnx.TensorProto(name=name, dims=list(t.shape), data_type=_ONNX_DTYPE[t.dtype])
+            if raw.nbytes < _MIN_EXTERNAL:
+                init.raw_data = raw.tobytes()
+            else:
+                init.data_location = onnx.TensorProto.EXTERNAL
+                for key, value in (("location", side.name), ("offset", blob.tell()), ("length", raw.nbytes)):
+                    entry = init.external_data.add()
+                    entry.key, entry.value = key, str(value)
+                blob.write(memoryview(raw))
+            proto.graph.initializer.append(init)
+    del proto.graph.input[:]
+    proto.graph.input.extend(i for i in inputs if i.name not in params)
     tmp = path.with_name(path.name + ".tmp")
     onnx.save(proto, str(tmp))
     os.replace(tmp, path)
-    for src in sources - {side}:
-        src.unlink()
+
+
+_ONNX_DTYPE = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.uint16: 4, torch.int16: 5, torch.int32: 6,
+               torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16}
 
 
 def _has_bias(model: torch.nn.Module) -> bool:
@@ -207,7 +218,7 @@ def _initializers(model: Any) -> list[Any]:
 
 
 def _drop_old_external(onnx_file: Path) -> None:
-    """The trace's side file (`to_side_file`) is now in weights.bin."""
+    """The trace's side file (`attach_weights`) is now in weights.bin."""
     for p in onnx_file.parent.glob(onnx_file.name + ".data"):
         p.unlink()
 
