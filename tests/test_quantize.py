@@ -345,8 +345,9 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
     two.mkdir()
     export.export_graph(sim, feeds, PROMPT, one)
     _aimet_two_exports(sim, feeds, PROMPT, two)
-    # the stage's trace leaves its weights in a side file until share_weights folds it into weights.bin
-    assert sorted(f.name for f in one.iterdir()) == sorted([f.name for f in two.iterdir()] + [f"{PROMPT}.onnx.data"])
+    # the stage leaves each graph's weights in a side file until share_weights folds them into weights.bin
+    sides = [f"{PROMPT}.onnx.data", f"{PROMPT}_qdq.onnx.data"]
+    assert sorted(f.name for f in one.iterdir()) == sorted([f.name for f in two.iterdir()] + sides)
     a, b = (json.loads((d / f"{PROMPT}.encodings").read_text()) for d in (one, two))
     assert a == b
     for suffix in ("", "_qdq"):

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +71,19 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
     data = sim.onnx._to_json(enc_map, "1.0.0", aonnx._get_all_constants(graph))
     data["param_encodings"] = [e for e in data["param_encodings"] if not _int32(e)]
     atomic_write_json(enc_file, data)
-    qdq = aonnx._to_onnx_qdq(graph, enc_map, prequantize_constants=True, base_dir=str(out))
+    utils = _aimet_onnx_utils()
+    with patch_attr(utils, "_quantize_const", partial(_lean_quantize_const, utils._quantize_const)):
+        qdq = aonnx._to_onnx_qdq(graph, enc_map, prequantize_constants=True, base_dir=str(out))
     del graph
     aonnx._remove_intermediate_identity_nodes(qdq, base_dir=str(out))
     aonnx._remove_dangling_nodes_and_initializers(qdq)
     prop = qdq.metadata_props.add()
     prop.key, prop.value = "producer", f"aimet-torch {aimet_torch.__version__}"
-    onnx.save(qdq, str(qdq_onnx))
+    side = qdq_onnx.with_name(qdq_onnx.name + ".data")
+    side.unlink(missing_ok=True)  # onnx appends
+    # the quantized weights go straight to a side file: no serialized copy of them all at once
+    onnx.save_model(qdq, str(qdq_onnx), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=side.name, size_threshold=_MIN_EXTERNAL)
     del qdq
     _add_input_encodings(enc_file, simulate.input_quantizers(sim.model))
     return [float_onnx, enc_file, qdq_onnx]
@@ -144,6 +151,49 @@ _ONNX_DTYPE = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.uint16: 4,
                torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16}
 
 
+def _aimet_onnx_utils() -> Any:
+    from aimet_torch.common.onnx import _utils
+
+    return _utils
+
+
+def _lean_quantize_const(aimets: Any, const: Any, name: str, y_scale: Any, y_zero_point: Any, axis: Any,
+                         block_size: Any, output_dtype: str, per_block_int_scale: Any, opset: Any) -> Any:
+    """aimet's `_quantize_const`, computed a slab of rows at a time into the integer array.
+
+    aimet divides the whole fp32 weight in float64 (an int64 zero point is added) and rounds and clips it
+    in new arrays: about 6x the weight at once, 6 GB for a 1B model's 1 GB LM head. Same operations, same
+    dtypes per element, so the same integers (tests compare with aimet's own export); the weight's
+    memory-mapped bytes are released after."""
+    import numpy as np
+
+    u = _aimet_onnx_utils()
+    unsigned, _, bits = output_dtype.partition("int")
+    if per_block_int_scale is not None or not bits.isdigit():
+        return aimets(const, name, y_scale, y_zero_point, axis, block_size, output_dtype, per_block_int_scale, opset)
+    arr = u.to_array_ir(const).astype(np.float32, copy=False)
+    lo, hi = (0, 2 ** int(bits) - 1) if unsigned else (-(2 ** (int(bits) - 1)), 2 ** (int(bits) - 1) - 1)
+    scale = u._broadcast(y_scale.astype(np.float32), arr.ndim, axis=axis, block_size=block_size)
+    zero = (u._broadcast(y_zero_point, arr.ndim, axis=axis, block_size=block_size) if y_zero_point is not None
+            else np.zeros(scale.shape, dtype=np.int32))
+    scale = scale.astype(np.float32)
+    if np.any(scale == 0.0):  # aimet's own message
+        return aimets(const, name, y_scale, y_zero_point, axis, block_size, output_dtype, per_block_int_scale, opset)
+    out = np.empty(arr.shape, dtype=np.min_scalar_type(lo if lo < 0 else hi))
+    if arr.ndim == 0:
+        out[...] = (arr / scale + zero).round().clip(lo, hi)
+    else:
+        scale, zero = np.broadcast_to(scale, arr.shape), np.broadcast_to(zero, arr.shape)
+        step = max(1, (1 << 22) // max(1, arr[0].size))
+        for i in range(0, arr.shape[0], step):
+            out[i:i + step] = (arr[i:i + step] / scale[i:i + step] + zero[i:i + step]).round().clip(lo, hi)
+    release = getattr(const.const_value, "release", None)
+    del arr
+    if release is not None:
+        release()
+    return opset.DequantizeLinear.make_arr(out, dtype=output_dtype, name=name)
+
+
 def _has_bias(model: torch.nn.Module) -> bool:
     from aimet_torch.nn import QuantizationMixin
 
@@ -172,19 +222,26 @@ def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:
     """Move every large initializer of `onnx_files` into one content-addressed `weights.bin`.
 
     A blob already written (same bytes: the other graph's copy, or a tied head) is referenced, not
-    written again. Each .onnx is rewritten atomically; returns bytes written and bytes saved.
+    written again. Tensors are read one at a time from the graphs' side files (a whole 1B graph loaded
+    at once was 5 GB). Each .onnx is rewritten atomically; returns bytes written and bytes saved.
     """
     import onnx
-    from onnx.external_data_helper import set_external_data
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
     blob_path = out / WEIGHTS_FILE
     offsets: dict[str, tuple[int, int]] = {}
     written = saved = 0
     with open(blob_path, "ab") as blob:
         for f in onnx_files:
-            model = onnx.load(str(f), load_external_data=True)
+            model = onnx.load(str(f), load_external_data=False)
             for t in _initializers(model):
-                raw = t.raw_data
+                if uses_external_data(t):
+                    info = ExternalDataInfo(t)
+                    with open(f.parent / info.location, "rb") as fh:
+                        fh.seek(info.offset or 0)
+                        raw = fh.read(info.length) if info.length else fh.read()
+                else:
+                    raw = t.raw_data
                 if len(raw) < _MIN_EXTERNAL:
                     continue
                 key = hashlib.sha256(raw).hexdigest()
@@ -196,9 +253,14 @@ def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:
                     offsets[key] = (blob.tell(), len(raw))
                     blob.write(raw)
                     written += len(raw)
+                del raw
                 off, length = offsets[key]
-                set_external_data(t, WEIGHTS_FILE, offset=off, length=length)
                 t.ClearField("raw_data")
+                del t.external_data[:]
+                t.data_location = onnx.TensorProto.EXTERNAL
+                for k, v in (("location", WEIGHTS_FILE), ("offset", off), ("length", length)):
+                    entry = t.external_data.add()
+                    entry.key, entry.value = k, str(v)
             tmp = f.with_name(f.name + ".tmp")
             onnx.save(model, str(tmp))
             os.replace(tmp, f)
