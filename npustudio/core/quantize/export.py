@@ -122,7 +122,7 @@ def attach_weights(path: Path, params: dict[str, torch.Tensor]) -> None:
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
-    side = path.with_name(path.name + ".data")
+    side = side_file(path)
     inputs = list(proto.graph.input)
     weights = [i.name for i in inputs if i.name in params]
     with open(side, "wb") as blob:
@@ -133,10 +133,7 @@ def attach_weights(path: Path, params: dict[str, torch.Tensor]) -> None:
             if raw.nbytes < _MIN_EXTERNAL:
                 init.raw_data = raw.tobytes()
             else:
-                init.data_location = onnx.TensorProto.EXTERNAL
-                for key, value in (("location", side.name), ("offset", blob.tell()), ("length", raw.nbytes)):
-                    entry = init.external_data.add()
-                    entry.key, entry.value = key, str(value)
+                _point_at(init, side.name, blob.tell(), raw.nbytes)
                 blob.write(memoryview(raw))
             proto.graph.initializer.append(init)
     del proto.graph.input[:]
@@ -144,6 +141,24 @@ def attach_weights(path: Path, params: dict[str, torch.Tensor]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     onnx.save(proto, str(tmp))
     os.replace(tmp, path)
+
+
+def side_file(onnx_path: Path) -> Path:
+    """`NAME.onnx.data`: where a graph's weights wait until `share_weights` folds them into weights.bin."""
+    return onnx_path.with_name(onnx_path.name + ".data")
+
+
+def _point_at(tensor: Any, location: str, offset: int, length: int) -> None:
+    """Make `tensor` refer to `length` bytes at `offset` of `location` (onnx's `set_external_data` wants
+    the bytes inline first, which would put them in the protobuf's memory)."""
+    import onnx
+
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
 
 
 _ONNX_DTYPE = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.uint16: 4, torch.int16: 5, torch.int32: 6,
@@ -157,8 +172,8 @@ def _weights_to_side_file(proto: Any, path: Path) -> Any:
     import onnx
     from onnx.external_data_helper import convert_model_to_external_data, write_external_data_tensors
 
-    side = path.with_name(path.name + ".data")  # (onnx appends to what `_SideFile` wrote)
-    convert_model_to_external_data(proto, all_tensors_to_one_file=True, location=side.name,
+    # (onnx appends to what `_SideFile` wrote)
+    convert_model_to_external_data(proto, all_tensors_to_one_file=True, location=side_file(path).name,
                                    size_threshold=_MIN_EXTERNAL)
     write_external_data_tensors(proto, str(path.parent))
     compact = onnx.ModelProto()
@@ -176,7 +191,7 @@ class _SideFile:
     """`NAME.onnx.data`, which quantized weights are written to as they are made."""
 
     def __init__(self, onnx_path: Path) -> None:
-        self.path = onnx_path.with_name(onnx_path.name + ".data")
+        self.path = side_file(onnx_path)
 
     def __enter__(self) -> _SideFile:
         self.fh = open(self.path, "wb")  # closed by __exit__
@@ -216,7 +231,6 @@ def _lean_quantize_const(aimets: Any, side: _SideFile, const: Any, name: str, y_
     scale = u._broadcast(y_scale.astype(np.float32), arr.ndim, axis=axis, block_size=block_size)
     zero = (u._broadcast(y_zero_point, arr.ndim, axis=axis, block_size=block_size) if y_zero_point is not None
             else np.zeros(scale.shape, dtype=np.int32))
-    scale = scale.astype(np.float32)
     if np.any(scale == 0.0):  # aimet's own message
         return aimets(const, name, y_scale, y_zero_point, axis, block_size, output_dtype, per_block_int_scale, opset)
     out = np.empty(arr.shape, dtype=np.min_scalar_type(lo if lo < 0 else hi))
@@ -227,10 +241,9 @@ def _lean_quantize_const(aimets: Any, side: _SideFile, const: Any, name: str, y_
         step = max(1, (1 << 22) // max(1, arr[0].size))
         for i in range(0, arr.shape[0], step):
             out[i:i + step] = (arr[i:i + step] / scale[i:i + step] + zero[i:i + step]).round().clip(lo, hi)
-    release = getattr(const.const_value, "release", None)
     del arr
-    if release is not None:
-        release()
+    if hasattr(const.const_value, "release"):  # an external tensor: unmap its bytes
+        const.const_value.release()
     value = opset.DequantizeLinear.make_arr(out, dtype=output_dtype, name=name)
     del out
     if value.const_value.nbytes >= _MIN_EXTERNAL:
@@ -298,19 +311,13 @@ def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:
                     blob.write(raw)
                     written += len(raw)
                 del raw
-                off, length = offsets[key]
-                t.ClearField("raw_data")
-                del t.external_data[:]
-                t.data_location = onnx.TensorProto.EXTERNAL
-                for k, v in (("location", WEIGHTS_FILE), ("offset", off), ("length", length)):
-                    entry = t.external_data.add()
-                    entry.key, entry.value = k, str(v)
+                _point_at(t, WEIGHTS_FILE, *offsets[key])
             tmp = f.with_name(f.name + ".tmp")
             onnx.save(model, str(tmp))
             os.replace(tmp, f)
             del model
     for f in onnx_files:  # only now: a QDQ graph may still have read its float twin's side file
-        _drop_old_external(f)
+        side_file(f).unlink(missing_ok=True)
     return {"weights_bytes": written, "deduplicated_bytes": saved}
 
 
@@ -321,12 +328,6 @@ def _initializers(model: Any) -> list[Any]:
             if a.HasField("t"):
                 out.append(a.t)
     return out
-
-
-def _drop_old_external(onnx_file: Path) -> None:
-    """The trace's side file (`attach_weights`) is now in weights.bin."""
-    for p in onnx_file.parent.glob(onnx_file.name + ".data"):
-        p.unlink()
 
 
 def write_test_vectors(path: Path, feeds: dict[str, torch.Tensor], fp: dict[str, torch.Tensor],
