@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -130,6 +131,27 @@ def test_rmsnorm_stays_finite_and_exact_in_fp16() -> None:
         norm.float()
     naive = x.half() * torch.rsqrt(x.half().pow(2).mean(1, keepdim=True) + 1e-5)
     assert not torch.isfinite(naive).all() or naive.abs().max() == 0  # what the rescaling avoids
+
+
+def test_rmsnorm_of_the_attention_sink_token_survives_the_htp_simulator(tmp_path: Path) -> None:
+    """The HTP divides by multiplying with the reciprocal: 1/23000 is subnormal in fp16 and was
+    flushed to zero, so the sink token's norm (and every layer's K/V after it) came out 0."""
+    from npustudio.core.compile import ort_qnn
+    from npustudio.core.targets import soc
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 576, 1, 8)
+    x[0, 5, 0, 0] = 23000.0  # position 0: the sink's massive activation (SmolLM2 layer 11 gives ~2.3e4)
+    w = torch.rand(576) + 0.5
+    ref = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-5) * w.reshape(1, -1, 1, 1)
+    torch.onnx.export(RMSNorm(w, 1e-5, dim=1), (x,), str(tmp_path / "norm.onnx"), input_names=["x"],
+                      output_names=["y"], dynamo=False)
+    c = ort_qnn.compile_graph(tmp_path / "norm.onnx", "norm_ctx", tmp_path, soc("SM8750"))
+    assert not c.nodes_on_cpu
+    got = ort_qnn.context_session(tmp_path / "norm_ctx.onnx", soc("SM8750")).run(["y"], {"x": x.numpy()})[0]
+    err = np.abs(got - ref.numpy())
+    assert err[..., 0].max() < 0.05 * ref[..., 0].abs().max()  # the sink token (|y| up to ~24·w)
+    assert err.max() < 0.05
 
 
 @pytest.mark.parametrize(("opts", "message"), [

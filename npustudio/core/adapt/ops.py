@@ -47,12 +47,15 @@ class Conv1x1(nn.Conv2d):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm that stays finite in fp16 on the HTP (float subgraphs run in fp16 there).
+    """RMSNorm that stays finite and exact in fp16 on the HTP (float subgraphs run in fp16 there).
 
     Plain x² overflows fp16 for the residual stream's |x|≈2e4 outliers, and pre-dividing by a constant
-    underflows for ordinary tokens. RMSNorm is scale-invariant, so divide by max|x| first:
-        y = w · (x/m) / sqrt(mean((x/m)²) + eps/m²),  m = max|x|
-    which equals w · x / sqrt(mean(x²) + eps) exactly, with every intermediate in [~1e-3, 1].
+    underflows for ordinary tokens. RMSNorm is scale-invariant, so divide by m = max|x| first:
+        y = w · (x/m) / sqrt(mean((x/m)²) + eps/m²)
+    which equals w · x / sqrt(mean(x²) + eps) exactly. The HTP divides by multiplying with the
+    reciprocal, and 1/m is subnormal in fp16 (flushed to zero) once m > 16384: the attention-sink
+    token's norm came out 0. So x/m is taken as (x·r)·r with r = 1/sqrt(m) ≥ 2^-8, and every
+    intermediate stays a normal fp16 number.
     """
 
     def __init__(self, weight: torch.Tensor, eps: float, dim: int) -> None:
@@ -63,10 +66,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.abs().amax(self.dim, keepdim=True).clamp_min(1e-4)
-        hs = x / m
+        r = torch.rsqrt(m)
+        xr = x * r  # |xr| ≤ sqrt(m) ≤ 256
+        hs = xr * r  # x/m
         ms = (hs * hs).mean(self.dim, keepdim=True) + (self.eps / m) / m
         w = self.weight.reshape([-1 if d == (self.dim % x.dim()) else 1 for d in range(x.dim())])
-        return hs * torch.rsqrt(ms) * w
+        return xr * (torch.rsqrt(ms) * r) * w
 
 
 class Rope(nn.Module):

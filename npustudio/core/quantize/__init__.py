@@ -29,7 +29,7 @@ from . import export, rotate, simulate
 from .presets import Overrides, preset
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
-FORMAT = 5
+FORMAT = 6
 # the tokenizer, and the graphs' names and I/O (the exported graphs are the adapted ones, quantized)
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                 "graphs.json")
