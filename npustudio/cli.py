@@ -307,6 +307,10 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
             raise UserError(f"Cannot read the prompt file {a.prompt_file}: {e.strerror}.", "Check the path.") from e
     else:
         prompt = a.prompt or ""
+    if not a.raw:
+        from .core.chat import as_chat_prompt
+
+        prompt = as_chat_prompt(Path(a.config).parent, prompt)
     stop = threading.Event()
     # the answer alone on stdout: QNN's and Genie's native banners go to /dev/null (their log comes through
     # the logger callback), and so does their stderr outside --log verbose, while our messages keep stderr
@@ -585,6 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log", default="error", choices=["error", "warn", "info", "verbose"])
     s.add_argument("--max-tokens", type=int, default=None, help="stop after N generated tokens")
     s.add_argument("--preview", action="store_true", help="fast preview: the quantized graphs on the CPU, not Genie")
+    s.add_argument("--raw", action="store_true", help="send the prompt exactly as given (genie-t2t-run's way); "
+                   "by default a prompt that is not already in the model's chat template is put into it")
 
     s = add("profile", cmd_profile, "read a Genie profile JSON: init, TTFT, rates; roofline with --bundle")
     s.add_argument("file")

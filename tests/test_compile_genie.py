@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from npustudio.core import pipeline
+from npustudio.core import chat, pipeline
 from npustudio.core.compile import CompileOptions
 from npustudio.core.errors import UserError
 from npustudio.core.genie import bundle as bundle_stage
@@ -105,7 +105,9 @@ def test_genie_run_streams_begin_end_and_writes_its_profile(project: Project, tm
     prof = tmp_path / "p.json"
     res = _cli("genie-run", "-c", str(cfg), "-p", PROMPT, "--profile", str(prof), "--max-tokens", "6")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith(f"[PROMPT]: {PROMPT}")
+    templated = chat.as_chat_prompt(cfg.parent, PROMPT)  # a bare question goes in the chat template
+    assert templated.startswith("user\n" + PROMPT) and templated.endswith("assistant\n")  # BOS is Genie's
+    assert res.stdout.startswith(f"[PROMPT]: {templated}\n\n[BEGIN]: ")
     body = res.stdout.split("[BEGIN]: ", 1)[1]
     assert body.rstrip().endswith("[END]") and len(body) > len("[END]") + 1
     s = json.loads(_cli("profile", str(prof), "--json", "--bundle", str(cfg.parent)).stdout)
@@ -113,10 +115,19 @@ def test_genie_run_streams_begin_end_and_writes_its_profile(project: Project, tm
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(cfg.parent / gc.TOKENIZER))
-    n_prompt = 1 + len(tok(PROMPT, add_special_tokens=False)["input_ids"])  # Genie prepends BOS
+    n_prompt = 1 + len(tok(templated, add_special_tokens=False)["input_ids"])  # Genie prepends BOS
     assert s["summary"]["generated_tokens"] == 6 and s["summary"]["prompt_tokens"] == n_prompt
     assert s["summary"]["ttft_s"] > 0 and s["summary"]["generation_tok_s"] > 0
     assert s["roofline"]["decode_tok_s_bound"] > 0
+
+
+def test_genie_run_keeps_a_templated_or_raw_prompt_as_given(project: Project) -> None:
+    cfg = project.stage_dir("bundle") / gc.CONFIG
+    by_hand = f"user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"  # already holds a special token
+    for args, sent in ((["-p", PROMPT, "--raw"], PROMPT), (["-p", by_hand], by_hand)):
+        res = _cli("genie-run", "-c", str(cfg), *args, "--preview", "--max-tokens", "2")
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.startswith(f"[PROMPT]: {sent}\n\n[BEGIN]: ")
 
 
 def test_genie_and_the_cpu_preview_give_the_same_greedy_tokens(project: Project) -> None:

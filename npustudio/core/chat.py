@@ -180,6 +180,25 @@ def _load(path: Path) -> list[Turn]:
         return []
 
 
+def as_chat_prompt(bundle_dir: Path, text: str) -> str:
+    """`text` as one user turn in the bundle's chat template: an instruct model asked a bare question
+    often answers with end-of-turn at once. Left as it is when it already holds one of the tokenizer's
+    special tokens (a prompt written in the template, as genie-t2t-run takes it) or the model has no
+    template (a base model, or a bundle made without NPU Studio's metadata.json)."""
+    try:
+        meta = json.loads((Path(bundle_dir) / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return text
+    if not meta.get("chat_template"):
+        return text
+    tok = _template_tokenizer(Path(bundle_dir), meta)
+    if any(t.special and t.content in text for t in tok.added_tokens_decoder.values()):
+        return text
+    from .genie.config import chat_prompt
+
+    return chat_prompt(tok, text)
+
+
 def _template_tokenizer(bundle_dir: Path, meta: dict[str, Any]) -> Any:
     from transformers import PreTrainedTokenizerFast
 
