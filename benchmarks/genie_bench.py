@@ -24,7 +24,6 @@ def main() -> None:
     ap.add_argument("--no-genie", action="store_true", help="only the preview (Genie takes minutes per run)")
     a = ap.parse_args()
 
-    from npustudio.cli import _roofline
     from npustudio.core.genie import profile, runner
 
     bundle = Path(a.bundle)
@@ -41,7 +40,7 @@ def main() -> None:
             out[label] = {"answer": res.text, "wall_s": res.seconds, "init_s": s.init_s, "ttft_s": s.ttft_s,
                           "prompt_tokens": s.prompt_tokens, "prompt_tok_s": s.prompt_tok_s,
                           "generated_tokens": s.generated_tokens, "generation_tok_s": s.generation_tok_s}
-    out["phone_roofline"] = _roofline(bundle)
+    out["phone_roofline"] = profile.bundle_roofline(bundle)
     print(json.dumps(out, indent=2))
 
 

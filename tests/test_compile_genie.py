@@ -138,6 +138,16 @@ def test_genie_and_the_cpu_preview_give_the_same_greedy_tokens(project: Project)
     assert real.text and real.text == fast.text
 
 
+def test_speed_benchmark_reports_the_preview_and_the_phone_roofline(project: Project) -> None:
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "genie_bench.py"
+    res = subprocess.run([sys.executable, str(bench), str(project.stage_dir("bundle")), "--tokens", "3", "--no-genie"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["preview_cpu"]["generated_tokens"] <= 3 and out["preview_cpu"]["ttft_s"] > 0
+    assert "genie_htp_simulator" not in out and out["phone_roofline"]["decode_tok_s_bound"] > 0
+
+
 def test_stop_aborts_a_genie_query(project: Project) -> None:
     cfg = project.stage_dir("bundle") / gc.CONFIG
     stop = threading.Event()
