@@ -106,7 +106,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         state.progress(0.45, "checking the prepared graphs against the quantsim's test vectors")
         verification["vs_quantsim_test_vectors"] = _check_vectors(quant_dir, prep, graphs, io)
         lap("verify_vectors")
-        verification |= _verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
+        verification |= verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
                                              state.sub(0.5, 1.0))
         lap("verify_simulator")
     res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
@@ -146,9 +146,11 @@ def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str,
     return out
 
 
-def _verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: Path, graphs: list[str],
+def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: Path, graphs: list[str],
                          io: dict[str, IOEncoding], target: Any, o: CompileOptions, state: StateLike
                          ) -> dict[str, Any]:
+    """The compiled graphs on the HTP simulator against the prepared graphs on the CPU (= the quantsim),
+    through the host KV-cache runner over the start of the eval text: NLL, top-1, max |Δlogit|."""
     from transformers import AutoTokenizer
 
     spec, inv_freq = store.load_spec(adapt_dir)
