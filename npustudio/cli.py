@@ -245,14 +245,15 @@ def cmd_run(a: argparse.Namespace) -> int:
 def _compile_options(a: argparse.Namespace) -> Any:
     from .core.compile import CompileOptions
 
-    return CompileOptions(backend=a.backend, target=getattr(a, "compile_target", None), verify_tokens=a.verify_tokens)
+    return CompileOptions(backend=a.backend, target=getattr(a, "compile_target", None), verify_tokens=a.verify_tokens,
+                          parts=a.parts, max_part_mb=a.max_part_mb)
 
 
 def _print_compile(c: dict[str, Any]) -> None:
     from .core.models import human_bytes
 
     out.print(f"Compiled with {c['backend']} for {c['target']} ({c['dsp_arch']}, soc_model {c['soc_model']}): "
-              f"{c['nodes_on_cpu']} nodes on the CPU")
+              f"{c['nodes_on_cpu']} nodes on the CPU" + (f", split into {c['parts']} parts" if c["parts"] > 1 else ""))
     for b in c["binaries"]:
         out.print(f"  {b['file']}: {human_bytes(b['bytes'])}, {b['nodes_on_qnn']} nodes on QNN, "
                   f"compiled in {b['compile_seconds']:.1f} s")
@@ -550,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--backend", default="ort-qnn", choices=["ort-qnn", "qairt"],
                        help="ort-qnn: embedded onnxruntime-qnn (HTP simulator); qairt: the SDK at QNN_SDK_ROOT")
         s.add_argument("--verify-tokens", type=int, default=128, help="eval tokens run on the HTP simulator (0: skip)")
+        s.add_argument("--parts", type=int, default=0, help="split the model into N contexts `…_i_of_N` "
+                       "(0: as many as keep each under --max-part-mb)")
+        s.add_argument("--max-part-mb", type=int, default=3500, help="largest context, MiB of weights (< 4 GB)")
 
     s = add("quantize", cmd_quantize, "calibrate and quantize the adapted graphs with AIMET, then export them")
     s.add_argument("--project", required=True, help="project folder with an adapted model")

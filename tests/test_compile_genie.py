@@ -175,6 +175,46 @@ def test_profile_reader_tolerates_missing_fields_and_names_bad_files(tmp_path: P
     assert res.returncode == 2 and "Cannot read the profile" in res.stderr
 
 
+def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Project, tmp_path: Path) -> None:
+    from npustudio.core import compile as compile_stage
+
+    out, bundle = tmp_path / "c", tmp_path / "b"
+    out.mkdir(), bundle.mkdir()
+    r = compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
+                          CompileOptions(parts=2, verify_tokens=64), out, State())
+    assert r.parts == 2 and r.nodes_on_cpu == 0
+    assert [g.graph for g in r.graphs] == ["prompt_ar32_cl128_1_of_2", "prompt_ar32_cl128_2_of_2",
+                                           "token_ar1_cl128_1_of_2", "token_ar1_cl128_2_of_2"]
+    assert r.io["residual_0"].dtype == "float32"  # the residual stream passes between the parts as it is
+    v = r.verification
+    assert abs(v["nll_diff"]) < 0.01 and v["top1_agreement"] >= 0.95  # the parts chained on the simulator
+    for g in r.graphs:  # Genie orders the parts by the QNN graph name inside each binary
+        assert (out / g.context_bin).read_bytes().count(g.graph[:-len("_1_of_2")].encode()) == 3
+    bundle_stage.run(out, project.stage_dir("adapt"), bundle_stage.BundleOptions(), bundle, State())
+    cfg = json.loads((bundle / gc.CONFIG).read_text())
+    assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == [f"{g.graph}.bin" for g in r.graphs]
+    whole = runner.run(project.stage_dir("bundle") / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
+    split = runner.run(bundle / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
+    assert split.runner.startswith("genie") and split.text == whole.text
+
+
+def test_part_counts_and_back_ends_that_cannot_split_are_refused(project: Project, tmp_path: Path) -> None:
+    from npustudio.core import compile as compile_stage
+    from npustudio.core.compile import split
+
+    assert [list(r) for r in split.layer_ranges(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert split.part_count(9 * 2**30, 16, 3500 * 2**20) == 3  # a 9 GiB model: three contexts under 4 GB
+    with pytest.raises(UserError, match="only 2 layers"):
+        compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
+                          CompileOptions(parts=3, verify_tokens=0), tmp_path, State())
+    with pytest.raises(UserError, match="ort-qnn back-end only"):
+        compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
+                          CompileOptions(backend="qairt", parts=2), tmp_path, State())
+    (tmp_path / "x.bin").write_bytes(b"not a context binary")
+    with pytest.raises(UserError, match="exactly one onnxruntime-qnn graph name"):
+        split.name_graph(tmp_path / "x.bin", "prompt_ar32_cl128_1_of_2")
+
+
 def test_compile_refuses_a_project_without_quantized_graphs(tmp_path: Path) -> None:
     with pytest.raises(UserError) as e:
         pipeline.compile_graphs(Project.open(tmp_path / "empty"), CompileOptions(), State())

@@ -28,13 +28,12 @@ from ..fsutil import atomic_write_json, link_or_copy
 from ..progress import Laps, StateLike, peak_rss_mb
 from ..quantize.export import WEIGHTS_FILE, read_test_vectors
 from ..targets import soc
-from . import graph_io, ort_qnn
+from . import graph_io, ort_qnn, split
 from .graph_io import IOEncoding
 from .ort_graph import OrtGraph, cpu_session
 
 FORMAT = 1  # bumped when the compiled output changes meaning
 PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and the verification reference
-MAX_CONTEXT_BYTES = 4 * 1024**3
 
 
 class CompileOptions(BaseModel):
@@ -42,6 +41,8 @@ class CompileOptions(BaseModel):
     target: str | None = Field(None, description="SoC; default: the quantize stage's target")
     verify_tokens: int = Field(128, description="eval tokens run through the compiled graphs (0: skip)")
     verify_decode: int = Field(4, description="of which the last ones run as AR-1 steps")
+    parts: int = Field(0, ge=0, description="contexts the model is split into (0: as many as needed)")
+    max_part_mb: int = Field(3500, ge=1, description="MiB of weights per context (each must stay under 4 GB)")
     eval_corpus: str = "default"
 
 
@@ -51,6 +52,7 @@ class CompileResult(BaseModel):
     soc_model: int | None
     dsp_arch: str
     graphs: list[ort_qnn.Compiled]
+    parts: int = 1
     nodes_on_cpu: int
     io: dict[str, IOEncoding]
     verification: dict[str, Any]
@@ -62,6 +64,10 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     if options.backend == "qairt":
         from . import qairt
 
+        if options.parts > 1:
+            raise UserError("Splitting a model into parts is built for the ort-qnn back-end only.",
+                            "Compile with `--backend ort-qnn`, or without --parts.")
+
         return qairt.run(quant_dir, options, out_dir, state)
     if options.backend != "ort-qnn":
         raise UserError(f"Unknown compile back-end {options.backend!r}.", "Use `ort-qnn` or `qairt`.")
@@ -72,10 +78,6 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     steps = lap.steps
 
     weights = quant_dir / WEIGHTS_FILE
-    if weights.stat().st_size > MAX_CONTEXT_BYTES:
-        raise UserError(f"The weights ({weights.stat().st_size / 1e9:.1f} GB) exceed one 4 GB HTP context.",
-                        "Splitting a model into several contexts is not supported yet; use w4a16 or a "
-                        "smaller model.")
     prep = out_dir / PREPARED
     prep.mkdir(exist_ok=True)
     link_or_copy(weights, prep / WEIGHTS_FILE)  # the prepared graphs read the quantize stage's weights
@@ -86,13 +88,26 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         _check_same_io(io, enc, g)
         io.update(enc)
     _check_kv_tied(io)
+    spec, _ = store.load_spec(adapt_dir)
+    ars = {s["name"]: s["ar"] for s in json.loads((quant_dir / "graphs.json").read_text())}
+    n_parts = split.part_count(max(split.weight_bytes(prep / f"{g}.onnx") for g in graphs), spec.layers,
+                               options.max_part_mb * 2**20, options.parts)
+    parts = {g: [g] for g in graphs}
+    if n_parts > 1:
+        for g in graphs:
+            state.progress(0.08, f"splitting {g} into {n_parts} parts")
+            parts[g], cut = split.split(prep, g, n_parts, spec.layers, spec.hidden, ars[g])
+            io |= {name: IOEncoding(dtype="float32") for name in cut}
     lap("prepare")
 
     compiled = []
-    for i, g in enumerate(graphs):
+    todo = [p for g in graphs for p in parts[g]]
+    for i, g in enumerate(todo):
         state.check()
-        state.progress(0.1 + 0.3 * i / len(graphs), f"compiling {g} for {target.soc} ({target.dsp_arch})")
+        state.progress(0.1 + 0.3 * i / len(todo), f"compiling {g} for {target.soc} ({target.dsp_arch})")
         c = ort_qnn.compile_graph(prep / f"{g}.onnx", g, out_dir, target)
+        if n_parts > 1:
+            split.name_graph(out_dir / c.context_bin, g)
         if c.nodes_on_cpu:
             listing = "; ".join(f"{n.op_type} {n.name}" + (f" ({n.reason})" if n.reason else "")
                                 for n in c.nodes_on_cpu[:10])
@@ -107,10 +122,10 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         verification["vs_quantsim_test_vectors"] = _check_vectors(quant_dir, prep, graphs, io)
         lap("verify_vectors")
         verification |= verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
-                                             state.sub(0.5, 1.0))
+                                            state.sub(0.5, 1.0), parts)
         lap("verify_simulator")
     res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
-                        dsp_arch=target.dsp_arch, graphs=compiled,
+                        dsp_arch=target.dsp_arch, graphs=compiled, parts=n_parts,
                         nodes_on_cpu=sum(len(c.nodes_on_cpu) for c in compiled), io=io,
                         verification=verification, steps=steps, peak_rss_mb=round(peak_rss_mb()))
     atomic_write_json(out_dir / "compile.json", res.model_dump())
@@ -147,10 +162,11 @@ def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str,
 
 
 def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: Path, graphs: list[str],
-                         io: dict[str, IOEncoding], target: Any, o: CompileOptions, state: StateLike
-                         ) -> dict[str, Any]:
-    """The compiled graphs on the HTP simulator against the prepared graphs on the CPU (= the quantsim),
-    through the host KV-cache runner over the start of the eval text: NLL, top-1, max |Δlogit|."""
+                        io: dict[str, IOEncoding], target: Any, o: CompileOptions, state: StateLike,
+                        parts: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """The compiled graphs (each as its `parts`, run in turn) on the HTP simulator against the prepared
+    graphs on the CPU (= the quantsim), through the host KV-cache runner over the start of the eval text:
+    NLL, top-1, max |Δlogit|."""
     from transformers import AutoTokenizer
 
     spec, inv_freq = store.load_spec(adapt_dir)
@@ -163,11 +179,12 @@ def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: P
     decode = min(o.verify_decode, len(ids) - 1)
     runs: dict[str, Any] = {}
     for i, (label, make) in enumerate((
-            ("cpu", lambda g: cpu_session(prep / f"{g}.onnx")),
-            ("htp", lambda g: ort_qnn.context_session(out_dir / f"{g}.onnx", target)))):
+            ("cpu", lambda g: OrtGraph(cpu_session(prep / f"{g}.onnx"), io)),
+            ("htp", lambda g: split.Chain([OrtGraph(ort_qnn.context_session(out_dir / f"{p}.onnx", target), io)
+                                           for p in (parts or {}).get(g, [g])])))):
         state.progress(0.5 * i, f"running {len(ids)} tokens through the graphs on the "
                                 + ("CPU" if label == "cpu" else "HTP simulator (slow)"))
-        fns = {ar: OrtGraph(make(g), io) for ar, g in zip((ar_n, 1), graphs, strict=True)}
+        fns = {ar: make(g) for ar, g in zip((ar_n, 1), graphs, strict=True)}
         runner = KVCacheRunner(spec, cl, fns, inv_freq)  # type: ignore[arg-type]
         t0 = time.perf_counter()
         logits = runner.score(ids, decode)
