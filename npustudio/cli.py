@@ -246,18 +246,21 @@ def _compile_options(a: argparse.Namespace) -> Any:
     from .core.compile import CompileOptions
 
     return CompileOptions(backend=a.backend, target=getattr(a, "compile_target", None), verify_tokens=a.verify_tokens,
-                          parts=a.parts, max_part_mb=a.max_part_mb)
+                          parts=a.parts, max_part_mb=a.max_part_mb, weight_sharing=a.weight_sharing)
 
 
 def _print_compile(c: dict[str, Any]) -> None:
     from .core.models import human_bytes
 
     out.print(f"Compiled with {c['backend']} for {c['target']} ({c['dsp_arch']}, soc_model {c['soc_model']}): "
-              f"{c['nodes_on_cpu']} nodes on the CPU" + (f", split into {c['parts']} parts" if c["parts"] > 1 else ""))
+              f"{c['nodes_on_cpu']} nodes on the CPU" + (f", split into {c['parts']} parts" if c["parts"] > 1 else "")
+              + (", weight-shared binaries (for a phone)" if c["weight_shared"] else ""))
     for b in c["binaries"]:
         out.print(f"  {b['file']}: {human_bytes(b['bytes'])}, {b['nodes_on_qnn']} nodes on QNN, "
                   f"compiled in {b['compile_seconds']:.1f} s")
     v = c["verification"]
+    if "simulator" in v:
+        out.print(f"  HTP simulator check: {v['simulator']}")
     if "nll_htp" in v:
         out.print(f"  on the HTP simulator over {v['tokens']} tokens: NLL {v['nll_htp']:.4f} vs quantsim (CPU) "
                   f"{v['nll_quantsim_cpu']:.4f} (Δ {v['nll_diff']:+.4f}), top-1 agreement {v['top1_agreement']:.3f}")
@@ -554,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--parts", type=int, default=0, help="split the model into N contexts `…_i_of_N` "
                        "(0: as many as keep each under --max-part-mb)")
         s.add_argument("--max-part-mb", type=int, default=3500, help="largest context, MiB of weights (< 4 GB)")
+        s.add_argument("--weight-sharing", action="store_true", help="one binary per part holding the prompt and "
+                       "token graphs, weights once: for a phone (the simulator and the virtual device cannot load it)")
 
     s = add("quantize", cmd_quantize, "calibrate and quantize the adapted graphs with AIMET, then export them")
     s.add_argument("--project", required=True, help="project folder with an adapted model")

@@ -183,8 +183,8 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     r = compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
                           CompileOptions(parts=2, verify_tokens=64), out, State())
     assert r.parts == 2 and r.nodes_on_cpu == 0
-    assert [g.graph for g in r.graphs] == ["prompt_ar32_cl128_1_of_2", "prompt_ar32_cl128_2_of_2",
-                                           "token_ar1_cl128_1_of_2", "token_ar1_cl128_2_of_2"]
+    assert [g.graph for g in r.graphs] == ["prompt_ar32_cl128_1_of_2", "token_ar1_cl128_1_of_2",
+                                           "prompt_ar32_cl128_2_of_2", "token_ar1_cl128_2_of_2"]
     assert r.io["residual_0"].dtype == "float32"  # the residual stream passes between the parts as it is
     v = r.verification
     assert abs(v["nll_diff"]) < 0.01 and v["top1_agreement"] >= 0.95  # the parts chained on the simulator
@@ -196,6 +196,25 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     whole = runner.run(project.stage_dir("bundle") / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
     split = runner.run(bundle / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
     assert split.runner.startswith("genie") and split.text == whole.text
+
+    # for a phone: one binary per part holding both graphs, their weights stored once
+    shared_out, shared_bundle = tmp_path / "sc", tmp_path / "sb"
+    shared_out.mkdir(), shared_bundle.mkdir()
+    s = compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
+                          CompileOptions(parts=2, weight_sharing=True, verify_tokens=8), shared_out, State())
+    assert s.weight_shared and "not run" in s.verification["simulator"]
+    for i in (0, 2):
+        prompt, token = s.graphs[i], s.graphs[i + 1]
+        assert prompt.context_bin == token.context_bin and prompt.bin_bytes == token.bin_bytes
+        assert prompt.bin_bytes < r.graphs[i].bin_bytes + r.graphs[i + 1].bin_bytes
+        data = (shared_out / prompt.context_bin).read_bytes()
+        assert all(g.graph.split("_cl128")[0].encode() in data for g in (prompt, token))  # both graphs, renamed
+    bundle_stage.run(shared_out, project.stage_dir("adapt"), bundle_stage.BundleOptions(), shared_bundle, State())
+    cfg = json.loads((shared_bundle / gc.CONFIG).read_text())
+    assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == ["shared_1_of_2.bin", "shared_2_of_2.bin"]
+    assert json.loads((shared_bundle / gc.HTP_EXT).read_text())["context"]["weight_sharing_enabled"]
+    with pytest.raises(UserError, match="weight-shared, for a phone"):  # not a segfault in Genie
+        runner.run(shared_bundle / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=2)
 
 
 def test_part_counts_and_back_ends_that_cannot_split_are_refused(project: Project, tmp_path: Path) -> None:
@@ -210,9 +229,12 @@ def test_part_counts_and_back_ends_that_cannot_split_are_refused(project: Projec
     with pytest.raises(UserError, match="ort-qnn back-end only"):
         compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
                           CompileOptions(backend="qairt", parts=2), tmp_path, State())
-    (tmp_path / "x.bin").write_bytes(b"not a context binary")
-    with pytest.raises(UserError, match="exactly one onnxruntime-qnn graph name"):
-        split.name_graph(tmp_path / "x.bin", "prompt_ar32_cl128_1_of_2")
+    ctx = project.stage_dir("compile") / "prompt_ar32_cl128_1_of_1.onnx"  # a compiled one-part graph
+    with pytest.raises(UserError, match="longer than onnxruntime-qnn's"):
+        split.name_graph(ctx, "prompt_ar32_cl128_" + "x" * 80 + "_1_of_2")
+    (tmp_path / "x.onnx").write_bytes(b"not an onnx file")
+    with pytest.raises(UserError, match=r"x\.onnx is not a readable ONNX file"):
+        split.name_graph(tmp_path / "x.onnx", "prompt_ar32_cl128_1_of_2")
 
 
 def test_compile_refuses_a_project_without_quantized_graphs(tmp_path: Path) -> None:

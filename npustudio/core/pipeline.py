@@ -241,6 +241,7 @@ def quantize_summary(r: dict[str, Any], folder: Path) -> dict[str, Any]:
 def compile_summary(r: dict[str, Any]) -> dict[str, Any]:
     return {"backend": r["backend"], "target": r["target"], "dsp_arch": r["dsp_arch"], "soc_model": r["soc_model"],
             "nodes_on_cpu": r["nodes_on_cpu"], "parts": r.get("parts", 1),
+            "weight_shared": r.get("weight_shared", r["backend"] == "qairt"),
             "binaries": [{"graph": g["graph"], "file": g["context_bin"], "bytes": g["bin_bytes"],
                           "nodes_on_qnn": g["nodes_on_qnn"], "compile_seconds": g["seconds"]} for g in r["graphs"]],
             "verification": r["verification"], "steps": r["steps"]}

@@ -43,6 +43,8 @@ class CompileOptions(BaseModel):
     verify_decode: int = Field(4, description="of which the last ones run as AR-1 steps")
     parts: int = Field(0, ge=0, description="contexts the model is split into (0: as many as needed)")
     max_part_mb: int = Field(3500, ge=1, description="MiB of weights per context (each must stay under 4 GB)")
+    weight_sharing: bool = Field(False, description="one binary per part holding the prompt and token graphs, "
+                                                    "weights once: for a phone (the x86 simulator cannot load it)")
     eval_corpus: str = "default"
 
 
@@ -53,6 +55,7 @@ class CompileResult(BaseModel):
     dsp_arch: str
     graphs: list[ort_qnn.Compiled]
     parts: int = 1
+    weight_shared: bool = False
     nodes_on_cpu: int
     io: dict[str, IOEncoding]
     verification: dict[str, Any]
@@ -100,14 +103,15 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
             io |= {name: IOEncoding(dtype="float32") for name in cut}
     lap("prepare")
 
-    compiled = []
-    todo = [p for g in graphs for p in parts[g]]
-    for i, g in enumerate(todo):
+    compiled: list[ort_qnn.Compiled] = []
+    hold: list[Any] = []  # the sessions of a context being shared, until its last graph
+    shared = options.weight_sharing
+    todo = [(parts[g][i], ("last" if g == graphs[-1] else "on") if shared else "")  # part by part
+            for i in range(n_parts) for g in graphs]
+    for i, (g, share) in enumerate(todo):
         state.check()
         state.progress(0.1 + 0.3 * i / len(todo), f"compiling {g} for {target.soc} ({target.dsp_arch})")
-        c = ort_qnn.compile_graph(prep / f"{g}.onnx", g, out_dir, target)
-        if n_parts > 1:
-            split.name_graph(out_dir / c.context_bin, g)
+        c = ort_qnn.compile_graph(prep / f"{g}.onnx", g, out_dir, target, share, hold)
         if c.nodes_on_cpu:
             listing = "; ".join(f"{n.op_type} {n.name}" + (f" ({n.reason})" if n.reason else "")
                                 for n in c.nodes_on_cpu[:10])
@@ -115,17 +119,28 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
                             "These ops have no quantized HTP implementation as exported; report this model.")
         compiled.append(c)
         lap(f"compile_{g}")
+        if share == "on":
+            continue  # a shared binary is written when its part's last graph is compiled
+        hold.clear()
+        for m in compiled[-len(graphs):] if share else [c]:
+            m.bin_bytes = c.bin_bytes
+            if n_parts > 1:  # Genie orders the parts by the QNN graph names inside the binaries
+                split.name_graph(out_dir / m.context_onnx, m.graph)
 
     verification: dict[str, Any] = {}
     if options.verify_tokens > 0:
         state.progress(0.45, "checking the prepared graphs against the quantsim's test vectors")
         verification["vs_quantsim_test_vectors"] = _check_vectors(quant_dir, prep, graphs, io)
         lap("verify_vectors")
-        verification |= verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
-                                            state.sub(0.5, 1.0), parts)
-        lap("verify_simulator")
+        if shared:
+            verification["simulator"] = ("not run: weight-shared binaries do not load on the x86 HTP simulator "
+                                         "(they are for a phone)")
+        else:
+            verification |= verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
+                                                state.sub(0.5, 1.0), parts)
+            lap("verify_simulator")
     res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
-                        dsp_arch=target.dsp_arch, graphs=compiled, parts=n_parts,
+                        dsp_arch=target.dsp_arch, graphs=compiled, parts=n_parts, weight_shared=shared,
                         nodes_on_cpu=sum(len(c.nodes_on_cpu) for c in compiled), io=io,
                         verification=verification, steps=steps, peak_rss_mb=round(peak_rss_mb()))
     atomic_write_json(out_dir / "compile.json", res.model_dump())

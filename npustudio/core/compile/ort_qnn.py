@@ -94,29 +94,58 @@ def assignment(sess: Any) -> tuple[int, list[CpuNode]]:
     return on_qnn, cpu
 
 
-def compile_graph(qio_onnx: Path, graph: str, out_dir: Path, target: Soc) -> Compiled:
-    """Compile one prepared graph to `graph`.onnx (EPContext node) + `graph`_qnn.bin in `out_dir`."""
+def compile_graph(qio_onnx: Path, graph: str, out_dir: Path, target: Soc, share: str = "",
+                  hold: list[Any] | None = None) -> Compiled:
+    """Compile one prepared graph to `graph`.onnx (EPContext node) + its context binary in `out_dir`.
+
+    share="on" puts the graph into the context being shared (one binary, weights stored once),
+    share="last" closes that binary; the sessions of a shared context are kept in `hold` until then.
+    """
     import onnxruntime as ort
 
     ctx = out_dir / f"{graph}.onnx"
+    so = session_options(target, ctx)
+    if share:
+        so.add_session_config_entry("ep.share_ep_contexts", "1")
+        if share == "last":
+            so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
     t0 = time.perf_counter()
     try:
         with fd_redirected(1):
-            sess = ort.InferenceSession(str(qio_onnx), session_options(target, ctx))
+            sess = ort.InferenceSession(str(qio_onnx), so)
     except Exception as e:  # QNN's own message is the useful part
         raise UserError(f"QNN could not compile {graph}: {_first_line(e)}",
                         "Check that the graph came from this version's quantize stage; run with "
                         "`--log` for QNN's messages.") from e
     seconds = time.perf_counter() - t0
     on_qnn, cpu = assignment(sess)
+    if hold is not None:
+        hold.append(sess)
     del sess
     if cpu:
         cpu = explain_cpu_nodes(qio_onnx, target, cpu)
-    binary = out_dir / f"{graph}_qnn.bin"
-    if not ctx.is_file() or not binary.is_file():
+    binary = out_dir / context_node(ctx)[1] if ctx.is_file() else None
+    if binary is None or not (binary.is_file() or share == "on"):  # a shared binary is written by its last graph
         raise UserError(f"onnxruntime-qnn wrote no context binary for {graph}.", "Re-run the compile stage.")
-    return Compiled(graph=graph, context_onnx=ctx.name, context_bin=binary.name, bin_bytes=binary.stat().st_size,
-                    seconds=round(seconds, 2), nodes_on_qnn=on_qnn, nodes_on_cpu=cpu)
+    return Compiled(graph=graph, context_onnx=ctx.name, context_bin=binary.name,
+                    bin_bytes=binary.stat().st_size if binary.is_file() else 0, seconds=round(seconds, 2),
+                    nodes_on_qnn=on_qnn, nodes_on_cpu=cpu)
+
+
+def context_node(ctx_onnx: Path) -> tuple[str, str]:
+    """(QNN graph name, context binary file) of a compiled graph's EPContext node."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        nodes = [n for n in onnx.load(str(ctx_onnx)).graph.node if n.op_type == "EPContext"]
+    except (OSError, DecodeError) as e:
+        raise UserError(f"{ctx_onnx.name} is not a readable ONNX file ({e}).", "Re-run the compile stage.") from e
+    attrs = {a.name: a.s.decode() for a in nodes[0].attribute if a.s} if len(nodes) == 1 else {}
+    if "ep_cache_context" not in attrs:
+        raise UserError(f"{ctx_onnx.name} is not a compiled context (one EPContext node naming its binary).",
+                        "Re-run the compile stage.")
+    return nodes[0].name, attrs["ep_cache_context"]
 
 
 def explain_cpu_nodes(model: Path, target: Soc, cpu: list[CpuNode]) -> list[CpuNode]:

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from ..fsutil import atomic_write_bytes
 from .ort_graph import OrtGraph
 
 SHARED_INPUTS = ("attention_mask", "position_ids_cos", "position_ids_sin")
-_ORT_GRAPH_NAME = re.compile(rb"QNNExecutionProvider_QNNExecutionProvider_\d+_\d+_\d+")
 
 
 def weight_bytes(onnx_path: Path) -> int:
@@ -99,24 +99,35 @@ def split(prepared: Path, graph: str, parts: int, layers: int, hidden: int, ar: 
     return names, list(cuts.values())
 
 
-def name_graph(binary: Path, name: str) -> None:
-    """Rename the QNN graph in an onnxruntime-qnn context binary to `name`, padded to the hashed name's
-    length (the name is a length-prefixed string; keeping the length keeps every offset)."""
-    data = binary.read_bytes()
-    found = set(_ORT_GRAPH_NAME.findall(data))
-    if len(found) != 1:
-        raise UserError(f"{binary.name} does not hold exactly one onnxruntime-qnn graph name ({len(found)} found).",
-                        "Re-run the compile stage; report this if it repeats.")
-    old = found.pop()
+def name_graph(ctx_onnx: Path, name: str) -> None:
+    """Rename a compiled graph's QNN graph, inside its context binary and in its EPContext node, to
+    `name` padded to the hashed name's length (the name is a length-prefixed string in the binary;
+    keeping the length keeps every offset)."""
+    import onnx
+
+    from .ort_qnn import context_node
+
+    old_name, bin_name = context_node(ctx_onnx)
+    old = old_name.encode()
     tail = re.search(r"_\d+_of_\d+$", name)
     head, end = (name[: tail.start()], tail.group(0)) if tail else (name, "")
     new = (head + "_" * (len(old) - len(head) - len(end)) + end).encode()
     if len(new) != len(old):
         raise UserError(f"The graph name {name!r} is longer than onnxruntime-qnn's ({len(old)} characters).",
                         "Use a shorter graph name.")
-    tmp = binary.with_name(binary.name + ".tmp")
-    tmp.write_bytes(data.replace(old, new))
-    tmp.replace(binary)
+    binary = ctx_onnx.parent / bin_name
+    data = binary.read_bytes()
+    if data.count(old) == 0:
+        raise UserError(f"{binary.name} does not hold the graph {old_name}.", "Re-run the compile stage.")
+    atomic_write_bytes(binary, data.replace(old, new))
+    model = onnx.load(str(ctx_onnx))
+    for node in model.graph.node:
+        if node.name == old_name:
+            node.name = new.decode()
+            for a in node.attribute:
+                if a.name == "partition_name":
+                    a.s = new
+    atomic_write_bytes(ctx_onnx, model.SerializeToString())
 
 
 class Chain:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -69,15 +70,20 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     target = soc(comp["target"])
     cl = graphs[0]["cl"]
     state.progress(0.1, "linking the context binaries")
-    bins = []
+    # one binary per graph (the simulator's layout; a phone takes it too), or with weight sharing one per
+    # part holding the prompt and token graphs (a qairt build always shares)
+    shared = comp["backend"] == "qairt" or comp.get("weight_shared", False)
+    bins: list[str] = []
     for g in comp["graphs"]:
         name = f"{g['graph']}.bin"
-        link_or_copy(compile_dir / g["context_bin"], out_dir / name)
-        bins.append(name)
+        if shared:
+            part = re.search(r"_\d+_of_\d+$", g["graph"])
+            name = f"shared{part.group(0) if part else ''}.bin"
+        if name not in bins:
+            link_or_copy(compile_dir / g["context_bin"], out_dir / name)
+            bins.append(name)
     shutil.copy2(adapt_dir / gc.TOKENIZER, out_dir / gc.TOKENIZER)
 
-    # one binary per graph: right for the simulator; a phone takes them too (weight sharing is a qairt build)
-    shared = comp["backend"] == "qairt"
     cfg = gc.genie_config(card, cl, bins, options.sampler, options.n_threads, htp_ext=True)
     atomic_write_json(out_dir / gc.CONFIG, cfg)
     atomic_write_json(out_dir / gc.HTP_EXT, gc.htp_ext_config(target, shared))

@@ -50,6 +50,14 @@ def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | No
 def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None, log_level: str,
            on_log: Callable[[str], None] | None, stop: threading.Event | None, max_tokens: int | None) -> RunResult:
     cfg = gc.absolute(gc.read(config_path), config_path.parent)
+    try:
+        shared = _metadata(config_path.parent).get("weight_shared")
+    except UserError:  # a bundle made elsewhere has no metadata: Genie says what it finds
+        shared = False
+    if shared:
+        raise UserError("This bundle's binaries are weight-shared, for a phone: the x86 HTP simulator cannot "
+                        "load them (Genie and onnxruntime crash on it).",
+                        "Deploy it to a phone, use --preview here, or compile without weight sharing.")
     level = libgenie.LOG_LEVELS.get(log_level)
     if level is None:
         raise UserError(f"Unknown log level {log_level!r}.", "Use error, warn, info or verbose.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtWidgets import QButtonGroup, QRadioButton
+from PySide6.QtWidgets import QButtonGroup, QCheckBox, QRadioButton
 
 from ...core import isolated, pipeline
 from ...core.compile import CompileOptions, qairt
@@ -41,7 +41,10 @@ class CompilePage(Page):
         self.verify.setToolTip("eval tokens run through the compiled graphs on the simulator (0: skip; ~0.6 s each)")
         self.form.addRow("Back-end:", self.embedded)
         self.form.addRow("", self.sdk)
+        self.share = QCheckBox("Weight sharing: one binary per part with the prompt and token graphs, weights once "
+                               "(for a phone: the simulator and the virtual device cannot load it)")
         self.form.addRow("Verify on the simulator (tokens):", self.verify)
+        self.form.addRow("", self.share)
         self.add_strip("Compile and bundle")
         self.binaries = table(["Graph", "Context binary", "Size", "Ops on the NPU", "Compile time"])
         self.results = table(["Result", "Value"])
@@ -60,7 +63,8 @@ class CompilePage(Page):
             self.sdk.setEnabled(False)
 
     def options(self) -> CompileOptions:
-        return CompileOptions(backend="qairt" if self.sdk.isChecked() else "ort-qnn", verify_tokens=self.verify.value())
+        return CompileOptions(backend="qairt" if self.sdk.isChecked() else "ort-qnn", verify_tokens=self.verify.value(),
+                              weight_sharing=self.share.isChecked())
 
     def start(self) -> None:
         project, opts = self.project, self.options()
@@ -79,6 +83,7 @@ class CompilePage(Page):
         crec, brec = self.project.record("compile"), self.project.record("bundle")
         if crec and crec.status == "done":
             self.verify.setValue(int(crec.options.get("verify_tokens", 128)))
+            self.share.setChecked(bool(crec.options.get("weight_sharing", False)))
             (self.sdk if crec.options.get("backend") == "qairt" and self.sdk.isEnabled() else self.embedded
              ).setChecked(True)
             self._show(crec.result, brec.result if brec and brec.status == "done" else None)
@@ -90,13 +95,16 @@ class CompilePage(Page):
         v = s["verification"] or {}
         rows: list[tuple[str, Any]] = [
             ("Target", f"{s['target']} (Hexagon {s['dsp_arch']}, soc_model {s['soc_model']})"),
-            ("Back-end", s["backend"]), ("Ops left on the CPU", s["nodes_on_cpu"])]
-        for g in (x["graph"] for x in s["binaries"]):
-            if f"{g}_top1_agreement" in v.get("vs_quantsim_test_vectors", {}):
-                t = v["vs_quantsim_test_vectors"]
-                rows.append((f"{g} on the CPU vs quantsim", f"top-1 {t[f'{g}_top1_agreement']:.3f}, "
-                             f"max |Δ logit| {t[f'{g}_max_abs_logit_diff']:.3f}"))
-        if v.get("tokens"):
+            ("Back-end", s["backend"]), ("Ops left on the CPU", s["nodes_on_cpu"]),
+            ("Contexts", f"{s['parts']} part{'s' if s['parts'] > 1 else ''}"
+                         + (", weight-shared (for a phone)" if s["weight_shared"] else ", one binary per graph"))]
+        t = v.get("vs_quantsim_test_vectors", {})
+        for g in (k.removesuffix("_top1_agreement") for k in t if k.endswith("_top1_agreement")):
+            rows.append((f"{g} on the CPU vs quantsim", f"top-1 {t[f'{g}_top1_agreement']:.3f}, "
+                         f"max |Δ logit| {t[f'{g}_max_abs_logit_diff']:.3f}"))
+        if "simulator" in v:
+            rows.append(("HTP simulator check", v["simulator"]))
+        elif v.get("tokens"):
             rows += [("HTP simulator vs quantsim", f"NLL {v['nll_htp']:.3f} vs {v['nll_quantsim_cpu']:.3f} "
                       f"(Δ {v['nll_diff']:+.3f}) over {v['tokens']} tokens"),
                      ("Top-1 agreement on the simulator", f"{v['top1_agreement']:.3f}")]
