@@ -139,6 +139,8 @@ def main() -> None:
             results.append(json.loads(p.stdout.strip().splitlines()[-1]))
     print(json.dumps({"model": "llama-3.2-1b-shaped (random)" if a.llama_1b else "SmolLM2-135M-Instruct (default)",
                       "ar": 128, "cl": 1024, "results": results}, indent=2))
+    if any("error" in r for r in results):
+        sys.exit(1)  # a failed variant (a full disk, say) must not read as a measurement
 
 
 if __name__ == "__main__":

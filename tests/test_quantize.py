@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -322,7 +323,8 @@ def _graph(path: Path) -> tuple[list[tuple], list[list[bytes]], dict[str, bytes]
 
 @pytest.mark.parametrize("precision", ["w8a16", "w4a16"])
 def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Project, list[Partial]],
-                                                                 tmp_path: Path, precision: str) -> None:
+                                                                 tmp_path: Path, precision: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The stage traces each graph once and writes both forms; they must equal aimet's own two exports."""
     import torch
 
@@ -343,7 +345,21 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    export.export_graph(sim, feeds, PROMPT, one)
+    calls = {"lean": 0, "aimet": 0}  # the slab-wise quantization must really run, not fall back to aimet's
+    lean = export._lean_quantize_const
+
+    def spy(aimets: Any, *args: Any, **kw: Any) -> Any:
+        def counted(*a: Any, **k: Any) -> Any:
+            calls["aimet"] += 1
+            return aimets(*a, **k)
+
+        calls["lean"] += 1
+        return lean(counted, *args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(export, "_lean_quantize_const", spy)
+        export.export_graph(sim, feeds, PROMPT, one)
+    assert calls["lean"] >= 2 * 4 + 2 * 3 and calls["aimet"] == 0  # every conv weight of both layers, at least
     _aimet_two_exports(sim, feeds, PROMPT, two)
     # the stage leaves each graph's weights in a side file until share_weights folds them into weights.bin
     sides = [f"{PROMPT}.onnx.data", f"{PROMPT}_qdq.onnx.data"]
