@@ -226,6 +226,19 @@ def test_part_counts_and_back_ends_that_cannot_split_are_refused(project: Projec
     with pytest.raises(UserError, match="only 2 layers"):
         compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
                           CompileOptions(parts=3, verify_tokens=0), tmp_path, State())
+    # each part is weighed after the cut: a first part heavy with the embedding table asks for one more part
+    real_weight_bytes = split.weight_bytes
+    sizes = {"_1_of_1": 3, "_1_of_2": 5, "_2_of_2": 1}  # MiB: whole graphs, then the two parts
+
+    def weigh(path: Path) -> int:
+        real_weight_bytes(path)
+        return next(v for k, v in sizes.items() if path.stem.endswith(k)) * 2**20
+
+    with pytest.MonkeyPatch.context() as m, pytest.raises(UserError, match=r"3 parts .* only 2 layers"):
+        m.setattr(split, "weight_bytes", weigh)
+        compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
+                          CompileOptions(max_part_mb=2, verify_tokens=0), tmp_path, State())
+    assert not list((tmp_path / "prepared").glob("*_of_2.onnx"))  # the two-part cut was cleared away
     with pytest.raises(UserError, match="ort-qnn back-end only"):
         compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
                           CompileOptions(backend="qairt", parts=2), tmp_path, State())

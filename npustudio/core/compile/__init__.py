@@ -93,14 +93,23 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     _check_kv_tied(io)
     spec, _ = store.load_spec(adapt_dir)
     ars = {s["name"]: s["ar"] for s in json.loads((quant_dir / "graphs.json").read_text())}
-    n_parts = split.part_count(max(split.weight_bytes(prep / f"{g}.onnx") for g in graphs), spec.layers,
-                               options.max_part_mb * 2**20, options.parts)
+    limit = options.max_part_mb * 2**20
+    n_parts = split.part_count(max(split.weight_bytes(prep / f"{g}.onnx") for g in graphs), spec.layers, limit,
+                               options.parts)
     parts = {g: [g] for g in graphs}
-    if n_parts > 1:
+    while n_parts > 1:
+        cut: list[str] = []
         for g in graphs:
             state.progress(0.08, f"splitting {g} into {n_parts} parts")
             parts[g], cut = split.split(prep, g, n_parts, spec.layers, spec.hidden, ars[g])
+        biggest = max(split.weight_bytes(prep / f"{p}.onnx") for ps in parts.values() for p in ps)
+        if options.parts or biggest <= limit:
             io |= {name: IOEncoding(dtype="float32") for name in cut}
+            break
+        for p in (p for ps in parts.values() for p in ps):
+            (prep / f"{p}.onnx").unlink()
+        # the first part also holds the embedding table, the last the LM head: one more part
+        n_parts = split.part_count(0, spec.layers, limit, n_parts + 1)
     lap("prepare")
 
     compiled: list[ort_qnn.Compiled] = []
