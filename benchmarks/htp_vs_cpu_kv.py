@@ -34,7 +34,7 @@ def main() -> None:
     spec, inv_freq = store.load_spec(stages / "adapt")
     specs = json.loads((stages / "quantize" / "graphs.json").read_text())
     ar, cl = specs[0]["ar"], specs[0]["cl"]
-    tok = AutoTokenizer.from_pretrained(str(stages / "quantize"))
+    tok = AutoTokenizer.from_pretrained(str(stages / "quantize"), trust_remote_code=False)
     ids = tok(load_corpus("default", "eval"))["input_ids"][:ar]
     feeds = KVCacheRunner(spec, cl, {ar: None}, inv_freq).feeds(ids, ar)  # type: ignore[dict-item]
     q = {n: quantize(t.numpy(), io[n]) for n, t in feeds.items()}

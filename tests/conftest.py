@@ -26,6 +26,8 @@ def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: p
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
     monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))  # crash logs
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
     monkeypatch.setenv("HF_HOME", str(home / "hf"))
     monkeypatch.setenv("PYTHON_KEYRING_BACKEND", "keyring.backends.null.Keyring")
     monkeypatch.delenv("HF_TOKEN", raising=False)
@@ -69,15 +71,16 @@ TINY = {
 }
 
 
-def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0) -> Path:
+ARCH = {"llama": "Llama", "llama64": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3"}
+
+
+def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **config: object) -> Path:
+    """A tiny random `family` model (Mistral and Phi-3 take llama64's shapes); `config` overrides its config."""
     import transformers
 
-    llama = ("LlamaConfig", "LlamaForCausalLM")
-    cls = {"llama": llama, "llama64": llama, "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
-    cfg = getattr(transformers, cls[0])(**TINY[family])
+    cfg = getattr(transformers, f"{ARCH[family]}Config")(**{**TINY.get(family, TINY["llama64"]), **config})
     torch.manual_seed(seed)
-    model = getattr(transformers, cls[1])(cfg).eval()
+    model = getattr(transformers, f"{ARCH[family]}ForCausalLM")(cfg).eval()
     with torch.no_grad():  # random init is tiny; spread logits so top-1 is not a coin toss
         for p in model.parameters():
             if p.dim() > 1:
@@ -99,9 +102,8 @@ def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
 
 
-@pytest.fixture(scope="session")
-def genie_project(tmp_path_factory: pytest.TempPathFactory) -> object:
-    """A tiny Llama (head_dim 64, CL 128, AR-32) taken through adapt, quantize, compile and bundle once."""
+def genie_pipeline(root: Path, model: Path) -> object:
+    """`model` taken through adapt, quantize (w8a16), compile and bundle at CL 128, AR-32, with small eval sizes."""
     from npustudio.core import pipeline
     from npustudio.core.adapt import AdaptOptions
     from npustudio.core.compile import CompileOptions
@@ -110,15 +112,20 @@ def genie_project(tmp_path_factory: pytest.TempPathFactory) -> object:
     from npustudio.core.project import Project
     from npustudio.core.quantize import QuantizeOptions
 
-    root = tmp_path_factory.mktemp("cg")
-    model = make_tiny_model(root / "m", "llama64")
-    p = Project.open(root / "p")
+    p = Project.open(root)
     pipeline.adapt(p, str(model), AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128, decode_tokens=8), State())
     pipeline.quantize(p, QuantizeOptions(precision="w8a16", calib_samples=2, calib_len=64, calib_decode=4,
                                          eval_chars=1500, window=128, decode_tokens=8), State())
     pipeline.compile_graphs(p, CompileOptions(verify_tokens=64), State())
     pipeline.bundle(p, BundleOptions(), State())
     return p
+
+
+@pytest.fixture(scope="session")
+def genie_project(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """A tiny Llama (head_dim 64, CL 128, AR-32) taken through adapt, quantize, compile and bundle once."""
+    root = tmp_path_factory.mktemp("cg")
+    return genie_pipeline(root / "p", make_tiny_model(root / "m", "llama64"))
 
 
 class MemoryKeyring(KeyringBackend):

@@ -1,7 +1,7 @@
 """A loopback Hugging Face hub: the endpoints `snapshot_download` uses, served from a local folder.
 
 Set HF_ENDPOINT to its URL. Repos listed in `gated` answer 401/403 with X-Error-Code GatedRepo unless the
-request carries the accepted token, as the real hub does.
+request carries the accepted token, as the real hub does. `SilentHub` accepts connections and never answers.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -95,3 +96,35 @@ class FakeHub:
         etag = hashlib.sha256(data).hexdigest()
         return self._send(h, 200, data, {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"',
                                          "Content-Type": "application/octet-stream"}, head)
+
+
+class SilentHub:
+    """An endpoint that accepts every connection and never sends a byte (a hung server or proxy)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.conns.append(conn)
+
+    def __enter__(self) -> SilentHub:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(timeout=5)
+        for c in self.conns:
+            c.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from npustudio.core import chat, device
 from npustudio.core.device import deploy, run
+from npustudio.core.device.phone_shell import Call, Program
 from npustudio.core.device.virtual import VirtualDevice
 from npustudio.core.errors import UserError
 from npustudio.core.progress import State
@@ -42,15 +44,15 @@ def bundle(genie_project: Project) -> Path:
     return genie_project.stage_dir("bundle")
 
 
-def _fake_genie(vd: VirtualDevice, script: str) -> None:
+@contextlib.contextmanager
+def _genie(vd: VirtualDevice, program: Program) -> Iterator[None]:
     """Replace the virtual device's genie-t2t-run (tests of the run plumbing, not of Genie)."""
-    p = vd.root / "system" / "bin" / "genie-t2t-run"
-    p.write_text("#!/bin/sh\n" + script)
-    p.chmod(0o755)
-
-
-def _restore_genie(vd: VirtualDevice) -> None:
-    vd._prepare_sandbox()
+    real = vd.programs["genie-t2t-run"]
+    vd.programs["genie-t2t-run"] = program
+    try:
+        yield
+    finally:
+        vd.programs["genie-t2t-run"] = real
 
 
 def test_stock_adb_sees_the_virtual_device_and_can_shell_push_pull(vdev: VirtualDevice, adb_server: list[str],
@@ -168,14 +170,15 @@ def test_a_bundle_for_another_arch_is_refused_before_any_byte_moves(adb_server: 
                      "nul\0byte", "ünïcödé 🚀 \\n literal", "x" * 100_000])))
 def test_the_device_receives_exactly_the_prompt_and_runs_nothing_else(vdev: VirtualDevice, bundle: Path,
                                                                        prompt: str) -> None:
-    _fake_genie(vdev, 'f=""; while [ $# -gt 0 ]; do [ "$1" = --prompt_file ] && f=$2; shift; done\n'
-                      'printf "[BEGIN]: "; printf ok; printf "[END]\\n"\n')
+    def answer_ok(call: Call) -> int:
+        call.path(call.args[call.args.index("--prompt_file") + 1]).read_bytes()  # there, in the sandbox
+        call.write("[BEGIN]: ok[END]\n")
+        return 0
+
     rdir = deploy.remote_dir(bundle)
     vdev.host_path(rdir).mkdir(parents=True, exist_ok=True)
-    try:
+    with _genie(vdev, answer_ok):
         res = run.run(vdev.serial, rdir, prompt, lambda _s: None)
-    finally:
-        _restore_genie(vdev)
     assert res.text == "ok"
     assert (vdev.host_path(rdir) / run.PROMPT_FILE).read_bytes() == prompt.encode("utf-8")
     assert not (vdev.root / "data/local/tmp/PWNED").exists()
@@ -192,18 +195,19 @@ def test_the_device_receives_exactly_the_prompt_and_runs_nothing_else(vdev: Virt
     ("Failed to create dialog", "could not load the model"),
 ])
 def test_known_failures_are_explained(vdev: VirtualDevice, bundle: Path, line: str, words: str) -> None:
-    _fake_genie(vdev, f"echo '{line}'; exit 1\n")
-    try:
-        with pytest.raises(UserError) as e:
-            run.run(vdev.serial, deploy.remote_dir(bundle), "hi", lambda _s: None)
-    finally:
-        _restore_genie(vdev)
+    def fail(call: Call) -> int:
+        call.write(line + "\n")
+        return 1
+
+    with _genie(vdev, fail), pytest.raises(UserError) as e:
+        run.run(vdev.serial, deploy.remote_dir(bundle), "hi", lambda _s: None)
     assert words in e.value.problem and e.value.fix
 
 
 def test_stop_closes_the_stream_and_kills_the_remote_process(vdev: VirtualDevice, bundle: Path) -> None:
-    _fake_genie(vdev, 'printf "[BEGIN]: "; echo $$ > genie.pid; '
-                      'while true; do printf tok; sleep 0.05; done\n')
+    looping = [sys.executable, "-c", "import os, sys, time\n"  # a host process the device starts and must end
+               "open('genie.pid', 'w').write(str(os.getpid()))\nsys.stdout.write('[BEGIN]: ')\n"
+               "while True:\n    sys.stdout.write('tok'); sys.stdout.flush(); time.sleep(0.05)\n"]
     stop = threading.Event()
     got: list[str] = []
 
@@ -213,10 +217,8 @@ def test_stop_closes_the_stream_and_kills_the_remote_process(vdev: VirtualDevice
             stop.set()
 
     t0 = time.monotonic()
-    try:
+    with _genie(vdev, looping):
         res = run.run(vdev.serial, deploy.remote_dir(bundle), "hi", on_out, stop=stop)
-    finally:
-        _restore_genie(vdev)
     assert res.status == "stopped" and time.monotonic() - t0 < 20
     pid = int((_remote(vdev, bundle) / "genie.pid").read_text())
     time.sleep(0.5)

@@ -78,8 +78,8 @@ def test_legacy_0_6_1_dict_form(tmp_path: Path) -> None:
     ('{"version": "1.0.0", "activation_encodings": [{"bw": 8}], "param_encodings": []}', "entry without a name"),
     ('{"version": "1.0.0", "activation_encodings": [{"name": "x", "bw": 8}], "param_encodings": []}',
      "encoding of 'x' is malformed"),
-    ('{"version": "1.0.0", "activation_encodings": [{"name": "x", "bw": 8, "scale": [-1], "offset": [0]}], '
-     '"param_encodings": []}', "scale is not positive"),
+    ('{"version": "1.0.0", "activation_encodings": [{"name": "x", "bw": "eight", "scale": [1], "offset": [0]}], '
+     '"param_encodings": []}', "encoding of 'x' is malformed"),
     ('{"version": "1.0.0", "activation_encodings": [{"name": "x", "bw": 8, "scale": [1], "offset": [0], '
      '"enc_type": "PER_GALAXY"}], "param_encodings": []}', "unknown enc_type"),
     ('{"activation_encodings": {"t": ["a"]}, "param_encodings": {}}', "malformed"),

@@ -73,3 +73,11 @@ def test_too_short_text_is_an_error() -> None:
     with pytest.raises(UserError, match="shorter than two tokens"):
         evaluate.compare([1], lambda ids: torch.zeros(len(ids), 4))
     assert math.isfinite(evaluate.compare([1, 2], lambda ids: torch.zeros(len(ids), 4)).ref_ppl)
+
+
+def test_the_eval_is_sized_to_the_model() -> None:
+    from npustudio.core.evaluate import MIN_EVAL_TOKENS, auto_eval_tokens
+
+    assert auto_eval_tokens(134_515_008) >= 1862  # the default model keeps its whole eval slice
+    assert auto_eval_tokens(1_235_814_400) == MIN_EVAL_TOKENS == 256  # a 1B model: 256 positions
+    assert auto_eval_tokens(4_000_000_000) == 256

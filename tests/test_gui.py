@@ -300,3 +300,62 @@ def test_qt_calls_do_not_drain_the_reference_count_of_none(qtbot: Any) -> None:
     for _ in range(5000):
         app.processEvents()
     assert sys.getrefcount(None) - before > -100
+
+
+def test_redo_on_each_stage_page_reruns_its_stage_with_force(qtbot: Any, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run skips an unchanged stage; Redo passes force=True to the pipeline (the CLI's --force)."""
+    from npustudio.core import isolated
+
+    asked: list[tuple[str, bool]] = []
+
+    def fake_run(fn: Any, *args: Any, state: Any, **kw: Any) -> Any:
+        asked.append((fn.func.__name__, fn.keywords["force"]))
+        raise UserError("not run in this test", "")
+
+    monkeypatch.setattr(isolated, "run", fake_run)
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    for page in (w.adapt_page, w.quantize_page, w.compile_page):
+        assert not page.strip.redo.isHidden()
+        for button in (page.strip.run, page.strip.redo):
+            with qtbot.waitSignal(page.strip.finished, timeout=10_000):
+                button.click()
+    assert asked == [("adapt", False), ("adapt", True), ("quantize", False), ("quantize", True),
+                     ("compile_and_bundle", False), ("compile_and_bundle", True)]
+
+
+CLOSE_WHILE_BUSY = """
+import os, sys
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+from npustudio.core import isolated
+from npustudio.gui import worker
+from tests.test_gui import busy_without_safe_points
+
+if __name__ == "__main__":
+    app = QApplication([])
+    worker.start(lambda s: isolated.run(busy_without_safe_points, state=s), "Quantizing")
+    QTimer.singleShot(2000, lambda: (worker.cancel_all(wait_ms=300), app.quit()))
+    app.exec()
+"""
+
+
+def busy_without_safe_points(state: Any) -> None:
+    """A stage step that never reaches a safe point for a while (as AIMET's export can)."""
+    import time
+
+    time.sleep(30)
+
+
+def test_a_stage_still_running_when_the_window_closes_ends_quietly(tmp_path: Path) -> None:
+    """The app quits while its stage child is busy: the child is ended, with no traceback printed (it printed
+    `the stage process ended with no result (exit -15)` and `Signal source has been deleted`)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", CLOSE_WHILE_BUSY], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr and "has been deleted" not in res.stderr, res.stderr

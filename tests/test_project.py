@@ -45,7 +45,7 @@ def test_stage_outputs_are_recorded_with_hashes_and_skipped_when_unchanged(tmp_p
     assert ran3 and (p.root / "stages/demo/result.txt").read_text() == "c"
     _, ran4 = p.run_stage("demo", {"model": "m2"}, {"x": 2}, _write_stage("d", calls))  # inputs changed
     assert ran4 and calls == ["a", "c", "d"]
-    assert p.verify("demo") == []
+    assert p.changed("demo") == []
 
 
 def test_deleted_output_makes_the_stage_rerun(tmp_path: Path) -> None:
@@ -177,3 +177,75 @@ def test_state_maps_substeps_and_reports_partials() -> None:
     s.cancel()
     with pytest.raises(Cancelled):
         sub.progress(0.9)
+
+
+def test_an_output_edited_in_place_at_the_same_size_reruns_its_stage_and_blocks_the_next(tmp_path: Path) -> None:
+    from npustudio.core import pipeline
+
+    p = Project.open(tmp_path / "proj")
+    calls: list[str] = []
+    p.run_stage("adapt", {"model": {"spec": "org/m"}}, {}, _write_stage("a", calls))
+    out = p.root / "stages/adapt/result.txt"
+    out.write_text("z")  # same size, other content: only a hash tells
+    assert p.changed("adapt") == ["stages/adapt/result.txt"]
+    with pytest.raises(UserError) as e:  # the next stage says what changed and what to rerun
+        pipeline._require(p, "adapt", "adapt", "adapted model")
+    assert "stages/adapt/result.txt" in e.value.problem and "npustudio adapt org/m --project" in e.value.fix
+    _, ran = p.run_stage("adapt", {"model": {"spec": "org/m"}}, {}, _write_stage("a", calls))
+    assert ran and calls == ["a", "a"] and out.read_text() == "a"  # rerun, not skipped
+    assert pipeline._require(p, "adapt", "adapt").status == "done"
+
+
+def test_unchanged_outputs_are_not_rehashed_and_force_redoes_a_stage(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from npustudio.core import project as project_mod
+
+    p = Project.open(tmp_path / "proj")
+    calls: list[str] = []
+    p.run_stage("demo", {}, {}, _write_stage("a", calls))
+    hashed: list[str] = []
+    real = project_mod.sha256_file
+    monkeypatch.setattr(project_mod, "sha256_file", lambda f: hashed.append(str(f)) or real(f))
+    assert not p.run_stage("demo", {}, {}, _write_stage("b", calls))[1]
+    assert hashed == []  # same size and mtime as recorded: a stat, no re-read
+    f = p.root / "stages/demo/result.txt"
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))  # touched, content unchanged
+    assert not p.run_stage("demo", {}, {}, _write_stage("b", calls))[1]
+    assert hashed == [str(f)]
+    project_mod._hashes.clear()  # as in a new process: the new mtime is in the manifest now
+    assert not p.run_stage("demo", {}, {}, _write_stage("b", calls))[1]
+    assert hashed == [str(f)]
+    _, ran = p.run_stage("demo", {}, {}, _write_stage("c", calls), force=True)
+    assert ran and calls == ["a", "c"] and f.read_text() == "c"
+
+
+def test_links_planted_in_a_project_never_let_it_write_outside(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    p = Project.open(tmp_path / "proj")
+    lock = p.root / ".lock"
+    lock.unlink(missing_ok=True)
+    lock.symlink_to(victim)
+    with pytest.raises(UserError, match=r"\.lock is a symbolic link"):
+        p.run_stage("demo", {}, {}, _write_stage("a", []))
+    assert victim.read_text() == "precious"
+    lock.unlink()
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (p.root / "stages").mkdir(exist_ok=True)
+    (p.root / "stages/demo").symlink_to(outside)
+    with pytest.raises(UserError, match="symbolic link"):
+        p.run_stage("demo", {}, {}, _write_stage("a", []))
+    assert list(outside.iterdir()) == []
+    (p.root / "stages/demo").unlink()
+
+    m = p.root / MANIFEST
+    m.rename(tmp_path / "real_manifest.json")
+    m.symlink_to(tmp_path / "real_manifest.json")
+    before = (tmp_path / "real_manifest.json").read_text()
+    with pytest.raises(UserError, match="symbolic link"):
+        Project.open(p.root)
+    with pytest.raises(UserError, match="symbolic link"):
+        p.choose(model="x")
+    assert (tmp_path / "real_manifest.json").read_text() == before

@@ -55,6 +55,22 @@ def test_w8a16_keeps_perplexity_and_reports_it(w8: tuple[Project, list[Partial]]
     assert r["graphs"] == [PROMPT, TOKEN]
 
 
+def test_the_float_model_is_evaluated_once_across_adapt_and_quantize(w8: tuple[Project, list[Partial]],
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from npustudio.core import quantize
+
+    p, _ = w8
+    adapt, quant = p.record("adapt").result, p.record("quantize").result
+    assert quant["ppl_fp"] == adapt["ppl_adapted"] and quant["eval_tokens"] == adapt["eval_tokens"]
+    # another eval than adapt's is computed here, from the float model, and the adapt stage's logits are not read
+    read: list[Path] = []
+    monkeypatch.setattr(quantize, "Reference", lambda folder: read.append(folder))
+    opts = QuantizeOptions(precision="w8a16", **(FAST | {"eval_tokens": 200}), export=False)
+    r = quantize.run(p.stage_dir("adapt"), opts, tmp_path, State())
+    assert r.eval_tokens < quant["eval_tokens"] and not read and r.ppl_fp != quant["ppl_fp"]
+
+
 def test_live_points_fp_first_then_quantized_for_every_window(w8: tuple[Project, list[Partial]]) -> None:
     _, points = w8
     fp = [e for e in points if "quant_ppl" not in e.data]
@@ -277,7 +293,7 @@ def test_cancel_keeps_the_last_good_result(w8: tuple[Project, list[Partial]]) ->
     assert p.record("quantize") == before
     assert p.load().attempts["quantize"].status == "cancelled"
     assert not (p.root / "stages" / ".quantize.partial").exists()
-    assert p.verify("quantize") == []
+    assert p.changed("quantize") == []
 
 
 def test_quantize_cli_json_lists_ratio_and_files(w8: tuple[Project, list[Partial]],
@@ -319,6 +335,39 @@ def _graph(path: Path) -> tuple[list[tuple], list[list[bytes]], dict[str, bytes]
     nodes = [(n.op_type, tuple(n.input), tuple(n.output), n.SerializeToString()) for n in m.graph.node]
     io = [[v.SerializeToString() for v in vs] for vs in (m.graph.input, m.graph.output)]
     return nodes, io, {t.name: onnx.numpy_helper.to_array(t).tobytes() for t in m.graph.initializer}
+
+
+@pytest.mark.parametrize("precision", ["w8a16", "w4a16"])
+def test_folding_by_slabs_gives_aimets_folded_weights(w8: tuple[Project, list[Partial]], precision: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage folds each weight a slab of rows at a time: the same tensors and encodings as aimet's fold."""
+    import torch
+
+    from npustudio.core.adapt import store
+    from npustudio.core.adapt.decoder import io_names
+    from npustudio.core.quantize import simulate
+    from npustudio.core.quantize.presets import preset
+    from npustudio.core.targets import soc
+
+    p = w8[0]
+    tv = read_test_vectors(p.stage_dir("quantize") / "test_vectors" / f"{PROMPT}.npz")
+    dummy = tuple(torch.from_numpy(tv["in"][n]) for n in io_names(2)[0])
+    sims = []
+    for _ in range(2):
+        model, _ = store.load(p.stage_dir("adapt"))
+        sims.append(simulate.build(model, dummy, preset(precision), soc("SM8750"), Overrides()))
+    monkeypatch.setattr(simulate, "_SLAB", 1000)  # many slabs per weight, a partial last one
+    simulate.fold(sims[0])
+    from aimet_torch.nn import compute_param_encodings
+
+    compute_param_encodings(sims[1].model)
+    sims[1].fold_param_quantizers()
+    ours, theirs = dict(sims[0].model.named_parameters()), dict(sims[1].model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert type(ours[name]) is type(t) and torch.equal(ours[name], t), name
+        if getattr(t, "encoding", None) is not None:
+            assert torch.equal(ours[name].encoding.scale, t.encoding.scale), name
 
 
 @pytest.mark.parametrize("precision", ["w8a16", "w4a16"])
@@ -371,20 +420,17 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
 
 
 def test_shipped_override_files_load_and_every_pattern_names_a_module() -> None:
-    import fnmatch
-
     import torch
 
     from npustudio.core.adapt.decoder import DecoderSpec, StaticDecoder
+    from npustudio.core.quantize.presets import check_overrides
 
     spec = DecoderSpec(family="llama", model_type="llama", layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,
                        intermediate=128, vocab=100, rms_norm_eps=1e-5, tied_embeddings=True, qkv_bias=False,
                        qk_norm=False)
     with torch.device("meta"):
-        names = [n for n, _ in StaticDecoder(spec).named_modules()]
+        model = StaticDecoder(spec)
     files = sorted((Path(__file__).parents[1] / "resources" / "overrides").glob("*.json"))
     assert files
     for f in files:
-        ov = load_overrides(f)
-        for pattern in [*ov.weights, *ov.activations]:
-            assert any(fnmatch.fnmatchcase(n, pattern) for n in names), (f.name, pattern)
+        check_overrides(load_overrides(f), model)  # raises, naming the pattern, when one matches nothing

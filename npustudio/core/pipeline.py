@@ -5,7 +5,9 @@ Used by both the CLI and the GUI, so they run exactly the same thing.
 
 from __future__ import annotations
 
-import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,62 +15,109 @@ import platformdirs
 
 from . import adapt as adapt_stage
 from . import compile as compile_stage
-from . import models
+from . import host_cost, models
 from . import quantize as quantize_stage
+from .config_audit import check_context
 from .errors import UserError
-from .fsutil import atomic_write_json
+from .fsutil import atomic_write_json, refuse_link
 from .genie import bundle as bundle_stage
 from .progress import State, StateLike
-from .project import Project, StageRecord
+from .project import MANIFEST, Project, StageRecord
 
 
 def default_project_dir() -> Path:
     return platformdirs.user_data_path("npustudio") / "projects" / "default"
 
 
+@contextmanager
+def opened(project_dir: Path | str) -> Iterator[Project]:
+    """The project for a command that may create it: when the command fails before any stage finished in a
+    project it created, the folder is left as it was (a new folder removed, an empty one emptied again)."""
+    root = Path(project_dir).expanduser().resolve()
+    existed, fresh = root.exists(), not (root / MANIFEST).exists()
+    project = Project.open(root)
+    try:
+        yield project
+    except BaseException:
+        if fresh:
+            _discard_if_unused(project, existed)
+        raise
+
+
+def _discard_if_unused(project: Project, existed: bool) -> None:
+    try:
+        if project.load().stages:
+            return
+        if not existed:
+            shutil.rmtree(project.root)
+            return
+        for f in project.root.iterdir():  # the folder was empty before: everything in it is ours
+            shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink()
+    except (OSError, UserError):
+        pass  # the original error matters more than this tidying up
+
+
+def _check_fits(project: Project, stage: str) -> None:
+    """Refuse a stage this computer's memory cannot hold, from the model's card (before anything loads)."""
+    rec = project.record("model")
+    if rec is not None and rec.status == "done":
+        host_cost.check_fits(models.ArchCard(**rec.result["card"]), stage)
+
+
 def resolve(model: str) -> models.ModelSource:
     return models.download(models.resolve_source(model))
 
 
-def intake(project: Project, model: str, cl: int, state: StateLike) -> tuple[models.ModelSource, StageRecord]:
+def intake(project: Project, model: str, cl: int, state: StateLike,
+           force: bool = False) -> tuple[models.ModelSource, StageRecord]:
     state.progress(0.0, f"reading {model}")
     source = resolve(model)
     fp = models.fingerprint(source)
 
     def fn(out: Path) -> dict[str, Any]:
         card = models.read_card(source)
+        check_context(card, cl)
         fits = models.fit_table(card, cl)
+        host = host_cost.estimate(card, gguf=bool(source.gguf_file))
         atomic_write_json(out / "card.json", card.model_dump())
         atomic_write_json(out / "fit.json", [f.model_dump() for f in fits])
-        return {"source": source.model_dump(), "card": card.model_dump(), "fit": [f.model_dump() for f in fits]}
+        return {"source": source.model_dump(), "card": card.model_dump(), "fit": [f.model_dump() for f in fits],
+                "host": host.model_dump()}
 
-    rec, _ = project.run_stage("model", inputs={"model": fp}, options={"cl": cl}, fn=fn)
+    rec, _ = project.run_stage("model", inputs={"model": fp}, options={"cl": cl}, fn=fn, force=force)
     state.progress(1.0, "model read")
     return source, rec
 
 
-def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state: StateLike) -> StageRecord:
+def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state: StateLike,
+          force: bool = False) -> StageRecord:
+    """Adapt `model` into the project; `force` redoes it even when the inputs and options are unchanged."""
     source, mrec = intake(project, model, options.cl, state.sub(0.0, 0.05))
+    adapt_stage.validate(options, models.ArchCard(**mrec.result["card"]))  # before any weight is loaded
 
     def fn(out: Path) -> dict[str, Any]:
+        host_cost.check_fits(models.ArchCard(**mrec.result["card"]), "adapt", gguf=bool(source.gguf_file))
         st = state.sub(0.05, 1.0)
         st.progress(0.0, "loading weights")
         lm = models.load(source)
         return adapt_stage.run(lm, options, out, st.sub(0.1, 1.0)).model_dump()
 
-    rec, _ = project.run_stage("adapt", inputs={"model": mrec.inputs["model"]}, options=options.model_dump(), fn=fn)
+    rec, _ = project.run_stage("adapt", inputs={"model": mrec.inputs["model"]}, options=options.model_dump(), fn=fn,
+                               force=force)
     return rec
 
 
-def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike) -> StageRecord:
+def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike,
+             force: bool = False) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
     arec = _require(project, "adapt", "adapt", "adapted model")
 
     def fn(out: Path) -> dict[str, Any]:
+        _check_fits(project, "quantize")
         return quantize_stage.run(project.stage_dir("adapt"), options, out, state).model_dump()
 
     rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key, "format": quantize_stage.FORMAT},
-                               options=options.model_dump(), fn=fn)
+                               options=options.model_dump(), fn=fn, force=force)
     return rec
 
 
@@ -90,28 +139,40 @@ def stage_status(project: Project) -> dict[str, str | None]:
 
 
 def _require(project: Project, stage: str, command: str, what: str | None = None) -> StageRecord:
-    """The record of an earlier stage that finished and whose outputs are intact; else say what to run."""
+    """The record of an earlier stage that finished and whose outputs are intact; else say what to rerun."""
     rec = project.record(stage)
-    if rec is None or rec.status != "done" or project.verify(stage):
-        raise UserError(f"The project {project.root} has no intact {what or stage + ' stage'} yet.",
-                        f"Run `npustudio {command} --project {project.root}` first (or `npustudio run`).")
+    what = what or f"{stage} stage"
+    rerun = f"npustudio {command} --project {project.root}"
+    if stage == "adapt" and rec is not None:
+        rerun = f"npustudio adapt {rec.inputs.get('model', {}).get('spec', 'MODEL')} --project {project.root}"
+    if rec is None or rec.status != "done":
+        raise UserError(f"The project {project.root} has no intact {what} yet.",
+                        f"Run `{rerun}` first (or `npustudio run`).")
+    changed = project.changed(stage)
+    if changed:
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        raise UserError(f"The {what} in {project.root} was changed after the {stage} stage wrote it ({shown}).",
+                        f"Rerun that stage: `{rerun}` (it redoes the stage), then this command again.")
     return rec
 
 
-def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike) -> StageRecord:
+def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike,
+                   force: bool = False) -> StageRecord:
     """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
     qrec = _require(project, "quantize", "quantize")
 
     def fn(out: Path) -> dict[str, Any]:
+        _check_fits(project, "compile")
         return compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"), options, out,
                                  state).model_dump()
 
     rec, _ = project.run_stage("compile", inputs={"quantize": qrec.key, "format": compile_stage.FORMAT},
-                               options=options.model_dump(), fn=fn)
+                               options=options.model_dump(), fn=fn, force=force)
     return rec
 
 
-def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike) -> StageRecord:
+def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike,
+           force: bool = False) -> StageRecord:
     """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie."""
     crec = _require(project, "compile", "compile")
 
@@ -120,15 +181,16 @@ def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLi
         return res.model_dump() | {"folder": str(project.stage_dir("bundle"))}
 
     rec, _ = project.run_stage("bundle", inputs={"compile": crec.key, "format": bundle_stage.FORMAT},
-                               options=options.model_dump(), fn=fn)
+                               options=options.model_dump(), fn=fn, force=force)
     return rec
 
 
 def compile_and_bundle(project: Project, options: compile_stage.CompileOptions, state: StateLike,
-                       boptions: bundle_stage.BundleOptions | None = None) -> tuple[StageRecord, StageRecord]:
+                       boptions: bundle_stage.BundleOptions | None = None,
+                       force: bool = False) -> tuple[StageRecord, StageRecord]:
     """Compile (+ simulator check), then the libGenie-validated bundle: the wizard's Compile step."""
-    crec = compile_graphs(project, options, state.sub(0.0, 0.9))
-    brec = bundle(project, boptions or bundle_stage.BundleOptions(), state.sub(0.9, 1.0))
+    crec = compile_graphs(project, options, state.sub(0.0, 0.9), force=force)
+    brec = bundle(project, boptions or bundle_stage.BundleOptions(), state.sub(0.9, 1.0), force=force)
     return crec, brec
 
 
@@ -160,6 +222,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
         pushed = deploy.deploy(folder, dev, state.sub(0.0, 0.3))
         prompt = (folder / bundle_stage.SAMPLE_PROMPT).read_text(encoding="utf-8")
         prof = project.root / "runs" / "sample_profile.json"
+        refuse_link(prof.parent)
         prof.parent.mkdir(exist_ok=True)
         stop = threading.Event()
         pieces: list[str] = []
@@ -179,7 +242,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
         res = run.run(dev.serial, pushed.remote_dir, prompt, text, stop=stop, profile_to=prof,
                       max_tokens=max_tokens if dev.virtual else None)
         summary = genie_profile.summarize(genie_profile.read(prof)).model_dump() if res.profile_path else None
-        meta = json.loads((folder / bundle_stage.METADATA).read_text())
+        meta = bundle_stage.read_metadata(folder)
         return {"device": dev.serial, "virtual": dev.virtual, "question": meta["question"], "answer": res.text,
                 "stopped_after_tokens": max_tokens if res.status == "stopped" or dev.virtual else None,
                 "deploy": {"bytes_sent": pushed.bytes_sent, "bytes_skipped": pushed.bytes_skipped},
@@ -192,7 +255,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
 def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,
             state: StateLike | None = None, qoptions: quantize_stage.QuantizeOptions | None = None,
             coptions: compile_stage.CompileOptions | None = None, ask: bool = True,
-            on_text: Any = None) -> dict[str, Any]:
+            on_text: Any = None, force: bool = False) -> dict[str, Any]:
     """The main job on the embedded defaults: intake -> adapt (+ equivalence) -> quantize + export ->
     compile (+ simulator check) -> bundle (libGenie-validated) -> deploy to a device (the virtual one when
     no phone is attached) -> the sample prompt there, streamed."""
@@ -200,10 +263,10 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     qoptions = qoptions or quantize_stage.QuantizeOptions()
     coptions = coptions or compile_stage.CompileOptions()
     state = state or State()
-    project = Project.open(project_dir)
-    rec = adapt(project, model, options, state.sub(0.0, 0.3))
-    qrec = quantize(project, qoptions, state.sub(0.3, 0.7))
-    crec, brec = compile_and_bundle(project, coptions, state.sub(0.7, 0.9))
+    with opened(project_dir) as project:
+        rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force)
+    qrec = quantize(project, qoptions, state.sub(0.3, 0.7), force=force)
+    crec, brec = compile_and_bundle(project, coptions, state.sub(0.7, 0.9), force=force)
     sample = None
     if ask:
         sample = ask_on_device(project, on_text=on_text, state=state.sub(0.9, 1.0))
@@ -224,8 +287,9 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
 
 def adapt_summary(r: dict[str, Any]) -> dict[str, Any]:
     """What the CLI and GUI show of an adapt result (one shape for both)."""
-    eq = r["equivalence"]
-    return {"top1_agreement": eq["top1_agreement"], "max_abs_logit_diff": eq["max_abs_logit_diff"],
+    eq, gate = r["equivalence"], r.get("gate") or {}
+    verdict = "passed" if gate.get("passed") else "failed, accepted" if gate.get("accepted_mismatch") else "not run"
+    return {"gate": verdict, "top1_agreement": eq["top1_agreement"], "max_abs_logit_diff": eq["max_abs_logit_diff"],
             "positions": eq["positions"], "prefill_ar": eq["prefill_ar"], "decode_steps": eq["decode_steps"],
             "ppl_fp": r["ppl_fp"], "ppl_adapted": r["ppl_adapted"], "eval_tokens": r["eval_tokens"],
             "graphs": [g["name"] for g in r["graphs"]]}

@@ -3,6 +3,9 @@
 A stage runs in a scratch folder and is swapped in only when it finished, so a killed stage leaves
 the previous good outputs and manifest untouched and simply reruns from its start next time.
 A stage whose inputs and options are unchanged (same key) and whose outputs are intact is skipped.
+"Intact" means the same content (sha256) as recorded; the hash is only recomputed when a file's size or
+mtime differ from the record, so an unchanged multi-GB output costs a stat, not a re-read. Nothing is
+written through a symbolic link planted in the project folder.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,17 +24,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from .errors import UserError
-from .fsutil import atomic_write_text, sha256_file, sha256_json
+from .fsutil import atomic_write_text, open_nofollow, refuse_link, sha256_file, sha256_json
 from .progress import Cancelled, peak_rss_mb
 
 MANIFEST = "npustudio.json"
 SCHEMA_VERSION = 1
+STAGE_NOTE = "NPU Studio stage: "  # added to an unexpected exception, so the CLI can say where it happened
+_hashes: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, for this process
 
 
 class FileRecord(BaseModel):
     path: str  # relative to the project folder
     bytes: int
     sha256: str
+    mtime_ns: int | None = None  # when the stage wrote it: same size and mtime => same content, no re-hash
 
 
 class StageRecord(BaseModel):
@@ -76,19 +83,26 @@ class Project:
     @classmethod
     def open(cls, root: Path | str, create: bool = True) -> Project:
         p = cls(root)
-        if p.root.exists() and not p.root.is_dir():
-            raise UserError(f"{p.root} is a file, not a project folder.", "Choose a folder for the project.")
-        if not p.manifest_path.exists():
-            if not create:
-                raise UserError(f"{p.root} is not an NPU Studio project (no {MANIFEST}).",
-                                "Create it with `npustudio adapt MODEL --project DIR` or pick another folder.")
-            if p.root.exists() and any(p.root.iterdir()):
-                raise UserError(f"{p.root} is not empty and is not an NPU Studio project.",
-                                "Pick an empty or new folder for the project, so no file of yours is touched.")
-            p.root.mkdir(parents=True, exist_ok=True)
-            p.save(Manifest())
-        p.load()  # validates
+        try:
+            p._open(create)
+        except OSError as e:
+            raise _disk_error(p.root, e) from e
         return p
+
+    def _open(self, create: bool) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise UserError(f"{self.root} is a file, not a project folder.", "Choose a folder for the project.")
+        refuse_link(self.manifest_path)
+        if not self.manifest_path.exists():
+            if not create:
+                raise UserError(f"{self.root} is not an NPU Studio project (no {MANIFEST}).",
+                                "Create it with `npustudio adapt MODEL --project DIR` or pick another folder.")
+            if self.root.exists() and any(self.root.iterdir()):
+                raise UserError(f"{self.root} is not empty and is not an NPU Studio project.",
+                                "Pick an empty or new folder for the project, so no file of yours is touched.")
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.save(Manifest())
+        self.load()  # validates
 
     def load(self) -> Manifest:
         try:
@@ -96,9 +110,14 @@ class Project:
         except (ValidationError, ValueError) as e:
             raise UserError(f"The project manifest {self.manifest_path} is damaged: {e.__class__.__name__}.",
                             "Restore it from a backup or start a new project folder.") from e
+        except OSError as e:
+            raise _disk_error(self.root, e) from e
 
     def save(self, manifest: Manifest) -> None:
-        atomic_write_text(self.manifest_path, manifest.model_dump_json(indent=2) + "\n")
+        try:
+            atomic_write_text(self.manifest_path, manifest.model_dump_json(indent=2) + "\n")
+        except OSError as e:
+            raise _disk_error(self.root, e) from e
 
     def record(self, name: str) -> StageRecord | None:
         return self.load().stages.get(name)
@@ -114,17 +133,24 @@ class Project:
 
     @contextmanager
     def _lock(self) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / ".lock", "w") as f:
+        """One process per project. The lock file is never truncated and never followed if it is a link."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = open_nofollow(self.root / ".lock", os.O_WRONLY | os.O_CREAT)
+        except OSError as e:
+            raise _disk_error(self.root, e) from e
+        try:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError as e:
                 raise UserError(f"Another NPU Studio process is working on {self.root}.",
                                 "Wait for it to finish or stop it, then try again.") from e
             try:
                 yield
             finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     # ----- stages -----
     def is_current(self, name: str, key: str) -> bool:
@@ -134,38 +160,65 @@ class Project:
         return not self.changed(name)
 
     def changed(self, name: str) -> list[str]:
-        """A quick check (existence and size, no hashing) of a stage's outputs: the paths that differ."""
-        rec = self.record(name)
-        return [fr.path for fr in (rec.outputs if rec else [])
-                if not (self.root / fr.path).is_file() or (self.root / fr.path).stat().st_size != fr.bytes]
+        """The outputs of a stage whose content differs from its record (edited, replaced by a link, gone).
 
-    def verify(self, name: str) -> list[str]:
-        """Re-hash a stage's outputs; returns the paths whose content changed or vanished."""
+        The one notion of "intact" for skipping a stage and for requiring it: content hashes, recomputed
+        only for a file whose size or mtime differs from the record."""
         rec = self.record(name)
-        bad = []
-        for fr in rec.outputs if rec else []:
-            f = self.root / fr.path
-            if not f.is_file() or sha256_file(f) != fr.sha256:
-                bad.append(fr.path)
-        return bad
+        return [fr.path for fr in (rec.outputs if rec else []) if not self._intact(fr)]
+
+    def _intact(self, fr: FileRecord) -> bool:
+        f = self.root / fr.path
+        try:
+            st = os.lstat(f)
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != fr.bytes:
+            return False
+        if fr.mtime_ns is not None and st.st_mtime_ns == fr.mtime_ns:
+            return True
+        key = (str(f), st.st_size, st.st_mtime_ns)
+        if key not in _hashes:
+            _hashes[key] = sha256_file(f)
+        return _hashes[key] == fr.sha256
+
+    def _remember_mtimes(self, name: str) -> None:
+        """After a check found every output intact: record the mtimes of those that were re-hashed (touched, or
+        recorded before mtimes were), so the next check is a stat again. Called under the project lock."""
+        m = self.load()
+        dirty = False
+        for fr in m.stages[name].outputs:
+            mtime = os.lstat(self.root / fr.path).st_mtime_ns
+            if fr.mtime_ns != mtime:
+                fr.mtime_ns, dirty = mtime, True
+        if dirty:
+            self.save(m)
 
     def run_stage(self, name: str, inputs: dict[str, Any], options: dict[str, Any], fn: StageFn,
                   force: bool = False) -> tuple[StageRecord, bool]:
         """Run `fn` unless an identical finished run exists. Returns (record, ran)."""
         key = sha256_json({"stage": name, "inputs": inputs, "options": options})
         with self._lock():
+            scratch = self.root / "stages" / f".{name}.partial"
+            for d in (self.root / "stages", scratch, self.stage_dir(name), self.root / "stages" / f".{name}.old"):
+                refuse_link(d)
             self._recover(name)
             if not force and self.is_current(name, key):
+                self._remember_mtimes(name)
                 return self.record(name), False  # type: ignore[return-value]
-            scratch = self.root / "stages" / f".{name}.partial"
             shutil.rmtree(scratch, ignore_errors=True)
-            scratch.mkdir(parents=True)
+            try:
+                scratch.mkdir(parents=True)
+            except OSError as e:
+                raise _disk_error(self.root, e) from e
             started = datetime.now(UTC)
             t0 = time.perf_counter()
             try:
                 result = fn(scratch)
             except BaseException as e:
                 status = "cancelled" if isinstance(e, Cancelled | KeyboardInterrupt) else "failed"
+                if not isinstance(e, UserError | Cancelled | KeyboardInterrupt):
+                    e.add_note(STAGE_NOTE + name)
                 shutil.rmtree(scratch, ignore_errors=True)
                 m = self.load()
                 m.attempts[name] = StageRecord(name=name, status=status, key=key, inputs=inputs,
@@ -176,7 +229,7 @@ class Project:
             final = self.stage_dir(name)
             outputs = [
                 FileRecord(path=str((final / f.relative_to(scratch)).relative_to(self.root)),
-                           bytes=f.stat().st_size, sha256=sha256_file(f))
+                           bytes=f.stat().st_size, sha256=sha256_file(f), mtime_ns=f.stat().st_mtime_ns)
                 for f in sorted(scratch.rglob("*")) if f.is_file()
             ]
             rec = StageRecord(name=name, status="done", key=key, inputs=inputs, options=options,
@@ -203,3 +256,11 @@ class Project:
         if old.exists() and not final.exists():
             os.replace(old, final)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _disk_error(root: Path, e: OSError) -> UserError:
+    """The project folder cannot be created, read or written (read-only or missing file system, no rights)."""
+    where = e.filename or root
+    return UserError(f"NPU Studio cannot use the project folder {root}: {e.strerror or e} ({where}).",
+                     "Pick a project folder on a disk that is mounted and writable (--project DIR), or free "
+                     "space / fix the permissions there.")

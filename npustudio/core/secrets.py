@@ -27,10 +27,40 @@ def get_hf_token() -> str | None:
     return os.environ.get("HF_TOKEN") or None
 
 
+def no_keyring() -> str | None:
+    """Why no system keyring can hold the token (keyring's null/fail backends accept a secret and keep
+    nothing), or None when one can."""
+    try:
+        import keyring
+        from keyring.backends import fail, null
+
+        kr = keyring.get_keyring()
+    except Exception as e:  # e.g. PYTHON_KEYRING_BACKEND naming nothing
+        return f"the keyring cannot be loaded ({e.__class__.__name__}: {e})"
+    backends = list(getattr(kr, "backends", [kr]))  # a chainer tries several
+    if not backends or all(isinstance(b, fail.Keyring | null.Keyring) for b in backends):
+        return f"the keyring backend is {kr.__class__.__module__}, which stores nothing"
+    return None
+
+
 def set_hf_token(token: str) -> None:
+    """Store the token in the system keyring, and read it back: a UserError when nothing would keep it."""
+    from .errors import UserError
+
+    fix = ("Install and unlock a system keyring (GNOME Keyring, KWallet, ...), or set HF_TOKEN for this session "
+           "only.")
+    why = no_keyring()
+    if why:
+        raise UserError(f"There is no usable system keyring ({why}), so the token cannot be stored.", fix)
     import keyring
 
-    keyring.set_password(SERVICE, USER, token)
+    try:
+        keyring.set_password(SERVICE, USER, token)
+        kept = keyring.get_password(SERVICE, USER)
+    except Exception as e:
+        raise UserError(f"The system keyring refused the token ({e.__class__.__name__}).", fix) from None
+    if kept != token:
+        raise UserError("The system keyring took the token but does not give it back, so it is not stored.", fix)
 
 
 def delete_hf_token() -> None:
@@ -59,12 +89,18 @@ def validate_hf_token(token: str) -> str:
         raise UserError("No token given.", "Paste the token from https://huggingface.co/settings/tokens.")
     if any(c.isspace() for c in token):
         raise UserError("The token contains spaces.", "Copy it again from https://huggingface.co/settings/tokens.")
+    from . import hub
+
+    if hub.token_for(token) is None:
+        raise UserError("The token was not checked: HF_ENDPOINT is plain http, which would show it to the network.",
+                        f"Use an https:// HF_ENDPOINT, or set {hub.ALLOW_HTTP_TOKEN}=1; the token can be saved "
+                        "without checking.")
+    hub.bound_waits()
     try:
         from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError
 
-        # HF_ENDPOINT read per call (huggingface_hub reads it once, at import)
-        info = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None).whoami(token=token, cache=False)
+        info = HfApi(endpoint=hub.endpoint()).whoami(token=token, cache=False)
     except HfHubHTTPError as e:
         code = getattr(getattr(e, "response", None), "status_code", None)
         if code in (401, 403):

@@ -6,14 +6,19 @@ instead of keeping the app from starting. The HF token is never here: it lives i
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import platformdirs
 from pydantic import BaseModel, Field, ValidationError
 
+from .compute import Device
+from .errors import UserError
 from .fsutil import atomic_write_text
 from .targets import DEFAULT_SOC
+
+log = logging.getLogger(__name__)
 
 MAX_RECENT = 8
 
@@ -25,6 +30,8 @@ class Settings(BaseModel):
     default_target: str = DEFAULT_SOC
     default_precision: str = "w8a16"
     virtual_preview: bool = Field(False, description="the virtual device answers with the CPU preview (fast)")
+    device: Device = Field("auto", description="where adapt and quantize run their torch work (auto: a CUDA GPU "
+                                               "when there is one)")
 
     def remember(self, project: Path | str) -> None:
         p = str(Path(project).expanduser().resolve())
@@ -50,4 +57,9 @@ def load() -> Settings:
 
 
 def save(s: Settings) -> None:
-    atomic_write_text(path(), s.model_dump_json(indent=2) + "\n")
+    """Written atomically, never through a link; a file that cannot be written is said (stderr), and the app
+    goes on with the settings in memory."""
+    try:
+        atomic_write_text(path(), s.model_dump_json(indent=2) + "\n")
+    except (OSError, UserError) as e:
+        log.warning("Settings not saved: %s", e)

@@ -21,8 +21,20 @@ from PySide6.QtWidgets import (
 
 from ..core import secrets
 from ..core import settings as user_settings
+from ..core.errors import UserError
 from ..core.targets import SOCS
 from . import worker
+
+
+def device_choice(current: str) -> QComboBox:
+    """Where adapt and quantize run their torch work; the GPU is offered even when absent (it is refused
+    then, with the reason)."""
+    box = QComboBox()
+    for key, label in (("auto", "Automatic: the CUDA GPU when there is one"), ("cpu", "CPU"),
+                       ("cuda", "CUDA GPU")):
+        box.addItem(label, key)
+    box.setCurrentIndex(max(0, box.findData(current)))
+    return box
 
 
 class SettingsDialog(QDialog):
@@ -63,6 +75,7 @@ class SettingsDialog(QDialog):
         self.precision = QComboBox()
         self.precision.addItems(["w8a16", "w4a16"])
         self.precision.setCurrentText(s.default_precision)
+        self.device = device_choice(s.device)
         self.preview = QCheckBox("The virtual device answers with the CPU preview (fast) instead of Genie on the "
                                  "HTP simulator")
         self.preview.setChecked(s.virtual_preview)
@@ -70,6 +83,7 @@ class SettingsDialog(QDialog):
         form.addRow("adb:", self.adb)
         form.addRow("Default target:", self.target)
         form.addRow("Default precision:", self.precision)
+        form.addRow("Compute on:", self.device)
         form.addRow("", self.preview)
         lay.addWidget(paths)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
@@ -100,9 +114,8 @@ class SettingsDialog(QDialog):
             return
         try:
             secrets.set_hf_token(token)
-        except Exception as e:  # a missing or locked keyring: say so, never fall back to a file
-            self.token_status.setText(f"The system keyring refused the token ({e.__class__.__name__}). Unlock or "
-                                      "install a keyring, or set HF_TOKEN for one session.")
+        except UserError as e:  # a missing or locked keyring: say so, never fall back to a file
+            self.token_status.setText(f"{e.problem} {e.fix}")
             return
         self.token.clear()
         self.token_status.setText(f"Token of {user} saved in the system keyring." if user else
@@ -120,6 +133,7 @@ class SettingsDialog(QDialog):
         s.qnn_sdk_root, s.adb_path = self.sdk.text().strip(), self.adb.text().strip()
         s.default_target, s.default_precision = str(self.target.currentData()), self.precision.currentText()
         s.virtual_preview = self.preview.isChecked()
+        s.device = self.device.currentData()
         user_settings.save(s)
         s.apply()
         super().accept()

@@ -64,15 +64,21 @@ def cells(t: QTableWidget) -> list[list[str]]:
 
 
 class RunStrip(QWidget):
-    """Run and Cancel buttons, a progress bar and a status line, wired to one `worker.Job` at a time."""
+    """Run, Redo and Cancel buttons, a progress bar and a status line, wired to one `worker.Job` at a time.
+
+    Run skips a stage whose inputs and options are unchanged; Redo (shown when a page asks for it) runs it
+    again anyway, as the CLI's --force does."""
 
     finished = Signal(bool)  # True when the job succeeded
 
-    def __init__(self, label: str = "Run") -> None:
+    def __init__(self, label: str = "Run", redo: bool = False) -> None:
         super().__init__()
         lay = QHBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
         self.run = QPushButton(label)
+        self.redo = QPushButton("Redo")
+        self.redo.setToolTip("Run the stage again even though its inputs and options are unchanged")
+        self.redo.setVisible(redo)
         self.cancel = QPushButton("Cancel")
         self.cancel.setEnabled(False)
         self.bar = QProgressBar()
@@ -81,6 +87,7 @@ class RunStrip(QWidget):
         self.status = QLabel("")
         self.status.setWordWrap(True)
         lay.addWidget(self.run)
+        lay.addWidget(self.redo)
         lay.addWidget(self.cancel)
         lay.addWidget(self.bar, 1)
         self.job: worker.Job | None = None
@@ -89,6 +96,7 @@ class RunStrip(QWidget):
     def start(self, fn: Callable[[Any], Any], on_done: Callable[[Any], None], name: str,
               on_partial: Callable[[str, dict], None] | None = None) -> worker.Job:
         self.run.setEnabled(False)
+        self.redo.setEnabled(False)
         self.cancel.setEnabled(True)
         self.bar.setValue(0)
         self.status.setText(f"{name}…")
@@ -117,6 +125,7 @@ class RunStrip(QWidget):
 
     def _reset(self) -> None:
         self.run.setEnabled(True)
+        self.redo.setEnabled(True)
         self.cancel.setEnabled(False)
         self.job = None
 
@@ -158,8 +167,11 @@ class Page(QWidget):
         self.form = QFormLayout()
         self.lay.addLayout(self.form)
 
-    def add_strip(self, label: str = "Run") -> RunStrip:
-        self.strip = RunStrip(label)
+    def add_strip(self, label: str = "Run", redo: bool = False) -> RunStrip:
+        """The run strip; with `redo`, its Redo button calls `self.start(force=True)`."""
+        self.strip = RunStrip(label, redo)
+        if redo:
+            self.strip.redo.clicked.connect(lambda: self.start(force=True))
         self.lay.addWidget(self.strip)
         self.lay.addWidget(self.strip.status)
         return self.strip

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal
+from shiboken6 import isValid
 
 from ..core.errors import UserError
 from ..core.progress import Cancelled, Partial, Progress, State
@@ -50,25 +51,34 @@ class Job(QObject):
             self._last, self._message = now, ev.message  # a new step's message always gets through
             self.progress.emit(ev.fraction, ev.message)
 
+    def _emit(self, name: str, *args: Any) -> None:
+        """Emit unless the window (and this QObject with it) is gone: a job still running when the window
+        closed ends after Qt deleted its objects, and nobody listens any more."""
+        try:
+            if isValid(self):
+                getattr(self, name).emit(*args)
+        except RuntimeError:  # "Signal source has been deleted": deleted between the check and the emit
+            pass
+
     def run(self) -> None:  # worker thread
         try:
             result = self.fn(self.state)
         except Cancelled:
-            self.cancelled.emit()
-        except UserError as e:
-            if self.state.cancelled:
-                self.cancelled.emit()
-            else:
-                self.failed.emit(e.problem, e.fix)
+            self._emit("cancelled")
         except Exception as e:  # shown as a dialog, never a crash of the window
-            traceback.print_exc()
-            self.failed.emit(f"{self.name or 'The task'} failed: {e.__class__.__name__}: {e}",
-                             "This is a bug in NPU Studio; the project keeps its last good state.")
+            if self.state.cancelled:  # whatever stopped a cancelled job (the app quitting kills its child)
+                self._emit("cancelled")
+            elif isinstance(e, UserError):
+                self._emit("failed", e.problem, e.fix)
+            else:
+                traceback.print_exc()
+                self._emit("failed", f"{self.name or 'The task'} failed: {e.__class__.__name__}: {e}",
+                           "This is a bug in NPU Studio; the project keeps its last good state.")
         else:
-            self.done.emit(result)
+            self._emit("done", result)
         finally:
             self.running = False
-            self.finished.emit()
+            self._emit("finished")
 
 
 class _Runnable(QRunnable):

@@ -2,4 +2,4 @@
 
 from npustudio.core.families import FamilyRecipe
 
-RECIPE = FamilyRecipe(name="llama", display="Llama", model_types=("llama",))
+RECIPE = FamilyRecipe(name="llama", display="Llama", model_types=("llama",), attention_bias=True, mlp_bias=True)

@@ -2,5 +2,6 @@
 
 from npustudio.core.families import FamilyRecipe
 
-QWEN2 = FamilyRecipe(name="qwen2", display="Qwen2", model_types=("qwen2",))
-QWEN3 = FamilyRecipe(name="qwen3", display="Qwen3", model_types=("qwen3",))
+QWEN2 = FamilyRecipe(name="qwen2", display="Qwen2", model_types=("qwen2",), qkv_bias=True, sliding_window=True)
+QWEN3 = FamilyRecipe(name="qwen3", display="Qwen3", model_types=("qwen3",), attention_bias=True, qk_norm=True,
+                     sliding_window=True)

@@ -2,20 +2,33 @@
 
 Entry point: `run(model, options, out_dir, state) -> AdaptResult`. The proof runs the adapted graphs
 through a host KV-cache runner (AR-N prefill chunks, then AR-1 steps, cache outside the graph, as
-Genie does) over the eval text and compares every next-token logit with the original model.
+Genie does) over the eval text and compares every next-token logit with the original model; the
+equivalence gate fails the stage when they differ (unless the user accepts the mismatch).
 """
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, Field
 
+from .. import compute
+from ..compute import Device
+from ..config_audit import check_context
 from ..errors import UserError
-from ..evaluate import DEFAULT_WINDOW, compare, hf_logits_fn, load_corpus, windows
+from ..evaluate import (
+    DEFAULT_DECODE,
+    DEFAULT_WINDOW,
+    EvalPlan,
+    auto_eval_tokens,
+    compare,
+    eval_ids,
+    hf_logits_fn,
+    windows,
+    write_reference,
+)
 from ..families import recipe_for
 from ..fsutil import atomic_write_json
 from ..models import LoadedModel
@@ -24,7 +37,8 @@ from . import store
 from .decoder import DecoderSpec, StaticDecoder, adapt_weights, graph_names, io_names, io_shapes, spec_from
 from .runner import KVCacheRunner, TorchGraph
 
-__all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "KVCacheRunner", "StaticDecoder", "TorchGraph", "run"]
+__all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "Gate", "KVCacheRunner", "StaticDecoder", "TorchGraph",
+           "equivalence_gate", "run"]
 
 
 class AdaptOptions(BaseModel):
@@ -32,8 +46,12 @@ class AdaptOptions(BaseModel):
     cl: int = Field(1024, description="context length: KV-cache entries")
     eval_corpus: str = "default"
     eval_chars: int | None = None
+    eval_tokens: int | None = Field(None, ge=2, description="tokens of the eval text scored (default: sized to the "
+                                                           "model, at least 256)")
     window: int = DEFAULT_WINDOW
-    decode_tokens: int = Field(64, description="AR-1 steps at the end of each eval window")
+    decode_tokens: int = Field(DEFAULT_DECODE, ge=0, description="AR-1 steps at the end of each eval window")
+    device: Device = Field("auto", description="where the proof runs (auto: the CUDA GPU when torch sees one)")
+    accept_mismatch: bool = Field(False, description="keep adapted graphs that fail the equivalence gate")
 
 
 class TensorSpec(BaseModel):
@@ -58,6 +76,16 @@ class Equivalence(BaseModel):
     windows: int
     prefill_ar: int
     decode_steps: int
+    ref_logit_range: float = 0.0
+
+
+class Gate(BaseModel):
+    """The equivalence gate's verdict: passed, or failed and accepted by the user (shown in red)."""
+
+    passed: bool
+    accepted_mismatch: bool
+    min_top1: float
+    max_logit_diff: float  # the allowed max |Δlogit|: a fraction of the reference's logit range
 
 
 class AdaptResult(BaseModel):
@@ -68,6 +96,45 @@ class AdaptResult(BaseModel):
     ppl_adapted: float
     eval_tokens: int
     per_window: list[dict[str, float]]
+    eval_plan: EvalPlan | None = None
+    device: str = "cpu"
+    gate: Gate | None = None
+
+
+MIN_TOP1 = 0.999
+MAX_LOGIT_DIFF = 1e-3  # of the widest logit spread: fp32 reordering stays near 1e-6 of it, a dropped bias ~1e-1
+
+
+def likely_causes(card: Any) -> list[str]:
+    """The card's math-changing options that are switched on, most suspect first."""
+    rs = card.rope_scaling or {}
+    out = [f"rope_scaling {rs.get('rope_type')}" if rs else "",
+           f"sliding_window {card.sliding_window}" if card.sliding_window else "",
+           f"hidden_act {card.activation}" if card.activation != "silu" else "",
+           "o_proj bias (attention_bias)" if card.o_bias else "", "MLP biases (mlp_bias)" if card.mlp_bias else "",
+           "q/k/v biases" if card.qkv_bias else "", "q/k norm" if card.qk_norm else "",
+           "untied LM head" if not card.tied_embeddings else ""]
+    return [c for c in out if c]
+
+
+def equivalence_gate(eq: Equivalence, card: Any, accept_mismatch: bool) -> Gate:
+    """Fail the stage when the adapted graphs do not compute what the original model computes."""
+    limit = MAX_LOGIT_DIFF * max(eq.ref_logit_range, 1.0)
+    passed = eq.top1_agreement >= MIN_TOP1 and eq.max_abs_logit_diff <= limit
+    if not passed and not accept_mismatch:
+        causes = likely_causes(card)
+        cause = (f"The likely cause is one of the options this {card.family} model switches on: "
+                 f"{', '.join(causes)}." if causes else
+                 f"The model switches on no optional feature, so the likely cause is how the {card.family} "
+                 "recipe reads its weights.")
+        raise UserError(
+            f"The adapted graphs do not compute what the original model computes: top-1 agreement "
+            f"{eq.top1_agreement:.4f} (needs ≥ {MIN_TOP1}) and max |Δlogit| {eq.max_abs_logit_diff:.3g} (allowed "
+            f"{limit:.3g}, {MAX_LOGIT_DIFF:g} of the logit range {eq.ref_logit_range:.3g}) over {eq.positions} "
+            f"positions. {cause}",
+            "Please report this with the model's config.json. To keep these graphs anyway (they will not answer "
+            "like the original model), rerun with --accept-mismatch.")
+    return Gate(passed=passed, accepted_mismatch=not passed, min_top1=MIN_TOP1, max_logit_diff=limit)
 
 
 def validate(opts: AdaptOptions, card: Any) -> None:
@@ -83,6 +150,7 @@ def validate(opts: AdaptOptions, card: Any) -> None:
     if card.heads % card.kv_heads:
         raise UserError(f"{card.heads} attention heads are not a multiple of {card.kv_heads} KV heads.",
                         "This attention layout is not supported.")
+    check_context(card, opts.cl)
 
 
 def graph_specs(spec: DecoderSpec, ar: int, cl: int) -> list[GraphSpec]:
@@ -102,34 +170,46 @@ def graph_specs(spec: DecoderSpec, ar: int, cl: int) -> list[GraphSpec]:
 def adapt_model(lm: LoadedModel) -> tuple[StaticDecoder, torch.Tensor]:
     recipe = recipe_for(lm.card.model_type, lm.card.architecture)
     spec = spec_from(lm.card, lm.model)
-    return adapt_weights(spec, recipe, lm.model), lm.model.model.rotary_emb.inv_freq.detach().clone()
+    return adapt_weights(spec, recipe, lm.model), lm.model.model.rotary_emb.inv_freq.detach().cpu().clone()
 
 
 def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike) -> AdaptResult:
     validate(options, lm.card)
+    device = compute.resolve(options.device)
+    lm.model.to(device)  # the adapted model shares its weights, on the same device
     state.progress(0.02, "adapting weights to the static graph form")
     model, inv_freq = adapt_model(lm)
     state.check()
 
     runner = KVCacheRunner.over(model, options.ar, options.cl, inv_freq)
-    window = min(options.window, options.cl)
-    adapted = partial(runner.score, decode_tokens=options.decode_tokens)
+    plan = EvalPlan(corpus=options.eval_corpus, chars=options.eval_chars,
+                    tokens=options.eval_tokens or auto_eval_tokens(lm.card.params),
+                    window=min(options.window, options.cl), decode_tokens=options.decode_tokens)
+    ids = eval_ids(lm.tokenizer, plan)
+    plan.tokens = len(ids)
+    kept: list[torch.Tensor] = []  # the adapted model's logits: quantize's float reference, not recomputed there
 
-    text = load_corpus(options.eval_corpus, "eval", options.eval_chars)
-    ids = lm.tokenizer(text)["input_ids"]
+    def adapted(w: list[int]) -> torch.Tensor:
+        kept.append(runner.score(w, decode_tokens=options.decode_tokens))
+        return kept[-1]
+
     state.progress(0.05, f"proving equivalence over {len(ids)} tokens")
-    cmp = compare(ids, hf_logits_fn(lm.model), adapted, window=window, state=state.sub(0.05, 0.9),
+    cmp = compare(ids, hf_logits_fn(lm.model), adapted, window=plan.window, state=state.sub(0.05, 0.9),
                   labels=("fp", "adapted"))
-    decode = sum(min(options.decode_tokens, len(w) - 1) for w in windows(ids, window))
+    decode = sum(min(options.decode_tokens, len(w) - 1) for w in windows(ids, plan.window))
     state.progress(0.92, "saving the adapted model")
     store.save(model, inv_freq, out_dir)
+    write_reference(out_dir, plan, ids, kept)
+    kept.clear()
     lm.tokenizer.save_pretrained(str(out_dir))
     res = AdaptResult(
         spec=model.spec, graphs=graph_specs(model.spec, options.ar, options.cl),
         equivalence=Equivalence(max_abs_logit_diff=cmp.max_abs_logit_diff, top1_agreement=cmp.top1_agreement,
                                 positions=cmp.positions, windows=cmp.windows, prefill_ar=options.ar,
-                                decode_steps=decode),
-        ppl_fp=cmp.ref_ppl, ppl_adapted=cmp.test_ppl, eval_tokens=cmp.tokens, per_window=cmp.per_window)
+                                decode_steps=decode, ref_logit_range=cmp.ref_logit_range),
+        ppl_fp=cmp.ref_ppl, ppl_adapted=cmp.test_ppl, eval_tokens=cmp.tokens, per_window=cmp.per_window,
+        eval_plan=plan, device=device)
+    res.gate = equivalence_gate(res.equivalence, lm.card, options.accept_mismatch)
     atomic_write_json(out_dir / "graphs.json", [g.model_dump() for g in res.graphs])
     atomic_write_json(out_dir / "card.json", lm.card.model_dump())
     atomic_write_json(out_dir / "equivalence.json", res.equivalence.model_dump())

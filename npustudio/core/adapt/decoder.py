@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from ..families import FamilyRecipe
-from .ops import Add, Concat, Conv1x1, MatMul, Mul, RMSNorm, Rope
+from .ops import ACTIVATIONS, Add, Concat, Conv1x1, MatMul, Mul, RMSNorm, Rope
 
 MASK_VALUE = -100.0  # additive mask for excluded positions; Genie ran with it (recipes/genie_x86)
 
@@ -42,6 +42,9 @@ class DecoderSpec(BaseModel):
     tied_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool = False
+    mlp_bias: bool = False
+    activation: str = "silu"  # silu | gelu | gelu_tanh
     rope_attention_scaling: float = 1.0
     mask_value: float = MASK_VALUE
 
@@ -71,7 +74,7 @@ class Attention(nn.Module):
         self.mask_add = Add()
         self.softmax = nn.Softmax(dim=-1)
         self.pv = MatMul()
-        self.o = Conv1x1(z(s.hidden, s.heads * hd))
+        self.o = Conv1x1(z(s.hidden, s.heads * hd), z(s.hidden) if s.o_bias else None)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], mask: torch.Tensor,
                 past_k: torch.Tensor, past_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -100,18 +103,15 @@ class MLP(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         z = torch.zeros
-        self.gate = Conv1x1(z(spec.intermediate, spec.hidden))
-        self.up = Conv1x1(z(spec.intermediate, spec.hidden))
-        self.down = Conv1x1(z(spec.hidden, spec.intermediate))
-        # SiLU as Sigmoid + Mul modules: each output gets its own encoding (an exported SiLU leaves the
-        # sigmoid output float between quantized ops, which the HTP cannot build)
-        self.sigmoid = nn.Sigmoid()
-        self.silu = Mul()
+        i, d = spec.intermediate, spec.hidden
+        self.gate = Conv1x1(z(i, d), z(i) if spec.mlp_bias else None)
+        self.up = Conv1x1(z(i, d), z(i) if spec.mlp_bias else None)
+        self.down = Conv1x1(z(d, i), z(d) if spec.mlp_bias else None)
+        self.act = ACTIVATIONS[spec.activation]()
         self.mul = Mul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate(x)
-        return self.down(self.mul(self.silu(g, self.sigmoid(g)), self.up(x)))
+        return self.down(self.mul(self.act(self.gate(x)), self.up(x)))
 
 
 class Layer(nn.Module):
@@ -176,42 +176,70 @@ def spec_from(card: Any, hf_model: Any) -> DecoderSpec:
         family=card.family, model_type=card.model_type, layers=card.layers, heads=card.heads,
         kv_heads=card.kv_heads, head_dim=card.head_dim, hidden=card.hidden, intermediate=card.intermediate,
         vocab=card.vocab, rms_norm_eps=card.rms_norm_eps, tied_embeddings=card.tied_embeddings,
-        qkv_bias=card.qkv_bias, qk_norm=card.qk_norm,
-        rope_attention_scaling=float(getattr(rot, "attention_scaling", 1.0) or 1.0),
+        qkv_bias=card.qkv_bias, qk_norm=card.qk_norm, o_bias=card.o_bias, mlp_bias=card.mlp_bias,
+        activation=card.activation, rope_attention_scaling=float(getattr(rot, "attention_scaling", 1.0) or 1.0),
     )
 
 
 @torch.no_grad()
 def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> StaticDecoder:
-    """Copy a HF model's weights into the static form. The 1/sqrt(hd) softmax scale is folded into q."""
-    m = StaticDecoder(spec)
+    """The static form of a HF model, sharing its weight storage (no second copy of a multi-GB model).
+
+    Convs are views of the HF Linear weights (a Linear's (out, in) is a 1x1 conv's (out, in, 1, 1); a head is a
+    run of rows). Only what is rescaled is new memory: the 1/sqrt(hd) softmax scale folded into q (or, with a
+    q-norm, into its gain, which would undo a scaled weight). The HF model must not be changed afterwards.
+    """
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device; constants (buffers) real
+        m = StaticDecoder(spec)
     hd, scale = spec.head_dim, 1.0 / math.sqrt(spec.head_dim)
-    m.embed.weight.copy_(recipe.embedding(hf_model))
+    _share(m.embed, "weight", recipe.embedding(hf_model))
     for layer, hf_layer in zip(m.layers, recipe.layers(hf_model), strict=True):
         w = recipe.layer(hf_layer)
-        layer.input_norm.weight.copy_(w.input_norm)
-        layer.post_norm.weight.copy_(w.post_norm)
+        _share(layer.input_norm, "weight", w.input_norm)
+        _share(layer.post_norm, "weight", w.post_norm)
         at = layer.attn
-        # With a q-norm (Qwen3) the norm would undo a scaled weight: fold the scale into its gain instead.
         q_scale = 1.0 if spec.qk_norm else scale
         for heads, wt, b, sc in ((at.q, w.q, w.q_bias, q_scale), (at.k, w.k, w.k_bias, 1.0),
                                  (at.v, w.v, w.v_bias, 1.0)):
             for h, conv in enumerate(heads):
-                conv.weight.copy_(wt[h * hd:(h + 1) * hd].reshape(hd, -1, 1, 1) * sc)
+                rows = slice(h * hd, (h + 1) * hd)
+                _share(conv, "weight", _conv(wt[rows]) * sc if sc != 1.0 else _conv(wt[rows]))
                 if b is not None:
-                    conv.bias.copy_(b[h * hd:(h + 1) * hd] * sc)
+                    _share(conv, "bias", b[rows] * sc if sc != 1.0 else b[rows])
         if spec.qk_norm:
-            at.q_norm.weight.copy_(w.q_norm * scale)
-            at.k_norm.weight.copy_(w.k_norm)
-        at.o.weight.copy_(w.o.reshape(*w.o.shape, 1, 1))
-        layer.mlp.gate.weight.copy_(w.gate.reshape(*w.gate.shape, 1, 1))
-        layer.mlp.up.weight.copy_(w.up.reshape(*w.up.shape, 1, 1))
-        layer.mlp.down.weight.copy_(w.down.reshape(*w.down.shape, 1, 1))
-    m.norm.weight.copy_(recipe.final_norm(hf_model))
-    if not spec.tied_embeddings:
-        head = recipe.lm_head(hf_model)
-        m.lm_head.weight.copy_(head.reshape(*head.shape, 1, 1))
+            _share(at.q_norm, "weight", w.q_norm * scale)
+            _share(at.k_norm, "weight", w.k_norm)
+        for name, conv, wt, b in (("o_proj", at.o, w.o, w.o_bias), ("gate", layer.mlp.gate, w.gate, w.gate_bias),
+                                  ("up", layer.mlp.up, w.up, w.up_bias), ("down", layer.mlp.down, w.down, w.down_bias)):
+            _share(conv, "weight", _conv(wt))
+            if (conv.bias is None) != (b is None):  # never drop (or invent) a bias silently
+                raise ValueError(f"the {name} bias of the weights does not match the card's options")
+            if b is not None:
+                _share(conv, "bias", b)
+    _share(m.norm, "weight", recipe.final_norm(hf_model))
+    if spec.tied_embeddings:
+        m.tie()
+    else:
+        _share(m.lm_head, "weight", _conv(recipe.lm_head(hf_model)))
+    left = [n for n, p in m.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"the {spec.family} recipe left {left[:3]} without weights")
     return m.eval()
+
+
+def _conv(w: torch.Tensor) -> torch.Tensor:
+    """A Linear weight (out, in) as a 1x1 conv weight (out, in, 1, 1): a view, no copy."""
+    return w.reshape(*w.shape, 1, 1)
+
+
+def _share(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make `tensor` (float32, same storage) the module's parameter `name`."""
+    old = getattr(module, name)
+    if tuple(old.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name} of {type(module).__name__}: shape {tuple(tensor.shape)} != {tuple(old.shape)}")
+    setattr(module, name, nn.Parameter(tensor.detach().float(), requires_grad=False))
 
 
 def io_names(layers: int) -> tuple[list[str], list[str]]:

@@ -6,6 +6,8 @@ it only wraps modules. Reshapes and transposes stay functional (they move data, 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -92,3 +94,41 @@ class Rope(nn.Module):
         half = x.shape[self.dim] // 2
         x1, x2 = torch.split(x, half, dim=self.dim)
         return self.add(self.mul_cos(x, cos2), self.mul_sin(self.swap(x2, x1), sin2))
+
+
+class SiLU(nn.Module):
+    """x·sigmoid(x) as Sigmoid + Mul modules: each output gets its own encoding (an exported SiLU leaves the
+    sigmoid output float between quantized ops, which the HTP cannot build)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sigmoid = nn.Sigmoid()
+        self.mul = Mul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mul(x, self.sigmoid(x))
+
+
+class GeluTanh(nn.Module):
+    """The tanh GELU (transformers' gelu_new / gelu_pytorch_tanh) from quantizable modules, using
+    0.5·(1 + tanh(z)) = sigmoid(2z):  x·sigmoid(x·(2c + 2c·0.044715·x²)),  c = sqrt(2/π)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        c = math.sqrt(2.0 / math.pi)
+        self.register_buffer("a", torch.tensor(2.0 * c))
+        self.register_buffer("b", torch.tensor(2.0 * c * 0.044715))
+        self.square = Mul()
+        self.scale = Mul()
+        self.shift = Add()
+        self.inner = Mul()
+        self.sigmoid = nn.Sigmoid()
+        self.mul = Mul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.inner(x, self.shift(self.scale(self.square(x, x), self.b), self.a))
+        return self.mul(x, self.sigmoid(z))
+
+
+# the erf GELU (transformers' gelu) is torch's own module: one Gelu op, which the HTP runs natively
+ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": SiLU, "gelu": nn.GELU, "gelu_tanh": GeluTanh}

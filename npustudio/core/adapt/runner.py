@@ -31,18 +31,25 @@ class TorchGraph:
     def __init__(self, model: StaticDecoder) -> None:
         self.model = model
         self.ins, self.outs = io_names(model.spec.layers)
+        self.device = device_of(model)
 
     @torch.inference_mode()
     def __call__(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = self.model(*(feeds[n] for n in self.ins))
+        out = self.model(*(feeds[n].to(self.device) for n in self.ins))
         return dict(zip(self.outs, out, strict=True))
 
 
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 class KVCacheRunner:
-    def __init__(self, spec: DecoderSpec, cl: int, graphs: dict[int, GraphFn], inv_freq: torch.Tensor) -> None:
+    def __init__(self, spec: DecoderSpec, cl: int, graphs: dict[int, GraphFn], inv_freq: torch.Tensor,
+                 device: torch.device | str = "cpu") -> None:
         if not graphs:
             raise ValueError("need at least one graph")
         self.spec, self.cl, self.graphs, self.inv_freq = spec, cl, graphs, inv_freq
+        self.device = torch.device(device)  # where the cache lives: the graphs' device
         self.ar_prompt = max(graphs)
         self.reset()
 
@@ -50,13 +57,13 @@ class KVCacheRunner:
     def over(cls, model: torch.nn.Module, ar: int, cl: int, inv_freq: torch.Tensor) -> KVCacheRunner:
         """One module serving both the AR-`ar` prompt graph and the AR-1 token graph (they share weights)."""
         graph = TorchGraph(model)  # type: ignore[arg-type]
-        return cls(model.spec, cl, {ar: graph, 1: graph}, inv_freq)  # type: ignore[arg-type]
+        return cls(model.spec, cl, {ar: graph, 1: graph}, inv_freq, graph.device)  # type: ignore[arg-type]
 
     def reset(self) -> None:
         s = self.spec
         self.n_past = 0
-        self.k = [torch.zeros(s.kv_heads, 1, s.head_dim, self.cl) for _ in range(s.layers)]
-        self.v = [torch.zeros(s.kv_heads, 1, self.cl, s.head_dim) for _ in range(s.layers)]
+        self.k = [torch.zeros(s.kv_heads, 1, s.head_dim, self.cl, device=self.device) for _ in range(s.layers)]
+        self.v = [torch.zeros(s.kv_heads, 1, self.cl, s.head_dim, device=self.device) for _ in range(s.layers)]
 
     def feeds(self, tokens: Sequence[int], ar: int) -> dict[str, torch.Tensor]:
         """Inputs of one step: `tokens` (≤ ar) padded to ar, mask and RoPE for positions n_past.."""
@@ -73,7 +80,8 @@ class KVCacheRunner:
         new[n:] = torch.eye(ar)[n:]  # padded rows see only themselves (keeps softmax finite)
         mask[0, 0, :, cl - ar:] = torch.where(new > 0, 0.0, self.spec.mask_value)
         cos, sin = rope_tables(self.inv_freq, range(p, p + ar), self.spec.rope_attention_scaling)
-        f = {"input_ids": ids, "attention_mask": mask, "position_ids_cos": cos, "position_ids_sin": sin}
+        f = {k: v.to(self.device) for k, v in (("input_ids", ids), ("attention_mask", mask),
+                                                ("position_ids_cos", cos), ("position_ids_sin", sin))}
         for i in range(self.spec.layers):
             f[f"past_key_{i}_in"] = self.k[i][:, :, :, : cl - ar]
             f[f"past_value_{i}_in"] = self.v[i][:, :, : cl - ar, :]
@@ -88,7 +96,7 @@ class KVCacheRunner:
             self.k[i][:, :, :, p:p + n] = out[f"past_key_{i}_out"][:, :, :, :n]
             self.v[i][:, :, p:p + n, :] = out[f"past_value_{i}_out"][:, :, :n, :]
         self.n_past += n
-        return out["logits"][0, :n].float()
+        return out["logits"][0, :n].float().cpu()
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
         """Logits of every token of `tokens`, run in AR-N chunks."""

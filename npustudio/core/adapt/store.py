@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..errors import UserError
 from ..fsutil import atomic_write_json
@@ -19,13 +18,42 @@ INV_FREQ = "rope.inv_freq"
 
 
 def save(model: StaticDecoder, inv_freq: torch.Tensor, folder: Path) -> list[Path]:
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    sd = dict(model.state_dict())
     if model.spec.tied_embeddings:
         sd.pop("lm_head.weight")  # same storage as embed.weight: stored once
-    sd[INV_FREQ] = inv_freq.float().contiguous()
-    save_file(sd, str(folder / WEIGHTS))
+    sd[INV_FREQ] = inv_freq.float()
+    write_tensors(folder / WEIGHTS, sd)
     atomic_write_json(folder / SPEC, model.spec.model_dump())
     return [folder / WEIGHTS, folder / SPEC]
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A safetensors file written one tensor at a time from the tensors' own memory (atomically).
+
+    safetensors' `save_file` first turns every tensor into a bytes object (a second copy of a multi-GB model)
+    and refuses tensors that share storage, which the adapted decoder's views of the HF weights do.
+    """
+    names = {v: k for k, v in _DTYPES.items()}
+    header: dict[str, object] = {}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for t in tensors.values():
+                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load(folder: Path) -> tuple[StaticDecoder, torch.Tensor]:

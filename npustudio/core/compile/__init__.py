@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, Field
 
+from .. import parts
 from ..adapt import KVCacheRunner, store
 from ..errors import UserError
 from ..evaluate import load_corpus, nll
 from ..fsutil import atomic_write_json, link_or_copy
+from ..parts import DEFAULT_MAX_PART_MB
 from ..progress import Laps, StateLike, peak_rss_mb
 from ..quantize.export import WEIGHTS_FILE, read_test_vectors
 from ..targets import soc
@@ -34,6 +37,7 @@ from .ort_graph import OrtGraph, cpu_session
 
 FORMAT = 1  # bumped when the compiled output changes meaning
 PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and the verification reference
+KEEP_SESSIONS_BYTES = 2**30  # verification keeps a graph's sessions open below this much weight
 
 
 class CompileOptions(BaseModel):
@@ -42,7 +46,9 @@ class CompileOptions(BaseModel):
     verify_tokens: int = Field(128, description="eval tokens run through the compiled graphs (0: skip)")
     verify_decode: int = Field(4, description="of which the last ones run as AR-1 steps")
     parts: int = Field(0, ge=0, description="contexts the model is split into (0: as many as needed)")
-    max_part_mb: int = Field(3500, ge=1, description="MiB of weights per context (each must stay under 4 GB)")
+    max_part_mb: float = Field(DEFAULT_MAX_PART_MB, gt=0,
+                             description="largest estimated HTP allocation of one part's graph, MiB (the HTP refuses "
+                                         "graphs over 2 GiB)")
     weight_sharing: bool = Field(False, description="one binary per part holding the prompt and token graphs, "
                                                     "weights once: for a phone (the x86 simulator cannot load it)")
     eval_corpus: str = "default"
@@ -56,6 +62,7 @@ class CompileResult(BaseModel):
     graphs: list[ort_qnn.Compiled]
     parts: int = 1
     weight_shared: bool = False
+    recut: list[str] = Field(default_factory=list, description="QNN refused a cut as too large: what was redone")
     nodes_on_cpu: int
     io: dict[str, IOEncoding]
     verification: dict[str, Any]
@@ -92,30 +99,84 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         io.update(enc)
     _check_kv_tied(io)
     spec, _ = store.load_spec(adapt_dir)
-    ars = {s["name"]: s["ar"] for s in json.loads((quant_dir / "graphs.json").read_text())}
-    limit = options.max_part_mb * 2**20
-    n_parts = split.part_count(max(split.weight_bytes(prep / f"{g}.onnx") for g in graphs), spec.layers, limit,
-                               options.parts)
-    parts = {g: [g] for g in graphs}
-    while n_parts > 1:
-        cut: list[str] = []
-        for g in graphs:
-            state.progress(0.08, f"splitting {g} into {n_parts} parts")
-            parts[g], cut = split.split(prep, g, n_parts, spec.layers, spec.hidden, ars[g])
-        biggest = max(split.weight_bytes(prep / f"{p}.onnx") for ps in parts.values() for p in ps)
-        if options.parts or biggest <= limit:
-            io |= {name: IOEncoding(dtype="float32") for name in cut}
-            break
-        for p in (p for ps in parts.values() for p in ps):
-            (prep / f"{p}.onnx").unlink()
-        # the first part also holds the embedding table, the last the LM head: one more part
-        n_parts = split.part_count(0, spec.layers, limit, n_parts + 1)
+    shapes = json.loads((quant_dir / "graphs.json").read_text())
+    ars, cl = {s["name"]: s["ar"] for s in shapes}, shapes[0]["cl"]
+    sizes = split.part_model(prep, graphs, spec, ars, cl)
+    limit = int(options.max_part_mb * 2**20)
+    ranges = parts.plan(sizes, limit, options.parts)
     lap("prepare")
+    recut: list[str] = []
+    while True:
+        names, cut = _cut(prep, graphs, ranges, spec.hidden, ars, state)
+        try:
+            compiled = _compile_parts(prep, out_dir, graphs, names, target, options.weight_sharing, state, lap)
+            break
+        except ort_qnn.GraphTooLarge as e:  # QNN's own estimate is over the HTP's limit: one more part
+            if options.parts or len(ranges) == spec.layers:
+                raise UserError(f"QNN refused {e.graph}: {e.reason}", "Use a shorter context length (--cl), "
+                                "w4a16, or fewer layers per part (more --parts).") from e
+            recut.append(f"{e.graph}: {e.reason}; cut into {len(ranges) + 1} parts instead")
+            state.progress(0.1, recut[-1])
+            _clear(prep, out_dir, names)
+            ranges = parts.plan(sizes, limit, len(ranges) + 1)
+    n_parts = len(ranges)
+    io |= {name: IOEncoding(dtype="float32") for name in cut}
+    estimate = {p: parts.kb(sizes.estimate(r)) for ps in names.values() for p, r in zip(ps, ranges, strict=True)}
+    for c in compiled:
+        c.estimated_alloc_kb = estimate[c.graph]
+    shared = options.weight_sharing
 
+    verification: dict[str, Any] = {}
+    if options.verify_tokens > 0:
+        state.progress(0.45, "checking the prepared graphs against the quantsim's test vectors")
+        verification["vs_quantsim_test_vectors"] = _check_vectors(quant_dir, prep, graphs, io)
+        lap("verify_vectors")
+        if shared:
+            verification["simulator"] = ("not run: weight-shared binaries do not load on the x86 HTP simulator "
+                                         "(they are for a phone)")
+        else:
+            verification |= verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
+                                                state.sub(0.5, 1.0), names)
+            lap("verify_simulator")
+    res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
+                        dsp_arch=target.dsp_arch, graphs=compiled, parts=n_parts, weight_shared=shared, recut=recut,
+                        nodes_on_cpu=sum(len(c.nodes_on_cpu) for c in compiled), io=io,
+                        verification=verification, steps=steps, peak_rss_mb=round(peak_rss_mb()))
+    atomic_write_json(out_dir / "compile.json", res.model_dump())
+    return res
+
+
+def _cut(prep: Path, graphs: list[str], ranges: list[range], hidden: int, ars: dict[str, int],
+         state: StateLike) -> tuple[dict[str, list[str]], list[str]]:
+    """Each graph's part names (the graph itself when one part is enough) and the tensors passed between parts."""
+    if len(ranges) == 1:
+        return {g: [g] for g in graphs}, []
+    names: dict[str, list[str]] = {}
+    cut: list[str] = []
+    for g in graphs:
+        state.progress(0.08, f"splitting {g} into {len(ranges)} parts")
+        names[g], cut = split.split(prep, g, ranges, hidden, ars[g])
+    return names, cut
+
+
+def _clear(prep: Path, out_dir: Path, names: dict[str, list[str]]) -> None:
+    """Drop a cut that QNN refused: its part graphs and whatever was compiled from them."""
+    for ps in names.values():
+        for p in ps:
+            if p not in names:  # a part, not the whole graph
+                (prep / f"{p}.onnx").unlink(missing_ok=True)
+            for f in out_dir.glob(f"{p}*"):
+                f.unlink()
+
+
+def _compile_parts(prep: Path, out_dir: Path, graphs: list[str], names: dict[str, list[str]], target: Any,
+                   shared: bool, state: StateLike, lap: Laps) -> list[ort_qnn.Compiled]:
+    """Compile every part of every graph, part by part (the prompt and token graph of a part together, so a
+    weight-shared binary holds both); name the QNN graphs inside the binaries when there are several parts."""
+    n_parts = len(names[graphs[0]])
     compiled: list[ort_qnn.Compiled] = []
     hold: list[Any] = []  # the sessions of a context being shared, until its last graph
-    shared = options.weight_sharing
-    todo = [(parts[g][i], ("last" if g == graphs[-1] else "on") if shared else "")  # part by part
+    todo = [(names[g][i], ("last" if g == graphs[-1] else "on") if shared else "")
             for i in range(n_parts) for g in graphs]
     for i, (g, share) in enumerate(todo):
         state.check()
@@ -135,25 +196,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
             m.bin_bytes = c.bin_bytes
             if n_parts > 1:  # Genie orders the parts by the QNN graph names inside the binaries
                 split.name_graph(out_dir / m.context_onnx, m.graph)
-
-    verification: dict[str, Any] = {}
-    if options.verify_tokens > 0:
-        state.progress(0.45, "checking the prepared graphs against the quantsim's test vectors")
-        verification["vs_quantsim_test_vectors"] = _check_vectors(quant_dir, prep, graphs, io)
-        lap("verify_vectors")
-        if shared:
-            verification["simulator"] = ("not run: weight-shared binaries do not load on the x86 HTP simulator "
-                                         "(they are for a phone)")
-        else:
-            verification |= verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
-                                                state.sub(0.5, 1.0), parts)
-            lap("verify_simulator")
-    res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
-                        dsp_arch=target.dsp_arch, graphs=compiled, parts=n_parts, weight_shared=shared,
-                        nodes_on_cpu=sum(len(c.nodes_on_cpu) for c in compiled), io=io,
-                        verification=verification, steps=steps, peak_rss_mb=round(peak_rss_mb()))
-    atomic_write_json(out_dir / "compile.json", res.model_dump())
-    return res
+    return compiled
 
 
 def _check_same_io(seen: dict[str, IOEncoding], new: dict[str, IOEncoding], graph: str) -> None:
@@ -196,24 +239,34 @@ def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: P
     spec, inv_freq = store.load_spec(adapt_dir)
     prompt_spec = json.loads((quant_dir / "graphs.json").read_text())[0]
     ar_n, cl = prompt_spec["ar"], prompt_spec["cl"]
-    tok = AutoTokenizer.from_pretrained(str(quant_dir))
+    tok = AutoTokenizer.from_pretrained(str(quant_dir), trust_remote_code=False)
     ids = tok(load_corpus(o.eval_corpus, "eval"))["input_ids"][: min(o.verify_tokens + o.verify_decode, cl - ar_n)]
     if len(ids) < 2:
         raise UserError("The verification text is shorter than two tokens.", "Use a longer eval corpus.")
     decode = min(o.verify_decode, len(ids) - 1)
     runs: dict[str, Any] = {}
+    # a large model's parts are opened one at a time, per call (the CPU session of a 1B graph alone holds
+    # several GB); a small one keeps its sessions open between calls
+    keep = (prep / WEIGHTS_FILE).stat().st_size < KEEP_SESSIONS_BYTES
+    names = {g: (parts or {}).get(g, [g]) for g in graphs}
+
+    def on_cpu(p: str) -> OrtGraph:
+        return OrtGraph(cpu_session(prep / f"{p}.onnx"), io)
+
+    def on_htp(p: str) -> OrtGraph:
+        return OrtGraph(ort_qnn.context_session(out_dir / f"{p}.onnx", target), io)
+
     for i, (label, make) in enumerate((
-            ("cpu", lambda g: OrtGraph(cpu_session(prep / f"{g}.onnx"), io)),
-            ("htp", lambda g: split.Chain([OrtGraph(ort_qnn.context_session(out_dir / f"{p}.onnx", target), io)
-                                           for p in (parts or {}).get(g, [g])])))):
+            ("cpu", lambda g: split.Chain([partial(on_cpu, p) for p in names[g]], keep)),
+            ("htp", lambda g: split.Chain([partial(on_htp, p) for p in names[g]], keep)))):
         state.progress(0.5 * i, f"running {len(ids)} tokens through the graphs on the "
                                 + ("CPU" if label == "cpu" else "HTP simulator (slow)"))
-        fns = {ar: make(g) for ar, g in zip((ar_n, 1), graphs, strict=True)}
-        runner = KVCacheRunner(spec, cl, fns, inv_freq)  # type: ignore[arg-type]
+        fns = split.OneAtATime({ar: partial(make, g) for ar, g in zip((ar_n, 1), graphs, strict=True)})
+        runner = KVCacheRunner(spec, cl, fns.graphs(), inv_freq)
         t0 = time.perf_counter()
         logits = runner.score(ids, decode)
-        runs[label] = {"logits": logits, "seconds": round(time.perf_counter() - t0, 2),
-                       "per_call": {ar: round(f.seconds / max(f.calls, 1), 3) for ar, f in fns.items()}}
+        fns.release()
+        runs[label] = {"logits": logits, "seconds": round(time.perf_counter() - t0, 2), "per_call": fns.per_call()}
         del fns, runner
         state.check()
     cpu, htp = runs["cpu"]["logits"], runs["htp"]["logits"]

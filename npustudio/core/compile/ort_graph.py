@@ -15,12 +15,16 @@ import torch
 
 from .graph_io import IOEncoding
 
+# Genie rounds its RoPE tables down into their encoding (measured: floor(x/scale) + zero point matches its
+# tables to the bit), everything else it hands over as the graph made it
+FLOORED = ("position_ids_cos", "position_ids_sin")
 
-def quantize(x: np.ndarray, enc: IOEncoding) -> np.ndarray:
+
+def quantize(x: np.ndarray, enc: IOEncoding, floor: bool = False) -> np.ndarray:
     if enc.dtype not in ("uint8", "uint16"):
         return x.astype(enc.dtype)
     hi = 255 if enc.dtype == "uint8" else 65535
-    q = np.rint(x.astype(np.float64) / enc.scale) + enc.zero_point
+    q = (np.floor if floor else np.rint)(x.astype(np.float64) / enc.scale) + enc.zero_point
     return np.clip(q, 0, hi).astype(enc.dtype)
 
 
@@ -41,7 +45,7 @@ class OrtGraph:
     def __call__(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         import time
 
-        q = {n: quantize(t.numpy(), self.io[n]) for n, t in feeds.items()}
+        q = {n: quantize(t.numpy(), self.io[n], n in FLOORED) for n, t in feeds.items()}
         t0 = time.perf_counter()
         out = self.session.run(self.outputs, q)
         self.seconds += time.perf_counter() - t0

@@ -39,6 +39,20 @@ class Compiled(BaseModel):
     seconds: float
     nodes_on_qnn: int
     nodes_on_cpu: list[CpuNode]
+    estimated_alloc_kb: int | None = None  # our estimate of the HTP allocation (core/parts.py)
+    qnn_alloc_kb: int | None = None  # QNN's own, when its log states it
+
+
+class GraphTooLarge(Exception):
+    """QNN refused a graph whose estimated allocation is over the HTP's per-graph limit (error 1002)."""
+
+    def __init__(self, graph: str, reason: str) -> None:
+        super().__init__(reason)
+        self.graph, self.reason = graph, reason
+
+
+_ALLOC = re.compile(r"estimated allocation of (\d+) ?KB")
+_TOO_LARGE = re.compile(r"memory usage too large|estimated allocation of \d+ ?KB, limit is", re.IGNORECASE)
 
 
 def qnn_paths() -> dict[str, str]:
@@ -110,13 +124,20 @@ def compile_graph(qio_onnx: Path, graph: str, out_dir: Path, target: Soc, share:
         if share == "last":
             so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
     t0 = time.perf_counter()
-    try:
-        with fd_redirected(1):
-            sess = ort.InferenceSession(str(qio_onnx), so)
-    except Exception as e:  # QNN's own message is the useful part
-        raise UserError(f"QNN could not compile {graph}: {_first_line(e)}",
-                        "Check that the graph came from this version's quantize stage; run with "
-                        "`--log` for QNN's messages.") from e
+    with tempfile.TemporaryFile() as log:
+        try:
+            with fd_redirected(1), fd_redirected(2, log.fileno()):  # QNN logs from C++ on fd 2
+                sess = ort.InferenceSession(str(qio_onnx), so)
+        except Exception as e:  # QNN's own message is the useful part
+            text = _read(log)
+            if _TOO_LARGE.search(text) or _TOO_LARGE.search(str(e)):
+                m = _ALLOC.search(text)
+                raise GraphTooLarge(graph, f"QNN estimates {m.group(1)} KB for it, over the HTP's limit" if m
+                                    else "QNN says its memory usage is too large for the HTP") from e
+            tail = " | ".join(line for line in text.strip().splitlines()[-3:])
+            raise UserError(f"QNN could not compile {graph}: {_first_line(e)}" + (f" ({tail})" if tail else ""),
+                            "Check that the graph came from this version's quantize stage.") from e
+        found = _ALLOC.search(_read(log))
     seconds = time.perf_counter() - t0
     on_qnn, cpu = assignment(sess)
     if hold is not None:
@@ -129,7 +150,12 @@ def compile_graph(qio_onnx: Path, graph: str, out_dir: Path, target: Soc, share:
         raise UserError(f"onnxruntime-qnn wrote no context binary for {graph}.", "Re-run the compile stage.")
     return Compiled(graph=graph, context_onnx=ctx.name, context_bin=binary.name,
                     bin_bytes=binary.stat().st_size if binary.is_file() else 0, seconds=round(seconds, 2),
-                    nodes_on_qnn=on_qnn, nodes_on_cpu=cpu)
+                    nodes_on_qnn=on_qnn, nodes_on_cpu=cpu, qnn_alloc_kb=int(found.group(1)) if found else None)
+
+
+def _read(log: Any) -> str:
+    log.seek(0)
+    return log.read().decode(errors="replace")
 
 
 def context_node(ctx_onnx: Path) -> tuple[str, str]:

@@ -12,60 +12,83 @@ one-part bundle of the same model).
 
 from __future__ import annotations
 
-import itertools
+import functools
+import gc
 import math
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import parts
 from ..errors import UserError
 from ..fsutil import atomic_write_bytes
+from ..progress import trim_heap
 from .ort_graph import OrtGraph
 
 SHARED_INPUTS = ("attention_mask", "position_ids_cos", "position_ids_sin")
 
 
-def weight_bytes(onnx_path: Path) -> int:
-    """Bytes of the initializers a graph holds (inline or in its external data)."""
+_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2, 21: 1, 22: 1}  # 4-bit types as 8
+_LAYER = re.compile(r"(?:^|/)layers[./](\d+)[./]")
+_HEAD = re.compile(r"^/?(?:lm_head|norm)[./]")
+
+
+def part_model(prepared: Path, graphs: list[str], spec: Any, ars: dict[str, int], cl: int) -> parts.PartModel:
+    """The HTP estimate (core/parts.py) of the prepared graphs, from their real tensors: each initializer goes
+    with the decoder layer of the nodes that read it, the embedding's with the first part, the final norm's and
+    the LM head's with the last; graph I/O likewise. The larger graph (the prompt graph) sets each figure."""
     import onnx
 
-    total = 0
-    for t in onnx.load(str(onnx_path), load_external_data=False).graph.initializer:
-        ext = {e.key: e.value for e in t.external_data}
-        total += int(ext["length"]) if "length" in ext else len(t.raw_data)
-    return total
+    best: parts.PartModel | None = None
+    for g in graphs:
+        model = onnx.load(str(prepared / f"{g}.onnx"), load_external_data=False)
+        home: dict[str, int | str] = {}  # tensor -> layer index, "first" or "last": where its first reader is
+        for node in model.graph.node:
+            m = _LAYER.search(node.name)
+            where = int(m.group(1)) if m else "last" if _HEAD.match(node.name) else "first"
+            for x in node.input:
+                home.setdefault(x, where)
+        size: dict[int | str, float] = dict.fromkeys([*range(spec.layers), "first", "last", "each"], 0.0)
+        for t in model.graph.initializer:
+            size[home.get(t.name, "first")] += parts.weight_bytes(_numel(t.dims) * _BYTES.get(t.data_type, 4))
+        for vi in [*model.graph.input, *model.graph.output]:
+            tt = vi.type.tensor_type
+            m = re.fullmatch(r"past_(?:key|value)_(\d+)_(?:in|out)", vi.name)
+            where = int(m.group(1)) if m else {"input_ids": "first", "logits": "last"}.get(vi.name, "each")
+            size[where] += _numel([d.dim_value for d in tt.shape.dim]) * _BYTES.get(tt.elem_type, 4)
+        ar = ars[g]
+        size["each"] += 2 * 4 * spec.hidden * ar  # the float residual passed between parts, in and out
+        size["each"] += 2 * 2 * max(spec.heads * ar * cl, ar * spec.intermediate, ar * spec.hidden)
+        pm = parts.PartModel(first=int(size["first"]), layers=[int(size[k]) for k in range(spec.layers)],
+                             last=int(size["last"]), each=int(size["each"]))
+        if best is None or pm.total > best.total:
+            best = pm
+    assert best is not None
+    return best
 
 
-def part_count(weights: int, layers: int, max_bytes: int, forced: int = 0) -> int:
-    n = forced or max(1, math.ceil(weights / max_bytes))
-    if n > layers:
-        raise UserError(f"{n} parts were asked for, but the model has only {layers} layers to share among them.",
-                        f"Use at most {layers} parts.")
-    return n
-
-
-def layer_ranges(layers: int, parts: int) -> list[range]:
-    """Layers shared as evenly as possible, earlier parts taking the remainder."""
-    sizes = [layers // parts + (i < layers % parts) for i in range(parts)]
-    return [range(b - n, b) for n, b in zip(sizes, itertools.accumulate(sizes), strict=True)]
+def _numel(dims: Any) -> int:
+    return math.prod(int(d) for d in dims) if len(dims) else 1
 
 
 def base_name(graph: str) -> str:
     return re.sub(r"_\d+_of_\d+$", "", graph)
 
 
-def split(prepared: Path, graph: str, parts: int, layers: int, hidden: int, ar: int) -> tuple[list[str], list[str]]:
-    """Write `graph`'s parts beside it (sharing its weights file); return their names in order and the
-    residual tensors passed between them."""
+def split(prepared: Path, graph: str, ranges: list[range], hidden: int, ar: int) -> tuple[list[str], list[str]]:
+    """Write `graph`'s parts (one per range of layers) beside it, sharing its weights file; return their names in
+    order and the residual tensors passed between them."""
     import onnx
     from onnx import TensorProto, helper
     from onnx.utils import Extractor
 
     model = onnx.load(str(prepared / f"{graph}.onnx"), load_external_data=False)
     g = model.graph
-    ranges = layer_ranges(layers, parts)
+    count = len(ranges)
     cuts = {}  # last layer before a cut -> the residual tensor there, renamed
     producers = {n.name: n for n in g.node}
     for r in ranges[:-1]:
@@ -88,11 +111,11 @@ def split(prepared: Path, graph: str, parts: int, layers: int, hidden: int, ar: 
 
     base, names = base_name(graph), []
     for i, r in enumerate(ranges):
-        first, last = i == 0, i == parts - 1
+        first, last = i == 0, i == count - 1
         ins = (["input_ids"] if first else [cuts[r[0] - 1]]) + [n for n in SHARED_INPUTS if n in inputs]
         outs = (["logits"] if last else [cuts[r[-1]]]) + kv(outputs, r, "out")
         sub = Extractor(model).extract_model(ins + kv(inputs, r, "in"), outs)
-        name = f"{base}_{i + 1}_of_{parts}"
+        name = f"{base}_{i + 1}_of_{count}"
         sub.graph.name = name
         onnx.save(sub, str(prepared / f"{name}.onnx"))
         names.append(name)
@@ -131,25 +154,62 @@ def name_graph(ctx_onnx: Path, name: str) -> None:
 
 
 class Chain:
-    """`GraphFn` over the parts of one graph, run in order, each fed what it names (the KV-cache runner
-    sees one graph)."""
+    """`GraphFn` over the parts of one graph, run in order, each fed what it names (the KV-cache runner sees one
+    graph). With `keep=False` each part's session is opened for its call and closed after it, so only one part
+    is in memory at a time (a large model's verification); otherwise all stay open."""
 
-    def __init__(self, parts: list[OrtGraph]) -> None:
-        self.parts = parts
-
-    @property
-    def calls(self) -> int:
-        return self.parts[0].calls
-
-    @property
-    def seconds(self) -> float:
-        return sum(p.seconds for p in self.parts)
+    def __init__(self, parts: list[Callable[[], OrtGraph]], keep: bool = True) -> None:
+        self.makers, self.keep = parts, keep
+        self.open = [make() for make in parts] if keep else []
 
     def __call__(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         known: dict[str, Any] = dict(feeds)
         out: dict[str, torch.Tensor] = {}
-        for p in self.parts:
-            res = p({i.name: known[i.name] for i in p.session.get_inputs()})
+        for i, make in enumerate(self.makers):
+            p = self.open[i] if self.keep else make()
+            res = p({x.name: known[x.name] for x in p.session.get_inputs()})
             known.update(res)
             out.update(res)
+            if not self.keep:
+                del p
+                _release()
         return out
+
+
+def _release() -> None:
+    """Give what closed sessions freed back to the system (glibc keeps freed pages otherwise)."""
+    gc.collect()
+    trim_heap()
+
+
+class OneAtATime:
+    """The graph functions of a KV-cache runner, only one of them loaded at a time: a large model's prompt and
+    token graphs do not both fit in memory (their sessions hold the weights). The runner's schedule, prefill
+    chunks then AR-1 steps, loads each once."""
+
+    def __init__(self, makers: dict[int, Callable[[], Any]]) -> None:
+        self.makers = makers
+        self.live: tuple[int, Any] | None = None
+        self.calls = dict.fromkeys(makers, 0)
+        self.seconds = dict.fromkeys(makers, 0.0)
+
+    def graphs(self) -> dict[int, Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]]:
+        return {ar: functools.partial(self._call, ar) for ar in self.makers}
+
+    def _call(self, ar: int, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.live is None or self.live[0] != ar:
+            self.release()
+            self.live = (ar, self.makers[ar]())
+        t0 = time.perf_counter()
+        out = self.live[1](feeds)
+        self.seconds[ar] += time.perf_counter() - t0
+        self.calls[ar] += 1
+        return out  # type: ignore[no-any-return]
+
+    def release(self) -> None:
+        self.live = None
+        _release()
+
+    def per_call(self) -> dict[int, float]:
+        """Seconds per call of each graph, its loading not counted."""
+        return {ar: round(self.seconds[ar] / max(self.calls[ar], 1), 3) for ar in self.makers}

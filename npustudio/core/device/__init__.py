@@ -7,7 +7,6 @@ Every call into adb is a request to the server; nothing user-given is spliced in
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import threading
@@ -39,13 +38,21 @@ class DeviceInfo(BaseModel):
 
 
 def server_port() -> int:
+    """The adb server's port from ANDROID_ADB_SERVER_PORT (checked before adbutils is imported: it reads the
+    variable at import and fails with a bare ValueError)."""
+    text = os.environ.get("ANDROID_ADB_SERVER_PORT", str(DEFAULT_PORT))
     try:
-        return int(os.environ.get("ANDROID_ADB_SERVER_PORT", DEFAULT_PORT))
-    except ValueError as e:
-        raise UserError("ANDROID_ADB_SERVER_PORT is not a number.", "Unset it or give a port number.") from e
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise UserError(f"ANDROID_ADB_SERVER_PORT is {text!r}, not a TCP port number (1 to 65535).",
+                        f"Unset it (adb then uses {DEFAULT_PORT}) or set it to a port number.")
+    return port
 
 
 def adb_path() -> str:
+    server_port()
     import adbutils
 
     path = os.environ.get("ADBUTILS_ADB_PATH") or adbutils.adb_path()
@@ -56,9 +63,9 @@ def adb_path() -> str:
 
 def client() -> Any:
     """An adbutils client for the adb server, started first if none runs."""
+    port = server_port()
     import adbutils
 
-    port = server_port()
     adb = adbutils.AdbClient(host="127.0.0.1", port=port, socket_timeout=30)
     try:
         adb.server_version()
@@ -158,13 +165,9 @@ def pick(serial: str | None) -> DeviceInfo:
 
 def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
     """(problem, fix) pairs that stop this bundle from running on this device; empty when it fits."""
-    from ..genie.bundle import METADATA
+    from ..genie.bundle import read_metadata
 
-    try:
-        meta = json.loads((bundle_dir / METADATA).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{bundle_dir} is not a bundle (no readable {METADATA}).",
-                        "Build one with `npustudio bundle --project P`.") from e
+    meta = read_metadata(bundle_dir)
     problems = []
     want = meta["target"]
     if not dev.dsp_arch:
@@ -233,6 +236,11 @@ def start_virtual(root: Path | None = None, port: int = 0, soc_name: str = "SM87
     root = root or platformdirs.user_data_path("npustudio") / "virtual-device"
     vd = VirtualDevice(root, port=port, soc_name=soc_name, preview=preview).start()
     res = str(client().connect(vd.serial, timeout=15))
+    if "authenticate" in res:  # the device takes only this user's adb keys (~/.android/adbkey.pub)
+        stop_virtual(vd)
+        raise UserError(f"The adb server on port {server_port()} signs with a key that is not this user's adb key, "
+                        "so the virtual device refused it.", "Restart the adb server as this user "
+                        f"(`adb -P {server_port()} kill-server`), then start the virtual device again.")
     if "connected" not in res or "failed" in res:
         vd.stop()
         raise UserError(f"The adb server did not connect to the virtual device: {res}", "Restart adb and retry.")

@@ -10,6 +10,7 @@ first file that did not finish.
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import shlex
 import time
@@ -50,8 +51,26 @@ def _safe_name(name: str) -> str:
 
 
 def local_files(bundle_dir: Path) -> list[Path]:
-    """What the device needs: the bundle's files (with the phone runtime when the bundle carries it)."""
-    return sorted(p for p in Path(bundle_dir).iterdir() if p.is_file() and not p.name.startswith("."))
+    """What the device needs: the bundle's files (with the phone runtime when the bundle carries it).
+
+    A link is refused, wherever it points: deploy sends only what the bundle itself holds (a link to a file
+    outside, e.g. /etc/shadow, would otherwise land on the phone readable by anyone)."""
+    try:
+        entries = sorted(Path(bundle_dir).iterdir())
+    except OSError as e:
+        raise UserError(f"{bundle_dir} is not a bundle folder ({e.strerror}).",
+                        "Build one with `npustudio bundle --project P`.") from e
+    files = []
+    for p in entries:
+        if p.name.startswith("."):
+            continue
+        if p.is_symlink():
+            raise UserError(f"{p.name} in the bundle {bundle_dir} is a link (to {os.readlink(p)}), not a file of "
+                            "the bundle; nothing was deployed.",
+                            "Remove the link, or rebuild the bundle with `npustudio bundle`.")
+        if p.is_file():
+            files.append(p)
+    return files
 
 
 class _HashCache:
@@ -87,7 +106,7 @@ class _Progress:
     """A file-like source for adbutils' push that reports bytes, rate and ETA through the state."""
 
     def __init__(self, path: Path, state: StateLike, done_before: int, total: int, t0: float) -> None:
-        self.f = open(path, "rb")
+        self.f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")  # a link swapped in is refused
         self.state, self.done, self.total, self.t0 = state, done_before, total, t0
         self.last = 0.0
 
@@ -144,12 +163,12 @@ def push(d: Any, src: Any, dst: str, mode: int = 0o644) -> tuple[int, int]:
 
 def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = False) -> DeployResult:
     bundle_dir = Path(bundle_dir)
+    files = local_files(bundle_dir)  # refused before any byte moves, as are:
     problems = compatibility(dev, bundle_dir)
-    if problems:  # refused before any byte moves
+    if problems:
         raise UserError(" ".join(p for p, _ in problems), " ".join(f for _, f in problems))
     d = client().device(serial=dev.serial)
     rdir = remote_dir(bundle_dir)
-    files = local_files(bundle_dir)
     hashes = _HashCache()
     local = {p.name: (p, p.stat().st_size, hashes.get(p)) for p in files}
     hashes.save()

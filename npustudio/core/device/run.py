@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..errors import UserError
+from ..fsutil import atomic_write_bytes
 from . import client
 
 PROMPT_FILE = "prompt.txt"
@@ -89,10 +90,13 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
         raise UserError(f"Unknown log level {log!r}.", "Use error, warn, info or verbose.")
     d = client().device(serial=serial)
     d.sync.push(prompt.encode("utf-8"), posixpath.join(remote_dir, PROMPT_FILE), mode=0o644)
+    # the bundle's own genie-t2t-run when it carries the runtime, else the device's; the line keeps to what
+    # a phone's sh and the virtual device's shell both take (no `if`, no `[`)
+    own = d.sync.exists(posixpath.join(remote_dir, "genie-t2t-run"))
     q = shlex.quote
     line = (f"cd {q(remote_dir)} && echo NPUSTUDIO_PID=$$ && "
-            "if [ -x ./genie-t2t-run ]; then G=./genie-t2t-run; else G=genie-t2t-run; fi && "
-            f"LD_LIBRARY_PATH=$PWD:$LD_LIBRARY_PATH ADSP_LIBRARY_PATH=$PWD exec $G -c genie_config.json "
+            f"LD_LIBRARY_PATH={q(remote_dir)}:$LD_LIBRARY_PATH ADSP_LIBRARY_PATH={q(remote_dir)} "
+            f"exec {'./genie-t2t-run' if own else 'genie-t2t-run'} -c genie_config.json "
             f"--prompt_file {PROMPT_FILE} --profile {PROFILE_FILE} --log {log}"
             + (f" --max-tokens {int(max_tokens)}" if max_tokens else "") + " 2>&1")
     t0 = time.perf_counter()
@@ -132,11 +136,13 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
     output = "".join(parts)
     profile_path = None
     if not stopped and profile_to is not None:
-        try:
-            d.sync.pull(posixpath.join(remote_dir, PROFILE_FILE), str(profile_to))
-            profile_path = str(profile_to)
+        try:  # read, then written atomically: a pull would write through a link planted at profile_to
+            data = d.sync.read_bytes(posixpath.join(remote_dir, PROFILE_FILE))
         except Exception:
-            profile_path = None
+            data = None
+        if data is not None:
+            atomic_write_bytes(Path(profile_to), data)
+            profile_path = str(profile_to)
     status = "stopped" if stopped else "complete"
     if not stopped:
         err = explain(output)

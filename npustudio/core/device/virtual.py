@@ -1,39 +1,47 @@
 """The virtual device: the device side of the adb transport, for the real adb server to `adb connect` to.
 
-A product feature (shown as "virtual" in device lists) and the test rig. It listens on 127.0.0.1 only and
-speaks the adb wire protocol (aosp adb/protocol.txt, SYNC.TXT): CNXN without AUTH and with no features,
-so the host uses legacy `shell:` and sync v1; OPEN/OKAY/WRTE/CLSE streams where every WRTE is
-acknowledged before the next; `shell:` runs `/bin/sh` inside a sandbox folder that stands for the
-phone's file system (`/data/local/tmp` is a real folder under it); `sync:` serves STAT, LIST, SEND
-(DATA ≤ 64 KiB, DONE + mtime), RECV and QUIT. `getprop` answers the configured props (SM8750, Android
-15 by default) and `genie-t2t-run` is the desktop runner (real Genie on the HTP simulator, or the fast
-preview when the device was started in preview mode).
+A product feature (shown as "virtual" in device lists) and the test rig. It is a phone, not a door into
+this computer: it listens on 127.0.0.1 only; it asks for adb's RSA authentication (AUTH TOKEN, then the
+host's signature checked against this user's adb keys, `adbauth`) before it answers anything; its
+`shell:` is a small interpreter of phone commands written in Python (`phone_shell`, `phone_commands`),
+never a host shell; and every path, in the shell and in `sync:`, is a device path resolved inside the
+sandbox folder that stands for the phone's file system (`/data/local/tmp` is the only writable place, as
+for a phone's shell user; `..` above its root and links that lead out of it are refused).
+
+The wire protocol (aosp adb/protocol.txt, SYNC.TXT): CNXN with no features, so the host uses legacy
+`shell:` and sync v1; OPEN/OKAY/WRTE/CLSE streams where every WRTE is acknowledged before the next;
+`sync:` serves STAT, LIST, SEND (DATA <= 64 KiB, DONE + mtime), RECV and QUIT. `getprop` answers the
+configured props (SM8750, Android 15 by default) and `genie-t2t-run` is the desktop runner (real Genie on
+the HTP simulator, or the fast preview when the device was started in preview mode).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import posixpath
 import queue
-import shlex
+import re
 import signal
 import socket
 import stat
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ..errors import UserError
 from ..targets import DEFAULT_SOC, soc
+from . import adbauth, phone_commands, phone_shell
+from .phone_shell import HOME, Program
 
 A_CNXN, A_OPEN, A_OKAY, A_CLSE, A_WRTE, A_AUTH = 0x4E584E43, 0x4E45504F, 0x59414B4F, 0x45534C43, 0x45545257, 0x48545541
 A_VERSION = 0x01000001
 MAX_PAYLOAD = 256 * 1024
 SYNC_DATA_MAX = 64 * 1024
+SYNC_PATH_MAX = 1024
 VIRTUAL_DEVICE_NAME = "npustudio_virtual"
 RESERVED_PORTS = range(5554, 5586)  # the adb server scans these for emulators
 
@@ -88,6 +96,9 @@ class _Connection:
         self.next_id = 1
         self.max_payload = 4096
         self.dead = threading.Event()
+        self.online = False  # the host proved it holds an allowed key
+        self.token: bytes | None = None
+        self.failed_auths = 0
 
     def send(self, cmd: int, a0: int, a1: int, data: bytes = b"") -> None:
         try:
@@ -109,7 +120,7 @@ class _Connection:
         try:
             while not self.device.stopping.is_set():
                 cmd, a0, a1, length, _check, magic = struct.unpack("<6I", self._recv_exact(24))
-                if magic != cmd ^ 0xFFFFFFFF:
+                if magic != cmd ^ 0xFFFFFFFF or length > MAX_PAYLOAD:
                     break
                 data = self._recv_exact(length) if length else b""
                 self._handle(cmd, a0, a1, data)
@@ -122,10 +133,30 @@ class _Connection:
                 s.inbox.put(None)
             self.sock.close()
 
+    def _ask_for_auth(self) -> None:
+        self.token = adbauth.new_token()
+        self.send(A_AUTH, adbauth.AUTH_TOKEN, 0, self.token)
+
     def _handle(self, cmd: int, a0: int, a1: int, data: bytes) -> None:
         if cmd == A_CNXN:
             self.max_payload = min(a1, MAX_PAYLOAD)
-            self.send(A_CNXN, A_VERSION, MAX_PAYLOAD, self.device.banner().encode())
+            if self.online:
+                self.send(A_CNXN, A_VERSION, MAX_PAYLOAD, self.device.banner().encode())
+            else:
+                self._ask_for_auth()
+        elif cmd == A_AUTH:
+            if self.online or a0 != adbauth.AUTH_SIGNATURE:
+                return  # AUTH RSAPUBLICKEY: a phone would ask its user; this one trusts only the user's adb keys
+            if self.token is not None and adbauth.verify(self.token, data, adbauth.allowed_keys()):
+                self.online, self.token = True, None
+                self.send(A_CNXN, A_VERSION, MAX_PAYLOAD, self.device.banner().encode())
+            else:  # the host tries its next key on a new token, then sends its public key and gives up
+                self.failed_auths += 1
+                if self.failed_auths > 16:
+                    raise ConnectionError("too many failed signatures")
+                self._ask_for_auth()
+        elif not self.online:
+            raise ConnectionError("not authenticated")  # nothing is served before AUTH
         elif cmd == A_OPEN:
             service = data.rstrip(b"\0").decode("utf-8", errors="replace")
             local = self.next_id
@@ -165,13 +196,18 @@ class VirtualDevice:
     """A loopback adb device. `start()` listens on 127.0.0.1:`port` (0 = any free port outside 5554-5585)."""
 
     def __init__(self, root: Path, port: int = 0, soc_name: str = DEFAULT_SOC, preview: bool = False,
-                 props: dict[str, str] | None = None) -> None:
+                 props: dict[str, str] | None = None, programs: dict[str, Program] | None = None) -> None:
+        """`programs` adds to or replaces the shell's commands (name -> Python callable, or a host argv the
+        device runs in its sandbox); tests put a scripted genie-t2t-run there."""
         if port in RESERVED_PORTS:
             raise UserError(f"Port {port} is one the adb server scans for emulators.",
                             "Pick a port outside 5554-5585.")
         self.root = Path(root).resolve()
         self.port, self.preview = port, preview
         self.props = default_props(soc_name) | (props or {})
+        self.programs: dict[str, Program] = phone_commands.commands() | (programs or {})
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}  # device pid -> host child, for `kill`
+        self._pids = itertools.count(1000)
         self.stopping = threading.Event()
         self._server: socket.socket | None = None
         self._connections: list[_Connection] = []
@@ -215,6 +251,8 @@ class VirtualDevice:
                 c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        for proc in list(self.processes.values()):
+            _kill(proc)
 
     def _accept(self) -> None:
         assert self._server is not None
@@ -242,75 +280,91 @@ class VirtualDevice:
     # -- the sandbox -------------------------------------------------------------------------
     def _prepare_sandbox(self) -> None:
         (self.root / "data" / "local" / "tmp").mkdir(parents=True, exist_ok=True)
-        bin_dir = self.root / "system" / "bin"
-        bin_dir.mkdir(parents=True, exist_ok=True)
-        props = "\n".join(f"{k}={v}" for k, v in sorted(self.props.items()))
-        prop_file = shlex.quote(str(self.root / "system" / "build.prop"))
-        (self.root / "system" / "build.prop").write_text(props + "\n")
-        _script(bin_dir / "getprop", "#!/bin/sh\n"
-                f"if [ $# -eq 0 ]; then sed 's/^\\([^=]*\\)=\\(.*\\)$/[\\1]: [\\2]/' {prop_file}; exit 0; fi\n"
-                f'grep -m1 "^$1=" {prop_file} | cut -d= -f2-\n')
-        runner = [sys.executable, "-m", "npustudio.cli", "genie-run"] + (["--preview"] if self.preview else [])
-        _script(bin_dir / "genie-t2t-run", "#!/bin/sh\nexec " + " ".join(map(shlex.quote, runner)) + ' "$@"\n')
+        for folder in ("bin", "lib64"):
+            (self.root / "system" / folder).mkdir(parents=True, exist_ok=True)
+        for stale in ("bin/getprop", "bin/genie-t2t-run", "build.prop"):  # shell scripts of earlier versions
+            (self.root / "system" / stale).unlink(missing_ok=True)
 
-    def host_path(self, device_path: str) -> Path:
-        """A device path inside the sandbox; anything that would leave it is refused."""
-        p = (self.root / device_path.lstrip("/")).resolve()
-        if p != self.root and self.root not in p.parents:
+    def host_path(self, device_path: str, cwd: str = "/", follow: bool = True) -> Path:
+        """The sandbox file a device path names (relative ones from `cwd`). PermissionError where it would
+        leave the sandbox: `..` above its root, or a link on the way (the last one too, with `follow`)
+        that leads out of it."""
+        if "\0" in device_path:
             raise PermissionError(device_path)
-        return p
+        parts: list[str] = []
+        for comp in posixpath.join(cwd, device_path).split("/"):
+            if comp == "..":
+                if not parts:
+                    raise PermissionError(device_path)
+                parts.pop()
+            elif comp not in ("", "."):
+                parts.append(comp)
+        p = self.root.joinpath(*parts)
+        follow = follow or device_path.endswith(("/", "/.", "/..")) or not parts  # "link/" names its target
+        try:
+            real = p.resolve() if follow else p.parent.resolve() / p.name
+        except (OSError, RuntimeError) as e:  # a link loop
+            raise PermissionError(device_path) from e
+        if real != self.root and self.root not in real.parents:
+            raise PermissionError(device_path)
+        return real
 
-    def _env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ANDROID_")}
-        env["PATH"] = f"{self.root / 'system' / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
-        env["NPUSTUDIO_DEVICE_ROOT"] = str(self.root)
-        return env
+    def writable(self, p: Path, itself: bool = True) -> bool:
+        """Whether the shell user may change this sandbox path: /data/local/tmp (`itself`) and below."""
+        tmp = self.root / "data" / "local" / "tmp"
+        return (itself and p == tmp) or tmp in p.parents
+
+    def base_env(self) -> dict[str, str]:
+        """The environment of the device's shell, in device paths: nothing of this computer's."""
+        return {"HOME": HOME, "PATH": "/system/bin", "LD_LIBRARY_PATH": "/system/lib64", "TMPDIR": HOME}
+
+    def host_env(self, env: dict[str, str]) -> dict[str, str]:
+        """A device environment for a host child: device paths in it (also in : or ; lists) become sandbox
+        paths; one that leads out of the sandbox is dropped."""
+        out = {}
+        for k, v in env.items():
+            pieces = []
+            for piece in re.split(r"([:;])", v):
+                if piece.startswith("/"):
+                    try:
+                        piece = str(self.host_path(piece))
+                    except PermissionError:
+                        piece = ""
+                pieces.append(piece)
+            out[k] = "".join(pieces)
+        return out
+
+    def new_pid(self) -> int:
+        return next(self._pids)
+
+    def lookup(self, name: str, cwd: str) -> tuple[Program | None, int]:
+        """The program a command name runs, else the shell's status for it (127 not found, 126 not allowed).
+        A file is never run: a bundle's own genie-t2t-run (for a phone's CPU) is answered by the device's."""
+        if "/" not in name:
+            prog = self.programs.get(name)
+            return (prog, 0) if prog is not None else (None, 127)
+        path = posixpath.normpath(posixpath.join(cwd, name))
+        base = posixpath.basename(path)
+        if posixpath.dirname(path) == "/system/bin" and base in self.programs:
+            return self.programs[base], 0
+        try:
+            p = self.host_path(path)
+        except PermissionError:
+            return None, 126
+        if not p.exists():
+            return None, 127
+        if base == "genie-t2t-run" and p.is_file():
+            return self.programs[base], 0
+        return None, 126
 
     # -- services ----------------------------------------------------------------------------
     def service(self, name: str) -> Callable[[_Stream], None] | None:
         if name.startswith("shell:"):
-            return lambda s: self._shell(s, name[len("shell:"):])
+            command = name[len("shell:"):]
+            return lambda s: phone_shell.serve(self, command, s.write, s.inbox, s.closed)
         if name == "sync:":
             return self._sync
         return None
-
-    def _to_sandbox(self, cmd: str) -> str:
-        """Device paths in a command line point into the sandbox (the device's file system)."""
-        return cmd.replace("/data/local/tmp", str(self.root / "data" / "local" / "tmp"))
-
-    def _shell(self, s: _Stream, cmd: str) -> None:
-        argv = ["/bin/sh", "-c", self._to_sandbox(cmd)] if cmd.strip() else ["/bin/sh", "-i"]
-        proc = subprocess.Popen(argv, cwd=self.root / "data" / "local" / "tmp", env=self._env(),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-        def feed() -> None:
-            while True:
-                data = s.inbox.get()
-                if data is None:  # the host closed the stream: stop the command like adbd does
-                    _kill(proc)
-                    return
-                if b"\x03" in data and cmd.strip():
-                    _kill(proc, signal.SIGINT)
-                    continue
-                try:
-                    assert proc.stdin is not None
-                    proc.stdin.write(data)
-                    proc.stdin.flush()
-                except OSError:
-                    return
-
-        threading.Thread(target=feed, daemon=True).start()
-        assert proc.stdout is not None
-        fd = proc.stdout.fileno()
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            if not s.write(chunk):
-                _kill(proc)
-                break
-        proc.wait()
 
     def _sync(self, s: _Stream) -> None:
         buf = bytearray()
@@ -332,6 +386,9 @@ class VirtualDevice:
             rid, length = head[:4], struct.unpack("<I", head[4:])[0]
             if rid == b"QUIT":
                 return
+            if length > SYNC_PATH_MAX:
+                s.write(_fail("path too long"))
+                return
             arg = need(length) if rid in (b"STAT", b"LIST", b"SEND", b"RECV") else b""
             if arg is None:
                 return
@@ -352,8 +409,8 @@ class VirtualDevice:
 
     def _stat(self, path: str) -> bytes:
         try:
-            st = os.stat(self.host_path(path))
-        except (OSError, PermissionError):
+            st = os.lstat(self.host_path(path, follow=False))  # adbd's STAT is an lstat
+        except OSError:
             return struct.pack("<3I", 0, 0, 0)
         return struct.pack("<3I", st.st_mode & 0xFFFFFFFF, min(st.st_size, 0xFFFFFFFF), int(st.st_mtime))
 
@@ -362,11 +419,11 @@ class VirtualDevice:
         try:
             folder = self.host_path(path)
             names = sorted(os.listdir(folder))
-        except (OSError, PermissionError):
-            names, folder = [], self.root
-        for name in [".", "..", *names]:
+        except OSError:
+            names, folder = [], None
+        for name in [".", "..", *names] if folder is not None else []:
             try:
-                st = os.stat(folder / name)
+                st = os.lstat(folder / name)
             except OSError:
                 continue
             raw = name.encode()
@@ -377,7 +434,7 @@ class VirtualDevice:
     def _recv(self, s: _Stream, path: str) -> bool:
         try:
             f = open(self.host_path(path), "rb")
-        except (OSError, PermissionError) as e:
+        except OSError as e:
             return s.write(_fail(f"open failed: {getattr(e, 'strerror', None) or 'permission denied'}"))
         with f:
             while chunk := f.read(SYNC_DATA_MAX):
@@ -386,12 +443,20 @@ class VirtualDevice:
         return s.write(b"DONE" + struct.pack("<I", 0))
 
     def _send(self, s: _Stream, spec: str, need: Callable[[int], bytes | None]) -> bool:
+        """A file under /data/local/tmp (mode without set-id bits); links and other places are refused."""
         path, _, mode_s = spec.rpartition(",")
+        full_mode = int(mode_s) if mode_s.isdigit() else stat.S_IFREG | 0o644
+        mode = full_mode & 0o777
+        why = "permission denied"
         try:
-            target = self.host_path(path or spec)
-            mode = int(mode_s or "0o644") & 0o777 if mode_s.isdigit() else 0o644
+            target: Path | None = self.host_path(path or spec, follow=False)
         except PermissionError:
-            target, mode = None, 0o644
+            target = None
+        if target is not None and not self.writable(target, itself=False):
+            target = None
+        elif target is not None and (stat.S_ISLNK(full_mode) or target.is_dir()):
+            target, why = None, "links are not supported on the virtual device" if stat.S_ISLNK(full_mode) \
+                else "is a directory"
         tmp = None
         f = None
         if target is not None:
@@ -418,7 +483,7 @@ class VirtualDevice:
                         f.write(data)
                 elif rid == b"DONE":
                     if f is None or tmp is None or target is None:
-                        return s.write(_fail(f"cannot write {path}: permission denied"))
+                        return s.write(_fail(f"cannot write {path}: {why}"))
                     f.close()
                     os.chmod(tmp, mode)
                     os.utime(tmp, (n, n))
@@ -440,12 +505,7 @@ def _fail(msg: str) -> bytes:
     return b"FAIL" + struct.pack("<I", len(raw)) + raw
 
 
-def _script(path: Path, text: str) -> None:
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-
-
-def _kill(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> None:
+def _kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, sig)

@@ -17,11 +17,11 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..adapt import store
 from ..errors import UserError
-from ..fsutil import atomic_write_json, link_or_copy
+from ..fsutil import atomic_write_json, link_or_copy, read_json
 from ..progress import StateLike
 from ..targets import Soc, soc
 from . import config as gc
@@ -48,6 +48,46 @@ class BundleResult(BaseModel):
     validated: bool
     runtime_files: list[str]
     runtime_missing: list[str]
+
+
+class _GraphMeta(BaseModel):
+    name: str
+    ar: int = Field(gt=0)
+
+
+class _Metadata(BaseModel):
+    """What the readers of metadata.json rely on (the rest passes through): checked once, so a damaged file
+    is a clear message, never a KeyError deep in a runner."""
+    model_config = ConfigDict(extra="allow")
+    target: Soc
+    context_length: int = Field(gt=0)
+    graphs: list[_GraphMeta] = Field(min_length=1)
+    decoder: dict[str, Any]
+    bos_id: int | None = None
+    eos_ids: list[int] = Field(min_length=1)
+
+
+def read_metadata(bundle_dir: Path) -> dict[str, Any]:
+    """A bundle's metadata.json, checked; a UserError saying the folder is not a (whole) bundle otherwise."""
+    bundle_dir = Path(bundle_dir)
+    fix = "Pass a bundle folder written by `npustudio bundle` (rebuild a damaged one: `npustudio bundle --project " \
+          "P --force`)."
+    if not bundle_dir.is_dir():
+        what = "a file" if bundle_dir.exists() else "missing"
+        raise UserError(f"{bundle_dir} is not a bundle folder (it is {what}).", fix)
+    if not (bundle_dir / METADATA).exists():
+        raise UserError(f"{bundle_dir} is not an NPU Studio bundle: it has no {METADATA}.", fix)
+    data = read_json(bundle_dir / METADATA, f"bundle description ({METADATA})", fix)
+    if not isinstance(data, dict):
+        raise UserError(f"{bundle_dir / METADATA} is damaged: it holds a JSON {type(data).__name__}, not the "
+                        "bundle's description.", fix)
+    try:
+        _Metadata.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise UserError(f"{bundle_dir / METADATA} is damaged: {'.'.join(map(str, first['loc']))}: {first['msg']}.",
+                        fix) from e
+    return data
 
 
 def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
@@ -90,7 +130,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(adapt_dir))
+    tok = AutoTokenizer.from_pretrained(str(adapt_dir), trust_remote_code=False)
     (out_dir / SAMPLE_PROMPT).write_text(gc.chat_prompt(tok, options.question), encoding="utf-8")
 
     state.progress(0.4, "runtime files")

@@ -1,14 +1,14 @@
 """genie_config.json, htp_backend_ext_config.json and the sample prompt, from the architecture card.
 
-Formats: `reference/genie-qnn-formats.md` and Genie's own JSON schemas (basic dialog, QnnHtp engine,
-binary model with rope positional encoding). Paths inside the config are relative to the bundle
+Formats: Genie's own JSON schemas (basic dialog, QnnHtp engine, binary model with rope positional encoding),
+embedded in libGenie.so, which validates every bundle. Paths inside the config are relative to the bundle
 folder, as genie-t2t-run on a phone runs from there; `absolute()` resolves them for the desktop.
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,11 @@ class Sampler(BaseModel):
 
 
 def rope(card: dict[str, Any]) -> dict[str, Any]:
-    enc: dict[str, Any] = {"type": "rope", "rope-dim": card["head_dim"] // 2, "rope-theta": card["rope_theta"]}
+    """Genie's positional-encoding block: Genie computes the cos/sin tables from it, and they must equal the
+    ones the host runner computes from the stored frequencies (core/config_audit.py says what was measured).
+    `dynamic` stays plain RoPE: it scales nothing within max_position_embeddings, which bounds the context."""
+    hd = card["head_dim"]
+    enc: dict[str, Any] = {"type": "rope", "rope-dim": hd // 2, "rope-theta": card["rope_theta"]}
     sc = card.get("rope_scaling") or {}
     kind = sc.get("rope_type") or sc.get("type")
     if kind == "llama3":
@@ -38,6 +42,20 @@ def rope(card: dict[str, Any]) -> dict[str, Any]:
                                "low-freq-factor": sc.get("low_freq_factor", 1.0),
                                "high-freq-factor": sc.get("high_freq_factor", 4.0),
                                "original-max-position-embeddings": sc.get("original_max_position_embeddings", 8192)}
+    elif kind == "linear":
+        enc["rope-scaling"] = {"rope-type": "linear", "factor": sc["factor"]}
+    elif kind == "yarn":
+        f = float(sc["factor"])
+        # Genie multiplies the tables by attn-factor · (1 + 0.1·ln factor); transformers by its attention factor
+        enc["rope-scaling"] = {"rope-type": "yarnrope", "factor": f,
+                               "original-max-position-embeddings": sc["original_max_position_embeddings"],
+                               "dim": hd, "extrapolation-factor": 1.0,
+                               "attn-factor": sc["attention_factor"] / (1.0 + 0.1 * math.log(f)),
+                               "beta-fast": sc["beta_fast"], "beta-slow": sc["beta_slow"]}
+    elif kind == "longrope":
+        enc["rope-scaling"] = {"rope-type": "longrope", "factor": sc["factor"],
+                               "original-max-position-embeddings": sc["original_max_position_embeddings"],
+                               "short-factor": list(sc["short_factor"]), "long-factor": list(sc["long_factor"])}
     return enc
 
 
@@ -72,39 +90,115 @@ def htp_ext_config(target: Soc, weight_sharing: bool) -> dict[str, Any]:
 
 
 def absolute(config: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """The config with its file paths resolved against `folder` (the bundle), for a desktop run."""
+    """The config with its file paths resolved against `folder` (the bundle), for a desktop run.
+
+    Every file the config names must be inside the bundle folder (also through links): Genie opens
+    whatever a config names, so a `../../etc/passwd` ctx-bin, a tokenizer elsewhere, or a path under a
+    key this runner does not resolve (`fcb`, LoRA, …) is refused before Genie sees the config."""
+    from ..errors import UserError
+
+    folder = Path(folder).resolve()
+    inside(config, folder)
     c = copy.deepcopy(config)
-    d = c["dialog"]
-    d["tokenizer"]["path"] = str((folder / d["tokenizer"]["path"]).resolve())
-    binary = d["engine"]["model"]["binary"]
-    binary["ctx-bins"] = [str((folder / b).resolve()) for b in binary["ctx-bins"]]
-    backend = d["engine"]["backend"]
-    if "extensions" in backend:
-        backend["extensions"] = str((folder / backend["extensions"]).resolve())
+    try:
+        d = c["dialog"]
+        d["tokenizer"]["path"] = _file(folder, d["tokenizer"]["path"])
+        binary = d["engine"]["model"]["binary"]
+        binary["ctx-bins"] = [_file(folder, b) for b in binary["ctx-bins"]]
+        backend = d["engine"]["backend"]
+        if "extensions" in backend:
+            backend["extensions"] = _file(folder, backend["extensions"])
+    except (KeyError, TypeError) as e:
+        raise UserError(f"The {CONFIG} in {folder} is not a Genie dialog over context binaries "
+                        f"({type(e).__name__}: {e}).", "Rebuild the bundle with `npustudio bundle`.") from e
     return c
+
+
+def _file(folder: Path, name: Any) -> str:
+    if not isinstance(name, str) or "\0" in name:
+        raise TypeError(f"{name!r} is not a file name")
+    return str((folder / name).resolve())
+
+
+def inside(config: Any, folder: Path, where: str = "") -> None:
+    """UserError for the first string in the config that names a file outside `folder`: one that has a
+    path separator or is absolute, or names an entry of the folder (a link) that leads out of it."""
+    from ..errors import UserError
+
+    if isinstance(config, dict):
+        for k, v in config.items():
+            inside(v, folder, f"{where}.{k}" if where else str(k))
+    elif isinstance(config, list):
+        for i, v in enumerate(config):
+            inside(v, folder, f"{where}[{i}]")
+    elif isinstance(config, str):
+        name = config.split("\0", 1)[0]  # Genie opens files by C string: what a NUL hides is not read
+        if not name.strip():
+            return
+        p = folder / name
+        try:
+            named = "/" in name or "\\" in name or name.strip() in (".", "..") or p.is_symlink() or p.exists()
+        except OSError:  # too long to be a file name
+            named = False
+        if not named:
+            return  # a plain word: "basic", "QnnHtp", "rope", "0x3" …
+        try:
+            real: Path | None = p.resolve()
+        except (OSError, RuntimeError):  # a link loop
+            real = None
+        if real is None or folder not in real.parents:
+            raise UserError(f"{CONFIG} names {config!r} ({where}), which is outside the bundle folder {folder}.",
+                            "A bundle's config names only files inside its folder: rebuild the bundle with "
+                            "`npustudio bundle`.")
 
 
 def read(path: Path) -> dict[str, Any]:
     from ..errors import UserError
+    from ..fsutil import read_json
 
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise UserError(f"No Genie config at {path}.", "Pass the genie_config.json of a bundle "
-                        "(`npustudio bundle` writes one).") from e
-    except ValueError as e:
-        raise UserError(f"{path} is not valid JSON: {e}.", "Rebuild the bundle with `npustudio bundle`.") from e
+    data = read_json(Path(path), "Genie config", "Pass the genie_config.json of a bundle (`npustudio bundle` "
+                     "writes one).")
     if not isinstance(data, dict) or "dialog" not in data:
         raise UserError(f"{path} has no 'dialog' section.", "Pass a Genie dialog config (genie_config.json).")
     return data
 
 
+def check_prompt(text: str) -> str:
+    """A prompt Genie gets whole: libGenie takes a C string, so a NUL would silently cut it there, and text
+    that is not UTF-8 (a binary file, a mis-decoded argument) cannot be encoded for it at all."""
+    from ..errors import UserError
+
+    if "\x00" in text:
+        raise UserError(f"The prompt contains a NUL character at position {text.index(chr(0))}; Genie would "
+                        "silently drop everything after it.", "Remove the NUL bytes (is it a binary file?).")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"The prompt is not valid UTF-8 text (at position {e.start}).",
+                        "Pass the prompt as UTF-8 text.") from None
+    return text
+
+
 def chat_prompt(tokenizer: Any, user: str, system: str | None = None, history: list[dict[str, str]] | None = None,
                 bos_added_by_runtime: bool = True) -> str:
-    """The model's chat template applied (real newlines), without the BOS Genie prepends itself."""
+    """The model's chat template applied (real newlines), without the BOS Genie prepends itself.
+
+    transformers renders the template in jinja's sandbox; what the sandbox blocks (a template reaching for
+    Python internals) or a broken template is a UserError, not a traceback."""
+    from jinja2.exceptions import TemplateError
+
+    from ..errors import UserError
+
     msgs = ([{"role": "system", "content": system}] if system else []) + list(history or [])
     msgs.append({"role": "user", "content": user})
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:
+        raise UserError(f"The model's chat template cannot be used: {e.__class__.__name__}: {str(e)[:200]}"
+                        + (" (the template reaches beyond what a chat template may do; it was stopped by the "
+                           "sandbox)" if e.__class__.__name__ == "SecurityError" else ""),
+                        "Use a model whose chat template is plain (or fix chat_template in tokenizer_config.json "
+                        "/ chat_template.jinja), or send prompts as they are (`genie-run --raw`).") from e
     bos = getattr(tokenizer, "bos_token", None)
     if bos_added_by_runtime and bos and text.startswith(bos):
         text = text[len(bos):]

@@ -2,7 +2,7 @@
 
 On this machine the library is the x86 build shipped in onnxruntime-qnn, running on the HTP simulator;
 with `QNN_SDK_ROOT` set, the SDK's own x86 build is used instead. Signatures follow GenieDialog.h /
-GenieProfile.h / GenieLog.h as measured in `reference/recipes/genie_x86/`.
+GenieProfile.h / GenieLog.h (Genie API 1.21, checked against the x86 library by the tests).
 """
 
 from __future__ import annotations

@@ -7,12 +7,14 @@ a file that is not a Genie profile gets a clear error naming what is wrong.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from ..errors import UserError
+from ..fsutil import read_json
 from ..targets import Soc
 
 
@@ -57,8 +59,14 @@ _FIELDS = {"init-time": "init_time_us", "num-prompt-tokens": "prompt_tokens", "p
 def parse(text: str, source: str = "profile") -> Profile:
     try:
         data = json.loads(text)
-    except ValueError as e:
-        raise UserError(f"{source} is not JSON ({e}).", "Pass the file genie-t2t-run wrote with --profile.") from e
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"{source} is not JSON ({str(e)[:80] or 'nested too deeply'}).",
+                        "Pass the file genie-t2t-run wrote with --profile.") from e
+    return from_data(data, source)
+
+
+def from_data(data: Any, source: str = "profile") -> Profile:
+    """A profile from JSON data already read."""
     if not isinstance(data, dict) or not isinstance(data.get("components"), list):
         raise UserError(f"{source} is not a Genie profile: it has no 'components' list.",
                         "Pass the file genie-t2t-run wrote with --profile.")
@@ -70,22 +78,24 @@ def parse(text: str, source: str = "profile") -> Profile:
             if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
                 raise UserError(f"{source}: event {ei} of component {ci} has no type.", "The file is damaged.")
             row: dict[str, Any] = {"type": ev["type"], "component": str(comp.get("name", ci))}
-            for k, attr in (("start", "start_us"), ("stop", "stop_us"), ("duration", "duration_us")):
-                row[attr] = _num(ev.get(k), int)
-            for k, attr in _FIELDS.items():
-                v = ev.get(k)
-                row[attr] = _num(v.get("value") if isinstance(v, dict) else v, float if "rate" in k else int)
+            fields = [(k, attr, ev.get(k), int) for k, attr in (("start", "start_us"), ("stop", "stop_us"),
+                                                                ("duration", "duration_us"))]
+            fields += [(k, attr, v.get("value") if isinstance(v := ev.get(k), dict) else v,
+                        float if "rate" in k else int) for k, attr in _FIELDS.items()]
+            for k, attr, v, kind in fields:
+                try:
+                    row[attr] = _num(v, kind)
+                except ValueError as e:
+                    raise UserError(f"{source}: in event {ei} of component {ci}, {k} is {v}, not a finite number.",
+                                    "The file is damaged: run Genie again with --profile.") from e
             events.append(Event(**row))
     meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
     return Profile(runner=str(meta.get("runner", "genie")), events=events)
 
 
 def read(path: Path) -> Profile:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"Cannot read the profile {path}: {e.strerror}.", "Check the path.") from e
-    return parse(text, str(path))
+    data = read_json(Path(path), "Genie profile", "Pass the file genie-t2t-run wrote with --profile.")
+    return from_data(data, str(path))
 
 
 def summarize(p: Profile) -> Summary:
@@ -113,26 +123,36 @@ def roofline(target: Soc, weight_bytes: int, kv_bytes_per_token: int, context: i
 
 def bundle_roofline(bundle: Path) -> dict[str, float]:
     """The decode roofline of a bundle: its target's bandwidth, its largest binary, its 8-bit KV cache."""
-    from .bundle import METADATA
+    from .bundle import read_metadata
 
-    try:
-        meta = json.loads((Path(bundle) / METADATA).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{bundle} is not a bundle folder (no readable {METADATA}).",
-                        "Pass the folder `npustudio bundle` wrote.") from e
-    weights = max(f.stat().st_size for f in Path(bundle).glob("*.bin"))
+    meta = read_metadata(Path(bundle))
+    bins = [f.stat().st_size for f in Path(bundle).glob("*.bin") if f.is_file()]
+    if not bins:
+        raise UserError(f"{bundle} holds no context binary (*.bin), so it has no decode roofline.",
+                        "Pass a whole bundle folder (`npustudio bundle` writes one), or leave out --bundle.")
     dec = meta["decoder"]
-    kv = 2 * dec["layers"] * dec["kv_heads"] * dec["head_dim"]  # 8-bit K and V per token
-    return roofline(Soc(**meta["target"]), weights, kv, meta["context_length"])
+    try:
+        kv = 2 * int(dec["layers"]) * int(dec["kv_heads"]) * int(dec["head_dim"])  # 8-bit K and V per token
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{bundle}/metadata.json is damaged: its decoder has no usable layers/kv_heads/head_dim.",
+                        "Rebuild the bundle with `npustudio bundle --project P --force`.") from e
+    return roofline(Soc(**meta["target"]), max(bins), kv, meta["context_length"])
 
 
 def _num(v: Any, kind: type) -> Any:
+    """A number of the profile, None for a field that is missing or not a number; NaN and infinities (Genie
+    never writes them: the file is damaged) raise ValueError."""
     if isinstance(v, bool) or v is None:
         return None
     try:
-        return kind(v)
-    except (TypeError, ValueError):
+        x = kind(v)
+    except (TypeError, ValueError, OverflowError):
+        if isinstance(v, float):  # int(inf), int(nan)
+            raise ValueError(f"{v} is not a finite number") from None
         return None
+    if isinstance(x, float) and not math.isfinite(x):
+        raise ValueError(f"{v} is not a finite number")
+    return x
 
 
 def _s(us: int | None) -> float | None:

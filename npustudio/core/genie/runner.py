@@ -42,9 +42,21 @@ def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | No
         max_tokens: int | None = None, preview: bool = False) -> RunResult:
     if not prompt:
         raise UserError("The prompt is empty.", "Give a prompt with -p or --prompt_file.")
+    gc.check_prompt(prompt)
+    if profile_path is not None:
+        check_output_file(Path(profile_path), "--profile")
     if preview:
         return _preview(Path(config_path), prompt, on_text, profile_path, stop, max_tokens)
     return _genie(Path(config_path), prompt, on_text, profile_path, log_level, on_log, stop, max_tokens)
+
+
+def check_output_file(path: Path, what: str) -> None:
+    """Before any work: the file a run will write can be written (checked first, so a failed write after a
+    long run cannot hide the run's own result or error)."""
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder; it must name a file to write.", f"Give {what} a file name.")
+    if not path.parent.is_dir():
+        raise UserError(f"{what} {path}: the folder {path.parent} does not exist.", "Create it or pick another place.")
 
 
 def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None, log_level: str,
@@ -68,11 +80,11 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
     done = threading.Event()
     watcher = None
     if stop is not None:
-        def watch() -> None:
+        def watch() -> None:  # abort again every 50 ms: Genie keeps no abort sent before its query started
             while not done.is_set():
                 if stop.wait(0.05):
                     dialog.abort()
-                    return
+                    done.wait(0.05)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
     try:
@@ -86,18 +98,24 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
                 pieces.append(s)
                 on_text(s)
 
-        status = dialog.query(prompt, text)
+        status = 1 if stop is not None and stop.is_set() else dialog.query(prompt, text)
     finally:
         done.set()
+        if watcher:
+            watcher.join()  # before the dialog is freed: no abort may reach a freed handle
         dialog.close()  # ends the profile's query events
         profile = dialog.profile_json()
         dialog.free_profile()
-        if watcher:
-            watcher.join()
-    if profile and profile_path:
-        atomic_write_text(Path(profile_path), profile)
     aborted = status == 1 or (stop is not None and stop.is_set())
-    if status not in (0, 1, 4) and not aborted:
+    failed = status not in (0, 1, 4) and not aborted
+    if profile and profile_path:
+        try:
+            atomic_write_text(Path(profile_path), profile)
+        except (OSError, UserError) as e:
+            if not failed:  # else Genie's own error below is what the user needs to see
+                raise UserError(f"Genie ran, but its profile could not be written to {profile_path}: {e}",
+                                "Give --profile a file in a writable folder.") from e
+    if failed:
         raise libgenie.GenieError("Genie's query failed", status, dialog.log)
     outcome = "aborted" if aborted else "context-full" if status == 4 else "complete"
     return RunResult(text="".join(pieces), status=outcome, runner="genie (HTP simulator)",
@@ -210,10 +228,6 @@ def _preview(config_path: Path, prompt: str, on_text: OnText, profile_path: Path
 
 
 def _metadata(bundle_dir: Path) -> dict[str, Any]:
-    from .bundle import METADATA
+    from .bundle import read_metadata
 
-    try:
-        return json.loads((bundle_dir / METADATA).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{bundle_dir} has no readable {METADATA}.",
-                        "Rebuild the bundle with `npustudio bundle`.") from e
+    return read_metadata(bundle_dir)

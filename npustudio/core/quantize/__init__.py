@@ -18,15 +18,27 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
+from .. import compute
 from ..adapt import KVCacheRunner, TorchGraph, store
 from ..adapt.decoder import io_names
+from ..compute import Device
 from ..errors import UserError
-from ..evaluate import DEFAULT_WINDOW, compare, load_corpus
+from ..evaluate import (
+    DEFAULT_WINDOW,
+    EvalPlan,
+    LogitsFn,
+    Reference,
+    auto_eval_tokens,
+    compare,
+    eval_ids,
+    load_corpus,
+    read_plan,
+)
 from ..fsutil import atomic_write_json
 from ..progress import Laps, StateLike, peak_rss_mb
 from ..targets import DEFAULT_SOC, soc
 from . import export, rotate, simulate
-from .presets import Overrides, preset
+from .presets import Overrides, check_overrides, preset
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
 FORMAT = 6
@@ -47,11 +59,15 @@ class QuantizeOptions(BaseModel):
     calib_len: int = Field(256, description="tokens per calibration sequence")
     calib_decode: int = Field(8, description="AR-1 steps at the end of each calibration sequence")
     overrides: Overrides = Field(default_factory=Overrides, description="per-module bitwidths (mixed precision)")
-    eval_corpus: str = "default"
+    # the perplexity eval: unset fields take the adapt stage's plan, whose float logits are then reused
+    eval_corpus: str | None = Field(None, description="eval text (default: the adapt stage's)")
     eval_chars: int | None = None
-    window: int = DEFAULT_WINDOW
-    decode_tokens: int = Field(16, description="AR-1 steps at the end of each eval window")
+    eval_tokens: int | None = Field(None, ge=2)
+    window: int | None = Field(None, ge=2)
+    decode_tokens: int | None = Field(None, ge=0, description="AR-1 steps at the end of each eval window")
     export: bool = True
+    device: Device = Field("auto", description="where calibration, SeqMSE and the evaluations run (auto: the "
+                                               "CUDA GPU when torch sees one)")
 
 
 class QuantizeResult(BaseModel):
@@ -72,6 +88,7 @@ class QuantizeResult(BaseModel):
     files: list[dict[str, Any]]
     steps: dict[str, float]  # seconds per step
     peak_rss_mb: float
+    device: str = "cpu"
 
 
 def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLike) -> QuantizeResult:
@@ -80,30 +97,39 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     steps = lap.steps
 
     state.progress(0.0, "loading the adapted model")
+    device = compute.resolve(options.device)
     model, inv_freq = store.load(adapt_dir)
+    check_overrides(options.overrides, model)  # before any calibration: a typo must not cost a run
+    model.to(device)
     if options.rotate:
         rotate.rotate_residual(model)
     ar, cl, graph_list = _adapt_graphs(adapt_dir)
     tok = _tokenizer(adapt_dir)
     spec = model.spec
-    eval_ids = tok(load_corpus(options.eval_corpus, "eval", options.eval_chars))["input_ids"]
+    plan, reference = _eval_plan(adapt_dir, options, cl)
+    ids = reference.ids if reference else eval_ids(tok, plan)
     calib = _calibration(tok(load_corpus(options.calib_corpus, "calib"))["input_ids"], options, cl)
-    window = min(options.window, cl)
     lap("load")
 
     def runner(m: torch.nn.Module) -> KVCacheRunner:
         return KVCacheRunner.over(m, ar, cl, inv_freq)
 
-    # FP reference (the model is quantized in place afterwards, so keep its logits and test-vector outputs)
-    state.progress(0.02, "FP reference")
     fp_run = runner(model)
     ref: list[torch.Tensor] = []
+    if reference:
+        state.progress(0.02, "FP reference: the adapt stage's logits")
+        compare(ids, reference, window=plan.window, state=state.sub(0.02, 0.05), labels=("fp", "quant"))
+        fp_ref: LogitsFn = Reference(adapt_dir)
+    else:  # another eval than adapt's: the model is quantized in place afterwards, so keep its logits
+        state.progress(0.02, "FP reference")
 
-    def fp_logits(ids: list[int]) -> torch.Tensor:
-        ref.append(fp_run.score(ids, options.decode_tokens))
-        return ref[-1]
+        def fp_logits(w: list[int]) -> torch.Tensor:
+            ref.append(fp_run.score(w, plan.decode_tokens))
+            return ref[-1]
 
-    compare(eval_ids, fp_logits, window=window, state=state.sub(0.02, 0.15), labels=("fp", "quant"))
+        compare(ids, fp_logits, window=plan.window, state=state.sub(0.02, 0.15), labels=("fp", "quant"))
+        it = iter(ref)
+        fp_ref = lambda _w: next(it)  # noqa: E731
     vectors = _vector_feeds(fp_run, calib[0], ar)
     fp_out = [TorchGraph(model)(f) for f in vectors]
     lap("fp_reference")
@@ -133,14 +159,14 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     lap("calibrate")
 
     label = "quant+seqmse" if options.seq_mse else "quant"
-    it = iter(ref)
-    cmp = compare(eval_ids, lambda _w: next(it), partial(q_run.score, decode_tokens=options.decode_tokens),
-                  window=window, state=state.sub(0.6, 0.8), labels=("fp", label))
+    cmp = compare(ids, fp_ref, partial(q_run.score, decode_tokens=plan.decode_tokens),
+                  window=plan.window, state=state.sub(0.6, 0.8), labels=("fp", label))
     ref.clear()  # the FP logits of the whole eval text: free them before the export peaks
     gc.collect()
     lap("quant_eval")
 
     files: list[Path] = []
+    sim.model.cpu()  # the export (and its bit-for-bit checks) run where CI runs them
     if options.export:
         state.progress(0.8, "exporting ONNX + encodings")
         vec_dir = out_dir / "test_vectors"
@@ -166,7 +192,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
         calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,
-        steps=steps, peak_rss_mb=round(peak_rss_mb()))
+        steps=steps, peak_rss_mb=round(peak_rss_mb()), device=device)
     atomic_write_json(out_dir / "quantize.json", res.model_dump())
     state.progress(1.0, f"{pre.name}: PPL {res.ppl_quant:.3f} vs FP {res.ppl_fp:.3f} (×{res.ratio:.4f})")
     return res
@@ -178,10 +204,29 @@ def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
     return specs["prompt"]["ar"], specs["prompt"]["cl"], [specs["prompt"]["name"], specs["token"]["name"]]
 
 
+def _eval_plan(adapt_dir: Path, o: QuantizeOptions, cl: int) -> tuple[EvalPlan, Reference | None]:
+    """The adapt stage's eval plan with this stage's overrides; its float logits when nothing was overridden."""
+    adapted = read_plan(adapt_dir)
+    params = int(json.loads((adapt_dir / "card.json").read_text())["params"])
+    base = adapted or EvalPlan(tokens=auto_eval_tokens(params), window=min(DEFAULT_WINDOW, cl))
+    upd: dict[str, Any] = {k: v for k, v in (("corpus", o.eval_corpus), ("chars", o.eval_chars),
+                                              ("window", o.window and min(o.window, cl)),
+                                              ("decode_tokens", o.decode_tokens))
+                            if v is not None and v != getattr(base, k)}
+    if o.eval_tokens is not None:
+        upd["tokens"] = o.eval_tokens
+    elif {"corpus", "chars"} & upd.keys():
+        upd["tokens"] = auto_eval_tokens(params)
+    plan = base.model_copy(update=upd)
+    if adapted is not None and plan == adapted and (adapt_dir / "reference_logits.safetensors").is_file():
+        return plan, Reference(adapt_dir)
+    return plan, None
+
+
 def _tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
 
 
 def _calibration(ids: list[int], o: QuantizeOptions, cl: int) -> list[list[int]]:
@@ -196,9 +241,9 @@ def _calibration(ids: list[int], o: QuantizeOptions, cl: int) -> list[list[int]]
 def _vector_feeds(r: KVCacheRunner, seq: list[int], ar: int) -> list[dict[str, torch.Tensor]]:
     """Feeds of one AR-N step (empty cache) and one AR-1 step right after it, from real text."""
     r.reset()
-    first = {k: v.clone() for k, v in r.feeds(seq[:ar], ar).items()}
+    first = {k: v.cpu().clone() for k, v in r.feeds(seq[:ar], ar).items()}
     r.step(seq[:ar], ar)
-    second = {k: v.clone() for k, v in r.feeds([seq[min(ar, len(seq) - 1)]], 1).items()}
+    second = {k: v.cpu().clone() for k, v in r.feeds([seq[min(ar, len(seq) - 1)]], 1).items()}
     return [first, second]
 
 

@@ -8,7 +8,7 @@ whose range is far wider than the same tensor's in the other layers.
 
 from __future__ import annotations
 
-import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ..errors import UserError
+from ..fsutil import read_json
 
 SCALE_SPREAD_FLAG = 100.0  # max/min channel scale
 RANGE_FLAG = 10.0  # activation range vs the median of the same tensor in the other layers
@@ -82,10 +83,7 @@ def read(path: str | Path) -> EncodingsTable:
     fix = "Pass an .encodings file written by the quantize stage (AIMET schema 1.0.0 or 0.6.1)."
     if not p.is_file():
         raise UserError(f"No encodings file at {p}.", fix)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{p.name} is not valid JSON ({e}).", fix) from e
+    data = read_json(p, "encodings file", fix)
     if not isinstance(data, dict) or not ({"activation_encodings", "param_encodings"} & data.keys()):
         raise UserError(f"{p.name} is JSON but not an encodings file (no activation_encodings/param_encodings).",
                         fix)
@@ -95,18 +93,22 @@ def read(path: str | Path) -> EncodingsTable:
         section = data.get(key, [] if version.startswith("1.") else {})
         try:
             entries = list(_entries(section, version))
-        except (TypeError, AttributeError, ValueError) as e:
+        except (TypeError, AttributeError, ValueError, OverflowError) as e:
             raise UserError(f"{p.name}: the {key} section is malformed ({e}).", fix) from e
         for name, enc in entries:
             try:
-                rows.append(_row(name, kind, enc))
-            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
+                rows.append(_row(str(name), kind, enc))
+            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError, OverflowError) as e:
                 raise UserError(f"{p.name}: the encoding of {name!r} is malformed ({type(e).__name__}: {e}).",
                                 fix) from e
+    excluded = data.get("excluded_layers", []) or []
+    if not isinstance(excluded, list):
+        raise UserError(f"{p.name}: excluded_layers is {type(excluded).__name__} {str(excluded)[:40]}, not a list "
+                        "of names.", fix)
     _kv_carriers(rows)
     _flag(rows)
     return EncodingsTable(path=str(p), version=version, rows=rows, layers=_summaries(rows),
-                          excluded=[str(x) for x in data.get("excluded_layers", []) or []])
+                          excluded=[str(x) for x in excluded])
 
 
 def _entries(section: Any, version: str) -> Any:
@@ -127,47 +129,80 @@ def _legacy(e: Any) -> dict[str, Any]:
     if not items or not all(isinstance(x, dict) for x in items):
         raise ValueError("expected a list of encodings")
     sym = str(items[0].get("is_symmetric", "False")).lower() == "true"
-    return {"bw": int(items[0]["bitwidth"]), "is_sym": sym, "scale": [float(x["scale"]) for x in items],
-            "offset": [int(x["offset"]) for x in items],
+    return {"bw": items[0]["bitwidth"], "is_sym": sym, "scale": [x["scale"] for x in items],
+            "offset": [x["offset"] for x in items],
             "enc_type": "PER_CHANNEL" if len(items) > 1 else "PER_TENSOR",
             "dtype": str(items[0].get("dtype", "int")).upper()}
 
 
+MAX_BITS = 32  # what any quantizer here can mean; a larger bitwidth is damage (2**bw would not even fit memory)
+MAX_OFFSET = 2**32
+
+
+def _number(v: Any) -> float:
+    """A JSON number (NaN and infinities included: flagged later); anything else is malformed."""
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise TypeError(f"{v!r} is not a number")
+    return float(v)
+
+
+def _whole(v: Any) -> int | None:
+    """A whole number, or None for NaN, infinities and fractions (flagged)."""
+    x = _number(v) if not isinstance(v, int) else v
+    if isinstance(x, int):
+        return x
+    return int(x) if math.isfinite(x) and x == int(x) else None
+
+
 def _row(name: str, kind: str, e: dict[str, Any]) -> TensorRow:
-    scales = [float(s) for s in _listify(e["scale"])]
-    offsets = [int(o) for o in _listify(e.get("offset") or 0)]
+    """One tensor's row. Values a quantizer cannot have (NaN or non-positive scales, bitwidths outside
+    1-32, offsets beyond the bitwidth) are flagged, not fatal: the table is where a person finds them."""
+    scales = [_number(s) for s in _listify(e["scale"])]
+    offsets_in = [_whole(o) for o in _listify(e.get("offset") or 0)]
     channels = len(scales)
     if not scales:
         raise ValueError("no scale")
-    if any(s <= 0 for s in scales):
-        raise ValueError("a scale is not positive")
+    flags: list[str] = []
     enc_type = str(e.get("enc_type", "PER_TENSOR")).upper()
-    bw = int(e["bw"])
+    bw = _whole(e["bw"])
     block = e.get("block_size")
     if enc_type == "LPBQ":  # int4 blocks with 8-bit per-channel scales: the stored weights are compressed_bw
-        bw = int(e.get("compressed_bw", bw))
-        per_block = [int(x) for x in e["per_block_int_scale"]]
+        bw = _whole(e.get("compressed_bw", bw))
+        per_block = [_number(x) for x in e["per_block_int_scale"]]
         blocks = len(per_block) // len(scales)
         scales = [s * per_block[c * blocks + b] for c, s in enumerate(scales) for b in range(blocks)]
-        offsets = [-(2 ** (bw - 1))]
+        offsets_in = [-(2 ** (bw - 1)) if bw is not None and 1 <= bw <= MAX_BITS else 0]
     gran = {"PER_TENSOR": "tensor", "PER_CHANNEL": "channel", "PER_BLOCK": "block", "LPBQ": "block"}.get(enc_type)
     if gran is None:
         raise ValueError(f"unknown enc_type {enc_type}")
-    levels = 2 ** bw - 1
-    pairs = [(offsets[i % len(offsets)], sc) for i, sc in enumerate(scales)]
-    lo = [o * sc for o, sc in pairs]
-    hi = [(o + levels) * sc for o, sc in pairs]
+    if bw is None or not 1 <= bw <= MAX_BITS:
+        flags.append(f"bitwidth {e.get('compressed_bw', e['bw']) if enc_type == 'LPBQ' else e['bw']} is not a "
+                     f"whole number from 1 to {MAX_BITS}")
+    bad_scales = [s for s in scales if not (math.isfinite(s) and s > 0)]
+    if bad_scales:
+        flags.append(f"{len(bad_scales)} scale(s) NaN, infinite, zero or negative (e.g. {bad_scales[0]})")
+    if any(o is None or abs(o) > MAX_OFFSET for o in offsets_in):
+        flags.append("an offset is NaN, a fraction or out of range")
+    good = [s for s in scales if math.isfinite(s) and s > 0]
+    offsets = [o if o is not None and abs(o) <= MAX_OFFSET else 0 for o in offsets_in] or [0]
+    nan = float("nan")
+    lo_r = hi_r = nan
+    if not flags:
+        levels = 2 ** bw - 1  # type: ignore[operator]
+        pairs = [(offsets[i % len(offsets)], sc) for i, sc in enumerate(scales)]
+        lo_r, hi_r = min(o * sc for o, sc in pairs), max((o + levels) * sc for o, sc in pairs)
     flat = name.replace("/", ".")
     m = _LAYER.search(flat)
     role = next((r for pat, r in _ROLES if re.search(pat, flat)), "activation")
     return TensorRow(
-        name=name, layer=int(m.group(1) or m.group(2)) if m else None, role=role, kind=kind, bitwidth=bw,
-        symmetric=bool(e.get("is_sym", False)), granularity=gran,
+        name=name, layer=int(m.group(1) or m.group(2)) if m else None, role=role, kind=kind,
+        bitwidth=bw if bw is not None else 0, symmetric=bool(e.get("is_sym", False)), granularity=gran,
         block_size=int(block) if block is not None and gran == "block" else None,
         channels=channels,
-        scale_min=min(scales), scale_median=statistics.median(scales), scale_max=max(scales),
-        scale_spread=max(scales) / min(scales), offset=int(statistics.median(offsets)),
-        range_min=min(lo), range_max=max(hi), scales=scales, offsets=offsets)
+        scale_min=min(good, default=nan), scale_median=statistics.median(good) if good else nan,
+        scale_max=max(good, default=nan), scale_spread=max(good) / min(good) if good else nan,
+        offset=int(statistics.median(offsets)), range_min=lo_r, range_max=hi_r, scales=scales, offsets=offsets,
+        flags=flags)
 
 
 def _listify(v: Any) -> list[Any]:

@@ -59,10 +59,11 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
         if biased:  # its extra forward pass holds ~1.4 GB on the default model: only where needed
             stack.enter_context(aonnx._concretize_int32_bias_quantizers(model, args, None))
         stack.enter_context(aonnx._temporarily_convert_activation_to(model, signed=False))
-        # aimet re-quantizes every parameter here, holding two extra copies of all weights (1.3 GB on the
-        # default model). The folded conv weights are already on their grid (simulate.fold) and come out
-        # bit-identical; the embedding's asymmetric 16-bit grid and int32 biases do not, so only they go
-        stack.enter_context(type(sim)._apply_qdq_to_model_parameters(model if biased else model.embed))
+        # aimet re-quantizes every parameter here, holding two extra copies of each (the 1 GB embedding table of
+        # a 1B model: 2 GB more at the export's peak). The folded conv weights are already on their grid
+        # (simulate.fold) and come out bit-identical; the embedding's asymmetric 16-bit grid and int32 biases do
+        # not, so only they are re-quantized, in place, a slab of rows at a time (idempotent for the next graph)
+        _requantize_in_place(model)
         stack.enter_context(aonnx._remove_fp16_quantizers(model))
         stack.enter_context(aonnx._remove_fp16_quantized_parameters(model))
         stack.enter_context(patch_attr(aonnx._onnx, "export", _weights_outside(aonnx._onnx.export)))
@@ -86,6 +87,19 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
     del qdq
     _add_input_encodings(enc_file, simulate.input_quantizers(sim.model))
     return [float_onnx, enc_file, qdq_onnx]
+
+
+@torch.no_grad()
+def _requantize_in_place(model: Any) -> None:
+    """What aimet's `_apply_qdq_to_model_parameters` does to the embedding table and the biases, into their own
+    storage (the export is the model's last use; the next graph's export finds them on the grid already)."""
+    for module in model.modules():
+        quantizers = getattr(module, "param_quantizers", {})
+        for name, quantizer in quantizers.items():
+            if quantizer is None or not (module is model.embed or name == "bias"):
+                continue
+            param = getattr(module, name)
+            simulate.qdq_by_slabs(param, quantizer, into=param.data.as_subclass(torch.Tensor))
 
 
 def _weights_outside(trace: Any) -> Any:
@@ -335,9 +349,9 @@ def write_test_vectors(path: Path, feeds: dict[str, torch.Tensor], fp: dict[str,
     """Inputs + FP and quantized outputs of one step, as a plain .npz (no pickle inside)."""
     import numpy as np
 
-    arrays = {f"in/{k}": v.detach().numpy() for k, v in feeds.items()}
-    arrays |= {f"fp/{k}": v.detach().float().numpy() for k, v in fp.items()}
-    arrays |= {f"quant/{k}": v.detach().float().numpy() for k, v in quant.items()}
+    arrays = {f"in/{k}": v.detach().cpu().numpy() for k, v in feeds.items()}
+    arrays |= {f"fp/{k}": v.detach().float().cpu().numpy() for k, v in fp.items()}
+    arrays |= {f"quant/{k}": v.detach().float().cpu().numpy() for k, v in quant.items()}
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez_compressed(tmp, **arrays)
     os.replace(tmp, path)

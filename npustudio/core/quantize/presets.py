@@ -3,18 +3,22 @@
 A preset says what the HTP runs well; an override file lets a user keep sensitive layers wider
 (mixed precision) without touching code. Override file (JSON):
     {"weights": {"layers.0.mlp.down": 8, "layers.*.attn.o": 8}, "activations": {"layers.1.mlp.down": 16}}
-Patterns are shell globs over module names of the adapted decoder (see `npustudio encodings`).
+Patterns are shell globs over module names of the adapted decoder (see `npustudio encodings`). A pattern
+that matches no module is an error naming it and the closest names: a typo would silently lose the mixed
+precision.
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
-import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
 from ..errors import UserError
+from ..fsutil import read_json
 
 
 class Preset(BaseModel):
@@ -69,10 +73,9 @@ def load_overrides(path: str | Path | None) -> Overrides:
     fix = 'Write JSON like {"weights": {"layers.0.mlp.down": 8}, "activations": {}}.'
     if not p.is_file():
         raise UserError(f"No override file at {p}.", fix)
+    data = read_json(p, "override file", fix)
     try:
-        ov = Overrides.model_validate(json.loads(p.read_text(encoding="utf-8")))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{p} is not valid JSON ({e}).", fix) from e
+        ov = Overrides.model_validate(data)
     except ValidationError as e:
         raise UserError(f"{p} has the wrong shape: {e.errors()[0]['msg']} at "
                         f"{'.'.join(str(x) for x in e.errors()[0]['loc'])}.", fix) from e
@@ -82,3 +85,27 @@ def load_overrides(path: str | Path | None) -> Overrides:
                 raise UserError(f"{p}: {kind} bitwidth {bits} for {pattern!r} is not supported.",
                                 f"Use one of {', '.join(map(str, allowed))} for {kind}.")
     return ov
+
+
+def override_targets(model: Any) -> dict[str, list[str]]:
+    """The module names each section of an override file can name: weights are the 1x1 convolutions and the
+    embedding table; activations are the leaf ops (each gets its own quantizers in the quantsim)."""
+    from ..adapt.ops import Conv1x1
+
+    mods = list(model.named_modules())
+    return {"weights": [n for n, m in mods if isinstance(m, Conv1x1)] + ["embed"],
+            "activations": [n for n, m in mods if n and not any(True for _ in m.children())]}
+
+
+def check_overrides(ov: Overrides, model: Any) -> None:
+    """Every pattern must match some module of `model` (the adapted decoder): else a UserError naming it."""
+    targets = override_targets(model)
+    for kind, names in targets.items():
+        for pattern in getattr(ov, kind):
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                continue
+            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.6)
+            raise UserError(f"The override pattern {pattern!r} ({kind}) matches no module of the adapted model.",
+                            (f"Did you mean {', '.join(repr(c) for c in close)}? " if close else "")
+                            + f"{kind.capitalize()} module names look like {names[0]!r} "
+                            "(`npustudio encodings` lists them); shell globs like 'layers.*.mlp.down' work.")

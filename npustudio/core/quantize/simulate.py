@@ -9,7 +9,7 @@ What the HTP needs, set explicitly rather than left to the config file's op-type
 - each layer's KV cache is 8-bit with ONE encoding shared by `past_*_in`, `past_*_out` and the
   Concat that joins them (Genie copies cache entries without requantizing);
 - the attention mask, an input every layer adds, gets one encoding; the cos/sin tables one fixed
-  [-1, 1] encoding through their concat/negation (so they enter the graph as uint16 inputs);
+  [-s, s] encoding through their concat/negation (so they enter the graph as uint16 inputs);
 - everything else: 16-bit activations.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..adapt.decoder import StaticDecoder
+from ..progress import trim_heap
 from ..targets import Soc
 from .presets import Overrides, Preset
 
@@ -144,11 +145,14 @@ def _share_mask(model: torch.nn.Module) -> None:
 
 
 def _share_rope_tables(model: torch.nn.Module) -> None:
-    """cos/sin lie in [-1, 1]: one frozen 16-bit encoding for the inputs, the sign flip and the doubled tables."""
+    """cos/sin lie in [-s, s] (s: the RoPE attention scaling yarn and longrope multiply the tables by, else 1):
+    one frozen 16-bit encoding for the inputs, the sign flip and the doubled tables. Genie quantizes its own
+    tables with this encoding, so it must hold their whole range."""
     import torch as t
 
+    s = max(1.0, abs(float(model.spec.rope_attention_scaling)))  # type: ignore[union-attr]
     q = _qdq((), 16, False)
-    q.set_range(t.tensor(-1.0), t.tensor(1.0))
+    q.set_range(t.tensor(-s), t.tensor(s))
     q.allow_overwrite(False)
     for op in (model.cos_cat, model.sin_cat, model.sin_neg):
         for qs in (op.input_quantizers, op.output_quantizers):
@@ -166,9 +170,55 @@ def input_quantizers(model: torch.nn.Module) -> dict[str, Any]:
 def fold(sim: Any) -> None:
     """Quantize the weights once instead of on every call: calibration and evaluation run much faster.
 
-    The encodings stay attached to the folded weights; aimet's ONNX export unfolds them again.
+    aimet's own fold quantize-dequantizes each weight whole, holding about three copies of the largest one (the
+    LM head: 3 GB on a 1B model); here each weight is done a slab of rows at a time into its final tensor, with
+    aimet's own arithmetic, so the result is the same tensor aimet makes (a DequantizedTensor carrying its
+    encoding, which the ONNX export unfolds again).
     """
-    from aimet_torch.nn import compute_param_encodings
+    from aimet_torch.nn import BaseQuantizationMixin, compute_param_encodings
 
     compute_param_encodings(sim.model)
-    sim.fold_param_quantizers()
+    for module in sim.model.modules():
+        if not isinstance(module, BaseQuantizationMixin):
+            continue
+        for name, quantizer in list(module.param_quantizers.items()):
+            if quantizer is None:
+                continue
+            param = getattr(module, name)
+            setattr(module, name, torch.nn.Parameter(qdq_by_slabs(param, quantizer),
+                                                     requires_grad=param.requires_grad))
+            module.param_quantizers[name] = None
+    trim_heap()
+
+
+_SLAB = 4 * 2**20  # elements quantized at once
+
+
+@torch.no_grad()
+def qdq_by_slabs(param: torch.Tensor, quantizer: Any, into: torch.Tensor | None = None) -> torch.Tensor:
+    """`quantizer(param)` computed row slab by row slab (every encoding here is per tensor, per output channel or
+    per block of an output channel, so rows are independent), into a new tensor or `into` (which may be param's
+    own storage: each slab is read before it is written)."""
+    from aimet_torch.quantization.affine import quantize_dequantize
+    from aimet_torch.quantization.tensor import DequantizedTensor
+
+    enc = quantizer.get_encodings()
+    x = param.detach().as_subclass(torch.Tensor)
+    out = torch.empty_like(x) if into is None else into
+    rows = len(x) if x.dim() else 1
+    step = max(1, _SLAB // max(1, x[0].numel() if x.dim() else 1))
+
+    def rows_of(t: torch.Tensor, sl: slice) -> torch.Tensor:
+        return t[sl] if t.dim() and t.shape[0] == rows and rows > 1 else t
+
+    if x.dim() == 0:
+        out.copy_(quantize_dequantize(x, enc.scale, enc.offset, enc.qmin, enc.qmax, block_size=enc.block_size,
+                                      zero_point_shift=enc.zero_point_shift))
+    else:
+        for a in range(0, rows, step):
+            sl = slice(a, a + step)
+            out[sl] = quantize_dequantize(x[sl], rows_of(enc.scale, sl), rows_of(enc.offset, sl), enc.qmin, enc.qmax,
+                                          block_size=enc.block_size, zero_point_shift=enc.zero_point_shift)
+    res = out.as_subclass(DequantizedTensor)
+    res.encoding = enc
+    return res

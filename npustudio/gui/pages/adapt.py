@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
-from PySide6.QtWidgets import QSpinBox
+from PySide6.QtWidgets import QCheckBox, QSpinBox
 
 from ...core import isolated, pipeline
 from ...core.adapt import AdaptOptions
 from ..charts import PplChart
-from ..widgets import Page, fill, table
+from ..widgets import BAD, Page, fill, table
 
 
 def spin(lo: int, hi: int, value: int, step: int = 1) -> QSpinBox:
@@ -31,23 +32,28 @@ class AdaptPage(Page):
         self.cl = spin(64, 32768, 1024, 128)
         self.form.addRow("Prompt tokens per step (AR):", self.ar)
         self.form.addRow("Context length (CL):", self.cl)
-        self.add_strip("Adapt")
+        self.accept_mismatch = QCheckBox("Keep the graphs even if they fail the equivalence gate (they will not "
+                                         "answer like the original model)")
+        self.form.addRow("", self.accept_mismatch)
+        self.add_strip("Adapt", redo=True)
         self.chart = PplChart()
         self.results = table(["Check", "Value"])
         self.lay.addWidget(self.chart, 2)
         self.lay.addWidget(self.results, 1)
-        self.strip.run.clicked.connect(self.start)
+        self.strip.run.clicked.connect(lambda: self.start())
 
     def options(self) -> AdaptOptions:
-        return AdaptOptions(ar=self.ar.value(), cl=self.cl.value())
+        return AdaptOptions(ar=self.ar.value(), cl=self.cl.value(), device=self.window_.settings.device,
+                            accept_mismatch=self.accept_mismatch.isChecked())
 
-    def start(self) -> None:
+    def start(self, force: bool = False) -> None:
         project, opts = self.project, self.options()
         model = project.choices().get("model", "default")
         self.chart.clear()
+        self.strip.status.setStyleSheet("")
 
         def work(state: Any) -> dict[str, Any]:
-            return isolated.run(pipeline.adapt, project, model, opts, state=state).result
+            return isolated.run(partial(pipeline.adapt, force=force), project, model, opts, state=state).result
 
         self.strip.start(work, self.finish, "Adapting", on_partial=self.ppl_point)
 
@@ -57,6 +63,7 @@ class AdaptPage(Page):
         if rec and rec.status == "done":
             self.ar.setValue(int(rec.options["ar"]))
             self.cl.setValue(int(rec.options["cl"]))
+            self.accept_mismatch.setChecked(bool(rec.options.get("accept_mismatch", False)))
             self.show_result(rec.result)
         else:
             self.cl.setValue(int(ch.get("cl", 1024)))
@@ -66,11 +73,21 @@ class AdaptPage(Page):
         if not self.chart.series:
             for w in r.get("per_window", []):
                 self.chart.add(w)
-        fill(self.results, [
+        accepted = s["gate"] == "failed, accepted"
+        rows = [
+            ("Equivalence gate", s["gate"]),
             ("Top-1 agreement with the original", f"{s['top1_agreement']:.4f}"),
             ("Max |Δ logit|", f"{s['max_abs_logit_diff']:.2e}"),
             ("Positions compared", f"{s['positions']} (prefill AR-{s['prefill_ar']}, {s['decode_steps']} AR-1 steps)"),
             ("Perplexity: original / adapted", f"{s['ppl_fp']:.3f} / {s['ppl_adapted']:.3f}"),
             ("Graphs", ", ".join(s["graphs"])),
-        ])
-        self.strip.status.setText(f"Adapted: top-1 {s['top1_agreement']:.4f}, FP perplexity {s['ppl_fp']:.3f}.")
+        ]
+        fill(self.results, rows, [BAD if accepted and i < 3 else None for i in range(len(rows))])
+        if accepted:
+            self.strip.status.setStyleSheet("color: #b00020; font-weight: bold")
+            self.strip.status.setText(f"Adapted WITHOUT equivalence: top-1 {s['top1_agreement']:.4f}, max |Δ logit| "
+                                      f"{s['max_abs_logit_diff']:.2e}. The mismatch was accepted; this model will "
+                                      "not answer like the original.")
+        else:
+            self.strip.status.setStyleSheet("")
+            self.strip.status.setText(f"Adapted: top-1 {s['top1_agreement']:.4f}, FP perplexity {s['ppl_fp']:.3f}.")

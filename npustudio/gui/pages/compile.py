@@ -3,6 +3,7 @@ then the Genie bundle validated by the real libGenie."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from PySide6.QtWidgets import QButtonGroup, QCheckBox, QRadioButton
@@ -45,12 +46,12 @@ class CompilePage(Page):
                                "(for a phone: the simulator and the virtual device cannot load it)")
         self.form.addRow("Verify on the simulator (tokens):", self.verify)
         self.form.addRow("", self.share)
-        self.add_strip("Compile and bundle")
+        self.add_strip("Compile and bundle", redo=True)
         self.binaries = table(["Graph", "Context binary", "Size", "Ops on the NPU", "Compile time"])
         self.results = table(["Result", "Value"])
         self.lay.addWidget(self.binaries, 1)
         self.lay.addWidget(self.results, 1)
-        self.strip.run.clicked.connect(self.start)
+        self.strip.run.clicked.connect(lambda: self.start())
         self.find_sdk()
 
     def find_sdk(self) -> None:
@@ -66,11 +67,11 @@ class CompilePage(Page):
         return CompileOptions(backend="qairt" if self.sdk.isChecked() else "ort-qnn", verify_tokens=self.verify.value(),
                               weight_sharing=self.share.isChecked())
 
-    def start(self) -> None:
+    def start(self, force: bool = False) -> None:
         project, opts = self.project, self.options()
 
         def work(state: Any) -> dict[str, Any]:
-            crec, brec = isolated.run(pipeline.compile_and_bundle, project, opts, state=state)
+            crec, brec = isolated.run(partial(pipeline.compile_and_bundle, force=force), project, opts, state=state)
             return {"compile": crec.result, "bundle": brec.result}
 
         self.strip.start(work, self.finish, "Compiling")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,9 +11,9 @@ from PySide6.QtWidgets import QLabel, QPushButton
 from ...core import device
 from ...core.device import deploy
 from ...core.errors import UserError
-from ...core.genie.bundle import METADATA
+from ...core.genie.bundle import read_metadata
 from ...core.models import human_bytes
-from ..widgets import BAD, GOOD, Page, fill, table
+from ..widgets import BAD, GOOD, Page, fill, show_error, table
 
 
 class DeployPage(Page):
@@ -30,13 +29,14 @@ class DeployPage(Page):
         self.compat = table(["Check", "Result"])
         self.compat.setMaximumHeight(120)
         self.lay.addWidget(self.compat)
-        self.add_strip("Deploy")
+        self.add_strip("Deploy", redo=True)
+        self.strip.redo.setToolTip("Push every file again, even those already on the device")
         self.ask = QPushButton("Ask the sample question in the chat panel")
         self.ask.setEnabled(False)
         self.lay.addWidget(self.ask)
         self.files = table(["Bundle file", "Size", "Pushed"])
         self.lay.addWidget(self.files, 1)
-        self.strip.run.clicked.connect(self.start)
+        self.strip.run.clicked.connect(lambda: self.start())
         self.ask.clicked.connect(self._ask)
         self.pushed: dict[str, bool] = {}
 
@@ -70,22 +70,23 @@ class DeployPage(Page):
                     problems = device.compatibility(dev, self.bundle)
                 except UserError as e:
                     problems = [(e.problem, e.fix)]
-                meta = json.loads((self.bundle / METADATA).read_text())
                 if problems:
                     fill(self.compat, [(p, f) for p, f in problems], [BAD] * len(problems))
                 else:
+                    meta = read_metadata(self.bundle)
                     fill(self.compat, [("Compatible", f"bundle for {meta['target']['soc']} "
                                         f"({meta['target']['dsp_arch']}) fits {dev.serial}")], [GOOD])
                     ok = True
         self.strip.run.setEnabled(ok and not self.strip.busy)
+        self.strip.redo.setEnabled(ok and not self.strip.busy)
 
-    def start(self) -> None:
+    def start(self, force: bool = False) -> None:
         dev, folder, project = self.window_.device, self.bundle, self.project
         if dev is None:
             return
 
         def work(state: Any) -> deploy.DeployResult:
-            return deploy.deploy(folder, dev, state)
+            return deploy.deploy(folder, dev, state, force=force)
 
         self.window_.devices.log(f"Deploying {folder} to {dev.serial}…")
         self.strip.start(work, self.finish, f"Deploying to {dev.serial}", on_partial=self._partial)
@@ -111,5 +112,9 @@ class DeployPage(Page):
         self.ask.setEnabled(True)
 
     def _ask(self) -> None:
-        meta = json.loads((self.bundle / METADATA).read_text())
+        try:
+            meta = read_metadata(self.bundle)
+        except UserError as e:
+            show_error(self, e.problem, e.fix)
+            return
         self.window_.chat.ask(meta["question"])

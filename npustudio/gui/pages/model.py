@@ -8,6 +8,7 @@ from PySide6.QtWidgets import (
     QButtonGroup,
     QFileDialog,
     QHBoxLayout,
+    QLabel,
     QLineEdit,
     QPushButton,
     QRadioButton,
@@ -15,7 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ...core import models, pipeline
+from ...core import host_cost, models, pipeline
 from ..widgets import BAD, GOOD, WARN, Page, fill, table
 
 KINDS = (("default", "Embedded default (SmolLM2-135M-Instruct)"), ("folder", "Local model folder"),
@@ -53,14 +54,17 @@ class ModelPage(Page):
         self.form.addRow("Source:", kinds)
         self.form.addRow("", row)
         self.form.addRow("Context length (for the estimate):", self.cl)
-        self.add_strip("Read model")
+        self.add_strip("Read model", redo=True)
         self.card = table(["Property", "Value"])
         self.fit = table(["Precision", "Weights", "KV cache", "Parts", "Phone RAM needed", "Fits"])
         self.lay.addWidget(self.card, 3)
         self.lay.addWidget(self.fit, 1)
+        self.host = QLabel("")
+        self.host.setWordWrap(True)
+        self.lay.addWidget(self.host)
         self.kind.idToggled.connect(self._kind_changed)
         self.browse.clicked.connect(self._browse)
-        self.strip.run.clicked.connect(self.start)
+        self.strip.run.clicked.connect(lambda: self.start())
         self._kind_changed(0, True)
         self.fits: list[models.FitEstimate] = []
 
@@ -92,14 +96,14 @@ class ModelPage(Page):
         if path:
             self.source.setText(path)
 
-    def start(self) -> None:
+    def start(self, force: bool = False) -> None:
         spec, cl, project = self.spec(), self.cl.value(), self.project
         if not spec:
             self.strip.status.setText("Type a model folder, a .gguf file or a hub id first.")
             return
 
         def work(state: Any) -> dict[str, Any]:
-            _src, rec = pipeline.intake(project, spec, cl, state)
+            _src, rec = pipeline.intake(project, spec, cl, state, force=force)
             project.choose(model=spec, cl=cl)
             return rec.result
 
@@ -120,7 +124,20 @@ class ModelPage(Page):
         rows.append(("chat template", "yes" if card.chat_template else "no"))
         fill(self.card, rows)
         self.show_fit()
+        self.show_host(result.get("host"))
         self.strip.status.setText(f"{card.source}: {card.family}, {card.params / 1e6:.1f} M parameters")
+
+    def show_host(self, host: dict[str, Any] | None) -> None:
+        """What the stages will cost this computer (an estimate, said so)."""
+        if not host:
+            self.host.setText("")
+            return
+        h = host_cost.HostEstimate(**host)
+        per = ", ".join(f"{s.stage} {models.human_bytes(s.peak_ram_bytes)} ~{max(1, round(s.seconds / 60))} min"
+                        for s in h.stages)
+        verdict = "fits this computer's memory" if h.fits else "needs more memory than this computer has"
+        self.host.setText(f"This computer, estimated: {per} — {verdict}.")
+        self.host.setStyleSheet("" if h.fits else "color: #b00020;")
 
     def show_fit(self) -> None:
         """Colour each precision by whether it fits: the selected device's RAM if one is picked, else a typical

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from ...core.quantize.presets import load_overrides
 from .. import worker
 from ..charts import PplChart
 from ..inspector import Inspector
+from ..settings_dialog import device_choice
 from ..widgets import Page, fill, show_error, table
 from .adapt import spin
 
@@ -64,6 +66,7 @@ class QuantizePage(Page):
         self.calib.setToolTip("default (offline text), a UTF-8 text file, or datasets:ID")
         self.overrides = QLineEdit()
         self.overrides.setPlaceholderText("optional: per-module bitwidth overrides (JSON)")
+        self.device = device_choice(window.settings.device)
         self.form.addRow("Precision:", self.precision)
         self.form.addRow("", self.seq_mse)
         self.form.addRow("", self.rotate)
@@ -71,7 +74,8 @@ class QuantizePage(Page):
         self.form.addRow("Tokens per sequence:", self.calib_len)
         self.form.addRow("Calibration text:", _file_row(self.calib, "Calibration text", "Text (*.txt)", self))
         self.form.addRow("Mixed precision:", _file_row(self.overrides, "Overrides", "JSON (*.json)", self))
-        self.add_strip("Quantize")
+        self.form.addRow("Compute on:", self.device)
+        self.add_strip("Quantize", redo=True)
         self.tabs = QTabWidget()
         live = QWidget()
         ll = QHBoxLayout(live)
@@ -83,7 +87,7 @@ class QuantizePage(Page):
         self.tabs.addTab(live, "Live perplexity")
         self.tabs.addTab(self.inspector, "Encodings inspector")
         self.lay.addWidget(self.tabs, 1)
-        self.strip.run.clicked.connect(self.start)
+        self.strip.run.clicked.connect(lambda: self.start())
         self._loaded: tuple[str, int] | None = None
 
     def options(self) -> QuantizeOptions:
@@ -92,9 +96,10 @@ class QuantizePage(Page):
                                seq_mse=self.seq_mse.isChecked(), rotate=self.rotate.isChecked(),
                                calib_corpus=self.calib.text().strip() or "default",
                                calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
-                               overrides=load_overrides(self.overrides.text().strip() or None))
+                               overrides=load_overrides(self.overrides.text().strip() or None),
+                               device=self.device.currentData())
 
-    def start(self) -> None:
+    def start(self, force: bool = False) -> None:
         from ...core.errors import UserError
 
         try:
@@ -107,7 +112,7 @@ class QuantizePage(Page):
         self.tabs.setCurrentIndex(0)
 
         def work(state: Any) -> dict[str, Any]:
-            return isolated.run(pipeline.quantize, project, opts, state=state).result
+            return isolated.run(partial(pipeline.quantize, force=force), project, opts, state=state).result
 
         self.strip.start(work, self.finish, "Quantizing", on_partial=self.ppl_point)
 
@@ -121,6 +126,7 @@ class QuantizePage(Page):
             self.calib_samples.setValue(int(o["calib_samples"]))
             self.calib_len.setValue(int(o["calib_len"]))
             self.calib.setText(o["calib_corpus"])
+            self.device.setCurrentIndex(max(0, self.device.findData(o.get("device", "auto"))))
             self.show_result(rec.result)
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))

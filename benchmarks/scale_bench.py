@@ -1,0 +1,211 @@
+"""The whole pipeline on random models of real size, stage by stage: wall seconds and peak RSS as JSON.
+
+Builds Hugging Face folders (bf16 safetensors, a tokenizer covering every id) with exactly the shapes of
+Llama-3.2-1B and Qwen3-1.7B, then runs each stage as its own `npustudio` command (so each peak is that stage's
+alone): adapt -> quantize -> compile -> bundle, then Genie on the HTP simulator and the CPU preview answer the
+same prompt greedily and their tokens are compared. Random weights: perplexities mean nothing here, cost does.
+
+    .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --precision w8a16 --json
+    .venv/bin/python benchmarks/scale_bench.py --model qwen3-1.7b --precision w8a16,w4a16 --stage adapt,quantize
+    .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --stage compile --work /tmp/scale   # rerun one piece
+
+A stage whose inputs are unchanged is skipped by the project (its figures are then the recorded ones: pass
+--force to measure it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS: dict[str, dict[str, Any]] = {
+    "llama32-1b": {"class": ("LlamaConfig", "LlamaForCausalLM"), "config": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192})},
+    "qwen3-1.7b": {"class": ("Qwen3Config", "Qwen3ForCausalLM"), "config": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope_theta=1_000_000.0)},
+}
+STAGES = ("adapt", "quantize", "compile", "bundle", "genie")
+PROMPT = "The Python language reference describes"
+GENIE_TOKENS = 16
+
+
+def build_model(name: str, folder: Path) -> Path:
+    """A random-weight HF folder of `name`'s shapes (weights x4 so greedy tokens are not coin tosses)."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    import transformers
+
+    spec = MODELS[name]
+    cfg = getattr(transformers, spec["class"][0])(**spec["config"], bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = getattr(transformers, spec["class"][1])(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    model = model.to(torch.bfloat16)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), max_shard_size="2GB")
+    del model
+    write_tokenizer(tmp, cfg.vocab_size)
+    tmp.rename(folder)
+    return folder
+
+
+def write_tokenizer(folder: Path, vocab: int) -> None:
+    """A byte-level BPE trained on the offline corpus, its vocabulary filled up to the model's with plain tokens
+    (`<|fN|>`), so every id the model can produce decodes: Genie and the preview print the same text per id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from npustudio.core.evaluate import load_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=4096, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([load_corpus("default", "calib") + load_corpus("default", "eval")], trainer)
+    data = json.loads(tok.to_str())
+    v = data["model"]["vocab"]
+    i = 0
+    while len(v) < vocab:
+        v.setdefault(f"<|f{i}|>", len(v))
+        i += 1
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)), bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.save_pretrained(str(folder))
+
+
+def run_stage(cmd: list[str], log: Path) -> dict[str, Any]:
+    """One command in its own process: its JSON output, wall seconds and peak RSS (that process tree's)."""
+    t0 = time.perf_counter()
+    with open(log, "ab") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, cwd=ROOT)
+        out = proc.stdout.read() if proc.stdout else b""
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    code = os.waitstatus_to_exitcode(status)
+    row: dict[str, Any] = {"seconds": round(seconds, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024), "exit": code}
+    if code:
+        row["error"] = log.read_text(errors="replace").strip().splitlines()[-3:]
+        return row
+    try:
+        row["result"] = json.loads(out)
+    except ValueError:
+        row["error"] = ["no JSON on stdout"]
+    return row
+
+
+def genie_vs_preview(bundle: str) -> dict[str, Any]:
+    """Child process: the same prompt answered greedily by Genie (HTP simulator) and by the CPU preview."""
+    from npustudio.core.genie import runner
+
+    cfg = Path(bundle) / "genie_config.json"
+    out: dict[str, Any] = {}
+    for kind in ("preview", "genie"):
+        pieces: list[str] = []
+        t0 = time.perf_counter()
+        r = runner.run(cfg, PROMPT, pieces.append, max_tokens=GENIE_TOKENS, preview=kind == "preview")
+        out[kind] = {"tokens": pieces, "seconds": round(time.perf_counter() - t0, 1), "status": r.status}
+    a, b = out["genie"]["tokens"], out["preview"]["tokens"]
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return out | {"agreeing_prefix": same, "compared": max(len(a), len(b))}
+
+
+def compile_summary(r: dict[str, Any]) -> dict[str, Any]:
+    return {"parts": r["parts"], "binaries": [{"file": b["file"], "bytes": b["bytes"],
+                                               "estimated_alloc_kb": b.get("estimated_alloc_kb")}
+                                              for b in r["binaries"]],
+            "nodes_on_cpu": r["nodes_on_cpu"], "simulator": r["verification"]}
+
+
+def seed_adapted(work: Path, model: str, project: Path) -> None:
+    """A new project of `model` starts from another precision's adapted model (hard links): adapt runs once."""
+    from npustudio.core.project import Project
+
+    donors = [d for d in work.glob(f"{model}-*") if d != project and (d / "stages" / "adapt").is_dir()]
+    if project.exists() or not donors:
+        return
+    src = Project(donors[0])
+    m = src.load()
+    m.stages = {k: v for k, v in m.stages.items() if k in ("model", "adapt")}
+    m.attempts = {}
+    for stage in m.stages:
+        shutil.copytree(src.stage_dir(stage), project / "stages" / stage, copy_function=os.link)
+    Project(project).save(m)
+
+
+def bench(model: str, precision: str, stages: list[str], work: Path, force: bool) -> dict[str, Any]:
+    npu = [sys.executable, "-m", "npustudio.cli"]
+    folder = build_model(model, work / "models" / model)
+    project = work / f"{model}-{precision}"
+    log = work / f"{model}-{precision}.log"
+    seed_adapted(work, model, project)
+    f = ["--force"] if force else []
+    cmds = {
+        "adapt": [*npu, "adapt", str(folder), "--project", str(project), "--json", *f],
+        "quantize": [*npu, "quantize", "--project", str(project), "--precision", precision, "--json", *f],
+        "compile": [*npu, "compile", "--project", str(project), "--json", *f],
+        "bundle": [*npu, "bundle", "--project", str(project), "--json", *f],
+        "genie": [sys.executable, __file__, "--child-genie", str(project / "stages" / "bundle")],
+    }
+    rows: dict[str, Any] = {}
+    for stage in [s for s in STAGES if s in stages]:
+        row = run_stage(cmds[stage], log)
+        res = row.pop("result", None)
+        if res is not None:
+            row |= {"adapt": lambda r: {k: r[k] for k in ("top1_agreement", "max_abs_logit_diff", "positions")},
+                    "quantize": lambda r: {"ratio": r["ratio"], "steps": r["steps"]},
+                    "compile": compile_summary,
+                    "bundle": lambda r: {"validated": r["validated"]},
+                    "genie": lambda r: r}[stage](res)
+        rows[stage] = row
+        if "error" in row:
+            break
+    pipeline = [s for s in ("adapt", "quantize", "compile", "bundle") if s in rows]
+    return {"model": model, "precision": precision, "stages": rows,
+            "pipeline_seconds": round(sum(rows[s]["seconds"] for s in pipeline), 1),
+            "max_peak_rss_mb": max((r["peak_rss_mb"] for r in rows.values()), default=0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama32-1b", help=f"{', '.join(MODELS)} or all (comma-separated)")
+    ap.add_argument("--precision", default="w8a16", help="w8a16, w4a16 or both (comma-separated)")
+    ap.add_argument("--stage", default=",".join(STAGES), help=f"stages to run: {', '.join(STAGES)}")
+    ap.add_argument("--work", default=None, help="scratch folder (kept: models and finished stages are reused)")
+    ap.add_argument("--force", action="store_true", help="rerun stages the project would skip")
+    ap.add_argument("--json", action="store_true", help="print only the JSON")
+    ap.add_argument("--child-genie", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child_genie:
+        print(json.dumps(genie_vs_preview(a.child_genie)))
+        return
+    work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-scale-"))
+    models = list(MODELS) if a.model == "all" else a.model.split(",")
+    results = [bench(m, p, a.stage.split(","), work, a.force) for m in models for p in a.precision.split(",")]
+    print(json.dumps({"work": str(work), "cpus": os.cpu_count(), "runs": results}, indent=None if a.json else 2))
+    if any("error" in r for run in results for r in run["stages"].values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

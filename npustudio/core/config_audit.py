@@ -1,0 +1,228 @@
+"""The intake audit: every config option that changes a checkpoint's math, against what its family implements.
+
+An option is either implemented (recorded on the architecture card, built by the adaptation, written into
+the Genie config and proven by the adapt stage's equivalence gate) or refused here, before any stage runs,
+naming the option, its value and what to do. The declarations below and the recipes' flags
+(core/families.py) are the one source of truth: `support_table()` renders the README's table from them.
+
+What Genie does with each RoPE scaling was measured by dumping the cos/sin tables the x86 libGenie feeds
+the graphs (its `debug.dump-tensors`): `linear`, `llama3`, `yarnrope` (all seven keys required, `dim` the
+rotary dims, `attn-factor` multiplied by 1 + 0.1·ln(factor)) and `longrope` (long factors when the context
+exceeds `original-max-position-embeddings`, else short; attention factor from `factor`) equal transformers'
+tables to the uint16 step. Genie's attention mask is always fully causal (its `longcontext` sliding window
+evicts cache entries once the context is full; it does not narrow the mask), so a sliding window narrower
+than the context cannot run under it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from .errors import UserError
+from .families import FamilyRecipe, registry
+
+# hidden_act -> what the decoder builds (transformers' gelu_new and gelu_pytorch_tanh are the same tanh formula)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+               "gelu_pytorch_tanh": "gelu_tanh"}
+
+# transformers rope_type -> how it runs under Genie (the table's wording)
+ROPE_TYPES = {
+    "default": "plain RoPE",
+    "llama3": "Genie `llama3`",
+    "linear": "Genie `linear`",
+    "yarn": "Genie `yarnrope`",
+    "longrope": "Genie `longrope`; context ≤ `original_max_position_embeddings` (short factors)",
+    "dynamic": "plain RoPE: dynamic NTK scales nothing up to `max_position_embeddings`, which bounds the context",
+}
+
+# Options of other architectures that change the math where they exist. transformers ignores them for
+# these families, so a checkpoint that sets them was trained as something else: refused. Key -> neutral values.
+FOREIGN: dict[str, tuple[Any, ...]] = {
+    "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,),  # Gemma 2
+    "query_pre_attn_scalar": (None,),
+    "embedding_multiplier": (None, 1, 1.0), "residual_multiplier": (None, 1, 1.0),  # Granite
+    "attention_multiplier": (None,), "logits_scaling": (None, 1, 1.0),
+    "scale_emb": (None,), "scale_depth": (None,), "dim_model_base": (None,),  # MiniCPM
+    "logit_scale": (None, 1, 1.0),  # Cohere
+    "layer_norm_eps": (None,), "layer_norm_epsilon": (None,), "norm_type": (None, "rms_norm", "rmsnorm"),
+    "use_parallel_residual": (None, False), "parallel_attn": (None, False),
+    "clip_qkv": (None,), "qk_layernorm": (None, False), "alibi": (None, False),
+}
+
+
+class Options(BaseModel):
+    """A checkpoint's math-changing options, as the adaptation builds them."""
+
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    activation: str  # silu | gelu | gelu_tanh
+    sliding_window: int | None  # tokens a query sees; None: full causal attention
+    rope_scaling: dict[str, Any] | None  # transformers' parameters, completed with the defaults it applies
+
+
+def _refuse(option: str, value: Any, why: str, fix: str) -> UserError:
+    return UserError(f"The model's config sets {option}={value!r}: {why}", fix)
+
+
+def _set(config: Any, key: str) -> Any:
+    return getattr(config, key, None)
+
+
+def audit(config: Any, recipe: FamilyRecipe) -> Options:
+    """Check every math-changing option of `config` against `recipe`; the options as built, or UserError."""
+    arch = recipe.display
+    qc = _set(config, "quantization_config")
+    if qc:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
+        raise _refuse("quantization_config", {"quant_method": method},
+                      "the weights are pre-quantized, which NPU Studio does not read.",
+                      "Use the model's float (fp16/bf16/fp32) safetensors release; NPU Studio quantizes for the NPU.")
+    foreign = dict(FOREIGN)
+    if not recipe.attention_bias:
+        foreign["attention_bias"] = (None, False)
+    if not recipe.mlp_bias:
+        foreign["mlp_bias"] = (None, False)
+    if not recipe.sliding_window:
+        foreign |= {"sliding_window": (None,), "use_sliding_window": (None, False)}
+    for key, neutral in foreign.items():
+        value = _set(config, key)
+        if value not in neutral:
+            raise _refuse(key, value, f"the {arch} architecture has no such option (transformers ignores it for "
+                          f"{arch} too), so these weights were most likely trained as another architecture.",
+                          "Use a checkpoint whose model_type matches its architecture, or a supported family.")
+    act = _set(config, "hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise _refuse("hidden_act", act, "this activation is not implemented for the NPU graphs (supported: "
+                      f"{', '.join(ACTIVATIONS)}).", "Use a model with one of the supported activations.")
+    attention_bias = recipe.attention_bias and bool(_set(config, "attention_bias"))
+    return Options(qkv_bias=recipe.qkv_bias or attention_bias, o_bias=attention_bias,
+                   mlp_bias=recipe.mlp_bias and bool(_set(config, "mlp_bias")), qk_norm=recipe.qk_norm,
+                   activation=ACTIVATIONS[act], sliding_window=_window(config, recipe),
+                   rope_scaling=_rope(config))
+
+
+def _window(config: Any, recipe: FamilyRecipe) -> int | None:
+    if not recipe.sliding_window:
+        return None
+    window = _set(config, "sliding_window")
+    kinds = set(_set(config, "layer_types") or [])
+    if kinds - {"full_attention", "sliding_attention"}:
+        raise _refuse("layer_types", sorted(kinds), "only full and sliding-window attention layers are implemented.",
+                      "Use a model whose layers all use standard attention.")
+    if kinds and "sliding_attention" not in kinds:
+        return None  # e.g. Qwen2 with use_sliding_window false: every layer attends to the whole context
+    return int(window) if window else None
+
+
+def _rope(config: Any) -> dict[str, Any] | None:
+    rp = dict(_set(config, "rope_parameters") or _set(config, "rope_scaling") or {})
+    partial = rp.get("partial_rotary_factor", _set(config, "partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        raise _refuse("partial_rotary_factor", partial, "RoPE over part of each head is not implemented yet.",
+                      "Use a model that rotates whole heads.")
+    kind = rp.get("rope_type", rp.get("type", "default")) or "default"
+    if kind not in ROPE_TYPES:
+        raise _refuse("rope_scaling.rope_type", kind, "Genie has no equivalent of this RoPE scaling "
+                      f"(supported: {', '.join(ROPE_TYPES)}).", "Use a model with a supported RoPE scaling.")
+    if kind == "default":
+        return None
+    out = {k: v for k, v in rp.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    out["rope_type"] = kind
+    if kind in ("yarn", "longrope"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        orig = rp.get("original_max_position_embeddings") or _set(config, "original_max_position_embeddings")
+        if not orig:
+            raise _refuse("rope_scaling", rp, f"{kind} needs original_max_position_embeddings.",
+                          "Fix the model's config.json.")
+        out["original_max_position_embeddings"] = int(orig)
+        if out.get("factor") is None:
+            out["factor"] = config.max_position_embeddings / int(orig)
+        _, out["attention_factor"] = ROPE_INIT_FUNCTIONS[kind](config, None)  # transformers' own default rules
+        out["attention_factor"] = float(out["attention_factor"])
+    if kind == "yarn":
+        if out["factor"] < 1:
+            raise _refuse("rope_scaling.factor", out["factor"], "a yarn factor below 1 is not supported.",
+                          "Use a model with a yarn factor of 1 or more.")
+        if rp.get("truncate", True) is False:
+            raise _refuse("rope_scaling.truncate", False, "Genie's yarnrope always rounds the correction range.",
+                          "Use a model with the standard yarn (truncate true).")
+        out.setdefault("beta_fast", 32.0)
+        out.setdefault("beta_slow", 1.0)
+        out["beta_fast"], out["beta_slow"] = float(out["beta_fast"] or 32.0), float(out["beta_slow"] or 1.0)
+    if kind == "longrope":
+        derived = math.sqrt(1 + math.log(out["factor"]) / math.log(out["original_max_position_embeddings"])) \
+            if out["factor"] > 1 else 1.0
+        if abs(out["attention_factor"] - derived) > 1e-6:
+            raise _refuse("rope_scaling.attention_factor", out["attention_factor"], "Genie's longrope derives the "
+                          f"attention factor from the scaling factor ({derived:.6f}) and takes no other.",
+                          "Use a model with longrope's default attention factor.")
+    return out
+
+
+def check_context(card: Any, cl: int) -> None:
+    """The options whose support depends on the context length (`card` is an ArchCard)."""
+    window = getattr(card, "sliding_window", None)
+    if window is not None and window < cl:
+        raise _refuse("sliding_window", window, f"a query may only see the last {window} tokens, but Genie builds a "
+                      f"fully causal attention mask over the context of {cl}, so the model would see more than it "
+                      "was trained to.", f"Use --cl {window} or less (the window then covers the whole context and "
+                      "the model is exact).")
+    rs = card.rope_scaling or {}
+    if rs.get("rope_type") == "longrope" and cl > rs["original_max_position_embeddings"]:
+        orig = rs["original_max_position_embeddings"]
+        raise _refuse("rope_scaling.rope_type", "longrope", f"above {orig} tokens LongRoPE switches from its short "
+                      "to its long factors with the length of each sequence, which static graphs with one RoPE "
+                      "table (and Genie) cannot follow.",
+                      f"Use --cl {orig} or less (the short factors then hold for the whole context, exactly).")
+
+
+# ---------------------------------------------------------------- the support table (README)
+@dataclass(frozen=True)
+class Row:
+    option: str
+    cell: Any  # (recipe) -> "yes" | "yes (always)" | "refused" | "—" (the architecture has no such option)
+    how: str
+
+
+def _has(attr: str) -> Any:
+    return lambda r: "yes" if getattr(r, attr) else "—"
+
+
+YES, REFUSED = (lambda r: "yes"), (lambda r: "refused")
+
+ROWS = (
+    Row("q/k/v biases", lambda r: "yes (always)" if r.qkv_bias else "yes" if r.attention_bias else "—",
+        "`attention_bias` (Qwen2: always)"),
+    Row("o_proj bias", _has("attention_bias"), "`attention_bias`"),
+    Row("MLP biases", _has("mlp_bias"), "`mlp_bias`"),
+    Row("q/k RMSNorm", lambda r: "yes (always)" if r.qk_norm else "—", "per head, before RoPE"),
+    Row("`hidden_act` " + ", ".join(ACTIVATIONS), YES, "tanh GELU as x·sigmoid(…), erf GELU as the HTP's Gelu"),
+    Row("other activations", REFUSED, "not implemented"),
+    *(Row(f"RoPE `{k}`", YES, v) for k, v in ROPE_TYPES.items()),
+    Row("other RoPE types", REFUSED, "no Genie equivalent"),
+    Row("`partial_rotary_factor` < 1", REFUSED, "not implemented"),
+    Row("sliding window ≥ context", _has("sliding_window"), "exact: the window covers the whole context"),
+    Row("sliding window < context", lambda r: "refused" if r.sliding_window else "—",
+        "Genie builds a fully causal mask"),
+    Row("tied / untied embeddings", YES, "`tie_word_embeddings`"),
+    Row("soft-capping, embedding/residual/logit multipliers, LayerNorm, parallel residual", REFUSED,
+        "other architectures' options"),
+    Row("pre-quantized weights", REFUSED, "`quantization_config`: give the float release"),
+)
+
+
+def support_table(recipes: list[FamilyRecipe] | None = None) -> str:
+    """Family × option as a Markdown table, rendered from the recipes and the audit's declarations."""
+    if recipes is None:
+        recipes = sorted({id(r): r for r in registry().values()}.values(), key=lambda r: r.display)
+    head = "| option | " + " | ".join(r.display for r in recipes) + " | how |"
+    sep = "|---" * (len(recipes) + 2) + "|"
+    body = [f"| {row.option} | " + " | ".join(row.cell(r) for r in recipes) + f" | {row.how} |" for row in ROWS]
+    return "\n".join([head, sep, *body])

@@ -1,0 +1,390 @@
+"""The commands of the virtual device's shell, in Python: what the pipeline sends and a person types on a phone.
+
+Every path is a device path resolved inside the sandbox (`VirtualDevice.host_path`); only `/data/local/tmp`
+is writable, as for the shell user of a phone. Messages follow toybox's. `genie-t2t-run` is the desktop
+runner (`npustudio genie-run`: real Genie on the HTP simulator, or the preview), started as a host child
+with the sandbox's environment only, its path options mapped into the sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import signal
+import stat
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .phone_shell import Call, Program, Stopped
+
+VIRTUAL_FILES = {"/proc/meminfo": Path("/proc/meminfo")}  # the host's: the device's RAM is this machine's
+
+
+def commands() -> dict[str, Program]:
+    return {"cat": cat, "cd": cd, "chmod": chmod, "df": df, "echo": echo, "env": env, "exit": exit_,
+            "genie-t2t-run": genie_t2t_run, "getprop": getprop, "kill": kill, "ls": ls, "mkdir": mkdir, "mv": mv,
+            "pwd": pwd, "rm": rm, "touch": touch}
+
+
+def _options(call: Call, allowed: str) -> tuple[set[str], list[str]] | None:
+    """Single-letter options (`-rf`), then operands; None (after saying so) for an unknown option."""
+    opts: set[str] = set()
+    rest = list(call.args)
+    while rest and rest[0].startswith("-") and rest[0] != "-":
+        arg = rest.pop(0)
+        if arg == "--":
+            break
+        for ch in arg[1:]:
+            if ch not in allowed:
+                call.error(f"Unknown option '{ch}'")
+                return None
+            opts.add(ch)
+    return opts, rest
+
+
+def _path(call: Call, arg: str, follow: bool = True) -> Path | None:
+    try:
+        return call.path(arg, follow=follow)
+    except PermissionError:
+        call.error(f"{arg}: Permission denied")
+        return None
+
+
+def _writable(call: Call, arg: str, follow: bool = True, itself: bool = True) -> Path | None:
+    """The sandbox path of `arg` if the shell user may change it (under /data/local/tmp)."""
+    p = _path(call, arg, follow)
+    if p is not None and not call.device.writable(p, itself=itself):
+        call.error(f"{arg}: Permission denied")
+        return None
+    return p
+
+
+def _device_path(call: Call, arg: str) -> str:
+    return posixpath.normpath(posixpath.join(call.shell.cwd, arg))
+
+
+# -- shell built-ins ----------------------------------------------------------------------------
+def cd(call: Call) -> int:
+    target = call.args[0] if call.args else call.env.get("HOME", "/")
+    p = _path(call, target)
+    if p is None:
+        return 1
+    if not p.is_dir():
+        return call.error(f"{target}: {'Not a directory' if p.exists() else 'No such file or directory'}")
+    call.shell.cwd = _device_path(call, target)
+    return 0
+
+
+def echo(call: Call) -> int:
+    args = list(call.args)
+    newline = not (args and args[0] == "-n")
+    call.write(" ".join(args[0 if newline else 1:]) + ("\n" if newline else ""))
+    return 0
+
+
+def env(call: Call) -> int:
+    if call.args:
+        return call.error("running a command through env is not supported on the virtual device")
+    call.write("".join(f"{k}={v}\n" for k, v in sorted(call.env.items())))
+    return 0
+
+
+def pwd(call: Call) -> int:
+    call.write(call.shell.cwd + "\n")
+    return 0
+
+
+def exit_(call: Call) -> int:
+    raise Stopped(int(call.args[0]) if call.args and call.args[0].isdigit() else call.shell.status)
+
+
+def kill(call: Call) -> int:
+    """Signals only the processes this device started (by the pids it gave them)."""
+    args, sig = list(call.args), signal.SIGTERM
+    if args and args[0] == "-s" and len(args) > 1:
+        args[:2] = ["-" + args[1]]
+    if args and args[0].startswith("-"):
+        spec = args.pop(0)[1:].upper().removeprefix("SIG")
+        try:
+            sig = signal.Signals(int(spec)) if spec.isdigit() else signal.Signals["SIG" + spec]
+        except (KeyError, ValueError):
+            return call.error(f"Unknown signal '{spec}'")
+    if not args:
+        return call.error("Need a pid")
+    status = 0
+    for a in args:
+        proc = call.device.processes.get(int(a)) if a.isdigit() else None
+        if proc is None or proc.poll() is not None:
+            status = call.error(f"{a}: No such process")
+            continue
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            status = call.error(f"{a}: No such process")
+    return status
+
+
+# -- files --------------------------------------------------------------------------------------
+def cat(call: Call) -> int:
+    if not call.args:
+        return call.error("reading standard input is not supported on the virtual device")
+    status = 0
+    for arg in call.args:
+        virtual = VIRTUAL_FILES.get(_device_path(call, arg))
+        p = virtual or _path(call, arg)
+        if p is None:
+            status = 1
+            continue
+        try:
+            with open(p, "rb") as f:
+                while chunk := f.read(65536):
+                    if not call.write(chunk):
+                        return 1
+        except IsADirectoryError:
+            status = call.error(f"{arg}: Is a directory")
+        except OSError as e:
+            status = call.error(f"{arg}: {e.strerror}")
+    return status
+
+
+def ls(call: Call) -> int:
+    parsed = _options(call, "al1d")
+    if parsed is None:
+        return 1
+    opts, paths = parsed
+    status, shown = 0, 0
+    for arg in paths or ["."]:
+        p = _path(call, arg)
+        if p is None:
+            status = 1
+            continue
+        try:
+            st = p.lstat()
+        except OSError:
+            status = call.error(f"{arg}: No such file or directory")
+            continue
+        if stat.S_ISDIR(st.st_mode) and "d" not in opts:
+            names = sorted(os.listdir(p))
+            if "a" in opts:
+                names = [".", "..", *names]
+            else:
+                names = [n for n in names if not n.startswith(".")]
+            if len(paths) > 1:
+                call.write(("\n" if shown else "") + f"{arg}:\n")
+            if "l" in opts:
+                call.write(f"total {sum(_lstat(p / n).st_blocks for n in names) // 2}\n")
+            call.write("".join(_entry(p / n, n, "l" in opts) for n in names))
+        else:
+            call.write(_entry(p, arg, "l" in opts))
+        shown += 1
+    return status
+
+
+def _lstat(p: Path) -> os.stat_result:
+    try:
+        return p.lstat()
+    except OSError:
+        return os.stat_result((0,) * 10)
+
+
+def _entry(p: Path, name: str, long: bool) -> str:
+    if not long:
+        return name + "\n"
+    st = _lstat(p)
+    link = f" -> {os.readlink(p)}" if stat.S_ISLNK(st.st_mode) else ""
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(st.st_mtime))
+    return f"{stat.filemode(st.st_mode)} {st.st_nlink:>2} shell shell {st.st_size:>9} {when} {name}{link}\n"
+
+
+def rm(call: Call) -> int:
+    parsed = _options(call, "frR")
+    if parsed is None:
+        return 1
+    opts, paths = parsed
+    status = 0
+    for arg in paths:
+        p = _path(call, arg, follow=False)
+        if p is None:
+            status = 1
+            continue
+        if not p.is_symlink() and not p.exists():
+            if "f" not in opts:
+                status = call.error(f"{arg}: No such file or directory")
+            continue
+        if not call.device.writable(p, itself=False):
+            status = call.error(f"{arg}: Permission denied")
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                if not opts & {"r", "R"}:
+                    status = call.error(f"{arg}: Is a directory")
+                    continue
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        except OSError as e:
+            status = call.error(f"{arg}: {e.strerror}")
+    return status
+
+
+def mv(call: Call) -> int:
+    parsed = _options(call, "f")
+    if parsed is None:
+        return 1
+    _opts, paths = parsed
+    if len(paths) < 2:
+        return call.error("Needs 2 arguments")
+    *sources, target = paths
+    into = _path(call, target)
+    if into is None:
+        return 1
+    if len(sources) > 1 and not into.is_dir():
+        return call.error(f"{target}: Not a directory")
+    status = 0
+    for src in sources:
+        s = _writable(call, src, follow=False, itself=False)
+        dst_arg = posixpath.join(target, posixpath.basename(src.rstrip("/"))) if into.is_dir() else target
+        d = _writable(call, dst_arg, follow=False, itself=False) if s is not None else None
+        if s is None or d is None:
+            status = 1
+            continue
+        try:
+            os.replace(s, d)
+        except OSError as e:
+            status = call.error(f"{src}: {e.strerror}")
+    return status
+
+
+def mkdir(call: Call) -> int:
+    parsed = _options(call, "p")
+    if parsed is None:
+        return 1
+    opts, paths = parsed
+    status = 0
+    for arg in paths:
+        p = _writable(call, arg)
+        if p is None:
+            status = 1
+            continue
+        try:
+            if "p" in opts:
+                p.mkdir(parents=True, exist_ok=True)
+            else:
+                p.mkdir()
+        except OSError as e:
+            status = call.error(f"{arg}: {e.strerror}")
+    return status
+
+
+def touch(call: Call) -> int:
+    status = 0
+    for arg in call.args:
+        if arg.startswith("-"):
+            return call.error(f"Unknown option '{arg[1:]}'")
+        p = _writable(call, arg)
+        if p is None:
+            status = 1
+            continue
+        try:
+            p.touch()
+        except OSError as e:
+            status = call.error(f"{arg}: {e.strerror}")
+    return status
+
+
+def chmod(call: Call) -> int:
+    if len(call.args) < 2:
+        return call.error("Needs 2 arguments")
+    spec, *paths = call.args
+    status = 0
+    for arg in paths:
+        p = _writable(call, arg)
+        if p is None:
+            status = 1
+            continue
+        try:
+            mode = _mode(spec, stat.S_IMODE(p.stat().st_mode))
+            if mode is None:
+                return call.error(f"bad mode '{spec}'")
+            p.chmod(mode & 0o777)  # no set-id or sticky bits in the sandbox
+        except OSError as e:
+            status = call.error(f"{arg}: {e.strerror}")
+    return status
+
+
+def _mode(spec: str, current: int) -> int | None:
+    """An octal mode, or one symbolic clause such as +x, u+rw, go-w, a=r."""
+    if spec.isdigit() and all(c in "01234567" for c in spec):
+        return int(spec, 8)
+    who, _, rest = spec.partition(next((c for c in spec if c in "+-="), "?"))
+    op = spec[len(who)] if len(who) < len(spec) else ""
+    if not op or set(who) - set("ugoa") or set(rest) - set("rwx"):
+        return None
+    bits = sum({"r": 4, "w": 2, "x": 1}[c] for c in set(rest))
+    mask = sum({"u": 0o700, "g": 0o070, "o": 0o007}[w] for w in set(who.replace("a", "ugo") or "ugo"))
+    value = (bits * 0o111) & mask
+    return {"+": current | value, "-": current & ~value, "=": (current & ~mask) | value}[op]
+
+
+def df(call: Call) -> int:
+    parsed = _options(call, "k")
+    if parsed is None:
+        return 1
+    _opts, paths = parsed
+    lines = ["Filesystem          1K-blocks      Used Available Use% Mounted on"]
+    status = 0
+    for arg in paths or ["/data"]:
+        p = _path(call, arg)
+        if p is None or not p.exists():
+            status = 1 if p is None else call.error(f"{arg}: No such file or directory")
+            continue
+        v = os.statvfs(p)
+        total, free = v.f_blocks * v.f_frsize // 1024, v.f_bavail * v.f_frsize // 1024
+        used = total - v.f_bfree * v.f_frsize // 1024
+        mount = "/data" if _device_path(call, arg).startswith("/data") else "/"
+        lines.append(f"npustudio-sandbox {total:>11} {used:>9} {free:>9} {100 * used // max(total, 1):>3}% {mount}")
+    call.write("\n".join(lines) + "\n")
+    return status
+
+
+# -- the phone ----------------------------------------------------------------------------------
+def getprop(call: Call) -> int:
+    props = call.device.props
+    if not call.args:
+        call.write("".join(f"[{k}]: [{v}]\n" for k, v in sorted(props.items())))
+    else:
+        default = call.args[1] if len(call.args) > 1 else ""
+        call.write(props.get(call.args[0], default) + "\n")
+    return 0
+
+
+_GENIE_VALUES = {"-c", "--config", "-p", "--prompt", "--prompt_file", "--profile", "--log", "--max-tokens"}
+_GENIE_PATHS = {"-c", "--config", "--prompt_file", "--profile"}
+_GENIE_FLAGS = {"--raw", "-h", "--help"}
+
+
+def genie_t2t_run(call: Call) -> int:
+    """The desktop runner in place of the phone's genie-t2t-run; its file options must stay in the sandbox."""
+    argv = [sys.executable, "-I", "-m", "npustudio.cli", "genie-run"] + (["--preview"] if call.device.preview else [])
+    args: Iterator[str] = iter(call.args)
+    for a in args:
+        if a in _GENIE_FLAGS:
+            argv.append(a)
+            continue
+        if a not in _GENIE_VALUES:
+            return call.error(f"unknown option {a}")
+        value = next(args, None)
+        if value is None:
+            return call.error(f"option {a} needs a value")
+        if a in _GENIE_PATHS:
+            p = _writable(call, value) if a == "--profile" else _path(call, value)
+            if p is None:
+                return 1
+            value = str(p)
+        argv += [a, value]
+    # the SDK's own x86 libGenie, when the user has one, is the runner's only need from this computer
+    sdk = {"QNN_SDK_ROOT": os.environ["QNN_SDK_ROOT"]} if os.environ.get("QNN_SDK_ROOT") else {}
+    return call.spawn(argv, sdk)

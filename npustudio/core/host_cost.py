@@ -1,0 +1,82 @@
+"""What a model will cost this computer before anything runs: peak memory and time per stage, estimated.
+
+The rates were measured on a 2-core, 24 GB machine (NPU Studio's reference) with the default model and random
+models of Llama-3.2-1B's shapes (`benchmarks/scale_bench.py`): memory grows with the parameters (the stages keep
+the float32 weights in memory, the quantize stage its quantized copy of the largest tables too), time with the
+parameters and, for compile, with the weight bytes the HTP compiler builds. Times scale with the CPU count.
+They are estimates, labelled as such wherever they are shown; the memory check refuses a stage this computer
+cannot hold instead of letting the system's out-of-memory killer end it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel
+
+from .errors import UserError
+
+REFERENCE_CPUS = 2
+MB = 2**20
+# stage -> (MiB of libraries and buffers, bytes per parameter, seconds, seconds per million parameters) on 2 cores
+RATES: dict[str, tuple[float, float, float, float]] = {
+    "adapt": (1400, 4.4, 50, 0.05),
+    "quantize": (1600, 7.0, 150, 0.35),
+    "compile": (2200, 2.2, 150, 0.45),
+}
+GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
+
+
+class StageCost(BaseModel):
+    stage: str
+    peak_ram_bytes: int
+    seconds: float
+
+
+class HostEstimate(BaseModel):
+    """The same for either precision: the stages hold float weights whatever the target bitwidth."""
+
+    stages: list[StageCost]
+    peak_ram_bytes: int
+    seconds: float
+    machine_ram_bytes: int | None
+    cpus: int
+    fits: bool
+    note: str = "estimate from rates measured on a 2-core machine; the real figures depend on the machine"
+
+
+def machine_ram() -> int | None:
+    """Physical memory of this computer (None where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def stage_cost(stage: str, params: int, gguf: bool = False, cpus: int | None = None) -> StageCost:
+    base, per_param, secs, per_mparam = RATES[stage]
+    ram = base * MB + per_param * params + (GGUF_EXTRA_BYTES_PER_PARAM * params if gguf and stage == "adapt" else 0)
+    scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
+    return StageCost(stage=stage, peak_ram_bytes=int(ram), seconds=round((secs + per_mparam * params / 1e6) * scale))
+
+
+def estimate(card: Any, gguf: bool = False) -> HostEstimate:
+    cpus = os.cpu_count() or 1
+    stages = [stage_cost(s, card.params, gguf, cpus) for s in RATES]
+    peak = max(s.peak_ram_bytes for s in stages)
+    ram = machine_ram()
+    return HostEstimate(stages=stages, peak_ram_bytes=peak,
+                        seconds=round(sum(s.seconds for s in stages)), machine_ram_bytes=ram, cpus=cpus,
+                        fits=ram is None or peak <= ram)
+
+
+def check_fits(card: Any, stage: str, gguf: bool = False) -> None:
+    """Refuse a stage whose estimated peak memory is over this computer's RAM (before loading anything)."""
+    ram = machine_ram()
+    need = stage_cost(stage, card.params, gguf).peak_ram_bytes
+    if ram is not None and need > ram:
+        raise UserError(f"The {stage} stage of this {card.params / 1e9:.1f} B-parameter model needs about "
+                        f"{need / 2**30:.1f} GiB of memory (an estimate); this computer has {ram / 2**30:.1f} GiB.",
+                        "Use a machine with more memory, a smaller model, or run the heavy stages on a computer "
+                        "that has it.")

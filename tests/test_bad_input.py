@@ -1,0 +1,557 @@
+"""Bad input, as a user or an attacker would give it: every case ends in a plain message (exit 2 with the
+problem named), never a Python traceback, and no file outside the scratch project changes.
+
+Run in-process through `npustudio.cli.main` (fast); the tiny model fixtures stand in for real models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import stat
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from npustudio.cli import main
+from npustudio.core.errors import UserError
+from npustudio.core.project import Project
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ESCAPE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"  # a template reaching for Python internals
+
+
+# ----------------------------------------------------------------- helpers
+def _flat(text: str) -> str:
+    return "".join(text.split())  # rich wraps long lines (and folds long paths) on stderr
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`npustudio ARGS` in-process: (exit code, stdout + stderr)."""
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse refusing an option
+        rc = int(e.code or 0)
+    c = capsys.readouterr()
+    return rc, c.out + c.err
+
+
+def refused(res: tuple[int, str], *words: str) -> str:
+    """Exit 2, the problem named (every word present), no traceback."""
+    rc, text = res
+    assert rc == 2, text
+    assert "Traceback" not in text, text
+    for w in words:
+        assert _flat(w) in _flat(text), f"{w!r} not in:\n{text}"
+    return text
+
+
+def _state(roots: tuple[Path, ...], allowed: Path | None) -> dict[str, tuple[Any, ...]]:
+    seen: dict[str, tuple[Any, ...]] = {}
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            for name in dirs + files:
+                p = Path(folder) / name
+                if allowed is not None and (p == allowed or allowed in p.parents):
+                    continue
+                st_ = p.lstat()
+                digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st_.st_mode) else ""
+                seen[str(p)] = (stat.S_IFMT(st_.st_mode), st_.st_size, st_.st_mtime_ns, digest)
+    return seen
+
+
+@contextmanager
+def nothing_changes(*roots: Path, allowed: Path | None = None) -> Iterator[None]:
+    """No file or folder under `roots` (the test's inputs, the user's config/data/log folders, the model)
+    is created, changed or removed, except under `allowed` (the scratch project)."""
+    home = Path(os.environ["XDG_CONFIG_HOME"]).parent
+    everything = (*roots, home)
+    before = _state(everything, allowed)
+    yield
+    assert _state(everything, allowed) == before
+
+
+@pytest.fixture
+def model_copy(tiny_llama: Path, tmp_path: Path) -> Any:
+    """A copy of the tiny model with its config.json changed: `model_copy(**changes)` (None removes a key)."""
+    def make(name: str = "m", raw: str | None = None, **changes: Any) -> Path:
+        d = tmp_path / name
+        shutil.copytree(tiny_llama, d)
+        cfg = json.loads((d / "config.json").read_text())
+        for k, v in changes.items():
+            cfg.pop(k) if v is None else cfg.__setitem__(k, v)
+        (d / "config.json").write_text(raw if raw is not None else json.dumps(cfg))
+        return d
+
+    return make
+
+
+def fake_bundle(folder: Path, tiny_llama: Path, template: str = TEMPLATE) -> Path:
+    """A bundle folder with what chat and genie-run read before any runner starts."""
+    from npustudio.core.targets import soc
+
+    folder.mkdir(parents=True)
+    shutil.copy(tiny_llama / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "metadata.json").write_text(json.dumps({
+        "target": soc("SM8750").model_dump(), "context_length": 128, "graphs": [{"name": "prompt", "ar": 32}],
+        "decoder": {}, "bos_id": 1, "eos_ids": [2], "chat_template": template, "question": "Hi?"}))
+    return folder
+
+
+def adapted_project(root: Path) -> Project:
+    """A project whose adapt stage holds a tiny adapted decoder (written directly: no equivalence run)."""
+    import torch
+
+    from npustudio.core.adapt import store
+    from npustudio.core.adapt.decoder import DecoderSpec, StaticDecoder
+
+    spec = DecoderSpec(family="Llama", model_type="llama", layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,
+                       intermediate=128, vocab=384, rms_norm_eps=1e-5, tied_embeddings=True, qkv_bias=False,
+                       qk_norm=False)
+    p = Project.open(root)
+    p.run_stage("adapt", {"model": {"spec": "tiny"}}, {},
+                lambda out: (store.save(StaticDecoder(spec), torch.ones(8), out), {})[1])
+    return p
+
+
+# ----------------------------------------------------------------- models at intake
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"num_hidden_layers": 10**6}, ["num_hidden_layers is 1000000"]),
+    ({"hidden_size": 0}, ["hidden_size is 0"]),
+    ({"num_hidden_layers": -2}, ["num_hidden_layers is -2"]),
+    ({"num_key_value_heads": 3}, ["num_attention_heads (4) is not a multiple of num_key_value_heads (3)"]),
+    ({"num_hidden_layers": "two"}, ["num_hidden_layers", "expected int"]),
+])
+def test_impossible_sizes_are_refused_before_anything_is_built(model_copy: Any, tmp_path: Path, capsys: Any,
+                                                               changes: dict[str, Any], words: list[str]) -> None:
+    m = model_copy(**changes)
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "info", str(m)), *words)
+
+
+@pytest.mark.parametrize(("raw", "words"), [
+    ('{"model_type": "llama", ', ["config.json is not valid JSON"]),
+    ("[]", ["holds a JSON list, not a model configuration"]),
+    ("[" * 100_000 + "]" * 100_000, ["nested too deeply"]),
+    ("{}", ["model type transformers does not know"]),
+])
+def test_damaged_config_json_is_named(model_copy: Any, tmp_path: Path, capsys: Any, raw: str,
+                                      words: list[str]) -> None:
+    m = model_copy(raw=raw)
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "info", str(m)), *words)
+
+
+def test_a_model_that_brings_its_own_code_is_refused_without_asking(model_copy: Any, tiny_llama: Path, tmp_path: Path,
+                                                                      capsys: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "code_ran"
+    m = model_copy(model_type="evil", auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                                                "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    (m / "configuration_evil.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
+    asked: list[str] = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "y")  # a user typing y
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "info", str(m)), "names the model's own Python code", "configuration_evil.EvilConfig")
+    assert asked == [] and not marker.exists()
+    shutil.copy(tiny_llama / "config.json", m / "config.json")
+    tc = json.loads((m / "tokenizer_config.json").read_text())
+    (m / "tokenizer_config.json").write_text(json.dumps(tc | {"auto_map": {"AutoTokenizer": ["tok_evil.T", None]}}))
+    refused(cli(capsys, "info", str(m)), "tokenizer_config.json names the model's own Python code")
+    assert asked == [] and not marker.exists()
+
+
+def test_transformers_never_gets_to_run_remote_code() -> None:
+    """Every transformers loader in the package is called with trust_remote_code=False."""
+    import ast
+
+    root = Path(__file__).parent.parent
+    calls = []
+    for f in [*(root / "npustudio").rglob("*.py"), *(root / "benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "from_pretrained":
+                trusted = next((k.value for k in node.keywords if k.arg == "trust_remote_code"), None)
+                calls.append((f.name, node.lineno, isinstance(trusted, ast.Constant) and trusted.value is False))
+    assert len(calls) >= 8
+    assert [c for c in calls if not c[2]] == []
+
+
+def test_a_chat_template_the_sandbox_stops_is_refused_at_intake(tiny_llama: Path, tmp_path: Path,
+                                                               capsys: Any) -> None:
+    m = tmp_path / "evil"
+    shutil.copytree(tiny_llama, m)
+    (m / "chat_template.jinja").write_text(ESCAPE)
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "info", str(m)), "chat template", "stopped by the sandbox", "__class__")
+
+
+@pytest.mark.parametrize("spec", ["org/..", "org/a--b", "org/-name"])
+def test_hub_ids_against_the_hubs_rules(spec: str, capsys: Any) -> None:
+    refused(cli(capsys, "info", spec), f"'{spec}' is not a valid hub id")
+
+
+def test_a_hub_that_never_answers_gives_up_with_a_message(tmp_path: Path, capsys: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.fake_hub import SilentHub
+
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "1")
+    with SilentHub() as hub, nothing_changes(tmp_path):
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        refused(cli(capsys, "info", "acme/never"), f"The hub at {hub.url} did not answer acme/never within 1 s",
+                "HF_HUB_DOWNLOAD_TIMEOUT")
+
+
+def test_the_token_stays_off_plain_http_to_another_machine(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from npustudio.core import hub
+
+    for url, sent, warned in (("https://huggingface.co", True, False), ("http://127.0.0.1:8080", True, True),
+                              ("http://10.1.2.3", False, True), ("http://mirror.example", False, True)):
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        caplog.clear()
+        assert (hub.token_for("hf_secret") == "hf_secret") is sent, url
+        assert ("plain http" in caplog.text) is warned, url
+        assert "hf_secret" not in caplog.text
+    monkeypatch.setenv(hub.ALLOW_HTTP_TOKEN, "1")  # the user's explicit choice, still warned
+    caplog.clear()
+    assert hub.token_for("hf_secret") == "hf_secret" and "unencrypted" in caplog.text
+
+
+# ----------------------------------------------------------------- options
+@pytest.mark.parametrize("args", [
+    ["info", "default", "--cl", "-5"], ["info", "default", "--cl", "1e8"], ["info", "default", "--cl", "100000000"],
+    ["adapt", "default", "--project", "P", "--ar", "0"],
+    ["adapt", "default", "--project", "P", "--decode-tokens", "-1"],
+    ["compile", "--project", "P", "--parts", "-1"], ["compile", "--project", "P", "--max-part-mb", "0"],
+    ["compile", "--project", "P", "--max-part-mb", "5000"], ["compile", "--project", "P", "--verify-tokens", "x"],
+    ["quantize", "--project", "P", "--calib-samples", "0"], ["quantize", "--project", "P", "--calib-len", "1"],
+    ["virtual-device", "--port", "70000"], ["virtual-device", "--port", "5555"], ["virtual-device", "--port", "-1"],
+    ["genie-run", "-c", "c.json", "-p", "hi", "--max-tokens", "0"], ["profile", "p.json", "--bundle", ""],
+    ["deploy", ""], ["adapt", "default", "--project", ""],
+])
+def test_option_ranges_are_checked_at_the_parser(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch,
+                                                 args: list[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    with nothing_changes(tmp_path):
+        text = refused(cli(capsys, *args))
+    flag = next((a for a in reversed(args) if a.startswith("-")), None)
+    assert "error: argument" in text and (flag is None or flag in text), text
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "70000"])
+def test_a_bad_adb_server_port_in_the_environment(capsys: Any, monkeypatch: pytest.MonkeyPatch, port: str) -> None:
+    monkeypatch.setenv("ANDROID_ADB_SERVER_PORT", port)
+    refused(cli(capsys, "devices"), f"ANDROID_ADB_SERVER_PORT is '{port}', not a TCP port number")
+
+
+@given(st.text(max_size=12))
+@settings(max_examples=150, deadline=None)
+def test_a_number_option_takes_any_text_without_a_traceback(text: str) -> None:
+    import argparse
+
+    from npustudio.cli import _int_in
+
+    parse = _int_in(0, 65535, skip=range(5554, 5586))
+    try:
+        v = parse(text)
+    except argparse.ArgumentTypeError as e:
+        assert str(e)
+    else:
+        assert 0 <= v <= 65535 and v not in range(5554, 5586)
+
+
+# ----------------------------------------------------------------- projects
+def test_projects_on_unusable_file_systems(tiny_llama: Path, tmp_path: Path, capsys: Any) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    places = [afile / "proj", Path("/proc/npustudio-no-such-fs/proj")]
+    if os.geteuid() != 0:  # root writes anywhere: read-only by permissions only binds other users
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        places.append(ro / "proj")
+    for place in places:
+        with nothing_changes(tmp_path):
+            refused(cli(capsys, "adapt", str(tiny_llama), "--project", str(place)), "cannot use the project folder",
+                    "mounted and writable")
+
+
+def test_a_lock_link_leaves_its_target_untouched(tiny_llama: Path, tmp_path: Path, capsys: Any) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    proj = Project.open(tmp_path / "proj")
+    (proj.root / ".lock").unlink(missing_ok=True)
+    (proj.root / ".lock").symlink_to(victim)
+    with nothing_changes(tmp_path, allowed=proj.root):
+        refused(cli(capsys, "adapt", str(tiny_llama), "--project", str(proj.root)), ".lock is a symbolic link",
+                "Remove the link")
+    assert victim.read_text() == "precious"
+
+
+def test_links_where_settings_and_chat_history_are_written_leave_their_targets_untouched(
+        tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from npustudio.core import chat, settings
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    settings.path().parent.mkdir(parents=True, exist_ok=True)
+    settings.path().symlink_to(victim)
+    settings.save(settings.Settings(default_precision="w4a16"))
+    assert "Settings not saved" in caplog.text and "symbolic link" in caplog.text
+    bundle = fake_bundle(tmp_path / "b", tiny_llama)
+    (bundle / "chat_history.json").symlink_to(victim)
+    with pytest.raises(UserError, match="symbolic link"):
+        chat.clear_history(bundle)
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.parametrize("command", ["adapt", "run"])
+def test_a_failed_first_command_leaves_no_project_folder(tmp_path: Path, capsys: Any, command: str) -> None:
+    new = tmp_path / "new-project"
+    args = ["adapt", str(tmp_path / "no-model"), "--project", str(new)] if command == "adapt" else \
+        ["run", "--model", str(tmp_path / "no-model"), "--project", str(new), "--no-ask"]
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, *args), "No model at")
+    assert not new.exists()
+
+
+def test_an_edited_output_is_named_and_its_stage_rerun_is_asked_for(tmp_path: Path, capsys: Any) -> None:
+    p = adapted_project(tmp_path / "proj")
+    w = p.root / "stages/adapt/decoder.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 0xFF  # edited in place, same size
+    w.write_bytes(bytes(data))
+    with nothing_changes(tmp_path, allowed=p.root):
+        refused(cli(capsys, "quantize", "--project", str(p.root)), "was changed after the adapt stage wrote it",
+                "stages/adapt/decoder.safetensors", f"npustudio adapt tiny --project {p.root}")
+
+
+# ----------------------------------------------------------------- quantize overrides
+def test_an_override_pattern_that_matches_nothing_names_the_closest_modules(tmp_path: Path, capsys: Any) -> None:
+    p = adapted_project(tmp_path / "proj")
+    ov = tmp_path / "ov.json"
+    for table, words in (({"weights": {"layers.*.mlp.gaet": 8}}, ["'layers.*.mlp.gaet' (weights)",
+                                                                  "'layers.1.mlp.gate'"]),
+                         ({"activations": {"layers.0.mlp.dwn": 16}}, ["(activations)", "'layers.0.mlp.down'"])):
+        ov.write_text(json.dumps(table))
+        with nothing_changes(tmp_path, allowed=p.root):
+            refused(cli(capsys, "quantize", "--project", str(p.root), "--overrides", str(ov)), "matches no module",
+                    *words)
+    ov.write_text('{"weights":' * 50_000 + "{}" + "}" * 50_000)
+    refused(cli(capsys, "quantize", "--project", str(p.root), "--overrides", str(ov)), "nested too deeply")
+
+
+# ----------------------------------------------------------------- encodings files
+def _encodings(tmp_path: Path, acts: list[dict[str, Any]], **extra: Any) -> Path:
+    f = tmp_path / "m.encodings"
+    f.write_text(json.dumps({"version": "1.0.0", "activation_encodings": acts, "param_encodings": []} | extra))
+    return f
+
+
+def _act(name: str, **kw: Any) -> dict[str, Any]:
+    return {"name": name, "bw": 16, "is_sym": False, "scale": [0.01], "offset": [-32768], "enc_type": "PER_TENSOR"} | kw
+
+
+def test_absurd_encodings_values_are_flagged_not_a_crash(tmp_path: Path, capsys: Any) -> None:
+    f = _encodings(tmp_path, [_act("huge", bw=10**5), _act("enormous", bw=10**10), _act("neg", bw=-4),
+                              _act("nan", scale=[float("nan")]), _act("negscale", scale=[-0.5]),
+                              _act("inf", scale=[float("inf")]), _act("off", offset=[1e30]), _act("fine")])
+    with nothing_changes(tmp_path):
+        rc, text = cli(capsys, "encodings", str(f), "--json")
+    assert rc == 0 and "Traceback" not in text
+    rows = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))["rows"]
+    flags = {r["name"]: r["flags"] for r in rows}
+    assert flags.pop("fine") == []
+    assert all(flags.values()), flags
+    assert "bitwidth 100000" in flags["huge"][0] and "scale" in flags["nan"][0] and "offset" in flags["off"][0]
+    rc, text = cli(capsys, "encodings", str(f), "--flagged")
+    assert rc == 0 and "enormous" in text and "fine" not in text
+
+
+@pytest.mark.parametrize(("content", "words"), [
+    (None, ["excluded_layers is int 5, not a list"]),
+    ('{"a":' * 50_000 + "1" + "}" * 50_000, ["nested too deeply"]),
+    ("\xff\xfe garbage", ["not UTF-8"]),
+])
+def test_malformed_encodings_structure_is_a_message(tmp_path: Path, capsys: Any, content: str | None,
+                                                    words: list[str]) -> None:
+    f = _encodings(tmp_path, [_act("x")], excluded_layers=5)
+    if content is not None:
+        f.write_bytes(content.encode("latin-1"))
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "encodings", str(f)), *words)
+
+
+@given(bw=st.one_of(st.integers(), st.floats(allow_nan=True), st.text(max_size=3)),
+       scale=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers()), max_size=3),
+       offset=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers()), max_size=3))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_encoding_values_read_or_refuse_cleanly(tmp_path: Path, bw: Any, scale: list[Any],
+                                                    offset: list[Any]) -> None:
+    from npustudio.core.quantize import encodings
+
+    f = _encodings(tmp_path, [{"name": "t", "bw": bw, "scale": scale, "offset": offset, "enc_type": "PER_CHANNEL"}])
+    try:
+        row = encodings.read(f).rows[0]
+    except UserError:
+        return
+    sane = isinstance(bw, int) and 1 <= bw <= 32 and all(isinstance(s, int | float) and 0 < s < float("inf")
+                                                             for s in scale)
+    assert bool(row.flags) or sane
+
+
+# ----------------------------------------------------------------- profiles and bundles
+@pytest.mark.parametrize(("content", "words"), [
+    (bytes(range(256)) * 3, ["not UTF-8"]),
+    (b"Infinity", ["no 'components' list"]),
+    (b'{"components": [{"events": [{"type": "GenieDialog_query", "time-to-first-token": {"value": Infinity}}]}]}',
+     ["time-to-first-token is inf, not a finite number"]),
+    (b'{"components": [{"events": [{"type": "q", "start": NaN}]}]}', ["start is nan"]),
+    (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, ["nested too deeply"]),
+])
+def test_bad_profiles_are_named(tmp_path: Path, capsys: Any, content: bytes, words: list[str]) -> None:
+    f = tmp_path / "p.json"
+    f.write_bytes(content)
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "profile", str(f)), *words)
+
+
+@given(st.recursive(st.none() | st.booleans() | st.floats(allow_nan=True) | st.integers() | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                        st.sampled_from(["components", "events", "type", "start", "stop", "duration", "name",
+                                         "init-time", "time-to-first-token", "value", "metadata", "runner"]),
+                        inner, max_size=4), max_leaves=12))
+@settings(max_examples=300, deadline=None)
+def test_any_json_is_a_profile_or_a_message(data: Any) -> None:
+    from npustudio.core.genie import profile
+
+    try:
+        profile.summarize(profile.from_data(data))
+    except UserError as e:
+        assert e.problem and e.fix
+
+
+def test_a_profile_roofline_needs_a_whole_bundle(tiny_llama: Path, tmp_path: Path, capsys: Any) -> None:
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"components": [{"events": [{"type": "GenieDialog_query", "duration": 5}]}]}))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "metadata.json").write_text("[]")
+    no_bins = fake_bundle(tmp_path / "nobins", tiny_llama)
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "profile", str(f), "--bundle", str(empty)), "is not an NPU Studio bundle",
+                "has no metadata.json")
+        refused(cli(capsys, "profile", str(f), "--bundle", str(listed)), "metadata.json is damaged",
+                "holds a JSON list")
+        refused(cli(capsys, "profile", str(f), "--bundle", str(no_bins)), "holds no context binary")
+
+
+def test_deploy_and_chat_say_not_a_bundle_before_looking_for_a_device(tmp_path: Path, capsys: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANDROID_ADB_SERVER_PORT", "1")  # no adb server there: a device lookup would say so
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "cat.jpg").write_bytes(b"\xff\xd8")
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "metadata.json").write_text("[]")
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "deploy", str(folder)), "is not an NPU Studio bundle")
+        refused(cli(capsys, "deploy", str(listed)), "metadata.json is damaged")
+        refused(cli(capsys, "chat", "--bundle", str(listed), "hello"), "metadata.json is damaged")
+        refused(cli(capsys, "chat", "--bundle", str(folder / "cat.jpg"), "hello"), "not a bundle folder")
+
+
+# ----------------------------------------------------------------- prompts
+def test_prompts_with_nul_or_invalid_utf8_are_refused(tiny_llama: Path, tmp_path: Path, capsys: Any) -> None:
+    bundle = fake_bundle(tmp_path / "b", tiny_llama)
+    cfg = str(bundle / "genie_config.json")
+    binary = tmp_path / "prompt.bin"
+    binary.write_bytes(b"What is\xff\xfe the capital?")
+    nul = tmp_path / "nul.txt"
+    nul.write_text("What is\x00 the capital?")
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "genie-run", "-c", cfg, "-p", "What is\x00 the capital?"), "NUL character at position 7")
+        refused(cli(capsys, "genie-run", "-c", cfg, "--prompt_file", str(nul)), "NUL character")
+        refused(cli(capsys, "genie-run", "-c", cfg, "--prompt_file", str(binary)), "is not UTF-8 text (byte 7)")
+        refused(cli(capsys, "genie-run", "-c", cfg, "-p", "bad \udcff argv"), "not valid UTF-8")  # as argv decodes it
+        refused(cli(capsys, "chat", "--bundle", str(bundle), "--preview", "a\x00b"), "NUL character")
+        refused(cli(capsys, "chat", "--bundle", str(bundle), "--preview", "--system", "be\x00 nice", "hi"),
+                "NUL character")
+    p = adapted_project(tmp_path / "proj")
+    with nothing_changes(tmp_path, allowed=p.root):
+        refused(cli(capsys, "bundle", "--project", str(p.root), "--question", "Why\x00?"), "NUL character")
+
+
+def test_genie_run_refuses_a_profile_path_that_is_a_folder_before_running(tiny_llama: Path, tmp_path: Path,
+                                                                         capsys: Any) -> None:
+    bundle = fake_bundle(tmp_path / "b", tiny_llama)
+    (tmp_path / "profile.json").mkdir()
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "genie-run", "-c", str(bundle / "genie_config.json"), "-p", "hi", "--profile",
+                    str(tmp_path / "profile.json")), "--profile", "is a folder")
+        refused(cli(capsys, "genie-run", "-c", str(bundle / "genie_config.json"), "-p", "hi", "--profile",
+                    str(tmp_path / "nowhere" / "p.json")), "does not exist")
+
+
+def test_a_chat_template_the_sandbox_stops_is_a_message(tiny_llama: Path, tmp_path: Path, capsys: Any) -> None:
+    bundle = fake_bundle(tmp_path / "b", tiny_llama, template=ESCAPE)
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "genie-run", "-c", str(bundle / "genie_config.json"), "-p", "hi"),
+                "chat template cannot be used: SecurityError", "stopped by the sandbox", "--raw")
+        refused(cli(capsys, "chat", "--bundle", str(bundle), "--preview", "hi"), "SecurityError")
+
+
+# ----------------------------------------------------------------- token and keyring
+def test_a_keyring_that_stores_nothing_is_said_to_be_none(tmp_path: Path, capsys: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import keyring
+    from keyring.backends import fail, null
+
+    old = keyring.get_keyring()
+    try:
+        for backend in (null.Keyring(), fail.Keyring()):
+            keyring.set_keyring(backend)
+            monkeypatch.setattr(sys, "stdin", io.StringIO("hf_abc\n"))
+            with nothing_changes(tmp_path):
+                refused(cli(capsys, "token", "set"), "no usable system keyring", backend.__class__.__module__)
+            rc, text = cli(capsys, "token", "status")
+            assert rc == 0 and "No Hugging Face token is set" in text and "No usable system keyring" in text
+    finally:
+        keyring.set_keyring(old)
+
+
+# ----------------------------------------------------------------- the safety net
+def test_an_unexpected_error_is_a_short_message_with_a_log(tiny_llama: Path, tmp_path: Path, capsys: Any,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from npustudio.core import models
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("disk controller on fire")
+
+    monkeypatch.setattr(models, "load", broken)
+    proj = tmp_path / "proj"
+    rc, text = cli(capsys, "adapt", str(tiny_llama), "--project", str(proj), "--ar", "32", "--cl", "128")
+    assert rc == 1 and "Traceback" not in text
+    assert _flat("`npustudio adapt` in the adapt stage failed unexpectedly: RuntimeError: disk controller on fire") \
+        in _flat(text)
+    logs = list((proj / "logs").glob("npustudio-adapt-*.log"))
+    assert len(logs) == 1 and _flat(str(logs[0])) in _flat(text)
+    log = logs[0].read_text()
+    assert "Traceback" in log and "disk controller on fire" in log and "command: npustudio adapt" in log
+    rc, text = cli(capsys, "--debug", "adapt", str(tiny_llama), "--project", str(proj), "--ar", "32", "--cl", "128")
+    assert rc == 1 and "Traceback" in text and "in broken" in text
+    rc, text = cli(capsys, "encodings", str(tmp_path), "--debug")  # a folder: a message, exit 2, not the net
+    assert rc == 2 and "No encodings file" in text

@@ -1,0 +1,294 @@
+"""Model families and their config options: each supported option proven through the real libGenie on a tiny model
+whose option is active within the context, every other one refused at intake; the equivalence gate.
+
+One tiny pipeline per family, options that can coexist combined in it (CL 128, AR-32, RoPE scalings with an
+original context of 64 so positions past it occur in the prompt):
+  Llama   attention_bias (q/k/v/o) + mlp_bias + gelu_pytorch_tanh + linear RoPE
+  Qwen3   attention_bias (q/k/v/o) + q/k norm + gelu (erf) + dynamic RoPE
+  Mistral sliding window = CL + yarn RoPE
+  Phi-3   fused qkv/gate_up + longrope (context = original_max_position_embeddings)
+Genie's token proof: its greedy tokens equal those of the host KV-cache runner over the same compiled binaries on
+the HTP simulator, whose RoPE tables come from our stored frequencies (Genie computes its own from the config), and
+the cos/sin tables Genie built equal ours to the uint16 step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from npustudio.core import models, pipeline
+from npustudio.core.adapt import AdaptOptions, KVCacheRunner, ops
+from npustudio.core.adapt.decoder import DecoderSpec
+from npustudio.core.adapt.runner import rope_tables
+from npustudio.core.config_audit import check_context, support_table
+from npustudio.core.errors import UserError
+from npustudio.core.evaluate import load_corpus
+from npustudio.core.genie import config as gc
+from npustudio.core.genie import libgenie
+from npustudio.core.progress import State
+from npustudio.core.project import Project
+from tests.conftest import genie_pipeline, make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = 16
+SHORT = [round(1 + i * 0.05, 3) for i in range(32)]  # longrope factors per rotary frequency (head_dim 64)
+LONG = [round(1 + i * 0.3, 3) for i in range(32)]
+
+
+def rope(kind: str, **params: Any) -> dict[str, Any]:
+    return {"rope_type": kind, "rope_theta": 10000.0, **params}
+
+
+def _project(tmp_path_factory: pytest.TempPathFactory, family: str, **config: Any) -> Project:
+    root = tmp_path_factory.mktemp(family)
+    return genie_pipeline(root / "p", make_tiny_model(root / "m", family, **config))  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Project:
+    return _project(tmp_path_factory, "llama64", attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh",
+                    rope_parameters=rope("linear", factor=2.0))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Project:
+    return _project(tmp_path_factory, "qwen3", attention_bias=True, hidden_act="gelu", max_position_embeddings=128,
+                    rope_parameters=rope("dynamic", factor=4.0))
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> Project:
+    return _project(tmp_path_factory, "mistral", head_dim=64, sliding_window=128,
+                    rope_parameters=rope("yarn", factor=4.0, original_max_position_embeddings=64, attention_factor=1.2,
+                                         beta_fast=16.0, beta_slow=2.0))
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory: pytest.TempPathFactory) -> Project:
+    return _project(tmp_path_factory, "phi3", pad_token_id=0, max_position_embeddings=512,
+                    original_max_position_embeddings=128,
+                    rope_parameters=rope("longrope", short_factor=SHORT, long_factor=LONG))
+
+
+def prompt_text() -> str:
+    return load_corpus("default", "eval")[:150]  # 84 tokens: positions past 64 in the prompt itself
+
+
+def genie_run(bundle: Path, prompt: str, n: int, encoding: dict[str, Any] | None = None
+              ) -> tuple[list[int], list[int], dict[str, np.ndarray]]:
+    """The real libGenie's prompt ids (BOS first), its first `n` greedy tokens and the uint16 cos/sin tables it
+    built, read back from its tensor dump (`debug.dump-tensors`: its API returns only text). `encoding` replaces
+    the config's positional-encoding block."""
+    dump = bundle.parent / f"genie_dump_{n}"
+    shutil.rmtree(dump, ignore_errors=True)
+    cfg = gc.absolute(gc.read(bundle / gc.CONFIG), bundle)
+    if encoding is not None:
+        cfg["dialog"]["engine"]["model"]["positional-encoding"] = encoding
+    cfg["dialog"]["debug"] = {"path": str(dump), "dump-tensors": True}
+    dialog = libgenie.Dialog(json.dumps(cfg))
+    try:
+        dialog.set_max_tokens(n + 1)  # each generated token but the last is fed back, and so dumped
+        dialog.query(prompt, lambda _s, _c: None)
+    finally:
+        dialog.close()
+        dialog.free_profile()
+    fed = sorted(dump.rglob("*_in_input_ids"), key=lambda f: f.name)  # 000_…, 001_…: the graph calls in order
+    steps = [np.fromfile(f, dtype=np.int32).tolist() for f in fed]
+    prompt_ids = [t for s in steps if len(s) > 1 for t in s]  # the AR-32 chunks, padded
+    tables = {k: np.fromfile(next(dump.rglob(f"position_ids_{k}.u16.dat")), dtype=np.uint16) for k in ("cos", "sin")}
+    shutil.rmtree(dump)
+    return prompt_ids, [s[0] for s in steps if len(s) == 1], tables
+
+
+def htp_runner(project: Project) -> KVCacheRunner:
+    """The host KV-cache runner over the project's compiled binaries on the HTP simulator (our RoPE tables)."""
+    from npustudio.core.compile import ort_qnn
+    from npustudio.core.compile.graph_io import IOEncoding
+    from npustudio.core.compile.ort_graph import OrtGraph
+    from npustudio.core.targets import soc
+
+    meta = json.loads((project.stage_dir("bundle") / "metadata.json").read_text())
+    io = {k: IOEncoding(**v) for k, v in meta["io_encodings"].items()}
+    target = soc(meta["target"]["soc"])
+    graphs = {g["ar"]: OrtGraph(ort_qnn.context_session(project.stage_dir("compile") / f"{g['name']}.onnx", target),
+                                io) for g in meta["graphs"]}
+    return KVCacheRunner(DecoderSpec(**meta["decoder"]), meta["context_length"], graphs,  # type: ignore[arg-type]
+                         torch.tensor(meta["rope_inv_freq"]))
+
+
+def prove_in_genie(project: Project, scaling: dict[str, Any] | None) -> None:
+    """Adapt passed the gate, w8a16 kept the perplexity, every node is on the HTP, the bundle carries `scaling`,
+    and the real Genie computes our RoPE tables and answers token for token like our runner on the same binaries."""
+    a = project.record("adapt").result
+    assert a["gate"]["passed"] and not a["gate"]["accepted_mismatch"]
+    assert a["equivalence"]["top1_agreement"] >= 0.999
+    assert project.record("quantize").result["ratio"] < 1.05
+    assert project.record("compile").result["nodes_on_cpu"] == 0
+    bundle = project.stage_dir("bundle")
+    encoding = json.loads((bundle / gc.CONFIG).read_text())["dialog"]["engine"]["model"]["positional-encoding"]
+    got = encoding.get("rope-scaling")
+    want = None if scaling is None else {k: pytest.approx(v) if isinstance(v, float) else v for k, v in scaling.items()}
+    assert got == want
+
+    from transformers import PreTrainedTokenizerFast
+
+    from npustudio.core.compile.ort_graph import quantize
+
+    prompt_ids, tokens, tables = genie_run(bundle, prompt_text(), TOKENS)
+    runner = htp_runner(project)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle / gc.TOKENIZER))
+    ids = [1] + tok(prompt_text(), add_special_tokens=False)["input_ids"]  # Genie prepends BOS (1)
+    assert prompt_ids[:len(ids)] == ids and 64 < len(ids) and len(ids) + TOKENS < runner.cl
+    cos, sin = rope_tables(runner.inv_freq, range(runner.cl), runner.spec.rope_attention_scaling)
+    for name, ours in (("cos", cos), ("sin", sin)):
+        enc = runner.graphs[1].io[f"position_ids_{name}"]  # type: ignore[attr-defined]
+        mine = quantize(ours[0, 0].numpy(), enc, floor=True).reshape(-1).astype(np.int64)
+        diff = np.abs(tables[name].astype(np.int64) - mine)
+        assert diff.max() <= 1 and (diff == 0).mean() > 0.99, name  # equal to the step (float64 vs our float32)
+    expected = runner.generate(ids, TOKENS)
+    assert len(tokens) >= 12 and tokens == expected[:len(tokens)]
+    if scaling is not None:  # the proof can fail: Genie with plain RoPE answers differently
+        plain = {k: v for k, v in encoding.items() if k != "rope-scaling"}
+        assert genie_run(bundle, prompt_text(), TOKENS, plain)[1] != tokens
+
+
+def test_llama_biases_tanh_gelu_and_linear_rope_run_in_genie_as_adapted(llama: Project) -> None:
+    spec = json.loads((llama.stage_dir("adapt") / "decoder.json").read_text())
+    assert (spec["qkv_bias"], spec["o_bias"], spec["mlp_bias"], spec["activation"]) == (True, True, True, "gelu_tanh")
+    prove_in_genie(llama, {"rope-type": "linear", "factor": 2.0})
+
+
+def test_qwen3_biases_erf_gelu_and_dynamic_rope_run_in_genie_as_adapted(qwen3: Project) -> None:
+    card = qwen3.record("model").result["card"]
+    assert (card["o_bias"], card["qk_norm"], card["activation"]) == (True, True, "gelu")
+    assert card["rope_scaling"]["rope_type"] == "dynamic"  # unscaled up to max_position_embeddings = CL
+    prove_in_genie(qwen3, None)
+
+
+def test_mistral_window_and_yarn_rope_run_in_genie_as_adapted(mistral: Project) -> None:
+    card = mistral.record("model").result["card"]
+    assert (card["family"], card["sliding_window"]) == ("Mistral", 128)
+    # Genie scales its tables by attn-factor · (1 + 0.1·ln 4); transformers by attention_factor 1.2
+    prove_in_genie(mistral, {"rope-type": "yarnrope", "factor": 4.0, "original-max-position-embeddings": 64,
+                             "dim": 64, "extrapolation-factor": 1.0, "attn-factor": 1.2 / (1 + 0.1 * math.log(4)),
+                             "beta-fast": 16.0, "beta-slow": 2.0})
+
+
+def test_phi3_fused_weights_and_longrope_run_in_genie_as_adapted(phi3: Project) -> None:
+    card = phi3.record("model").result["card"]
+    assert card["family"] == "Phi-3" and card["rope_scaling"]["attention_factor"] > 1.1  # the tables exceed ±1
+    prove_in_genie(phi3, {"rope-type": "longrope", "factor": 4.0, "original-max-position-embeddings": 128,
+                          "short-factor": SHORT, "long-factor": LONG})
+
+
+# ---------------------------------------------------------------- refused at intake
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model folder; intake reads only config.json and the tokenizer, so any config can sit beside it."""
+    return make_tiny_model(tmp_path_factory.mktemp("w") / "m", "llama")
+
+
+def folder_with(weights: Path, dest: Path, arch: str, **config: Any) -> Path:
+    import transformers
+
+    shutil.copytree(weights, dest)
+    getattr(transformers, f"{arch}Config")(**config).save_pretrained(dest)
+    return dest
+
+
+@pytest.mark.parametrize(("arch", "config", "named"), [
+    ("Llama", {"hidden_act": "relu"}, "hidden_act='relu'"),
+    ("Llama", {"rope_parameters": rope("proportional")}, "rope_type='proportional'"),
+    ("Llama", {"rope_parameters": rope("yarn", factor=4.0, original_max_position_embeddings=64, truncate=False)},
+     "truncate=False"),
+    ("Llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ("Llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config"),
+    ("Phi3", {"partial_rotary_factor": 0.5, "pad_token_id": 0}, "partial_rotary_factor=0.5"),
+    ("Mistral", {"attention_bias": True}, "attention_bias=True"),
+    ("Qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, "sliding_window=64"),
+    ("Phi3", {"pad_token_id": 0, "hidden_size": 128, "num_attention_heads": 2, "max_position_embeddings": 512,
+              "original_max_position_embeddings": 64,
+              "rope_parameters": rope("longrope", short_factor=[1.0] * 32, long_factor=[2.0] * 32)},
+     "rope_type='longrope'"),
+])
+def test_an_unsupported_option_is_refused_at_intake_naming_it(weights: Path, tmp_path: Path, arch: str,
+                                                               config: dict[str, Any], named: str) -> None:
+    src = models.resolve_source(str(folder_with(weights, tmp_path / "m", arch, **config)))
+    with pytest.raises(UserError) as e:
+        check_context(models.read_card(src), 128)
+    assert named in e.value.problem and e.value.fix
+
+
+def test_info_refuses_a_window_narrower_than_the_context_and_accepts_it_within(weights: Path, tmp_path: Path) -> None:
+    d = folder_with(weights, tmp_path / "m", "Mistral", sliding_window=64, head_dim=16)
+    run = [sys.executable, "-m", "npustudio.cli", "info", str(d), "--json"]
+    res = subprocess.run([*run, "--cl", "128"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "sliding_window=64" in res.stderr and "--cl 64" in res.stderr
+    res = subprocess.run([*run, "--cl", "64"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["sliding_window"] == 64
+
+
+def test_the_readme_table_is_rendered_from_the_recipes() -> None:
+    table = support_table()
+    assert table.startswith("| option | Llama | Mistral | Phi-3 | Qwen2 | Qwen3 | how |")
+    assert table in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------- the equivalence gate
+def test_a_diverging_adaptation_fails_the_stage_and_keeps_the_last_good_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_tiny_model(tmp_path / "m", "llama", hidden_act="gelu_pytorch_tanh")
+    project = Project.open(tmp_path / "p")
+    opts = AdaptOptions(ar=32, cl=128, eval_chars=800, window=128, decode_tokens=4)
+    good = pipeline.adapt(project, str(model), opts, State())
+    assert good.result["gate"]["passed"]
+    files = {f.path: f.sha256 for f in good.outputs}
+
+    monkeypatch.setitem(ops.ACTIVATIONS, "gelu_tanh", ops.SiLU)  # a wrong activation: the graphs diverge
+    with pytest.raises(UserError) as e:
+        pipeline.adapt(project, str(model), opts.model_copy(update={"ar": 16}), State())
+    assert "top-1 agreement" in e.value.problem and "hidden_act gelu_tanh" in e.value.problem
+    assert "--accept-mismatch" in e.value.fix
+    assert project.record("adapt").key == good.key and not project.changed("adapt")  # the good stage is intact
+    assert {f.path: f.sha256 for f in project.record("adapt").outputs} == files
+    assert project.load().attempts["adapt"].status == "failed"
+
+    accepted = pipeline.adapt(project, str(model), opts.model_copy(update={"ar": 16, "accept_mismatch": True}),
+                              State())
+    assert accepted.result["gate"] == {**accepted.result["gate"], "passed": False, "accepted_mismatch": True}
+    assert pipeline.adapt_summary(accepted.result)["gate"] == "failed, accepted"
+
+
+def test_the_adapt_page_shows_an_accepted_mismatch_in_red(qtbot: Any, tmp_path: Path) -> None:
+    from npustudio.core.settings import Settings
+    from npustudio.gui.pages.adapt import AdaptPage
+    from npustudio.gui.widgets import BAD, cells
+
+    class Window:  # what a page needs of the main window
+        project = Project.open(tmp_path / "p")
+        settings = Settings()
+
+    page = AdaptPage(Window())
+    qtbot.addWidget(page)
+    result = {"equivalence": {"top1_agreement": 0.68, "max_abs_logit_diff": 4.6, "positions": 800, "prefill_ar": 32,
+                              "decode_steps": 28},
+              "gate": {"passed": False, "accepted_mismatch": True}, "ppl_fp": 9.0, "ppl_adapted": 30.0,
+              "eval_tokens": 800, "graphs": [{"name": "prompt_ar32_cl128_1_of_1"}], "per_window": []}
+    page.show_result(result)
+    assert cells(page.results)[0] == ["Equivalence gate", "failed, accepted"]
+    assert page.results.item(0, 0).background().color() == BAD
+    assert "WITHOUT equivalence" in page.strip.status.text() and "#b00020" in page.strip.status.styleSheet()
+    assert not page.options().accept_mismatch
+    page.accept_mismatch.setChecked(True)
+    assert page.options().accept_mismatch
