@@ -173,6 +173,7 @@ def adapt_model(lm: LoadedModel) -> tuple[StaticDecoder, torch.Tensor]:
     return adapt_weights(spec, recipe, lm.model), lm.model.model.rotary_emb.inv_freq.detach().cpu().clone()
 
 
+@compute.plain_convolutions
 def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike) -> AdaptResult:
     validate(options, lm.card)
     device = compute.resolve(options.device)

@@ -35,7 +35,7 @@ from ..evaluate import (
     read_plan,
 )
 from ..fsutil import atomic_write_json
-from ..progress import Laps, StateLike, peak_rss_mb
+from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
 from ..targets import DEFAULT_SOC, soc
 from . import export, rotate, simulate
 from .presets import Overrides, check_overrides, preset
@@ -91,12 +91,14 @@ class QuantizeResult(BaseModel):
     device: str = "cpu"
 
 
+@compute.plain_convolutions
 def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLike) -> QuantizeResult:
     pre, target = preset(options.precision), soc(options.target)
     lap = Laps()
     steps = lap.steps
 
     state.progress(0.0, "loading the adapted model")
+    simulate.import_aimet()  # before the model exists: see import_aimet
     device = compute.resolve(options.device)
     model, inv_freq = store.load(adapt_dir)
     check_overrides(options.overrides, model)  # before any calibration: a typo must not cost a run
@@ -171,13 +173,23 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         state.progress(0.8, "exporting ONNX + encodings")
         vec_dir = out_dir / "test_vectors"
         vec_dir.mkdir(exist_ok=True)
+        traced: list[export.Traced] = []
         for name, feeds, fo in zip(graph_list, vectors, fp_out, strict=True):
             state.check()
-            files += export.export_graph(sim, feeds, name, out_dir)
+            traced.append(export.trace_graph(sim, feeds, name, out_dir))
             qo = TorchGraph(sim.model)(feeds)
             export.write_test_vectors(vec_dir / f"{name}.npz", feeds, fo, qo)
-            files.append(vec_dir / f"{name}.npz")
             gc.collect()
+        # the QDQ pass reads the traced graphs and the weights on disk: the model goes first (its float weights
+        # are 5 GB on a 1B model; the pass adds the largest table and its integers to whatever is still held).
+        # Deleting the runners also empties the closures that hold them.
+        del sim, model, fp_run, q_run, vectors, fp_out
+        gc.collect()
+        trim_heap()
+        state.progress(0.9, "writing the quantized (QDQ) graphs")
+        for t, name in zip(traced, graph_list, strict=True):
+            state.check()
+            files += [*export.write_qdq(t), vec_dir / f"{name}.npz"]
         export.share_weights([f for f in files if f.suffix == ".onnx"], out_dir)
         files.append(out_dir / export.WEIGHTS_FILE)
         for f in COPIED_FILES:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,25 @@ _MIN_EXTERNAL = 1024  # bytes: smaller tensors stay inside the .onnx
 
 
 def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) -> list[Path]:
-    """`name`.onnx + .encodings and `name`_qdq.onnx for one graph shape (given by `feeds`), from ONE trace.
+    """`name`.onnx + .encodings and `name`_qdq.onnx for one graph shape (given by `feeds`), from ONE trace."""
+    return write_qdq(trace_graph(sim, feeds, name, out))
+
+
+@dataclass
+class Traced:
+    """A graph traced from the quantsim, its float form and encodings written: all the QDQ form needs. It holds
+    no weights (they are on disk), so the model can be let go before the QDQ pass (`write_qdq`)."""
+
+    graph: Any  # onnx.ModelProto, weights external
+    enc_map: dict[str, Any]
+    float_onnx: Path
+    enc_file: Path
+    qdq_onnx: Path
+
+
+def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) -> Traced:
+    """`name`.onnx + .encodings for one graph shape (given by `feeds`); `write_qdq` then writes `name`_qdq.onnx
+    from the same trace.
 
     aimet's two public exporters (`sim.onnx.export`, `aimet_torch.onnx.export`) each trace the model; they run the
     same steps up to the traced graph and its tensor→encoding map, then write it two ways. We trace once and write
@@ -39,7 +58,6 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
     `sim.onnx.export(encoding_version="1.0.0")` does not. tests/test_quantize.py checks both files against
     aimet's own exporters.
     """
-    import aimet_torch
     import onnx
     from aimet_torch import onnx as aonnx
     from aimet_torch.utils import patch_attr
@@ -72,21 +90,32 @@ def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path)
     data = sim.onnx._to_json(enc_map, "1.0.0", aonnx._get_all_constants(graph))
     data["param_encodings"] = [e for e in data["param_encodings"] if not _int32(e)]
     atomic_write_json(enc_file, data)
+    _add_input_encodings(enc_file, simulate.input_quantizers(sim.model))
+    return Traced(graph, enc_map, float_onnx, enc_file, qdq_onnx)
+
+
+def write_qdq(t: Traced) -> list[Path]:
+    """`name`_qdq.onnx from a traced graph and the weights on disk (no torch model needed); the graph's files."""
+    import aimet_torch
+    import onnx
+    from aimet_torch import onnx as aonnx
+    from aimet_torch.utils import patch_attr
+
+    out = t.qdq_onnx.parent
     utils = _aimet_onnx_utils()
-    with _SideFile(qdq_onnx) as side, \
+    with _SideFile(t.qdq_onnx) as side, \
             patch_attr(utils, "_quantize_const", partial(_lean_quantize_const, utils._quantize_const, side)):
-        qdq = aonnx._to_onnx_qdq(graph, enc_map, prequantize_constants=True, base_dir=str(out))
-    del graph
-    qdq = _weights_to_side_file(qdq, qdq_onnx)
+        qdq = aonnx._to_onnx_qdq(t.graph, t.enc_map, prequantize_constants=True, base_dir=str(out))
+    t.graph = None
+    qdq = _weights_to_side_file(qdq, t.qdq_onnx)
     trim_heap()
     aonnx._remove_intermediate_identity_nodes(qdq, base_dir=str(out))
     aonnx._remove_dangling_nodes_and_initializers(qdq)
     prop = qdq.metadata_props.add()
     prop.key, prop.value = "producer", f"aimet-torch {aimet_torch.__version__}"
-    onnx.save(qdq, str(qdq_onnx))
+    onnx.save(qdq, str(t.qdq_onnx))
     del qdq
-    _add_input_encodings(enc_file, simulate.input_quantizers(sim.model))
-    return [float_onnx, enc_file, qdq_onnx]
+    return [t.float_onnx, t.enc_file, t.qdq_onnx]
 
 
 @torch.no_grad()
@@ -285,7 +314,8 @@ def _add_input_encodings(path: Path, quantizers: dict[str, Any]) -> None:
             continue
         data["activation_encodings"].append({
             "name": name, "dtype": "INT", "bw": int(q.bitwidth), "is_sym": bool(q.symmetric),
-            "scale": [float(q.get_scale())], "offset": [int(q.get_offset())], "enc_type": "PER_TENSOR"})
+            "scale": [float(q.get_scale().detach())], "offset": [int(q.get_offset().detach())],
+            "enc_type": "PER_TENSOR"})
     atomic_write_json(path, data)
 
 

@@ -38,10 +38,27 @@ def config_file(target: Soc) -> str:
     return os.path.join(folder, "default_config_per_channel.json")
 
 
+def import_aimet() -> None:
+    """Import aimet_torch and cut the traceback it keeps.
+
+    aimet_torch keeps the ImportError of its missing C extension (`py_libpymo.IMPORT_ERROR`); the error's
+    traceback holds every frame on the stack at the first import, and so whatever those frames held. Imported
+    from inside the quantsim build, that was the whole model (5 GB of float weights on a 1B model), alive until
+    the process ended: the export could not let it go."""
+    import aimet_torch  # noqa: F401
+    from aimet_torch.common import py_libpymo
+
+    err = getattr(py_libpymo, "IMPORT_ERROR", None)
+    if isinstance(err, BaseException):
+        err.__traceback__ = None
+
+
 def build(model: StaticDecoder, dummy: tuple[torch.Tensor, ...], preset: Preset, target: Soc,
           overrides: Overrides) -> Any:
     """A configured QuantizationSimModel over `model` (in place: no second copy of the weights)."""
     import logging
+
+    import_aimet()
     import warnings
 
     warnings.filterwarnings("ignore", module="aimet_torch")
@@ -222,3 +239,4 @@ def qdq_by_slabs(param: torch.Tensor, quantizer: Any, into: torch.Tensor | None 
     res = out.as_subclass(DequantizedTensor)
     res.encoding = enc
     return res
+
