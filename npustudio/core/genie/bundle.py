@@ -131,7 +131,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(adapt_dir), trust_remote_code=False)
-    (out_dir / SAMPLE_PROMPT).write_text(gc.chat_prompt(tok, options.question), encoding="utf-8")
+    (out_dir / SAMPLE_PROMPT).write_text(gc.sample_prompt(tok, options.question), encoding="utf-8")
 
     state.progress(0.4, "runtime files")
     copied, missing = _runtime(target, out_dir)

@@ -179,6 +179,14 @@ def check_prompt(text: str) -> str:
     return text
 
 
+def sample_prompt(tokenizer: Any, question: str) -> str:
+    """The question as the model is asked it: in its chat template, or as plain text for a base model, which
+    has no template (Llama-3.2-1B's base release, for one) and continues text instead of answering turns."""
+    if not getattr(tokenizer, "chat_template", None):
+        return question
+    return chat_prompt(tokenizer, question)
+
+
 def chat_prompt(tokenizer: Any, user: str, system: str | None = None, history: list[dict[str, str]] | None = None,
                 bos_added_by_runtime: bool = True) -> str:
     """The model's chat template applied (real newlines), without the BOS Genie prepends itself.
