@@ -84,6 +84,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     qres = json.loads((quant_dir / "quantize.json").read_text())
     target = soc(options.target or qres["target"])
     graphs = qres["graphs"]
+    _refuse_lpbq(quant_dir, graphs[0], qres.get("precision", "?"))
     lap = Laps()
     steps = lap.steps
 
@@ -197,6 +198,20 @@ def _compile_parts(prep: Path, out_dir: Path, graphs: list[str], names: dict[str
             if n_parts > 1:  # Genie orders the parts by the QNN graph names inside the binaries
                 split.name_graph(out_dir / m.context_onnx, m.graph)
     return compiled
+
+
+def _refuse_lpbq(quant_dir: Path, graph: str, precision: str) -> None:
+    """onnxruntime-qnn 2.7 does not place LPBQ convolutions (int4 blocks of 64 input channels under int8
+    per-channel scales: w4a16 on any model whose layers are wider than one block) on the HTP: QNN rejects each
+    one after its layout pass ("… was inserted using the NHWC format … but was not selected by that EP"), with
+    or without its block-quantization option. Refused before the preparation, not after minutes of it."""
+    enc = json.loads((quant_dir / f"{graph}.encodings").read_text())
+    lpbq = [e["name"] for e in enc.get("param_encodings", []) if e.get("enc_type") == "LPBQ"]
+    if lpbq:
+        raise UserError(f"This {precision} model has {len(lpbq)} block-quantized (LPBQ) weights, e.g. {lpbq[0]}; "
+                        "the ort-qnn back-end (onnxruntime-qnn's HTP) cannot compile LPBQ convolutions.",
+                        "Quantize with --precision w8a16 for this back-end, or compile with --backend qairt and "
+                        "the QAIRT SDK (QNN_SDK_ROOT).")
 
 
 def _check_same_io(seen: dict[str, IOEncoding], new: dict[str, IOEncoding], graph: str) -> None:
