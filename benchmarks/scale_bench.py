@@ -131,9 +131,11 @@ def genie_vs_preview(bundle: str) -> dict[str, Any]:
 
 
 def compile_summary(r: dict[str, Any]) -> dict[str, Any]:
-    return {"parts": r["parts"], "binaries": [{"file": b["file"], "bytes": b["bytes"],
-                                               "estimated_alloc_kb": b.get("estimated_alloc_kb")}
-                                              for b in r["binaries"]],
+    """Parts and binaries; `estimated_alloc_kb` is NPU Studio's estimate of each graph's HTP allocation (the
+    simulator's compiler reports QNN's own figure only when a graph is over the limit: then `recut` says so)."""
+    return {"parts": r["parts"], "htp_graph_limit_kb": r["htp_graph_limit_kb"], "recut": r["recut"],
+            "binaries": [{"file": b["file"], "bytes": b["bytes"], "estimated_alloc_kb": b["estimated_alloc_kb"]}
+                         for b in r["binaries"]],
             "nodes_on_cpu": r["nodes_on_cpu"], "simulator": r["verification"]}
 
 

@@ -342,3 +342,31 @@ def test_a_large_models_verification_opens_one_part_at_a_time(project: Project,
         kept["nll_htp"], kept["nll_quantsim_cpu"], kept["top1_agreement"])
     chunks = -(-(v["tokens"] - v["decode_steps"]) // v["prefill_ar"])
     assert len(opened) == chunks + v["decode_steps"]  # a session per call: each prefill chunk, then each AR-1 step
+
+
+def test_a_base_model_without_a_chat_template_gets_a_bundle_asking_the_plain_question(project: Project,
+                                                                                      tmp_path: Path) -> None:
+    """Base releases (Llama-3.2-1B's, for one) have no chat template: the bundle asks the question as text."""
+    import shutil
+
+    adapt = tmp_path / "adapt"
+    shutil.copytree(project.stage_dir("adapt"), adapt)
+    (adapt / "chat_template.jinja").unlink(missing_ok=True)
+    for name in ("tokenizer_config.json", "card.json"):
+        data = json.loads((adapt / name).read_text())
+        data.pop("chat_template", None)
+        (adapt / name).write_text(json.dumps(data))
+    out = tmp_path / "bundle"
+    out.mkdir()
+    res = bundle_stage.run(project.stage_dir("compile"), adapt, bundle_stage.BundleOptions(question="Paris is"),
+                           out, State())
+    assert res.validated
+    assert (out / bundle_stage.SAMPLE_PROMPT).read_text() == "Paris is"
+    assert chat.as_chat_prompt(out, "Paris is") == "Paris is"
+
+
+def test_contexts_over_one_protection_domain_are_explained() -> None:
+    """Genie's 'Failed to find available PD' (a 1B model's four w8a16 contexts, 3.6 GB) says what to change."""
+    fix = libgenie._fix(-1, [" <E> Failed to find available PD for contextId 4 on deviceId 0 coreId 0with "
+                             "context size estimate 910172672"])
+    assert "--weight-sharing" in fix and "protection domain" in fix

@@ -15,7 +15,7 @@ import platformdirs
 
 from . import adapt as adapt_stage
 from . import compile as compile_stage
-from . import host_cost, models
+from . import host_cost, models, parts
 from . import quantize as quantize_stage
 from .config_audit import check_context
 from .errors import UserError
@@ -307,5 +307,7 @@ def compile_summary(r: dict[str, Any]) -> dict[str, Any]:
             "nodes_on_cpu": r["nodes_on_cpu"], "parts": r.get("parts", 1),
             "weight_shared": r.get("weight_shared", r["backend"] == "qairt"),
             "binaries": [{"graph": g["graph"], "file": g["context_bin"], "bytes": g["bin_bytes"],
-                          "nodes_on_qnn": g["nodes_on_qnn"], "compile_seconds": g["seconds"]} for g in r["graphs"]],
+                          "nodes_on_qnn": g["nodes_on_qnn"], "compile_seconds": g["seconds"],
+                          "estimated_alloc_kb": g.get("estimated_alloc_kb")} for g in r["graphs"]],
+            "htp_graph_limit_kb": parts.HTP_GRAPH_LIMIT_KB, "recut": r.get("recut", []),
             "verification": r["verification"], "steps": r["steps"]}
