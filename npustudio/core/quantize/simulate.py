@@ -16,6 +16,7 @@ What the HTP needs, set explicitly rather than left to the config file's op-type
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 import torch
@@ -190,21 +191,25 @@ def fold(sim: Any) -> None:
     aimet's own fold quantize-dequantizes each weight whole, holding about three copies of the largest one (the
     LM head: 3 GB on a 1B model); here each weight is done a slab of rows at a time into its final tensor, with
     aimet's own arithmetic, so the result is the same tensor aimet makes (a DequantizedTensor carrying its
-    encoding, which the ONNX export unfolds again).
+    encoding, which the ONNX export unfolds again). A weight is quantized into its own storage when no other
+    weight still to be folded reads that storage; a tied embedding and LM head share one, so the first of them
+    gets a new tensor and the last overwrites the original: one extra copy of the table at a time, not two
+    (+1 GB at the fold's peak on a 1B model).
     """
     from aimet_torch.nn import BaseQuantizationMixin, compute_param_encodings
 
     compute_param_encodings(sim.model)
-    for module in sim.model.modules():
-        if not isinstance(module, BaseQuantizationMixin):
-            continue
-        for name, quantizer in list(module.param_quantizers.items()):
-            if quantizer is None:
-                continue
-            param = getattr(module, name)
-            setattr(module, name, torch.nn.Parameter(qdq_by_slabs(param, quantizer),
-                                                     requires_grad=param.requires_grad))
-            module.param_quantizers[name] = None
+    todo = [(module, name, quantizer) for module in sim.model.modules() if isinstance(module, BaseQuantizationMixin)
+            for name, quantizer in list(module.param_quantizers.items()) if quantizer is not None]
+    readers = Counter(getattr(m, n).untyped_storage().data_ptr() for m, n, _ in todo)
+    for module, name, quantizer in todo:
+        param = getattr(module, name)
+        storage = param.untyped_storage().data_ptr()
+        readers[storage] -= 1
+        into = param.detach().as_subclass(torch.Tensor) if readers[storage] == 0 else None
+        setattr(module, name, torch.nn.Parameter(qdq_by_slabs(param, quantizer, into),
+                                                 requires_grad=param.requires_grad))
+        module.param_quantizers[name] = None
     trim_heap()
 
 
