@@ -206,7 +206,7 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     small, big = (host_cost.estimate(_card(params=n)) for n in (135_000_000, 1_235_814_400))
     assert all(b.peak_ram_bytes > s.peak_ram_bytes and b.seconds > s.seconds
                for s, b in zip(small.stages, big.stages, strict=True))
-    assert 6e9 < big.stages[0].peak_ram_bytes < 9e9  # adapt of a 1B model (measured 6.4 GB)
+    assert 6e9 < big.stages[0].peak_ram_bytes < 9e9  # adapt of a 1B model (measured 6.8 GB)
 
     monkeypatch.setattr(host_cost, "machine_ram", lambda: 2**28)  # a 256 MiB computer
     loaded: list[object] = []
