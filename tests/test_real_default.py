@@ -88,9 +88,10 @@ def test_default_model_on_the_simulator_matches_the_quantsim_and_genie_answers_p
     v = compile_stage.verify_on_simulator(stages / "quantize", stages / "adapt", stages / "compile" / "prepared",
                                           stages / "compile", [g["graph"] for g in comp["graphs"]], io,
                                           soc(comp["target"]), compile_stage.CompileOptions(), State())
-    # NLL within 0.01 of the quantsim (the target). Top-1 over 132 tokens moves in steps of 0.0076 and measured
+    # NLL within 0.02 of the quantsim (0.009 with oneDNN convs, 0.011 with plain ones). Top-1 over 132 tokens
+    # moves in steps of 0.0076 and measured
     # 0.947-0.970 as the RoPE tables' rounding followed Genie's (floor) and their encoding its range
-    assert v["tokens"] == 132 and abs(v["nll_diff"]) <= 0.02 and v["top1_agreement"] >= 0.94  # 0.009 with oneDNN convs, 0.011 without
+    assert v["tokens"] == 132 and abs(v["nll_diff"]) <= 0.02 and v["top1_agreement"] >= 0.94
 
     prof = default_project / "p.json"
     cli = [sys.executable, "-m", "npustudio.cli"]
