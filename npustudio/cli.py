@@ -17,13 +17,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .core import quiet
 from .core.errors import UserError
 from .core.parts import DEFAULT_MAX_PART_MB
 from .core.progress import Cancelled, Partial, State
 from .core.progress import Progress as ProgressEvent
 
-err = Console(stderr=True)
-out = Console()
+# A log or a pipe gets whole lines: rich would wrap them mid-phrase at 80 columns where there is no terminal
+err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
+out = Console(soft_wrap=not sys.stdout.isatty())
 
 MAX_CONTEXT = 131072  # tokens: no phone holds a longer KV cache; larger values are typos (--cl 1e8)
 MAX_PART_MB = 2048  # the HTP refuses a graph over 2 GiB
@@ -355,8 +357,10 @@ def cmd_run(a: argparse.Namespace) -> int:
         out.print(f"  [bold]{sm['question']}[/] → {sm['answer'].strip()!r}{cut}")
         ps = sm["profile_summary"]
         if ps:
-            out.print(f"  Genie profile: init {ps['init_s']} s, TTFT {ps['ttft_s']} s, prompt {ps['prompt_tok_s']} "
-                      f"tok/s, generation {ps['generation_tok_s']} tok/s  ({sm['profile']})")
+            from .core.models import human_number as n
+
+            out.print(f"  Genie profile: init {n(ps['init_s'])} s, TTFT {n(ps['ttft_s'])} s, prompt "
+                      f"{n(ps['prompt_tok_s'])} tok/s, generation {n(ps['generation_tok_s'])} tok/s  ({sm['profile']})")
     return 0
 
 
@@ -486,11 +490,13 @@ def cmd_profile(a: argparse.Namespace) -> int:
     if a.json:
         _print_json({"summary": summary, "events": [e.model_dump() for e in prof.events], "roofline": roof})
         return 0
+    from .core.models import human_number as n
+
     t = Table(title=f"{a.file}  ({summary['runner']})", show_header=False)
     for k, v in summary.items():
-        t.add_row(k, "—" if v is None else str(v))
+        t.add_row(k, "—" if v is None else n(v) if isinstance(v, float) else str(v))
     if roof:
-        t.add_row("decode roofline (tok/s)", f"{roof['decode_tok_s_bound']} at {roof['memory_gb_s']} GB/s")
+        t.add_row("decode roofline (tok/s)", f"{n(roof['decode_tok_s_bound'])} at {n(roof['memory_gb_s'])} GB/s")
     out.print(t)
     return 0
 
@@ -800,6 +806,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "debug", False):
+        os.environ[quiet.DEBUG_ENV] = "1"
+    quiet.libraries()
     if not getattr(args, "fn", None):
         return cmd_gui(args)
     try:

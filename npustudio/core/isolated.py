@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from . import quiet
 from .errors import UserError
 from .progress import Cancelled, State, StateLike
 
@@ -72,6 +73,7 @@ def _child(fn: Callable[..., Any], args: tuple[Any, ...], pass_state: bool, even
            parent: int, nice: int) -> None:
     if nice and hasattr(os, "nice"):
         os.nice(nice)
+    quiet.libraries()
     state = State()
 
     def forward(ev: Any) -> None:

@@ -11,6 +11,7 @@ is loaded.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -561,6 +562,15 @@ def format_value(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+def human_number(x: float) -> str:
+    """A measured figure to the precision that matters, three significant digits: 157.0962 → 157, 38.2117 → 38.2,
+    0.81134 → 0.811, 12345.6 → 12,346."""
+    if not x or not math.isfinite(x):
+        return f"{x:g}"
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{digits}f}"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -570,4 +580,5 @@ def human_bytes(n: float) -> str:
 
 
 __all__ = ["ArchCard", "FitEstimate", "LoadedModel", "ModelSource", "download", "fingerprint", "fit_estimate",
-           "fit_table", "format_value", "human_bytes", "load", "make_card", "read_card", "resolve_source"]
+           "fit_table", "format_value", "human_bytes", "human_number", "load", "make_card", "read_card",
+           "resolve_source"]

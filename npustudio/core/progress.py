@@ -141,7 +141,10 @@ def trim_heap() -> None:
 
 
 class Laps:
-    """Wall time per named step, for a stage's result: `lap("calibrate")` closes the step begun at the last lap."""
+    """Wall time per named step, for a stage's result: `lap("calibrate")` closes the step begun at the last lap.
+
+    `peaks` holds the process's peak RSS (MB) as each step ended: the first step whose figure reaches the
+    stage's peak is where the memory went."""
 
     def __init__(self) -> None:
         import time
@@ -149,8 +152,10 @@ class Laps:
         self._clock = time.perf_counter
         self._t = self._clock()
         self.steps: dict[str, float] = {}
+        self.peaks: dict[str, float] = {}
 
     def __call__(self, name: str) -> None:
         now = self._clock()
         self.steps[name] = round(now - self._t, 2)
+        self.peaks[name] = round(peak_rss_mb())
         self._t = now

@@ -88,6 +88,7 @@ class QuantizeResult(BaseModel):
     files: list[dict[str, Any]]
     steps: dict[str, float]  # seconds per step
     peak_rss_mb: float
+    step_peak_rss_mb: dict[str, float] = Field(default_factory=dict, description="peak RSS as each step ended")
     device: str = "cpu"
 
 
@@ -204,7 +205,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
         calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,
-        steps=steps, peak_rss_mb=round(peak_rss_mb()), device=device)
+        steps=steps, peak_rss_mb=round(peak_rss_mb()), step_peak_rss_mb=lap.peaks, device=device)
     atomic_write_json(out_dir / "quantize.json", res.model_dump())
     state.progress(1.0, f"{pre.name}: PPL {res.ppl_quant:.3f} vs FP {res.ppl_fp:.3f} (×{res.ratio:.4f})")
     return res

@@ -1,0 +1,33 @@
+"""What the CLI prints where there is no terminal (a CI log, a pipe): our lines whole, no other library's noise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from npustudio.core.models import human_number
+from npustudio.core.project import Project
+
+
+def test_a_stage_run_into_a_pipe_prints_whole_lines_and_no_library_warnings(genie_project: Project,
+                                                                            tmp_path: Path) -> None:
+    root = tmp_path / "p"
+    shutil.copytree(genie_project.root, root)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "NPUSTUDIO_DEBUG")}
+    res = subprocess.run([sys.executable, "-m", "npustudio.cli", "quantize", "--project", str(root), "--force",
+                          "--calib-samples", "2", "--calib-len", "64"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0, res.stderr
+    for noise in ("Warning", "warnings.warn", "it/s]", "Traceback"):
+        assert noise not in res.stderr + res.stdout, res.stderr
+    # the summary line is longer than the 80 columns rich assumes without a terminal, and stays one line
+    line = next(s for s in res.stdout.splitlines() if s.startswith("Quantized w8a16"))
+    assert len(line) > 80 and line.rstrip().endswith("tokens"), res.stdout
+
+
+def test_measured_figures_are_rounded_for_people() -> None:
+    assert [human_number(x) for x in (157.0962, 38.211692810058594, 0.81134, 12345.6, 0.0)] == \
+        ["157", "38.2", "0.811", "12,346", "0"]
