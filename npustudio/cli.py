@@ -403,7 +403,8 @@ def cmd_bundle(a: argparse.Namespace) -> int:
     from .core.project import Project
 
     project = Project.open(a.project, create=False)
-    opts = BundleOptions(question=check_prompt(a.question), sampler=Sampler(greedy=not a.sample))
+    opts = BundleOptions(question=check_prompt(a.question), sampler=Sampler(greedy=not a.sample),
+                         prompt_graphs=not a.token_graphs_only)
     with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
         rec = pipeline.bundle(project, opts, st, force=a.force)
     if a.json:
@@ -414,6 +415,8 @@ def cmd_bundle(a: argparse.Namespace) -> int:
             out.print(f"  {f['file']:<40} {f['bytes']:>12,d} B")
         if rec.result["runtime_missing"]:
             out.print("  phone runtime not included (set QNN_SDK_ROOT): " + ", ".join(rec.result["runtime_missing"]))
+        for note in rec.result.get("notes", []):
+            out.print(f"  [bold]note:[/] {escape(note)}")
     return 0
 
 
@@ -751,6 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--project", type=_given, required=True)
     s.add_argument("--question", default="What is the capital of France?", help="the sample prompt's question")
     s.add_argument("--sample", action="store_true", help="sample (top-k/top-p) instead of greedy decoding")
+    s.add_argument("--token-graphs-only", action="store_true",
+                   help="leave the AR-N prompt graphs out: half the contexts (a model over ~3 GB of them loads on "
+                        "the HTP simulator), the prompt read one token at a time")
     force_arg(s)
     s.add_argument("--json", action="store_true")
 

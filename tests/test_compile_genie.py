@@ -224,6 +224,21 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     split = runner.run(bundle / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
     assert split.runner.startswith("genie") and split.text == whole.text
 
+    # without the prompt graphs (how a model over one protection domain loads on the simulator): half the
+    # contexts, the prompt read token by token, and Genie still answers as the CPU preview of the same graphs
+    tokens_only = tmp_path / "t"
+    tokens_only.mkdir()
+    res = bundle_stage.run(out, project.stage_dir("adapt"), bundle_stage.BundleOptions(prompt_graphs=False),
+                           tokens_only, State())
+    cfg = json.loads((tokens_only / gc.CONFIG).read_text())
+    assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == ["token_ar1_cl128_1_of_2.bin",
+                                                                      "token_ar1_cl128_2_of_2.bin"]
+    assert [g["ar"] for g in bundle_stage.read_metadata(tokens_only)["graphs"]] == [1]
+    assert res.context_bytes == r.graphs[1].bin_bytes + r.graphs[3].bin_bytes and "one token at a time" in res.notes[0]
+    genie = runner.run(tokens_only / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
+    preview = runner.run(tokens_only / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8, preview=True)
+    assert genie.runner.startswith("genie") and genie.text and genie.text == preview.text
+
     # for a phone: one binary per part holding both graphs, their weights stored once
     shared_out, shared_bundle = tmp_path / "sc", tmp_path / "sb"
     shared_out.mkdir(), shared_bundle.mkdir()
@@ -242,6 +257,9 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     assert json.loads((shared_bundle / gc.HTP_EXT).read_text())["context"]["weight_sharing_enabled"]
     with pytest.raises(UserError, match="weight-shared, for a phone"):  # not a segfault in Genie
         runner.run(shared_bundle / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=2)
+    with pytest.raises(UserError, match="cannot be left out"):
+        bundle_stage.run(shared_out, project.stage_dir("adapt"), bundle_stage.BundleOptions(prompt_graphs=False),
+                         tmp_path / "t", State())
 
 
 def test_parts_are_planned_under_the_htp_limit() -> None:
@@ -369,4 +387,13 @@ def test_contexts_over_one_protection_domain_are_explained() -> None:
     """Genie's 'Failed to find available PD' (a 1B model's four w8a16 contexts, 3.6 GB) says what to change."""
     fix = libgenie._fix(-1, [" <E> Failed to find available PD for contextId 4 on deviceId 0 coreId 0with "
                              "context size estimate 910172672"])
-    assert "--weight-sharing" in fix and "protection domain" in fix
+    assert "--weight-sharing" in fix and "protection domain" in fix and "--token-graphs-only" in fix
+
+
+def test_a_bundle_over_one_protection_domain_says_so_before_it_is_run(project: Project, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bundle_stage, "PD_BUDGET_BYTES", 1024)  # the tiny model's contexts stand in for a 1B's
+    res = bundle_stage.run(project.stage_dir("compile"), project.stage_dir("adapt"), bundle_stage.BundleOptions(),
+                           tmp_path, State())
+    assert any("protection domain" in n and "--token-graphs-only" in n and "--weight-sharing" in n
+               for n in res.notes)

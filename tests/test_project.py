@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -67,6 +68,14 @@ def test_failed_or_cancelled_stage_keeps_the_last_good_outputs(tmp_path: Path) -
 
     with pytest.raises(RuntimeError):
         p.run_stage("demo", {}, {"x": 2}, boom)
+
+    def fills_the_disk(out: Path) -> dict:
+        (out / "weights.bin").write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "weights.bin"))
+
+    with pytest.raises(UserError, match="filled up while the demo stage") as e:
+        p.run_stage("demo", {}, {"x": 2}, fills_the_disk)
+    assert "GB are free" in e.value.problem and "Free space" in e.value.fix
     state = State()
 
     def cancelled(out: Path) -> dict:

@@ -10,6 +10,7 @@ written through a symbolic link planted in the project folder.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -225,6 +226,8 @@ class Project:
                                                options=options, started=started,
                                                seconds=time.perf_counter() - t0, error=str(e))
                 self.save(m)
+                if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                    raise _disk_full(self.root, name, e) from e
                 raise
             final = self.stage_dir(name)
             outputs = [
@@ -256,6 +259,15 @@ class Project:
         if old.exists() and not final.exists():
             os.replace(old, final)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _disk_full(root: Path, stage: str, e: OSError) -> UserError:
+    """A stage that filled the disk: its half-written output is already gone; say how much is free now."""
+    free = shutil.disk_usage(root).free / 1e9
+    return UserError(f"The disk holding {root} filled up while the {stage} stage wrote its output "
+                     f"({e.filename or 'a file'}); {free:.1f} GB are free now that its partial output is removed.",
+                     f"Free space on that disk (a stage's new output sits beside its previous one until it is "
+                     f"complete), then run the {stage} stage again. The project keeps its last finished stages.")
 
 
 def _disk_error(root: Path, e: OSError) -> UserError:

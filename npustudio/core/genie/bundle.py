@@ -33,10 +33,19 @@ SAMPLE_PROMPT = "sample_prompt.txt"
 DEFAULT_QUESTION = "What is the capital of France?"
 
 
+# Genie loads every context of a dialog into one HTP protection domain, a 32-bit address space: measured on the
+# simulator, three ~0.9 GB contexts load and a fourth fails ("Failed to find available PD", error 1002)
+PD_BUDGET_BYTES = 3 * 2**30
+
+
 class BundleOptions(BaseModel):
     sampler: gc.Sampler = Field(default_factory=gc.Sampler)
     question: str = DEFAULT_QUESTION
     n_threads: int = 2
+    prompt_graphs: bool = Field(True, description="include the AR-N prompt graphs; without them Genie reads a "
+                                                  "prompt one token at a time through the AR-1 graphs, and the "
+                                                  "bundle holds half the contexts (what lets a model over ~3 GB "
+                                                  "of contexts load on the HTP simulator)")
 
 
 class BundleResult(BaseModel):
@@ -48,6 +57,8 @@ class BundleResult(BaseModel):
     validated: bool
     runtime_files: list[str]
     runtime_missing: list[str]
+    context_bytes: int = 0
+    notes: list[str] = Field(default_factory=list, description="what a person should know before running it")
 
 
 class _GraphMeta(BaseModel):
@@ -113,8 +124,11 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     # one binary per graph (the simulator's layout; a phone takes it too), or with weight sharing one per
     # part holding the prompt and token graphs (a qairt build always shares)
     shared = comp["backend"] == "qairt" or comp.get("weight_shared", False)
+    kept = _kept_graphs(graphs, options.prompt_graphs, shared)
     bins: list[str] = []
     for g in comp["graphs"]:
+        if _whole_graph(g["graph"]) not in kept:
+            continue
         name = f"{g['graph']}.bin"
         if shared:
             part = re.search(r"_\d+_of_\d+$", g["graph"])
@@ -137,7 +151,8 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     copied, missing = _runtime(target, out_dir)
     spec, inv_freq = store.load_spec(adapt_dir)
     meta = {"model": card.get("source"), "family": card.get("family"), "target": target.model_dump(),
-            "context_length": cl, "graphs": [{"name": g["name"], "ar": g["ar"], "cl": g["cl"]} for g in graphs],
+            "context_length": cl,
+            "graphs": [{"name": g["name"], "ar": g["ar"], "cl": g["cl"]} for g in graphs if g["name"] in kept],
             "io_encodings": comp["io"], "backend": comp["backend"], "weight_shared": shared,
             "versions": _versions(), "decoder": spec.model_dump(), "rope_inv_freq": inv_freq.tolist(),
             "eos_ids": card["eos_ids"], "bos_id": card["bos_id"], "question": options.question,
@@ -151,10 +166,43 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
         raise UserError(f"libGenie rejected the bundle's genie_config.json: status {libgenie.describe(status)}.\n"
                         + "\n".join(log[-10:]), "This is a bug in the bundle writer; please report it with the log.")
     files = [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(out_dir.iterdir()) if p.is_file()]
+    context_bytes = sum((out_dir / b).stat().st_size for b in bins)
     state.progress(1.0, "bundle ready")
     return BundleResult(folder=str(out_dir), target=target.soc, dsp_arch=target.dsp_arch, files=files,
                         genie_api=libgenie.api_version(), validated=True, runtime_files=copied,
-                        runtime_missing=missing)
+                        runtime_missing=missing, context_bytes=context_bytes,
+                        notes=_notes(context_bytes, shared, options.prompt_graphs))
+
+
+def _whole_graph(name: str) -> str:
+    """The adapted graph a compiled part belongs to (`prompt_ar128_cl1024_2_of_3` → `prompt_ar128_cl1024_1_of_1`)."""
+    return re.sub(r"_\d+_of_\d+$", "_1_of_1", name)
+
+
+def _kept_graphs(graphs: list[dict[str, Any]], prompt_graphs: bool, shared: bool) -> set[str]:
+    if prompt_graphs:
+        return {g["name"] for g in graphs}
+    if shared:
+        raise UserError("A weight-shared build holds the prompt and token graphs in one binary per part: the prompt "
+                        "graphs cannot be left out of it.",
+                        "Bundle it with its prompt graphs, or compile without --weight-sharing.")
+    token = {g["name"] for g in graphs if g["ar"] == 1}
+    if not token:
+        raise UserError("This model was adapted without an AR-1 (token) graph, so there is nothing to bundle "
+                        "without the prompt graphs.", "Bundle it with its prompt graphs.")
+    return token
+
+
+def _notes(context_bytes: int, shared: bool, prompt_graphs: bool) -> list[str]:
+    notes = []
+    if not prompt_graphs:
+        notes.append("Prompt graphs left out: Genie reads each prompt one token at a time (slower first token).")
+    if context_bytes > PD_BUDGET_BYTES and not shared:
+        notes.append(f"The context binaries hold {context_bytes / 2**30:.1f} GiB, more than one HTP protection "
+                     f"domain takes (about {PD_BUDGET_BYTES / 2**30:.0f} GiB): Genie will fail to load them "
+                     "(error 1002). For a phone, compile with --weight-sharing; on the HTP simulator, bundle with "
+                     "--token-graphs-only.")
+    return notes
 
 
 def _runtime(target: Soc, out_dir: Path) -> tuple[list[str], list[str]]:

@@ -244,8 +244,9 @@ def _fix(status: int, lines: list[str]) -> str:
     if "Failed to find available PD" in text:  # every context of a dialog lives in one HTP protection domain
         return ("The bundle's context binaries together do not fit in one HTP protection domain (a 32-bit "
                 "address space: about 3 GB of binaries in all): each graph of a part carries its own copy of "
-                "the part's weights. Compile with --weight-sharing (one copy per part, for a phone; the x86 "
-                "simulator cannot load such binaries), or use a smaller model.")
+                "the part's weights. For a phone, compile with --weight-sharing (one copy per part; the x86 "
+                "simulator cannot load such binaries); on the simulator, bundle with --token-graphs-only (half "
+                "the contexts: the prompt is read one token at a time).")
     if "Non-identical quantization" in text:
         return "The AR-N and AR-1 graphs disagree on an I/O encoding: re-run the compile stage."
     if "No such file" in text or "Could not open" in text or "not found" in text.lower():
