@@ -346,7 +346,8 @@ def _graph(path: Path) -> tuple[list[tuple], list[list[bytes]], dict[str, bytes]
 @pytest.mark.parametrize("precision", ["w8a16", "w4a16"])
 def test_folding_by_slabs_gives_aimets_folded_weights(w8: tuple[Project, list[Partial]], precision: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stage folds each weight a slab of rows at a time: the same tensors and encodings as aimet's fold."""
+    """The stage observes each weight without aimet's pass-through copy and folds it a slab of rows at a time: the
+    same tensors and encodings as aimet's compute_param_encodings and fold."""
     import torch
 
     from npustudio.core.adapt import store
@@ -374,6 +375,7 @@ def test_folding_by_slabs_gives_aimets_folded_weights(w8: tuple[Project, list[Pa
         assert type(ours[name]) is type(t) and torch.equal(ours[name], t), name
         if getattr(t, "encoding", None) is not None:
             assert torch.equal(ours[name].encoding.scale, t.encoding.scale), name
+            assert torch.equal(ours[name].encoding.offset, t.encoding.offset), name
 
 
 @pytest.mark.parametrize("precision", ["w8a16", "w4a16"])

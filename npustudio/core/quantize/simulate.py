@@ -196,9 +196,9 @@ def fold(sim: Any) -> None:
     gets a new tensor and the last overwrites the original: one extra copy of the table at a time, not two
     (+1 GB at the fold's peak on a 1B model).
     """
-    from aimet_torch.nn import BaseQuantizationMixin, compute_param_encodings
+    from aimet_torch.nn import BaseQuantizationMixin
 
-    compute_param_encodings(sim.model)
+    param_encodings(sim.model)
     todo = [(module, name, quantizer) for module in sim.model.modules() if isinstance(module, BaseQuantizationMixin)
             for name, quantizer in list(module.param_quantizers.items()) if quantizer is not None]
     readers = Counter(getattr(m, n).untyped_storage().data_ptr() for m, n, _ in todo)
@@ -211,6 +211,66 @@ def fold(sim: Any) -> None:
                                                  requires_grad=param.requires_grad))
         module.param_quantizers[name] = None
     trim_heap()
+
+
+def param_encodings(model: torch.nn.Module) -> None:
+    """aimet's `compute_param_encodings`, without the copy of each weight it makes and drops.
+
+    aimet observes a weight by passing it through the quantizer in a pass-through mode that returns a clone: the
+    1 GB LM head of a 1B model cost 1 GB more at the fold's peak for nothing. Here the quantizer's encoding analyzer
+    sees the weight directly and the range is set as aimet's context exit sets it (a weight already on a symmetric
+    grid is first decomposed, as aimet does). LPBQ quantizers, whose encodings are grouped after the analysis, go
+    through aimet's own code. tests/test_quantize_ops.py checks the encodings against aimet's."""
+    from aimet_torch.nn import BaseQuantizationMixin
+    from aimet_torch.quantization.affine import QuantizeDequantize
+
+    for module in model.modules():
+        if not isinstance(module, BaseQuantizationMixin):
+            continue
+        quantizers = module.param_quantizers
+        lean = {n: q for n, q in quantizers.items() if type(q) is QuantizeDequantize and getattr(module, n) is not None}
+        for n in lean:
+            quantizers[n] = None
+        try:
+            module._compute_param_encodings(overwrite=True)  # the others (LPBQ), as aimet does them
+        finally:
+            for n, q in lean.items():
+                quantizers[n] = q
+        for n, q in lean.items():
+            if q._allow_overwrite and any(q._is_overwrite_allowed.values()):
+                _observe(q, getattr(module, n).detach().as_subclass(torch.Tensor))
+
+
+@torch.no_grad()
+def _observe(q: Any, x: torch.Tensor) -> None:
+    """What `aimet_torch.nn.base._compute_param_encodings` and the quantizer's `_compute_encodings` context do for one
+    weight, minus the pass-through clone."""
+    import math
+
+    from aimet_torch.quantization.encoding_analyzer import _flag_extreme_min_max
+    from aimet_torch.utils import _decompose_prequantized_tensor, _DecompositionError
+
+    if q.symmetric and math.ceil((q.qmin + q.qmax) / 2) == 0:
+        try:
+            _, scale = _decompose_prequantized_tensor(x, q.qmin, q.qmax, scale_shape=q.shape, block_size=q.block_size,
+                                                      zero_point_shift=q.zero_point_shift)
+        except _DecompositionError:
+            pass
+        else:
+            q.set_range(scale * q.qmin, scale * q.qmax)
+            return
+    if x.numel() == 0:
+        return
+    a = q.encoding_analyzer
+    a.reset_stats()
+    a.update_stats(x)
+    steps = q.qmax - q.qmin - (1 if q.zero_point_shift == 0.5 else 0)
+    lo, hi = a.compute_encodings(steps, q.symmetric)
+    if q.block_size is not None:
+        lo, hi = lo.view(q.shape), hi.view(q.shape)
+    _flag_extreme_min_max(lo, hi)
+    q.set_range(lo if q._is_overwrite_allowed["min"] else None, hi if q._is_overwrite_allowed["max"] else None)
+    a.reset_stats()
 
 
 _SLAB = 4 * 2**20  # elements quantized at once
