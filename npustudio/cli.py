@@ -550,14 +550,16 @@ def cmd_virtual_device(a: argparse.Namespace) -> int:
 
 
 def cmd_deploy(a: argparse.Namespace) -> int:
-    from .core import device
+    from .core import device, pipeline
     from .core.device import deploy
     from .core.genie.bundle import read_metadata
 
     read_metadata(Path(a.bundle))  # "not a bundle" before "no device"
     dev = device.pick(a.device)
+    project = pipeline.project_of_bundle(Path(a.bundle))  # a project's bundle: the project records the deploy
     with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
-        res = deploy.deploy(Path(a.bundle), dev, st, force=a.force)
+        res = pipeline.deploy(project, dev, st, force=a.force) if project else \
+            deploy.deploy(Path(a.bundle), dev, st, force=a.force)
     if a.json:
         _print_json(res.model_dump())
     else:

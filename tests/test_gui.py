@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from PySide6.QtGui import QImage, QPainter
-from PySide6.QtWidgets import QMessageBox
+from PySide6.QtWidgets import QMessageBox, QTableWidget
 
 from npustudio.core.device import DeviceInfo
 from npustudio.core.errors import UserError
@@ -160,6 +160,30 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert w2.target_page.selected() == "SM8750"
     w2.chat.runner.setCurrentIndex(2)  # this computer (no device selected here)
     assert "You: What is the capital of France?" in w2.chat.transcript.toPlainText()
+
+    # Another target: the quantize step and everything after it are to be redone, and the window says why
+    w2.go("Target")
+    w2.target_page.select("SM8650")
+    w2.target_page.strip.run.click()
+    assert marks(w2) == ["done", "done", "done", "todo", "locked", "locked"]
+    item = w2.steps.item(STEPS.index("Quantize"))
+    assert item.text().startswith("↻") and "SM8650" in item.toolTip() and "SM8750" in item.toolTip()
+    assert "Out of date: the target is now SM8650" in w2.quantize_page.strip.status.text()
+
+    # File → New project: a folder that does not exist yet is created, and nothing of this project stays on screen
+    dialog = w2._new_project()
+    dialog.name.setText("second")
+    dialog.location.setText(str(tmp_path / "new" / "place"))
+    dialog.create.click()
+    assert not dialog.problem.text() and not dialog.isVisible()
+    assert w2.project.root == (tmp_path / "new" / "place" / "second").resolve()
+    assert marks(w2) == ["todo", "todo", "locked", "locked", "locked", "locked"]
+    for page in w2.pages:
+        for t in page.findChildren(QTableWidget):
+            assert t.rowCount() == 0 or t in (w2.target_page.details, w2.deploy_page.compat), (page.title, cells(t))
+    assert not w2.adapt_page.chart.series and not w2.quantize_page.chart.series
+    assert w2.quantize_page.inspector.table_ is None and w2.quantize_page.inspector.proxy.rowCount() == 0
+    assert not w2.profiles.runs and "Not run yet" in w2.compile_page.strip.status.text()
 
 
 def test_a_failed_stage_shows_the_problem_and_the_fix(qtbot: Any, tmp_path: Path) -> None:

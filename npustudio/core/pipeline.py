@@ -9,9 +9,10 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import platformdirs
+from pydantic import BaseModel
 
 from . import adapt as adapt_stage
 from . import compile as compile_stage
@@ -118,6 +119,7 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
 
     rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key, "format": quantize_stage.FORMAT},
                                options=options.model_dump(), fn=fn, force=force)
+    project.choose(target=options.target)  # what the stage was made for is the target now, from the CLI too
     return rec
 
 
@@ -125,16 +127,99 @@ STAGES = ("model", "adapt", "quantize", "compile", "bundle")
 
 
 def stage_status(project: Project) -> dict[str, str | None]:
-    """Per stage: "done" (outputs intact), "changed" (outputs edited or gone), "failed"/"cancelled" (last
+    """Per stage: "done" (outputs intact and current), "stale" (made from an earlier stage's output or a choice that
+    has since changed: `stale_reasons` says which), "changed" (outputs edited or gone), "failed"/"cancelled" (last
     attempt, nothing good yet), or None (never run): what the wizard shows and unlocks by."""
     m = project.load()
+    stale = stale_reasons(project)
     out: dict[str, str | None] = {}
     for name in STAGES:
         rec, att = m.stages.get(name), m.attempts.get(name)
         if rec is not None and rec.status == "done":
-            out[name] = "changed" if project.changed(name) else "done"
+            out[name] = "changed" if project.changed(name) else "stale" if name in stale else "done"
         else:
             out[name] = att.status if att is not None else None
+    return out
+
+
+STEPS = ("Model", "Target", "Adapt", "Quantize", "Compile", "Deploy")  # the wizard's steps, in order
+
+
+class WizardStep(BaseModel):
+    name: str
+    state: Literal["done", "todo", "locked"]
+    reason: str = ""  # why a step that ran is to be redone ("the target is now SM8650 …")
+
+
+def wizard_steps(project: Project) -> list[WizardStep]:
+    """The guided flow's steps: done, to do (unlocked) or locked. Model and Target can be done in either order;
+    each later step needs every step before it done. A stage whose output is stale or edited is to do again."""
+    st, stale, ch = stage_status(project), stale_reasons(project), project.choices()
+    brec = project.record("bundle")
+    deployed = ch.get("deployed") or {}
+    deploy_done = bool(brec and deployed.get("bundle") == brec.key)
+    done = [st["model"] == "done", "target" in ch or st["quantize"] == "done", st["adapt"] == "done",
+            st["quantize"] == "done", st["compile"] == "done" and st["bundle"] == "done",
+            deploy_done and st["bundle"] == "done"]
+    why = ["", "", stale.get("adapt", ""), stale.get("quantize", ""),
+           stale.get("compile") or stale.get("bundle", ""),
+           "the bundle changed since it was deployed" if deployed and brec and not deploy_done else ""]
+    for i, stage in ((0, "model"), (2, "adapt"), (3, "quantize"), (4, "compile"), (4, "bundle")):
+        if st[stage] == "changed":
+            why[i] = f"files of the {stage} stage were edited or removed"
+    return [WizardStep(name=n, state="done" if d and (i <= 1 or all(done[:i])) else
+                       "todo" if i <= 1 or all(done[:i]) else "locked", reason=why[i])
+            for i, (n, d) in enumerate(zip(STEPS, done, strict=True))]
+
+
+def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) -> Any:
+    """Push the project's bundle to `dev` and record it, with the bundle it was, so the project knows it is
+    deployed (from the window or the CLI alike) and when a newer bundle makes that stale."""
+    import time
+
+    from .device import deploy as device_deploy
+
+    brec = _require(project, "bundle", "bundle", "Genie bundle")
+    res = device_deploy.deploy(project.stage_dir("bundle"), dev, state, force=force)
+    project.choose(deployed={"device": res.device, "remote_dir": res.remote_dir, "bundle": brec.key,
+                             "at": time.time()})
+    return res
+
+
+def project_of_bundle(folder: Path) -> Project | None:
+    """The project whose bundle stage `folder` is, if it is one."""
+    folder = Path(folder).resolve()
+    if folder.name == "bundle" and folder.parent.name == "stages" and (folder.parents[1] / MANIFEST).is_file():
+        return Project.open(folder.parents[1], create=False)
+    return None
+
+
+UPSTREAM = {"adapt": "model", "quantize": "adapt", "compile": "quantize", "bundle": "compile"}
+
+
+def stale_reasons(project: Project) -> dict[str, str]:
+    """The finished stages whose output no longer follows from the project as it is, each with the reason in plain
+    words: the stage before was redone (the record keys its inputs by the earlier stage's key), or the user has
+    since chosen another context length or target."""
+    m = project.load()
+    target = m.choices.get("target")
+    out: dict[str, str] = {}
+    for name, up in UPSTREAM.items():
+        rec, prev = m.stages.get(name), m.stages.get(up)
+        if rec is None or rec.status != "done":
+            continue
+        if up in out:
+            out[name] = f"the {up} stage it was made from is out of date"
+        elif prev is None or prev.status != "done":
+            out[name] = f"the {up} stage it was made from is gone"
+        elif name == "adapt" and rec.inputs.get("model") != prev.inputs.get("model"):
+            out[name] = f"another model was read ({prev.result.get('source', {}).get('spec', '?')})"
+        elif name == "adapt" and rec.options.get("cl") != prev.options.get("cl"):
+            out[name] = f"the context length is now {prev.options.get('cl')} (adapted for {rec.options.get('cl')})"
+        elif name != "adapt" and rec.inputs.get(up) != prev.key:
+            out[name] = f"the {up} stage was run again since"
+        elif name == "quantize" and target and rec.options.get("target") != target:
+            out[name] = f"the target is now {target} (quantized for {rec.options.get('target')})"
     return out
 
 
@@ -204,7 +289,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
 
     from . import device
     from .chat import answer_stream
-    from .device import deploy, run
+    from .device import run
     from .genie import profile as genie_profile
 
     state = state or State()
@@ -219,7 +304,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
             started = device.start_virtual()
             dev = device.info(started.serial)
         state.progress(0.0, f"deploying to {dev.serial}")
-        pushed = deploy.deploy(folder, dev, state.sub(0.0, 0.3))
+        pushed = deploy(project, dev, state.sub(0.0, 0.3))
         prompt = (folder / bundle_stage.SAMPLE_PROMPT).read_text(encoding="utf-8")
         prof = project.root / "runs" / "sample_profile.json"
         refuse_link(prof.parent)

@@ -31,24 +31,19 @@ from ..core.project import Project
 from . import worker
 from .chat import ChatPanel
 from .devices import DevicePanel
+from .new_project import NewProjectDialog
 from .pages import PAGES
 from .profile_view import ProfileView
 from .settings_dialog import SettingsDialog
 from .widgets import show_error
 
-STEPS = ("Model", "Target", "Adapt", "Quantize", "Compile", "Deploy")
+STEPS = pipeline.STEPS
 ICON = Path(__file__).resolve().parents[2] / "resources" / "npustudio.svg"
 
 
 def step_states(project: Project) -> list[str]:
-    """Per wizard step: "done", "todo" (unlocked) or "locked" — steps unlock in order."""
-    st = pipeline.stage_status(project)
-    ch = project.choices()
-    done = [st["model"] == "done", "target" in ch or st["quantize"] == "done", st["adapt"] == "done",
-            st["quantize"] == "done", st["compile"] == "done" and st["bundle"] == "done", "deployed" in ch]
-    # Model and Target can be done in either order; each later step needs every step before it
-    return ["done" if d and (i <= 1 or all(done[:i])) else "todo" if i <= 1 or all(done[:i]) else "locked"
-            for i, d in enumerate(done)]
+    """Per wizard step: "done", "todo" (unlocked) or "locked" (the rule is the pipeline's)."""
+    return [s.state for s in pipeline.wizard_steps(project)]
 
 
 class MainWindow(QMainWindow):
@@ -149,6 +144,9 @@ class MainWindow(QMainWindow):
             show_error(self, e.problem, e.fix)
             return False
         self.project = project
+        for page in self.pages:  # nothing of the previous project stays on screen
+            page.clear_results()
+        self.profiles.clear()
         self.settings.remember(project.root)
         user_settings.save(self.settings)
         self._fill_recent()
@@ -161,11 +159,12 @@ class MainWindow(QMainWindow):
         self.chat.reload()
         return True
 
-    def _new_project(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Folder for the new project (empty or new)",
-                                                  options=QFileDialog.Option.DontUseNativeDialog)
-        if folder:
-            self.open_project(Path(folder))
+    def _new_project(self) -> NewProjectDialog:
+        where = self.project.root.parent if self.project else pipeline.default_project_dir().parent
+        d = NewProjectDialog(self, where)
+        d.accepted.connect(lambda: self.open_project(d.folder()))
+        d.open()
+        return d
 
     def _open_project(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Open a project folder",
@@ -177,18 +176,21 @@ class MainWindow(QMainWindow):
         """Redraw the step list (done / unlocked / locked) and every page from the project."""
         if self.project is None:
             return
-        states = step_states(self.project)
+        steps = pipeline.wizard_steps(self.project)
         marks = {"done": "✓ ", "todo": "● ", "locked": "○ "}
-        for i, (name, state) in enumerate(zip(STEPS, states, strict=True)):
+        for i, step in enumerate(steps):
             item = self.steps.item(i)
-            item.setText(marks[state] + name)
-            item.setData(Qt.ItemDataRole.UserRole, state)
+            item.setText(("↻ " if step.reason else marks[step.state]) + step.name)
+            item.setToolTip(f"Out of date: {step.reason}. Run it again." if step.reason else "")
+            item.setData(Qt.ItemDataRole.UserRole, step.state)
             flags = item.flags()
-            item.setFlags(flags | Qt.ItemFlag.ItemIsEnabled if state != "locked"
+            item.setFlags(flags | Qt.ItemFlag.ItemIsEnabled if step.state != "locked"
                           else flags & ~Qt.ItemFlag.ItemIsEnabled)
-        for page in self.pages:
+        for page, step in zip(self.pages, steps, strict=True):
             if not page.strip.busy:
                 page.refresh()
+                if step.reason:
+                    page.strip.status.setText(f"Out of date: {step.reason}. Run this step again.")
         self.profiles.set_roofline(self.project.stage_dir("bundle"))
 
     def step_state(self, name: str) -> str:
@@ -209,7 +211,8 @@ class MainWindow(QMainWindow):
             self.chat.reload()
 
     def busy(self) -> bool:
-        return bool(worker.running())
+        """A stage is running (a background read, such as the inspector's, does not hold the window)."""
+        return any(page.strip.busy for page in self.pages)
 
     def open_settings(self) -> SettingsDialog:
         d = SettingsDialog(self, self.settings)

@@ -181,6 +181,15 @@ class Inspector(QWidget):
         self.role.currentIndexChanged.connect(lambda _i: self.proxy.set(role=self.role.currentData()))
         self.flagged.toggled.connect(lambda on: self.proxy.set(flagged_only=on))
 
+    def clear(self) -> None:
+        """No encodings: another project is open, or this one has none yet."""
+        self.table_ = None
+        self.proxy.setSourceModel(TensorModel([]))
+        self.image.clear()
+        self.heat_grid, self.heat_roles = np.zeros((0, 0)), []
+        self.detail.clear()
+        self.title.setText("No encodings loaded.")
+
     def load(self, table: EncodingsTable) -> None:
         self.table_ = table
         self.proxy.setSourceModel(TensorModel(table.rows))

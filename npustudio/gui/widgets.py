@@ -183,6 +183,23 @@ class Page(QWidget):
     def refresh(self) -> None:
         """Show what the project already holds (called on open and after any stage)."""
 
+    def clear_results(self) -> None:
+        """Forget what the page showed of another project: tables, charts, the status line (`refresh` then draws
+        this project's)."""
+        from .charts import PplChart
+        from .inspector import Inspector
+
+        for t in self.findChildren(QTableWidget):
+            t.setRowCount(0)
+        for c in self.findChildren(PplChart):
+            c.clear()
+        for i in self.findChildren(Inspector):
+            i.clear()
+        if hasattr(self, "strip"):
+            self.strip.bar.setValue(0)
+            self.strip.status.setStyleSheet("")
+            self.strip.status.setText("Not run yet in this project.")
+
     def show_result(self, result: Any) -> None:
         """Draw a stage's result record."""
 

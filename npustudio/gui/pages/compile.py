@@ -112,7 +112,8 @@ class CompilePage(Page):
         else:
             rows.append(("HTP simulator check", "skipped (0 tokens)"))
         if b:
-            rows += [("Genie bundle", b["folder"]), ("Validated by libGenie", "yes" if b["validated"] else "no"),
+            rows += [("Genie bundle", str(self.project.stage_dir("bundle"))),
+                     ("Validated by libGenie", "yes" if b["validated"] else "no"),
                      ("Genie API", b["genie_api"])]
         fill(self.results, rows)
         self.strip.status.setText(f"{len(s['binaries'])} context binaries, {s['nodes_on_cpu']} ops on the CPU"

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from PySide6.QtWidgets import QLabel, QPushButton
 
-from ...core import device
+from ...core import device, pipeline
 from ...core.device import deploy
 from ...core.errors import UserError
 from ...core.genie.bundle import read_metadata
@@ -86,7 +85,7 @@ class DeployPage(Page):
             return
 
         def work(state: Any) -> deploy.DeployResult:
-            return deploy.deploy(folder, dev, state, force=force)
+            return pipeline.deploy(project, dev, state, force=force)
 
         self.window_.devices.log(f"Deploying {folder} to {dev.serial}…")
         self.strip.start(work, self.finish, f"Deploying to {dev.serial}", on_partial=self._partial)
@@ -101,7 +100,6 @@ class DeployPage(Page):
 
     def finish(self, r: deploy.DeployResult) -> None:
         self.pushed = {f["file"]: f["sent"] for f in r.files}
-        self._project.choose(deployed={"device": r.device, "remote_dir": r.remote_dir, "at": time.time()})
         msg = (f"Deployed to {r.device}:{r.remote_dir}: {human_bytes(r.bytes_sent)} sent"
                + (f" at {r.rate_mb_s:.0f} MB/s" if r.bytes_sent else "")
                + f", {human_bytes(r.bytes_skipped)} already there.")

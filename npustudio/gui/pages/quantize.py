@@ -149,6 +149,10 @@ class QuantizePage(Page):
         if graphs:
             self.load_encodings(folder / f"{graphs[0]}.encodings")
 
+    def clear_results(self) -> None:
+        super().clear_results()
+        self._loaded = None
+
     def load_encodings(self, path: Path) -> None:
         """Read the table in a child process (parsing 10 MB of JSON holds the GIL ~0.1 s), then show it; once per
         file."""
@@ -157,5 +161,14 @@ class QuantizePage(Page):
             return
         self._loaded = key
         self.inspector.title.setText(f"Reading {path.name}…")
+
+        def show(table: Any) -> None:  # unless another project (or export) was opened meanwhile
+            if self._loaded == key:
+                self.inspector.load(table)
+
+        def failed(problem: str, fix: str) -> None:
+            if self._loaded == key:
+                self.inspector.title.setText(f"{problem} {fix}")
+
         worker.start(lambda s: isolated.run(enc.read, path, state=s, pass_state=False), "Reading encodings",
-                     done=self.inspector.load, failed=lambda p, f: self.inspector.title.setText(f"{p} {f}"))
+                     done=show, failed=failed)
