@@ -137,10 +137,13 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert w.devices.push.value() == 1000
     assert marks(w) == ["done"] * 6
 
-    # Ask: the answer streams into the chat panel and the device console; history saved; profile charted
+    # Ask: the answer streams into the chat panel and the device console; history saved; profile charted; the
+    # window keeps its width (a long status line once pushed Send and Stop off a laptop screen)
+    width = w.width()
     with qtbot.waitSignal(w.chat.answered, timeout=300_000) as answered:
         d.ask.click()
     turn = answered.args[0]
+    assert w.width() == width
     assert turn.runner == f"device {w.device.serial}" and turn.assistant
     assert "What is the capital of France?" in w.chat.transcript.toPlainText()
     assert turn.assistant[:20] in w.chat.transcript.toPlainText()
@@ -198,6 +201,20 @@ def test_a_failed_stage_shows_the_problem_and_the_fix(qtbot: Any, tmp_path: Path
     box = w.findChild(QMessageBox, "error_dialog")
     assert box is not None and "How to fix it" in box.informativeText()
     assert marks(w)[0] == "todo"
+
+
+def test_the_window_fits_a_1366x768_laptop_screen_with_both_docks(qtbot: Any, tmp_path: Path) -> None:
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    w.profile_dock.show()
+    w.show()
+    assert w.device_dock.isVisible() and w.chat_dock.isVisible()
+    hint = w.minimumSizeHint()
+    assert hint.width() <= 1366 and hint.height() <= 768, hint
+    for page in w.pages:  # each page fits beside the docks' column without a sideways scroll
+        assert page.minimumSizeHint().width() <= 1366 - 360 - w.steps.width(), page.title
+    longest = max(STEPS, key=w.fontMetrics().horizontalAdvance)
+    assert w.fontMetrics().horizontalAdvance("↻ " + longest) < w.steps.width()  # step names shown whole
 
 
 def test_a_folder_that_is_not_a_project_is_refused_untouched(qtbot: Any, tmp_path: Path) -> None:

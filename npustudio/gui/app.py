@@ -35,7 +35,7 @@ from .new_project import NewProjectDialog
 from .pages import PAGES
 from .profile_view import ProfileView
 from .settings_dialog import SettingsDialog
-from .widgets import show_error
+from .widgets import scrolled, show_error
 
 STEPS = pipeline.STEPS
 ICON = Path(__file__).resolve().parents[2] / "resources" / "npustudio.svg"
@@ -52,7 +52,9 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("NPU Studio")
         if ICON.is_file():
             self.setWindowIcon(QIcon(str(ICON)))
-        self.resize(1440, 900)
+        screen = QApplication.primaryScreen()
+        room = screen.availableGeometry().size() if screen else QSize(1440, 900)
+        self.resize(min(1440, room.width()), min(900, room.height()))
         QThreadPool.globalInstance().setMaxThreadCount(max(6, QThreadPool.globalInstance().maxThreadCount()))
         self.settings = user_settings.load()
         self.settings.apply()
@@ -62,13 +64,13 @@ class MainWindow(QMainWindow):
         central = QWidget()
         lay = QHBoxLayout(central)
         self.steps = QListWidget()
-        self.steps.setMaximumWidth(170)
+        self.steps.setFixedWidth(self.fontMetrics().horizontalAdvance("↻ Quantize") + 36)  # full names, a fixed width
         self.steps.setIconSize(QSize(16, 16))
         self.stack = QStackedWidget()
         self.pages = [cls(self) for cls in PAGES]
         for name, page in zip(STEPS, self.pages, strict=True):
             self.steps.addItem(QListWidgetItem(name))
-            self.stack.addWidget(page)
+            self.stack.addWidget(scrolled(page))
             page.changed.connect(self.refresh)
         lay.addWidget(self.steps)
         lay.addWidget(self.stack, 1)
@@ -80,10 +82,11 @@ class MainWindow(QMainWindow):
         self.devices = DevicePanel(self)
         self.chat = ChatPanel(self)
         self.profiles = ProfileView()
-        self.profiles.setMinimumHeight(300)  # its charts and runs table stay readable when the dock opens
         self.device_dock = self._dock("Devices", self.devices, Qt.DockWidgetArea.RightDockWidgetArea)
         self.chat_dock = self._dock("Chat", self.chat, Qt.DockWidgetArea.RightDockWidgetArea)
-        self.profile_dock = self._dock("Genie profiles", self.profiles, Qt.DockWidgetArea.BottomDockWidgetArea)
+        # in a scroll area: its charts keep a readable height, the window its fit on a laptop screen
+        self.profile_dock = self._dock("Genie profiles", scrolled(self.profiles),
+                                       Qt.DockWidgetArea.BottomDockWidgetArea)
         self.splitDockWidget(self.device_dock, self.chat_dock, Qt.Orientation.Vertical)
         self.profile_dock.hide()
         self.devices.selected.connect(self.set_device)

@@ -14,7 +14,6 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
-    QLabel,
     QLineEdit,
     QPlainTextEdit,
     QPushButton,
@@ -24,7 +23,7 @@ from PySide6.QtWidgets import (
 
 from ..core.chat import ChatSession, DesktopRunner, DeviceRunner, Turn, clear_history, saved_turns
 from . import worker
-from .widgets import show_error
+from .widgets import show_error, status_label
 
 RUNNERS = (("device", "The selected device"), ("genie", "This computer: Genie on the HTP simulator (slow)"),
            ("preview", "This computer: CPU preview (fast, not Genie)"))
@@ -55,7 +54,7 @@ class ChatPanel(QWidget):
         self.stop_btn.setEnabled(False)
         self.copy_btn = QPushButton("Copy answer")
         self.new_btn = QPushButton("New chat")
-        self.stats = QLabel("")
+        self.stats = status_label()
         lay.addWidget(self.runner)
         lay.addWidget(self.system)
         lay.addWidget(self.transcript, 1)
@@ -65,10 +64,11 @@ class ChatPanel(QWidget):
         row.addWidget(self.stop_btn)
         lay.addLayout(row)
         row2 = QHBoxLayout()
-        row2.addWidget(self.stats, 1)
+        row2.addStretch(1)
         row2.addWidget(self.copy_btn)
         row2.addWidget(self.new_btn)
         lay.addLayout(row2)
+        lay.addWidget(self.stats)
         self.send_btn.clicked.connect(self.send)
         self.input.returnPressed.connect(self.send)
         self.stop_btn.clicked.connect(self.stop)

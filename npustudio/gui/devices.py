@@ -23,7 +23,7 @@ from ..core import device
 from ..core.device import DeviceInfo
 from ..core.models import human_bytes
 from . import worker
-from .widgets import fill, show_error, table
+from .widgets import fill, show_error, status_label, table
 
 VIRTUAL = QColor("#e8e0f8")
 
@@ -55,7 +55,7 @@ class DevicePanel(QWidget):
         self.stop_virtual.setEnabled(False)
         for b in (self.refresh_btn, self.start_virtual, self.stop_virtual):
             row.addWidget(b)
-        self.status = QLabel("Looking for devices…")
+        self.status = status_label("Looking for devices…")
         self.status.setWordWrap(True)
         self.details = table(["Property", "Value"])
         self.details.setMaximumHeight(190)

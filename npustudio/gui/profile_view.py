@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pyqtgraph as pg
-from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QPushButton, QVBoxLayout, QWidget
 
 from ..core.errors import UserError
 from ..core.genie import profile
-from .widgets import fill, show_error, table
+from ..core.models import human_number
+from .widgets import fill, show_error, status_label, table
 
 CREATE, PROMPT, GENERATE = "#8c8c8c", "#1f77b4", "#2ca02c"
 
@@ -43,7 +44,7 @@ class ProfileView(QWidget):
         top = QHBoxLayout()
         self.open_btn = QPushButton("Open profile…")
         self.clear_btn = QPushButton("Clear")
-        self.note = QLabel("Profiles of chat turns and deploy runs appear here; open Genie --profile files too.")
+        self.note = status_label("Profiles of chat turns and deploy runs appear here; open Genie --profile files too.")
         top.addWidget(self.open_btn)
         top.addWidget(self.clear_btn)
         top.addWidget(self.note, 1)
@@ -54,6 +55,8 @@ class ProfileView(QWidget):
         self.ttft = pg.PlotWidget(title="Time to first token (s)")
         self.rates = pg.PlotWidget(title="Tokens per second")
         self.rates.addLegend(offset=(5, 5))
+        for chart in (self.timeline, self.ttft, self.rates):
+            chart.setMinimumHeight(220)  # readable axes and labels; the dock scrolls when it is lower
         charts.addWidget(self.timeline, 2)
         charts.addWidget(self.ttft, 1)
         charts.addWidget(self.rates, 1)
@@ -128,4 +131,5 @@ class ProfileView(QWidget):
 
 
 def _r(v: Any) -> Any:
-    return None if v is None else round(v, 2)
+    """A figure to the digits that matter (157.0962 → 157, 0.81134 → 0.811)."""
+    return None if v is None else human_number(v)

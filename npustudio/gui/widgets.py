@@ -9,11 +9,14 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (
     QFormLayout,
+    QFrame,
     QHBoxLayout,
     QLabel,
     QMessageBox,
     QProgressBar,
     QPushButton,
+    QScrollArea,
+    QSizePolicy,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
@@ -33,6 +36,38 @@ def show_error(parent: QWidget, problem: str, fix: str) -> QMessageBox:
         box.setInformativeText(f"How to fix it: {fix}")
     box.open()
     return box
+
+
+def status_label(text: str = "") -> QLabel:
+    """A line of status text that wraps and never widens its panel (a long message grew the window off-screen)."""
+    label = QLabel(text)
+    label.setWordWrap(True)
+    label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+    label.setMinimumWidth(120)
+    return label
+
+
+def with_note(button: QWidget, note: str) -> QWidget:
+    """A check box or radio button with a short name and its explanation wrapped below it (Qt's buttons do not
+    wrap, and a sentence-long one set the window's minimum width)."""
+    box = QWidget()
+    lay = QVBoxLayout(box)
+    lay.setContentsMargins(0, 0, 0, 0)
+    lay.setSpacing(0)
+    lay.addWidget(button)
+    text = status_label(note)
+    text.setStyleSheet("color: palette(mid); margin-left: 22px")
+    lay.addWidget(text)
+    return box
+
+
+def scrolled(page: QWidget) -> QScrollArea:
+    """A page in a scroll area: its content sets no minimum width for the window (1366×768 screens)."""
+    area = QScrollArea()
+    area.setWidgetResizable(True)
+    area.setFrameShape(QFrame.Shape.NoFrame)
+    area.setWidget(page)
+    return area
 
 
 def table(headers: Sequence[str], stretch_last: bool = True) -> QTableWidget:
@@ -84,8 +119,7 @@ class RunStrip(QWidget):
         self.bar = QProgressBar()
         self.bar.setRange(0, 1000)
         self.bar.setTextVisible(False)
-        self.status = QLabel("")
-        self.status.setWordWrap(True)
+        self.status = status_label()
         lay.addWidget(self.run)
         lay.addWidget(self.redo)
         lay.addWidget(self.cancel)

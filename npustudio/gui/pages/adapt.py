@@ -10,7 +10,7 @@ from PySide6.QtWidgets import QCheckBox, QSpinBox
 from ...core import isolated, pipeline
 from ...core.adapt import AdaptOptions
 from ..charts import PplChart
-from ..widgets import BAD, Page, fill, table
+from ..widgets import BAD, Page, fill, table, with_note
 
 
 def spin(lo: int, hi: int, value: int, step: int = 1) -> QSpinBox:
@@ -32,9 +32,8 @@ class AdaptPage(Page):
         self.cl = spin(64, 32768, 1024, 128)
         self.form.addRow("Prompt tokens per step (AR):", self.ar)
         self.form.addRow("Context length (CL):", self.cl)
-        self.accept_mismatch = QCheckBox("Keep the graphs even if they fail the equivalence gate (they will not "
-                                         "answer like the original model)")
-        self.form.addRow("", self.accept_mismatch)
+        self.accept_mismatch = QCheckBox("Keep graphs that fail the equivalence gate")
+        self.form.addRow("", with_note(self.accept_mismatch, "They will not answer like the original model."))
         self.add_strip("Adapt", redo=True)
         self.chart = PplChart()
         self.results = table(["Check", "Value"])

@@ -12,7 +12,7 @@ from ...core import isolated, pipeline
 from ...core.compile import CompileOptions, qairt
 from ...core.errors import UserError
 from ...core.models import human_bytes
-from ..widgets import Page, fill, table
+from ..widgets import Page, fill, table, with_note
 from .adapt import spin
 
 
@@ -33,7 +33,8 @@ class CompilePage(Page):
     def __init__(self, window: Any) -> None:
         super().__init__(window)
         self.backend = QButtonGroup(self)
-        self.embedded = QRadioButton("Embedded: onnxruntime-qnn + x86 HTP simulator (no SDK needed)")
+        self.embedded = QRadioButton("Embedded: onnxruntime-qnn + HTP simulator")
+        self.embedded.setToolTip("No SDK needed: compiled and checked on the x86 HTP simulator")
         self.sdk = QRadioButton()
         self.backend.addButton(self.embedded, 0)
         self.backend.addButton(self.sdk, 1)
@@ -42,10 +43,10 @@ class CompilePage(Page):
         self.verify.setToolTip("eval tokens run through the compiled graphs on the simulator (0: skip; ~0.6 s each)")
         self.form.addRow("Back-end:", self.embedded)
         self.form.addRow("", self.sdk)
-        self.share = QCheckBox("Weight sharing: one binary per part with the prompt and token graphs, weights once "
-                               "(for a phone: the simulator and the virtual device cannot load it)")
+        self.share = QCheckBox("Weight sharing (for a phone)")
         self.form.addRow("Verify on the simulator (tokens):", self.verify)
-        self.form.addRow("", self.share)
+        self.form.addRow("", with_note(self.share, "One binary per part holding the prompt and token graphs, weights "
+                                                   "once. The simulator and the virtual device cannot load it."))
         self.add_strip("Compile and bundle", redo=True)
         self.binaries = table(["Graph", "Context binary", "Size", "Ops on the NPU", "Compile time"])
         self.results = table(["Result", "Value"])

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtWidgets import QLabel, QPushButton
+from PySide6.QtWidgets import QPushButton
 
 from ...core import device, pipeline
 from ...core.device import deploy
 from ...core.errors import UserError
 from ...core.genie.bundle import read_metadata
 from ...core.models import human_bytes
-from ..widgets import BAD, GOOD, Page, fill, show_error, table
+from ..widgets import BAD, GOOD, Page, fill, show_error, status_label, table
 
 
 class DeployPage(Page):
@@ -22,7 +22,7 @@ class DeployPage(Page):
 
     def __init__(self, window: Any) -> None:
         super().__init__(window)
-        self.target = QLabel("No device selected.")
+        self.target = status_label("No device selected.")
         self.target.setWordWrap(True)
         self.form.addRow("Device:", self.target)
         self.compat = table(["Check", "Result"])

@@ -8,7 +8,6 @@ from PySide6.QtWidgets import (
     QButtonGroup,
     QFileDialog,
     QHBoxLayout,
-    QLabel,
     QLineEdit,
     QPushButton,
     QRadioButton,
@@ -17,10 +16,10 @@ from PySide6.QtWidgets import (
 )
 
 from ...core import host_cost, models, pipeline
-from ..widgets import BAD, GOOD, WARN, Page, fill, table
+from ..widgets import BAD, GOOD, WARN, Page, fill, status_label, table
 
-KINDS = (("default", "Embedded default (SmolLM2-135M-Instruct)"), ("folder", "Local model folder"),
-         ("gguf", "GGUF file"), ("hub", "Hugging Face hub id"))
+KINDS = (("default", "Embedded default"), ("folder", "Local folder"), ("gguf", "GGUF file"),
+         ("hub", "Hugging Face hub id"))
 
 
 class ModelPage(Page):
@@ -36,6 +35,7 @@ class ModelPage(Page):
         kl.setContentsMargins(0, 0, 0, 0)
         for i, (_k, label) in enumerate(KINDS):
             b = QRadioButton(label)
+            b.setToolTip("SmolLM2-135M-Instruct, shipped with NPU Studio" if _k == "default" else "")
             self.kind.addButton(b, i)
             kl.addWidget(b)
         self.kind.button(0).setChecked(True)
@@ -59,7 +59,7 @@ class ModelPage(Page):
         self.fit = table(["Precision", "Weights", "KV cache", "Parts", "Phone RAM needed", "Fits"])
         self.lay.addWidget(self.card, 3)
         self.lay.addWidget(self.fit, 1)
-        self.host = QLabel("")
+        self.host = status_label()
         self.host.setWordWrap(True)
         self.lay.addWidget(self.host)
         self.kind.idToggled.connect(self._kind_changed)
