@@ -22,7 +22,7 @@ from .config_audit import check_context
 from .errors import UserError
 from .fsutil import atomic_write_json, refuse_link
 from .genie import bundle as bundle_stage
-from .progress import State, StateLike
+from .progress import State, StateLike, free_big_blocks_at_once
 from .project import MANIFEST, Project, StageRecord
 
 
@@ -98,6 +98,7 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
 
     def fn(out: Path) -> dict[str, Any]:
         host_cost.check_fits(models.ArchCard(**mrec.result["card"]), "adapt", gguf=bool(source.gguf_file))
+        free_big_blocks_at_once()
         st = state.sub(0.05, 1.0)
         st.progress(0.0, "loading weights")
         lm = models.load(source)
@@ -115,6 +116,7 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
 
     def fn(out: Path) -> dict[str, Any]:
         _check_fits(project, "quantize")
+        free_big_blocks_at_once()
         return quantize_stage.run(project.stage_dir("adapt"), options, out, state).model_dump()
 
     rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key, "format": quantize_stage.FORMAT},
@@ -248,6 +250,7 @@ def compile_graphs(project: Project, options: compile_stage.CompileOptions, stat
 
     def fn(out: Path) -> dict[str, Any]:
         _check_fits(project, "compile")
+        free_big_blocks_at_once()
         return compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"), options, out,
                                  state).model_dump()
 

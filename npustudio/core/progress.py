@@ -127,6 +127,26 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def free_big_blocks_at_once() -> None:
+    """Make glibc give every block of 4 MB or more back to the system as soon as it is freed.
+
+    glibc's default threshold rises to 32 MB after the first large free, so a stage's 16-64 MB temporaries (a slab
+    of the LM head being quantized, an AR-128 step's logits) went to the heap, where freed pages stay counted until
+    a trim: +730 MB at the fold's peak on a Llama-3.2-1B-shaped model (8,115 -> 7,386 MB), at no cost in speed
+    (an AR-128 eval: 7.3 s -> 6.5 s). A no-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "mallopt"):
+            libc.mallopt(_M_MMAP_THRESHOLD, 4 * 2**20)
+
+
 def trim_heap() -> None:
     """Give the C heap's free pages back to the system (glibc keeps them after big temporary buffers are
     freed, so RSS stays at its high-water mark). A no-op where there is no glibc."""
