@@ -612,9 +612,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def _default_bundle() -> Path:
     from .core import pipeline
+    from .core.genie.config import CONFIG
+    from .core.project import Project
 
-    b = pipeline.default_project_dir() / "stages" / "bundle"
-    if not (b / "genie_config.json").is_file():
+    b = Project(pipeline.default_project_dir()).stage_dir("bundle")
+    if not (b / CONFIG).is_file():
         raise UserError("No bundle given and the default project has none.", "Pass --bundle DIR, or run "
                         "`npustudio run` first.")
     return b

@@ -323,7 +323,17 @@ def test_closing_the_window_cancels_the_running_stage_cleanly(qtbot: Any, tmp_pa
     w.go("Adapt")
     w.adapt_page.strip.run.click()
     qtbot.waitUntil(lambda: w.adapt_page.strip.bar.value() > 0, timeout=60_000)
-    w.close()  # returns once the job has stopped
+    w.show()
+    w.close()  # asks first: Cancel keeps the window and the stage running
+    box = w.quit_box
+    assert box is not None and box.isVisible() and "Adapt is still running" in box.text()
+    box.button(QMessageBox.StandardButton.Cancel).click()
+    assert w.isVisible() and w.busy()
+    w.close()
+    stop = next(b for b in w.quit_box.buttons() if b.text() == "Stop and quit")
+    stop.click()  # the window says so and stays live while the stage reaches its next safe point
+    assert "Stopping" in w.adapt_page.strip.status.text() and w.isVisible()
+    qtbot.waitUntil(lambda: not w.isVisible(), timeout=120_000)
     assert not w.busy()
     proj = Project.open(tmp_path / "proj", create=False)
     assert proj.record("adapt") is None and proj.load().attempts["adapt"].status == "cancelled"

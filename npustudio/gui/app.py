@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QSize, Qt, QThreadPool
+from PySide6.QtCore import QSize, Qt, QThreadPool, QTimer
 from PySide6.QtGui import QAction, QCloseEvent, QIcon
 from PySide6.QtWidgets import (
     QApplication,
@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QListWidget,
     QListWidgetItem,
     QMainWindow,
+    QMessageBox,
     QStackedWidget,
     QWidget,
 )
@@ -27,7 +28,7 @@ from ..core import pipeline
 from ..core import settings as user_settings
 from ..core.device import DeviceInfo
 from ..core.errors import UserError
-from ..core.project import Project
+from ..core.project import MANIFEST, Project
 from . import worker
 from .chat import ChatPanel
 from .devices import DevicePanel
@@ -60,6 +61,8 @@ class MainWindow(QMainWindow):
         self.settings.apply()
         self.project: Project | None = None
         self.device: DeviceInfo | None = None
+        self._stopping_to_quit = False
+        self.quit_box: QMessageBox | None = None
 
         central = QWidget()
         lay = QHBoxLayout(central)
@@ -127,7 +130,7 @@ class MainWindow(QMainWindow):
 
     def _last_project(self) -> Path:
         for r in self.settings.recent_projects:
-            if (Path(r) / "npustudio.json").is_file():
+            if (Path(r) / MANIFEST).is_file():
                 return Path(r)
         return pipeline.default_project_dir()
 
@@ -224,11 +227,44 @@ class MainWindow(QMainWindow):
         return d
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        """Cancel running work at its next safe point and wait for it, so no stage is left half-swapped."""
+        """With a stage running, ask first (`quit_box`); then stop what runs and close."""
+        if self.busy() and not self._stopping_to_quit:
+            event.ignore()
+            self.quit_box = self._ask_to_quit()
+            return
         self.chat.stop()
         worker.cancel_all()
         self.devices.close_down()
         super().closeEvent(event)
+
+    def _ask_to_quit(self) -> QMessageBox:
+        running = ", ".join(p.title for p in self.pages if p.strip.busy)
+        box = QMessageBox(QMessageBox.Icon.Question, "NPU Studio", f"{running} is still running.",
+                          QMessageBox.StandardButton.Cancel, self)
+        box.setObjectName("quit_dialog")
+        box.setInformativeText("Stop it and quit? The project keeps its last finished stages.")
+        stop = box.addButton("Stop and quit", QMessageBox.ButtonRole.AcceptRole)
+        stop.clicked.connect(self._stop_and_quit)
+        box.open()  # window-modal, the event loop runs on
+        return box
+
+    def _stop_and_quit(self) -> None:
+        """Ask the stage to stop at its next safe point ("Stopping…" on its page) and close once it has: the window
+        keeps drawing meanwhile instead of waiting inside closeEvent."""
+        self._stopping_to_quit = True
+        self.chat.stop()
+        for page in self.pages:
+            if page.strip.busy:
+                page.strip.cancel.click()
+        self.statusBar().showMessage("Stopping the running stage, then quitting…")
+
+        def close_when_stopped() -> None:
+            if self.busy():
+                QTimer.singleShot(100, close_when_stopped)
+            else:
+                self.close()
+
+        close_when_stopped()
 
 
 def freeze_startup_objects() -> None:
