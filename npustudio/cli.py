@@ -294,20 +294,24 @@ def _stage_command(a: argparse.Namespace, run: Callable[[Any, State], Any],
 def cmd_encodings(a: argparse.Namespace) -> int:
     from .core.quantize import encodings
 
-    table = encodings.read(a.file)
+    table = encodings.read(a.file, sqnr=a.sqnr)
     if a.json:
         _print_json(table.model_dump())
         return 0
     rows = [r for r in table.rows if not a.flagged or r.flags]
+    if a.sqnr:  # the tensors that lose the most first
+        rows.sort(key=lambda r: (r.sqnr_db is None, r.sqnr_db if r.sqnr_db is not None else 0.0))
     t = Table(title=f"{Path(a.file).name}  (schema {table.version}, {len(table.rows)} tensors)")
     t.add_column("tensor", overflow="fold", min_width=16)
-    for col in ("layer", "role", "kind", "bits", "sym", "granularity", "scale min/med/max", "range", "flags"):
+    cols = ("layer", "role", "kind", "bits", "sym", "granularity", "scale min/med/max", "range")
+    for col in (*cols, *(("SQNR dB",) if a.sqnr else ()), "flags"):
         t.add_column(col, overflow="fold")
     for r in rows:
         gran = r.granularity + (f" {r.block_size}" if r.block_size else "")
+        db = ("—" if r.sqnr_db is None else f"{r.sqnr_db:.1f}",) if a.sqnr else ()
         t.add_row(r.name, "" if r.layer is None else str(r.layer), r.role, r.kind, str(r.bitwidth),
                   "y" if r.symmetric else "n", gran, f"{r.scale_min:.2e} / {r.scale_median:.2e} / {r.scale_max:.2e}",
-                  f"[{r.range_min:.4g}, {r.range_max:.4g}]", "; ".join(r.flags))
+                  f"[{r.range_min:.4g}, {r.range_max:.4g}]", *db, "; ".join(r.flags))
     out.print(t)
     s = Table(title="Per layer")
     for col in ("layer", "tensors", "weight bits", "activation bits", "max scale spread", "flagged"):
@@ -735,6 +739,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("encodings", cmd_encodings, "per-tensor table of an AIMET .encodings file")
     s.add_argument("file", type=_given)
     s.add_argument("--flagged", action="store_true", help="only tensors with a flag")
+    s.add_argument("--sqnr", action="store_true", help="each weight's quantization error (SQNR, dB) against the "
+                                                       "float weights beside the file; the worst first")
     s.add_argument("--json", action="store_true")
 
     s = add("run", cmd_run, "the whole job on the embedded defaults")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,3 +104,51 @@ def test_cli_reports_errors_and_tables(tmp_path: Path, capsys: pytest.CaptureFix
     assert rows[0]["role"] == "kv-cache" and rows[0]["bitwidth"] == 8
     assert main(["encodings", str(f)]) == 0
     assert "past_value_0_out" in capsys.readouterr().out
+
+
+def test_sqnr_measures_each_weight_on_the_grid_the_export_wrote(genie_project: Any, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`npustudio encodings FILE --sqnr`: the error of each quantized weight against the adapted float weights, on
+    exactly the grid the QDQ graph holds (recomputed here from that graph's integers and scales)."""
+    import math
+    import shutil
+
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+    from safetensors.numpy import load_file
+
+    from npustudio.cli import main
+
+    q = genie_project.stage_dir("quantize")
+    enc = next(q.glob("prompt_*.encodings"))
+    assert main(["encodings", str(enc), "--sqnr", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    weights = {n: r for n, r in rows.items() if r["kind"] == "param"}
+    assert weights and all(r["sqnr_db"] is not None for r in weights.values())
+    assert all(r["sqnr_db"] is None for r in rows.values() if r["kind"] == "activation")
+    assert weights["embed.weight"]["sqnr_db"] > weights["layers.0.mlp.down.weight"]["sqnr_db"] + 30  # 16 vs 8 bits
+
+    floats = load_file(str(genie_project.stage_dir("adapt") / "decoder.safetensors"))
+    qdq = onnx.load(str(enc.with_name(enc.stem + "_qdq.onnx")), load_external_data=False)
+    name = "layers.0.mlp.down.weight"
+
+    def array(t: Any) -> np.ndarray:  # read by hand: onnx refuses weights.bin, hard-linked by the compile stage
+        if not onnx.external_data_helper.uses_external_data(t):
+            return numpy_helper.to_array(t)
+        info = {e.key: e.value for e in t.external_data}
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+        data = (q / info["location"]).read_bytes()[int(info["offset"]):int(info["offset"]) + int(info["length"])]
+        return np.frombuffer(data, dtype=dtype).reshape(tuple(t.dims))
+
+    init = {t.name: array(t) for t in qdq.graph.initializer if t.name.startswith(name)}
+    w = floats[name].astype(np.float64)
+    deq = (init[f"{name}_q"].astype(np.float64) - init[f"{name}_zero_point"].reshape(-1, 1, 1, 1)) * \
+        init[f"{name}_scale"].astype(np.float64).reshape(-1, 1, 1, 1)
+    expected = 10 * math.log10(np.sum(w * w) / np.sum((w - deq) ** 2))
+    assert weights[name]["sqnr_db"] == pytest.approx(expected, abs=1e-3)
+
+    alone = tmp_path / enc.name  # outside a project: no float weights to compare with
+    shutil.copy(enc, alone)
+    assert main(["encodings", str(alone), "--sqnr"]) == 2
+    assert "needs the float weights" in capsys.readouterr().err

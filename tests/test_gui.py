@@ -259,7 +259,7 @@ def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_pro
     from npustudio.gui.inspector import Inspector
 
     f = next(genie_project.stage_dir("quantize").glob("prompt_*.encodings"))
-    table = encodings.read(f)
+    table = encodings.read(f, sqnr=True)
     ins = Inspector()
     qtbot.addWidget(ins)
     ins.sort_by("scale_spread")  # a header clicked before anything is loaded is a no-op
@@ -281,6 +281,15 @@ def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_pro
     for metric in range(ins.colour_by.count()):  # every colouring draws a layers x roles grid
         ins.colour_by.setCurrentIndex(metric)
         assert ins.heat_grid.shape[1] == 2
+    grids = {}
+    for key in ("weight_bits", "activation_bits", "sqnr"):
+        ins.colour_by.setCurrentIndex(ins.colour_by.findData(key))
+        grids[key] = {role: ins.heat_grid[i] for i, role in enumerate(ins.heat_roles)}
+    assert list(grids["weight_bits"]["q"]) == [8, 8]  # the int8 weights, not the 16-bit activations around them
+    assert list(grids["activation_bits"]["kv-cache"]) == [8, 8]
+    assert all(30 < db < 60 for db in grids["sqnr"]["down"])  # int8 per channel: about 40 dB
+    ins.sort_by("sqnr_db", descending=False)  # the most damaged weight first
+    assert ins.visible_rows()[0].sqnr_db == min(r.sqnr_db for r in table.rows if r.sqnr_db is not None)
     ins.resize(1000, 800)
     ins.show()
     qtbot.waitExposed(ins)

@@ -29,8 +29,11 @@ ROLES = ("embedding", "norm", "q", "k", "v", "o", "gate", "up", "down", "kv-cach
 COLUMNS = (("name", "Tensor"), ("layer", "Layer"), ("role", "Role"), ("kind", "Kind"), ("bitwidth", "Bits"),
            ("granularity", "Granularity"), ("channels", "Channels"), ("scale_min", "Scale min"),
            ("scale_max", "Scale max"), ("scale_spread", "Spread"), ("range_min", "Range min"),
-           ("range_max", "Range max"), ("flags", "Flags"))
-METRICS = {"bitwidth": "bitwidth (max)", "spread": "scale spread (log10, max)", "range": "range width (log10, max)"}
+           ("range_max", "Range max"), ("sqnr_db", "SQNR dB"), ("flags", "Flags"))
+METRICS = {"sqnr": "weight SQNR, dB (lowest: most damage)", "weight_bits": "weight bits",
+           "activation_bits": "activation bits", "spread": "scale spread (log10, max)",
+           "range": "range width (log10, max)"}
+_KIND = {"weight_bits": "param", "sqnr": "param", "activation_bits": "activation"}  # rows a metric reads
 FLAGGED = QColor("#f8d7da")
 Index = QModelIndex | QPersistentModelIndex
 
@@ -46,10 +49,12 @@ class TensorModel(QAbstractTableModel):
 
         def value(r: TensorRow) -> Any:
             v = getattr(r, key)
-            return (v is not None, len(v) if key == "flags" else v if v is not None else 0)
+            return len(v) if key == "flags" else v
 
         self.layoutAboutToBeChanged.emit()
-        self.rows.sort(key=value, reverse=order == Qt.SortOrder.DescendingOrder)
+        known = [r for r in self.rows if getattr(r, key) is not None]  # rows without a value last, either way
+        known.sort(key=value, reverse=order == Qt.SortOrder.DescendingOrder)
+        self.rows[:] = known + [r for r in self.rows if getattr(r, key) is None]
         self.layoutChanged.emit()
 
     def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008 (Qt API)
@@ -114,13 +119,17 @@ def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], lis
     roles = [x for x in ROLES if any(r.role == x and r.layer is not None for r in table.rows)]
     grid = np.full((len(roles), len(layers)), np.nan)
     col = {layer: i for i, layer in enumerate(layers)}
+    worst = min if metric == "sqnr" else max  # a cell shows its most damaged tensor
     for r in table.rows:
-        if r.layer is None or r.role not in roles:
+        if r.layer is None or r.role not in roles or _KIND.get(metric, r.kind) != r.kind:
             continue
-        v = {"bitwidth": float(r.bitwidth), "spread": math.log10(max(r.scale_spread, 1.0)),
+        if metric == "sqnr" and (r.sqnr_db is None or not math.isfinite(r.sqnr_db)):
+            continue
+        v = {"weight_bits": float(r.bitwidth), "activation_bits": float(r.bitwidth), "sqnr": r.sqnr_db or 0.0,
+             "spread": math.log10(max(r.scale_spread, 1.0)),
              "range": math.log10(max(r.range_max - r.range_min, 1e-12))}[metric]
         i, j = roles.index(r.role), col[r.layer]
-        grid[i, j] = v if np.isnan(grid[i, j]) else max(grid[i, j], v)
+        grid[i, j] = v if np.isnan(grid[i, j]) else worst(grid[i, j], v)
     return grid, layers, roles
 
 

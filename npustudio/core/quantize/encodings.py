@@ -51,6 +51,7 @@ class TensorRow(BaseModel):
     range_min: float
     range_max: float
     flags: list[str] = []
+    sqnr_db: float | None = Field(None, description="weights: quantized vs float, dB (read(sqnr=True))")
     # per channel (or block) scales and offsets, for a detail plot; left out of the JSON table
     scales: list[float] = Field(default_factory=list, exclude=True, repr=False)
     offsets: list[int] = Field(default_factory=list, exclude=True, repr=False)
@@ -78,7 +79,8 @@ class EncodingsTable(BaseModel):
         return next(r for r in self.rows if r.name == name)
 
 
-def read(path: str | Path) -> EncodingsTable:
+def read(path: str | Path, sqnr: bool = False) -> EncodingsTable:
+    """The table of `path`; with `sqnr`, each weight's SQNR from the float graph beside it (`sqnr.weights`)."""
     p = Path(path).expanduser()
     fix = "Pass an .encodings file written by the quantize stage (AIMET schema 1.0.0 or 0.6.1)."
     if not p.is_file():
@@ -107,6 +109,12 @@ def read(path: str | Path) -> EncodingsTable:
                         "of names.", fix)
     _kv_carriers(rows)
     _flag(rows)
+    if sqnr:
+        from . import sqnr as sq
+
+        db = sq.weights(p, rows)
+        for r in rows:
+            r.sqnr_db = db.get(r.name)
     return EncodingsTable(path=str(p), version=version, rows=rows, layers=_summaries(rows),
                           excluded=[str(x) for x in excluded])
 

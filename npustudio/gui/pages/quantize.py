@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from ...core import isolated, pipeline
+from ...core.errors import UserError
 from ...core.models import human_bytes
 from ...core.quantize import QuantizeOptions
 from ...core.quantize import encodings as enc
@@ -102,8 +103,6 @@ class QuantizePage(Page):
                                device=self.device.currentData())
 
     def start(self, force: bool = False) -> None:
-        from ...core.errors import UserError
-
         try:
             opts = self.options()
         except UserError as e:
@@ -172,5 +171,13 @@ class QuantizePage(Page):
             if self._loaded == key:
                 self.inspector.title.setText(f"{problem} {fix}")
 
-        worker.start(lambda s: isolated.run(enc.read, path, state=s, pass_state=False), "Reading encodings",
+        worker.start(lambda s: isolated.run(read_with_sqnr, path, state=s, pass_state=False), "Reading encodings",
                      done=show, failed=failed)
+
+
+def read_with_sqnr(path: Path) -> enc.EncodingsTable:
+    """The table with each weight's SQNR; without it where the float weights cannot serve (rotated weights)."""
+    try:
+        return enc.read(path, sqnr=True)
+    except UserError:
+        return enc.read(path)
