@@ -135,13 +135,17 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     run_page(qtbot, d, timeout=120_000)
     assert {r[2] for r in cells(d.files)} == {"yes"} and "sent" in d.strip.status.text()
     assert w.devices.push.value() == 1000
+    assert table_dict(w.devices.details)["Answers with"].startswith("Genie on the HTP simulator (restart")
+    assert "answers with Genie on the HTP simulator" in d.target.text()
     assert marks(w) == ["done"] * 6
 
     # Ask: the answer streams into the chat panel and the device console; history saved; profile charted; the
     # window keeps its width (a long status line once pushed Send and Stop off a laptop screen)
     width = w.width()
+    assert w.chat.stats.text().startswith("Ready:")  # not "Pick a device" once one is picked
     with qtbot.waitSignal(w.chat.answered, timeout=300_000) as answered:
         d.ask.click()
+        assert w.chat.stats.text().startswith("processing the prompt…")  # before the first token, it counts
     turn = answered.args[0]
     assert w.width() == width
     assert turn.runner == f"device {w.device.serial}" and turn.assistant
@@ -152,6 +156,9 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert hist["turns"][0]["assistant"] == turn.assistant
     assert w.profiles.runs and cells(w.profiles.table)[0][1] == "genie"
     shot(w, "tiny_deploy_chat")
+    w.devices.stop_virtual.click()  # the push bar is about a device that is gone: it resets
+    qtbot.waitUntil(lambda: w.devices.push.value() == 0, timeout=60_000)
+    assert w.devices.push.format() == "no push running"
     w.close()
 
     # Reopen: every step shows done, the window resumes on the last step, results and the chat are back

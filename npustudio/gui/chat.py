@@ -7,9 +7,10 @@ honours); tokens/s and TTFT come from Genie's profile; history is saved per proj
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QTimer, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
@@ -77,6 +78,11 @@ class ChatPanel(QWidget):
         self.new_btn.clicked.connect(self.new_chat)
         self.runner.currentIndexChanged.connect(lambda _i: self.reload())
         self.last_answer = ""
+        self._t0, self._pieces = 0.0, 0
+        self._first: float | None = None  # when the first piece of the answer came
+        self._tick = QTimer(self)  # the status line counts while Genie reads the prompt (minutes on the simulator)
+        self._tick.setInterval(500)
+        self._tick.timeout.connect(self._show_progress)
 
     @property
     def busy(self) -> bool:
@@ -112,6 +118,9 @@ class ChatPanel(QWidget):
         if key is None:
             self.stats.setText("No bundle yet (Compile step)." if self.runner.currentData() != "device"
                                or self.window_.device else "Pick a device in the device panel.")
+        else:
+            self.stats.setText(f"Ready: {self.runner.currentText()}"
+                               + (f" ({key[2]})" if key[2] else "") + ".")
 
     def _show_turn(self, t: Turn) -> None:
         self.transcript.appendPlainText(f"You: {t.user}")
@@ -142,7 +151,9 @@ class ChatPanel(QWidget):
         self.transcript.appendPlainText("Model: ")
         self.send_btn.setEnabled(False)
         self.stop_btn.setEnabled(True)
-        self.stats.setText("waiting for the first token…")
+        self._t0, self._pieces, self._first = time.monotonic(), 0, None
+        self._tick.start()
+        self._show_progress()
         self.window_.devices.log(f"> {text}")
         self.window_.devices.log("")  # the answer streams into a line of its own
         session = self.session
@@ -159,9 +170,23 @@ class ChatPanel(QWidget):
 
         self.job = worker.start(work, "Chat", partial=self._piece, done=self._done, failed=self._failed)
 
+    def _show_progress(self) -> None:
+        """While an answer comes: the seconds spent on the prompt, then the pieces so far and their rate."""
+        now = time.monotonic()
+        if self._first is None:
+            self.stats.setText(f"processing the prompt… {now - self._t0:.0f} s")
+        else:
+            rate = (self._pieces - 1) / (now - self._first) if self._pieces > 1 and now > self._first else 0.0
+            self.stats.setText(f"answering: {self._pieces} tokens, {rate:.1f} tok/s (first after "
+                               f"{self._first - self._t0:.1f} s)")
+
     def _piece(self, kind: str, data: dict) -> None:
         if kind != "text":
             return
+        self._pieces += 1
+        if self._first is None:
+            self._first = time.monotonic()
+        self._show_progress()
         cur = self.transcript.textCursor()
         cur.movePosition(cur.MoveOperation.End)
         cur.insertText(data["text"])
@@ -170,6 +195,7 @@ class ChatPanel(QWidget):
         self.window_.devices.stream(data["text"])
 
     def _end_turn(self) -> None:
+        self._tick.stop()
         self.transcript.appendPlainText("")
         self.send_btn.setEnabled(True)
         self.stop_btn.setEnabled(False)

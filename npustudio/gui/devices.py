@@ -56,12 +56,12 @@ class DevicePanel(QWidget):
         for b in (self.refresh_btn, self.start_virtual, self.stop_virtual):
             row.addWidget(b)
         self.status = status_label("Looking for devices…")
-        self.status.setWordWrap(True)
         self.details = table(["Property", "Value"])
         self.details.setMaximumHeight(190)
         self.push = QProgressBar()
         self.push.setRange(0, 1000)
         self.push.setFormat("no push running")
+        self.current_serial: str | None = None
         self.console = QPlainTextEdit()
         self.console.setReadOnly(True)
         self.console.setMaximumBlockCount(5000)
@@ -141,11 +141,15 @@ class DevicePanel(QWidget):
 
     def _select(self, i: int) -> None:
         d = self.devices[i] if 0 <= i < len(self.devices) and self.devices[i].state == "device" else None
+        if d is None or self.current_serial != d.serial:
+            self.reset_push()  # another device (or none): the last push's bar is not about it
+        self.current_serial = d.serial if d else None
         if d is None:
             fill(self.details, [])
         else:
             fill(self.details, [
                 ("Serial", d.serial), ("Kind", "virtual device (this computer)" if d.virtual else "phone"),
+                ("Answers with", d.answers_with),
                 ("Model", d.model), ("SoC", f"{d.soc} — {d.product}"),
                 ("Hexagon", f"{d.dsp_arch} (soc_model {d.soc_model})" if d.dsp_arch else "none known"),
                 ("Android", d.android), ("RAM", human_bytes(d.ram_bytes) if d.ram_bytes else "?"),
@@ -183,6 +187,10 @@ class DevicePanel(QWidget):
             self.refresh()
 
         worker.start(lambda _s: device.stop_virtual(vd), "Stopping the virtual device", done=stopped)
+
+    def reset_push(self) -> None:
+        self.push.setValue(0)
+        self.push.setFormat("no push running")
 
     def show_push(self, data: dict) -> None:
         self.push.setValue(int(1000 * data["bytes"] / max(data["total"], 1)))

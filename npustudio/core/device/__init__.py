@@ -35,6 +35,16 @@ class DeviceInfo(BaseModel):
     android: str = ""
     ram_bytes: int | None = None
     free_bytes: int | None = None  # under /data/local/tmp
+    runner: str = ""  # a virtual device's: "genie" (HTP simulator) or "preview" (CPU), fixed when it starts
+
+    @property
+    def answers_with(self) -> str:
+        """How this device runs a bundle, in words."""
+        if not self.virtual:
+            return "Genie on the phone's NPU"
+        return {"preview": "the CPU preview (restart the virtual device to change)",
+                "genie": "Genie on the HTP simulator (restart the virtual device to change)"}.get(
+                    self.runner, "Genie on the HTP simulator")
 
 
 def server_port() -> int:
@@ -109,7 +119,8 @@ def info(serial: str) -> DeviceInfo:
     try:
         d = adb.device(serial=serial)
         props = {k: _shell(d, ["getprop", k]) for k in
-                 ("ro.soc.model", "ro.product.model", "ro.build.version.release", "ro.npustudio.virtual")}
+                 ("ro.soc.model", "ro.product.model", "ro.build.version.release", "ro.npustudio.virtual",
+                  "ro.npustudio.runner")}
         meminfo = _shell(d, ["cat", "/proc/meminfo"])
         df = _shell(d, ["df", "-k", "/data/local/tmp"])
     except UserError:
@@ -123,7 +134,7 @@ def info(serial: str) -> DeviceInfo:
                       model=props["ro.product.model"], soc=soc_name, product=s.product if s else "unknown SoC",
                       soc_model=s.soc_model if s else None, dsp_arch=s.dsp_arch if s else "",
                       android=props["ro.build.version.release"], ram_bytes=_mem_total(meminfo),
-                      free_bytes=_df_free(df))
+                      free_bytes=_df_free(df), runner=props["ro.npustudio.runner"])
 
 
 def _mem_total(meminfo: str) -> int | None:

@@ -43,6 +43,7 @@ MAX_PAYLOAD = 256 * 1024
 SYNC_DATA_MAX = 64 * 1024
 SYNC_PATH_MAX = 1024
 VIRTUAL_DEVICE_NAME = "npustudio_virtual"
+RUNNER_PROP = "ro.npustudio.runner"  # how the virtual device answers: "genie" (HTP simulator) or "preview" (CPU)
 RESERVED_PORTS = range(5554, 5586)  # the adb server scans these for emulators
 
 
@@ -204,7 +205,7 @@ class VirtualDevice:
                             "Pick a port outside 5554-5585.")
         self.root = Path(root).resolve()
         self.port, self.preview = port, preview
-        self.props = default_props(soc_name) | (props or {})
+        self.props = default_props(soc_name) | {RUNNER_PROP: "preview" if preview else "genie"} | (props or {})
         self.programs: dict[str, Program] = phone_commands.commands() | (programs or {})
         self.processes: dict[int, subprocess.Popen[bytes]] = {}  # device pid -> host child, for `kill`
         self._pids = itertools.count(1000)

@@ -60,7 +60,7 @@ class DeployPage(Page):
             self.target.setText("No device selected: pick one in the device panel, or start the virtual device.")
             fill(self.compat, [])
         else:
-            kind = "virtual device (Genie on the HTP simulator)" if dev.virtual else "phone"
+            kind = f"virtual device, answers with {dev.answers_with}" if dev.virtual else "phone"
             self.target.setText(f"{dev.serial}: {dev.model or '?'} — {dev.soc} {dev.product} ({kind})")
             if not files:
                 fill(self.compat, [("Bundle", "none yet: run the Compile step")], [BAD])
