@@ -68,6 +68,7 @@ class CompileResult(BaseModel):
     verification: dict[str, Any]
     steps: dict[str, float]
     peak_rss_mb: float
+    step_peak_rss_mb: dict[str, float] = Field(default_factory=dict, description="peak RSS as each step ended")
 
 
 def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path, state: StateLike) -> CompileResult:
@@ -142,7 +143,8 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
                         dsp_arch=target.dsp_arch, graphs=compiled, parts=n_parts, weight_shared=shared, recut=recut,
                         nodes_on_cpu=sum(len(c.nodes_on_cpu) for c in compiled), io=io,
-                        verification=verification, steps=steps, peak_rss_mb=round(peak_rss_mb()))
+                        verification=verification, steps=steps, peak_rss_mb=round(peak_rss_mb()),
+                        step_peak_rss_mb=lap.peaks)
     atomic_write_json(out_dir / "compile.json", res.model_dump())
     return res
 
