@@ -4,7 +4,8 @@ Builds Hugging Face folders (bf16 safetensors, a tokenizer covering every id) wi
 Llama-3.2-1B and Qwen3-1.7B, then runs each stage as its own `npustudio` command (so each peak is that stage's
 alone): adapt -> quantize -> compile -> bundle, then Genie on the HTP simulator and the CPU preview answer the
 same prompt greedily and their tokens are compared (contexts over one HTP protection domain, a 1B model's, are
-bundled with --token-graphs-only: the simulator's Genie loads those). Random weights: perplexities mean nothing here, cost does.
+bundled with --token-graphs-only: the simulator's Genie loads those). Random weights: perplexities mean nothing
+here, cost does.
 
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --precision w8a16 --json
     .venv/bin/python benchmarks/scale_bench.py --model qwen3-1.7b --precision w8a16,w4a16 --stage adapt,quantize
