@@ -19,7 +19,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..adapt import store
 from ..errors import UserError
 from ..fsutil import atomic_write_json, link_or_copy, read_json
 from ..progress import StateLike
@@ -149,6 +148,8 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
 
     state.progress(0.4, "runtime files")
     copied, missing = _runtime(target, out_dir)
+    from ..adapt import store  # here, not at the top: reading a bundle's metadata (deploy, chat) needs no torch
+
     spec, inv_freq = store.load_spec(adapt_dir)
     meta = {"model": card.get("source"), "family": card.get("family"), "target": target.model_dump(),
             "context_length": cl,
