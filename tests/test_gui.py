@@ -293,10 +293,12 @@ def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_pro
         ins.colour_by.setCurrentIndex(ins.colour_by.findData(key))
         grids[key] = {role: ins.heat_grid[i] for i, role in enumerate(ins.heat_roles)}
     assert list(grids["weight_bits"]["q"]) == [8, 8]  # the int8 weights, not the 16-bit activations around them
+    assert "norm" not in grids["sqnr"] and "activation" not in grids["sqnr"]  # no weight there: no row
     assert list(grids["activation_bits"]["kv-cache"]) == [8, 8]
     assert all(30 < db < 60 for db in grids["sqnr"]["down"])  # int8 per channel: about 40 dB
     ins.sort_by("sqnr_db", descending=False)  # the most damaged weight first
     assert ins.visible_rows()[0].sqnr_db == min(r.sqnr_db for r in table.rows if r.sqnr_db is not None)
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("range"))  # every role has activations
     ins.resize(1000, 800)
     ins.show()
     qtbot.waitExposed(ins)
@@ -306,6 +308,9 @@ def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_pro
     drawn = [text for _rect, _flags, text in ins.heatmap.getAxis("left").generateDrawSpecs(painter)[2]]
     painter.end()
     assert sorted(drawn) == sorted(ins.heat_roles) and "activation" in drawn  # every row is labelled
+    ins.load(encodings.read(f))  # without SQNR figures (rotated weights): the SQNR colouring draws nothing
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("sqnr"))
+    assert ins.heat_roles == []
 
 
 def test_profile_view_draws_a_real_genie_profile(qtbot: Any, genie_project: Project, tmp_path: Path) -> None:

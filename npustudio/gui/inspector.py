@@ -115,15 +115,18 @@ class TensorFilter(QSortFilterProxyModel):
 
 def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], list[str]]:
     """(roles × layers) values of `metric` over the roles the layers have, NaN where a layer lacks one."""
+    def shown(r: TensorRow) -> bool:  # rows the metric reads: a role without any stays off the grid
+        if r.layer is None or _KIND.get(metric, r.kind) != r.kind:
+            return False
+        return metric != "sqnr" or (r.sqnr_db is not None and math.isfinite(r.sqnr_db))
+
     layers = sorted({r.layer for r in table.rows if r.layer is not None})
-    roles = [x for x in ROLES if any(r.role == x and r.layer is not None for r in table.rows)]
+    roles = [x for x in ROLES if any(r.role == x and shown(r) for r in table.rows)]
     grid = np.full((len(roles), len(layers)), np.nan)
     col = {layer: i for i, layer in enumerate(layers)}
     worst = min if metric == "sqnr" else max  # a cell shows its most damaged tensor
     for r in table.rows:
-        if r.layer is None or r.role not in roles or _KIND.get(metric, r.kind) != r.kind:
-            continue
-        if metric == "sqnr" and (r.sqnr_db is None or not math.isfinite(r.sqnr_db)):
+        if r.role not in roles or not shown(r):
             continue
         v = {"weight_bits": float(r.bitwidth), "activation_bits": float(r.bitwidth), "sqnr": r.sqnr_db or 0.0,
              "spread": math.log10(max(r.scale_spread, 1.0)),
@@ -221,19 +224,25 @@ class Inspector(QWidget):
     def _draw_heat(self) -> None:
         if self.table_ is None:
             return
-        grid, layers, roles = heat(self.table_, self.colour_by.currentData())
+        metric = self.colour_by.currentData()
+        grid, layers, roles = heat(self.table_, metric)
         self.heatmap.getAxis("left").setTicks([[(i + 0.5, r) for i, r in enumerate(roles)]])
-        img = np.nan_to_num(grid.T, nan=np.nanmin(grid) if np.isfinite(grid).any() else 0.0)
+        self.heat_grid, self.heat_roles = grid, roles
+        if not np.isfinite(grid).any():  # nothing to colour (no SQNR figures in this table)
+            self.image.clear()
+            return
+        # a layer without a role's tensor is painted as the harmless end of the scale, never as damage
+        empty = np.nanmax(grid) if metric == "sqnr" else np.nanmin(grid)
+        img = np.nan_to_num(grid.T, nan=empty)
         self.image.setImage(img, autoLevels=True)
         self.image.setColorMap(pg.colormap.get("viridis"))
         if self.colorbar is None:
             self.colorbar = pg.ColorBarItem(colorMap=pg.colormap.get("viridis"), interactive=False)
             self.colorbar.setImageItem(self.image, insert_in=self.heatmap.getPlotItem())
-        lo, hi = float(np.nanmin(grid)) if np.isfinite(grid).any() else 0.0, float(np.nanmax(grid) or 1.0)
+        lo, hi = float(np.nanmin(grid)), float(np.nanmax(grid))
         self.colorbar.setLevels((lo, hi if hi > lo else lo + 1))
         step = max(1, len(layers) // 15)
         self.heatmap.getAxis("bottom").setTicks([[(j + 0.5, str(layer)) for j, layer in enumerate(layers)][::step]])
-        self.heat_grid, self.heat_roles = grid, roles
 
     def _select(self, current: QModelIndex, _prev: QModelIndex) -> None:
         if not current.isValid():
