@@ -23,7 +23,7 @@ from .errors import UserError
 from .fsutil import atomic_write_json, refuse_link
 from .genie import bundle as bundle_stage
 from .progress import State, StateLike, free_big_blocks_at_once
-from .project import MANIFEST, Project, StageRecord
+from .project import MANIFEST, Manifest, Project, StageRecord
 
 
 def default_project_dir() -> Path:
@@ -132,8 +132,12 @@ def stage_status(project: Project) -> dict[str, str | None]:
     """Per stage: "done" (outputs intact and current), "stale" (made from an earlier stage's output or a choice that
     has since changed: `stale_reasons` says which), "changed" (outputs edited or gone), "failed"/"cancelled" (last
     attempt, nothing good yet), or None (never run): what the wizard shows and unlocks by."""
-    m = project.load()
-    stale = stale_reasons(project)
+    return _status(project, project.load())[0]
+
+
+def _status(project: Project, m: Manifest) -> tuple[dict[str, str | None], dict[str, str]]:
+    """`stage_status` and `stale_reasons` from one reading of the manifest `m`."""
+    stale = _stale(m)
     out: dict[str, str | None] = {}
     for name in STAGES:
         rec, att = m.stages.get(name), m.attempts.get(name)
@@ -141,7 +145,7 @@ def stage_status(project: Project) -> dict[str, str | None]:
             out[name] = "changed" if project.changed(name) else "stale" if name in stale else "done"
         else:
             out[name] = att.status if att is not None else None
-    return out
+    return out, stale
 
 
 STEPS = ("Model", "Target", "Adapt", "Quantize", "Compile", "Deploy")  # the wizard's steps, in order
@@ -156,8 +160,9 @@ class WizardStep(BaseModel):
 def wizard_steps(project: Project) -> list[WizardStep]:
     """The guided flow's steps: done, to do (unlocked) or locked. Model and Target can be done in either order;
     each later step needs every step before it done. A stage whose output is stale or edited is to do again."""
-    st, stale, ch = stage_status(project), stale_reasons(project), project.choices()
-    brec = project.record("bundle")
+    m = project.load()
+    st, stale = _status(project, m)
+    ch, brec = m.choices, m.stages.get("bundle")
     deployed = ch.get("deployed") or {}
     deploy_done = bool(brec and deployed.get("bundle") == brec.key)
     done = [st["model"] == "done", "target" in ch or st["quantize"] == "done", st["adapt"] == "done",
@@ -203,7 +208,10 @@ def stale_reasons(project: Project) -> dict[str, str]:
     """The finished stages whose output no longer follows from the project as it is, each with the reason in plain
     words: the stage before was redone (the record keys its inputs by the earlier stage's key), or the user has
     since chosen another context length or target."""
-    m = project.load()
+    return _stale(project.load())
+
+
+def _stale(m: Manifest) -> dict[str, str]:
     target = m.choices.get("target")
     out: dict[str, str] = {}
     for name, up in UPSTREAM.items():

@@ -218,7 +218,7 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
     total = sum(t[2] for t in todo)
     sent = 0
     t0 = time.perf_counter()
-    pending: list[tuple[str, str, int]] = []  # pushed under a temporary name, not yet renamed and recorded
+    pending: list[tuple[str, str]] = []  # (name, temporary name): pushed, not yet renamed and recorded
     current = "the bundle"
     try:
         with _Sync(d) if todo else contextlib.nullcontext() as sync:
@@ -234,7 +234,7 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
                 if n != size:
                     raise UserError(f"{name} changed while it was pushed ({n} of {size} bytes).", "Deploy again.")
                 sent += size
-                pending.append((name, tmp, mtime))
+                pending.append((name, tmp))
                 remote_manifest[name] = {"size": size, "mtime": mtime, "sha256": digest}
                 if size >= _MANIFEST_EVERY or i == len(todo) - 1:  # what finished survives a disconnect
                     _rename(d, rdir, pending)
@@ -264,10 +264,10 @@ def _read_manifest(d: Any, rdir: str) -> dict[str, Any]:
         return {}  # a damaged manifest only costs a full re-push
 
 
-def _rename(d: Any, rdir: str, pending: list[tuple[str, str, int]]) -> None:
+def _rename(d: Any, rdir: str, pending: list[tuple[str, str]]) -> None:
     """Give the pushed files their names, in one shell call (each name quoted: never spliced into the line)."""
     line = " && ".join(f"mv -f {shlex.quote(tmp)} {shlex.quote(posixpath.join(rdir, name))}"
-                       for name, tmp, _ in pending)
+                       for name, tmp in pending)
     d.shell(line, timeout=60)
 
 

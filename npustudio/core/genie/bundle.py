@@ -25,16 +25,12 @@ from ..progress import StateLike
 from ..targets import Soc, soc
 from . import config as gc
 from . import libgenie
+from .libgenie import PD_BUDGET_BYTES
 
 FORMAT = 1  # bumped when the bundle's contents change meaning
 METADATA = "metadata.json"
 SAMPLE_PROMPT = "sample_prompt.txt"
 DEFAULT_QUESTION = "What is the capital of France?"
-
-
-# Genie loads every context of a dialog into one HTP protection domain, a 32-bit address space: measured on the
-# simulator, three ~0.9 GB contexts load and a fourth fails ("Failed to find available PD", error 1002)
-PD_BUDGET_BYTES = 3 * 2**30
 
 
 class BundleOptions(BaseModel):

@@ -29,6 +29,9 @@ STATUS = {0: "success", 1: "aborted", 2: "bound handle", 3: "paused", 4: "contex
 SENTENCE = {0: "COMPLETE", 1: "BEGIN", 2: "CONTINUE", 3: "END", 4: "ABORT", 5: "REWIND", 6: "RESUME"}
 LOG_LEVELS = {"error": 1, "warn": 2, "info": 3, "verbose": 4}
 ACTION_ABORT = 1
+# Genie loads every context of a dialog into one HTP protection domain, a 32-bit address space: measured on the
+# simulator, three ~0.9 GB contexts load and a fourth fails ("Failed to find available PD", error 1002)
+PD_BUDGET_BYTES = 3 * 2**30
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -243,10 +246,10 @@ def _fix(status: int, lines: list[str]) -> str:
                "per graph)."
     if "Failed to find available PD" in text:  # every context of a dialog lives in one HTP protection domain
         return ("The bundle's context binaries together do not fit in one HTP protection domain (a 32-bit "
-                "address space: about 3 GB of binaries in all): each graph of a part carries its own copy of "
-                "the part's weights. For a phone, compile with --weight-sharing (one copy per part; the x86 "
-                "simulator cannot load such binaries); on the simulator, bundle with --token-graphs-only (half "
-                "the contexts: the prompt is read one token at a time).")
+                f"address space: about {PD_BUDGET_BYTES / 2**30:.0f} GiB of binaries in all): each graph of a part "
+                "carries its own copy of the part's weights. For a phone, compile with --weight-sharing (one copy "
+                "per part; the x86 simulator cannot load such binaries); on the simulator, bundle with "
+                "--token-graphs-only (half the contexts: the prompt is read one token at a time).")
     if "Non-identical quantization" in text:
         return "The AR-N and AR-1 graphs disagree on an I/O encoding: re-run the compile stage."
     if "No such file" in text or "Could not open" in text or "not found" in text.lower():

@@ -220,7 +220,7 @@ def param_encodings(model: torch.nn.Module) -> None:
     1 GB LM head of a 1B model cost 1 GB more at the fold's peak for nothing. Here the quantizer's encoding analyzer
     sees the weight directly and the range is set as aimet's context exit sets it (a weight already on a symmetric
     grid is first decomposed, as aimet does). LPBQ quantizers, whose encodings are grouped after the analysis, go
-    through aimet's own code. tests/test_quantize_ops.py checks the encodings against aimet's."""
+    through aimet's own code. tests/test_quantize.py (the slab-fold test) checks them against aimet's."""
     from aimet_torch.nn import BaseQuantizationMixin
     from aimet_torch.quantization.affine import QuantizeDequantize
 
