@@ -42,11 +42,6 @@ STEPS = pipeline.STEPS
 ICON = Path(__file__).resolve().parents[2] / "resources" / "npustudio.svg"
 
 
-def step_states(project: Project) -> list[str]:
-    """Per wizard step: "done", "todo" (unlocked) or "locked" (the rule is the pipeline's)."""
-    return [s.state for s in pipeline.wizard_steps(project)]
-
-
 class MainWindow(QMainWindow):
     def __init__(self, project: Path | str | None = None, watch_devices: bool = True) -> None:
         super().__init__()
@@ -163,10 +158,8 @@ class MainWindow(QMainWindow):
         user_settings.save(self.settings)
         self._fill_recent()
         self.setWindowTitle(f"NPU Studio — {project.root}")
-        self.profiles.set_roofline(project.stage_dir("bundle"))
-        self.refresh()
-        states = step_states(project)
-        first = next((i for i, s in enumerate(states) if s != "done"), len(states) - 1)
+        self.refresh()  # the steps, every page and the profiles' roofline, from this project
+        first = next((i for i, name in enumerate(STEPS) if self.step_state(name) != "done"), len(STEPS) - 1)
         self.steps.setCurrentRow(first)  # resume where it stopped
         self.chat.reload()
         return True

@@ -60,7 +60,7 @@ class DevicePanel(QWidget):
         self.details.setMaximumHeight(190)
         self.push = QProgressBar()
         self.push.setRange(0, 1000)
-        self.push.setFormat("no push running")
+        self.reset_push()
         self.current_serial: str | None = None
         self.console = QPlainTextEdit()
         self.console.setReadOnly(True)
