@@ -149,10 +149,22 @@ class Comparison:
         return self.top1_agree / max(self.positions, 1)
 
 
+_ROWS = 16  # logit rows done at once: a 128k vocabulary in float64 is 1 MB a row
+
+
 def nll(logits: torch.Tensor, ids: Sequence[int]) -> float:
+    """Summed negative log-likelihood of `ids[1:]`, in float64 a few rows at a time (the whole window in float64
+    was 0.5 GB at the quantize stage's peak on a 1B model)."""
     tgt = torch.tensor(list(ids[1:]))
-    lp = torch.log_softmax(logits[:-1].double(), -1)
-    return float(-lp.gather(1, tgt[:, None]).sum())
+    rows = logits[:-1]
+    picked = [torch.log_softmax(rows[a:a + _ROWS].double(), -1).gather(1, tgt[a:a + _ROWS, None])
+              for a in range(0, len(rows), _ROWS)]
+    return float(-torch.cat(picked).sum())
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| without a full-size temporary."""
+    return max((float((a[i:i + _ROWS] - b[i:i + _ROWS]).abs().max()) for i in range(0, len(a), _ROWS)), default=0.0)
 
 
 def compare(ids: Sequence[int], ref: LogitsFn, test: LogitsFn | None = None, window: int = DEFAULT_WINDOW,
@@ -176,7 +188,7 @@ def compare(ids: Sequence[int], ref: LogitsFn, test: LogitsFn | None = None, win
             res.test_nll += nt
             res.top1_agree += int((lr.argmax(-1) == lt.argmax(-1)).sum())
             res.positions += len(w)
-            d = float((lr - lt).abs().max())
+            d = max_abs_diff(lr, lt)
             res.max_abs_logit_diff = max(res.max_abs_logit_diff, d)
             row.update({f"{labels[1]}_ppl": math.exp(nt / (len(w) - 1)), "max_abs_logit_diff": d})
         res.per_window.append(row)
