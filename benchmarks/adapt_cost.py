@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from npustudio.core import models
-from npustudio.core.adapt import KVCacheRunner, adapt_model, store
+from npustudio.core.adapt import adapt_model
 from npustudio.core.evaluate import compare, hf_logits_fn, load_corpus
+from npustudio.core.graph import store
+from npustudio.core.graph.kv_cache import KVCacheRunner
 from npustudio.core.progress import peak_rss_mb
 
 

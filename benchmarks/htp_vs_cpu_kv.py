@@ -20,11 +20,11 @@ def main() -> None:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from npustudio.core.adapt import KVCacheRunner, store
-    from npustudio.core.compile import ort_qnn
-    from npustudio.core.compile.graph_io import IOEncoding
-    from npustudio.core.compile.ort_graph import cpu_session, quantize
     from npustudio.core.evaluate import load_corpus
+    from npustudio.core.graph import ort_qnn, store
+    from npustudio.core.graph.graph_io import IOEncoding
+    from npustudio.core.graph.kv_cache import KVCacheRunner
+    from npustudio.core.graph.ort_graph import cpu_session, quantize
     from npustudio.core.targets import soc
 
     stages = Path(sys.argv[1]) / "stages"

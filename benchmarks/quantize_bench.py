@@ -51,10 +51,11 @@ def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
 
     import torch
 
-    from npustudio.core.adapt import AdaptOptions, store
+    from npustudio.core.adapt import AdaptOptions
     from npustudio.core.adapt import graph_specs as specs
-    from npustudio.core.adapt.decoder import DecoderSpec, StaticDecoder
     from npustudio.core.fsutil import atomic_write_json
+    from npustudio.core.graph import store
+    from npustudio.core.graph.decoder import DecoderSpec, StaticDecoder
 
     out = work / "llama1b"
     out.mkdir(parents=True, exist_ok=True)

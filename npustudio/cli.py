@@ -292,7 +292,7 @@ def _stage_command(a: argparse.Namespace, run: Callable[[Any, State], Any],
 
 
 def cmd_encodings(a: argparse.Namespace) -> int:
-    from .core.quantize import encodings
+    from .core.graph import encodings
 
     table = encodings.read(a.file, sqnr=a.sqnr)
     if a.json:

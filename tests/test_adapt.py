@@ -12,10 +12,12 @@ from safetensors import safe_open
 from torch import nn
 
 from npustudio.core import models, pipeline
-from npustudio.core.adapt import AdaptOptions, KVCacheRunner, TorchGraph, store
-from npustudio.core.adapt.decoder import io_names
-from npustudio.core.adapt.ops import Conv1x1, MatMul, RMSNorm, Rope
+from npustudio.core.adapt import AdaptOptions
 from npustudio.core.errors import UserError
+from npustudio.core.graph import store
+from npustudio.core.graph.decoder import io_names
+from npustudio.core.graph.kv_cache import KVCacheRunner, TorchGraph
+from npustudio.core.graph.ops import Conv1x1, MatMul, RMSNorm, Rope
 from npustudio.core.progress import Cancelled, State
 from npustudio.core.project import Project
 
@@ -136,7 +138,7 @@ def test_rmsnorm_stays_finite_and_exact_in_fp16() -> None:
 def test_rmsnorm_of_the_attention_sink_token_survives_the_htp_simulator(tmp_path: Path) -> None:
     """The HTP divides by multiplying with the reciprocal: 1/23000 is subnormal in fp16 and was
     flushed to zero, so the sink token's norm (and every layer's K/V after it) came out 0."""
-    from npustudio.core.compile import ort_qnn
+    from npustudio.core.graph import ort_qnn
     from npustudio.core.targets import soc
 
     torch.manual_seed(0)
@@ -194,7 +196,7 @@ def test_adapt_cli_json(tiny_llama: Path, tmp_path: Path, capsys: pytest.Capture
 def test_adapted_weights_read_back_exactly_and_a_cut_file_is_named(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from npustudio.core.adapt.store import read_tensors
+    from npustudio.core.graph.store import read_tensors
 
     t = {"w": torch.randn(3, 5).bfloat16(), "s": torch.tensor(3.0), "i": torch.arange(7, dtype=torch.int32),
          "big": torch.randn(64, 48)}

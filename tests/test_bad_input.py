@@ -112,8 +112,8 @@ def adapted_project(root: Path) -> Project:
     """A project whose adapt stage holds a tiny adapted decoder (written directly: no equivalence run)."""
     import torch
 
-    from npustudio.core.adapt import store
-    from npustudio.core.adapt.decoder import DecoderSpec, StaticDecoder
+    from npustudio.core.graph import store
+    from npustudio.core.graph.decoder import DecoderSpec, StaticDecoder
 
     spec = DecoderSpec(family="Llama", model_type="llama", layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,
                        intermediate=128, vocab=384, rms_norm_eps=1e-5, tied_embeddings=True, qkv_bias=False,
@@ -398,7 +398,7 @@ def test_malformed_encodings_structure_is_a_message(tmp_path: Path, capsys: Any,
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_any_encoding_values_read_or_refuse_cleanly(tmp_path: Path, bw: Any, scale: list[Any],
                                                     offset: list[Any]) -> None:
-    from npustudio.core.quantize import encodings
+    from npustudio.core.graph import encodings
 
     f = _encodings(tmp_path, [{"name": "t", "bw": bw, "scale": scale, "offset": offset, "enc_type": "PER_CHANNEL"}])
     try:

@@ -280,7 +280,7 @@ def test_info_counts_the_parts_compile_cuts_and_a_refused_cut_is_redone(project:
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from npustudio.core import compile as compile_stage
     from npustudio.core import models
-    from npustudio.core.compile import ort_qnn
+    from npustudio.core.graph import ort_qnn
 
     for d in "abc":
         (tmp_path / d).mkdir()
@@ -334,8 +334,8 @@ def test_a_large_models_verification_opens_one_part_at_a_time(project: Project,
     """Past KEEP_SESSIONS_BYTES the sessions are opened per call and closed after it: the same figures as with
     every session kept open (compared in one process: other tests recompile this project with other options)."""
     from npustudio.core import compile as compile_stage
-    from npustudio.core.compile import ort_qnn
-    from npustudio.core.compile.graph_io import IOEncoding
+    from npustudio.core.graph import ort_qnn
+    from npustudio.core.graph.graph_io import IOEncoding
     from npustudio.core.targets import soc
 
     c = project.stage_dir("compile")

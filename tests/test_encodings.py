@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from npustudio.core.errors import UserError
-from npustudio.core.quantize import encodings
+from npustudio.core.graph import encodings
 
 
 def _v1(tmp_path: Path, acts: list[dict], params: list[dict]) -> Path:

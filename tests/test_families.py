@@ -27,14 +27,15 @@ import pytest
 import torch
 
 from npustudio.core import models, pipeline
-from npustudio.core.adapt import AdaptOptions, KVCacheRunner, ops
-from npustudio.core.adapt.decoder import DecoderSpec
-from npustudio.core.adapt.runner import rope_tables
+from npustudio.core.adapt import AdaptOptions
 from npustudio.core.config_audit import check_context, support_table
 from npustudio.core.errors import UserError
 from npustudio.core.evaluate import load_corpus
 from npustudio.core.genie import config as gc
 from npustudio.core.genie import libgenie
+from npustudio.core.graph import ops
+from npustudio.core.graph.decoder import DecoderSpec
+from npustudio.core.graph.kv_cache import KVCacheRunner, rope_tables
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 from tests.conftest import genie_pipeline, make_tiny_model
@@ -112,9 +113,9 @@ def genie_run(bundle: Path, prompt: str, n: int, encoding: dict[str, Any] | None
 
 def htp_runner(project: Project) -> KVCacheRunner:
     """The host KV-cache runner over the project's compiled binaries on the HTP simulator (our RoPE tables)."""
-    from npustudio.core.compile import ort_qnn
-    from npustudio.core.compile.graph_io import IOEncoding
-    from npustudio.core.compile.ort_graph import OrtGraph
+    from npustudio.core.graph import ort_qnn
+    from npustudio.core.graph.graph_io import IOEncoding
+    from npustudio.core.graph.ort_graph import OrtGraph
     from npustudio.core.targets import soc
 
     meta = json.loads((project.stage_dir("bundle") / "metadata.json").read_text())
@@ -142,7 +143,7 @@ def prove_in_genie(project: Project, scaling: dict[str, Any] | None) -> None:
 
     from transformers import PreTrainedTokenizerFast
 
-    from npustudio.core.compile.ort_graph import quantize
+    from npustudio.core.graph.ort_graph import quantize
 
     prompt_ids, tokens, tables = genie_run(bundle, prompt_text(), TOKENS)
     runner = htp_runner(project)

@@ -262,7 +262,7 @@ def test_token_dialog_checks_with_the_hub_and_stores_only_in_the_keyring(
 
 
 def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_project: Project) -> None:
-    from npustudio.core.quantize import encodings
+    from npustudio.core.graph import encodings
     from npustudio.gui.inspector import Inspector
 
     f = next(genie_project.stage_dir("quantize").glob("prompt_*.encodings"))

@@ -13,10 +13,11 @@ import pytest
 from npustudio.core import pipeline
 from npustudio.core.adapt import AdaptOptions
 from npustudio.core.errors import UserError
+from npustudio.core.graph import encodings
+from npustudio.core.graph.exported import read_test_vectors
 from npustudio.core.progress import Partial, State
 from npustudio.core.project import Project
-from npustudio.core.quantize import QuantizeOptions, encodings
-from npustudio.core.quantize.export import read_test_vectors
+from npustudio.core.quantize import QuantizeOptions
 from npustudio.core.quantize.presets import Overrides, load_overrides
 
 FAST = dict(calib_samples=2, calib_len=64, calib_decode=4, eval_chars=2500, window=128, decode_tokens=8)
@@ -200,7 +201,8 @@ def test_quantize_leaves_the_adapted_weights_untouched(w8: tuple[Project, list[P
 def test_rotating_the_residual_stream_keeps_the_float_model(w8: tuple[Project, list[Partial]]) -> None:
     import torch
 
-    from npustudio.core.adapt import TorchGraph, store
+    from npustudio.core.graph import store
+    from npustudio.core.graph.kv_cache import TorchGraph
     from npustudio.core.quantize.rotate import rotate_residual
 
     p = w8[0]
@@ -321,7 +323,7 @@ def _aimet_two_exports(sim: object, feeds: dict, name: str, out: Path) -> None:
 
     import aimet_torch.onnx as aonnx
 
-    from npustudio.core.adapt.decoder import io_names
+    from npustudio.core.graph.decoder import io_names
     from npustudio.core.quantize import export, simulate
 
     ins, outs = io_names(sim.model.spec.layers)
@@ -350,8 +352,8 @@ def test_folding_by_slabs_gives_aimets_folded_weights(w8: tuple[Project, list[Pa
     same tensors and encodings as aimet's compute_param_encodings and fold."""
     import torch
 
-    from npustudio.core.adapt import store
-    from npustudio.core.adapt.decoder import io_names
+    from npustudio.core.graph import store
+    from npustudio.core.graph.decoder import io_names
     from npustudio.core.quantize import simulate
     from npustudio.core.quantize.presets import preset
     from npustudio.core.targets import soc
@@ -385,8 +387,9 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
     """The stage traces each graph once and writes both forms; they must equal aimet's own two exports."""
     import torch
 
-    from npustudio.core.adapt import TorchGraph, store
-    from npustudio.core.adapt.decoder import io_names
+    from npustudio.core.graph import store
+    from npustudio.core.graph.decoder import io_names
+    from npustudio.core.graph.kv_cache import TorchGraph
     from npustudio.core.quantize import export, simulate
     from npustudio.core.quantize.presets import preset
     from npustudio.core.targets import soc
@@ -430,7 +433,7 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
 def test_shipped_override_files_load_and_every_pattern_names_a_module() -> None:
     import torch
 
-    from npustudio.core.adapt.decoder import DecoderSpec, StaticDecoder
+    from npustudio.core.graph.decoder import DecoderSpec, StaticDecoder
     from npustudio.core.quantize.presets import check_overrides
 
     spec = DecoderSpec(family="llama", model_type="llama", layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from npustudio.core import pipeline
-from npustudio.core.adapt import AdaptOptions, KVCacheRunner, store
-from npustudio.core.adapt.decoder import io_names
+from npustudio.core.adapt import AdaptOptions
 from npustudio.core.evaluate import compare, load_corpus
+from npustudio.core.graph import store
+from npustudio.core.graph.decoder import io_names
+from npustudio.core.graph.kv_cache import KVCacheRunner
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 

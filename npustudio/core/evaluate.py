@@ -218,8 +218,8 @@ EVAL_PLAN = "eval_plan.json"
 def write_reference(folder: Path, plan: EvalPlan, ids: Sequence[int], logits: Sequence[torch.Tensor]) -> None:
     """The float model's logits over `plan`'s windows (in order), for a later stage to compare with instead of
     evaluating the float model again."""
-    from .adapt.store import write_tensors
     from .fsutil import atomic_write_json
+    from .graph.store import write_tensors
 
     write_tensors(folder / REFERENCE_LOGITS, {"ids": torch.tensor(list(ids), dtype=torch.int32),
                                               "logits": torch.cat([t.float() for t in logits])})

@@ -1,5 +1,5 @@
 """The per-layer encodings inspector: a layers × roles heatmap, a sortable/filterable table of every tensor,
-and the per-channel (or per-block) scales of the selected one. All numbers come from core.quantize.encodings.
+and the per-channel (or per-block) scales of the selected one. All numbers come from core.graph.encodings.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.quantize.encodings import EncodingsTable, TensorRow
+from ..core.graph.encodings import EncodingsTable, TensorRow
 
 ROLES = ("embedding", "norm", "q", "k", "v", "o", "gate", "up", "down", "kv-cache", "activation", "lm_head")
 COLUMNS = (("name", "Tensor"), ("layer", "Layer"), ("role", "Role"), ("kind", "Kind"), ("bitwidth", "Bits"),

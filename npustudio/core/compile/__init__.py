@@ -23,17 +23,18 @@ import torch
 from pydantic import BaseModel, Field
 
 from .. import parts
-from ..adapt import KVCacheRunner, store
 from ..errors import UserError
 from ..evaluate import load_corpus, nll
 from ..fsutil import atomic_write_json, link_or_copy
+from ..graph import graph_io, ort_qnn, store
+from ..graph.exported import TEST_VECTORS, WEIGHTS_FILE, read_test_vectors
+from ..graph.graph_io import IOEncoding
+from ..graph.kv_cache import KVCacheRunner
+from ..graph.ort_graph import OrtGraph, cpu_session
 from ..parts import DEFAULT_MAX_PART_MB
 from ..progress import Laps, StateLike, peak_rss_mb
-from ..quantize.export import WEIGHTS_FILE, read_test_vectors
 from ..targets import soc
-from . import graph_io, ort_qnn, split
-from .graph_io import IOEncoding
-from .ort_graph import OrtGraph, cpu_session
+from . import split
 
 FORMAT = 1  # bumped when the compiled output changes meaning
 PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and the verification reference
@@ -237,7 +238,7 @@ def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str,
     """The prepared graph on the CPU, fed the test-vector inputs, against the quantsim's outputs."""
     out = {}
     for g in graphs:
-        tv = read_test_vectors(quant_dir / "test_vectors" / f"{g}.npz")
+        tv = read_test_vectors(quant_dir / TEST_VECTORS / f"{g}.npz")
         got = OrtGraph(cpu_session(prep / f"{g}.onnx"), io)({k: torch.from_numpy(v) for k, v in tv["in"].items()})
         ref = torch.from_numpy(tv["quant"]["logits"])
         out[f"{g}_max_abs_logit_diff"] = round(float((got["logits"] - ref).abs().max()), 5)

@@ -163,9 +163,9 @@ def _find(x: Any, keys: tuple[str, ...]) -> Any:
 
 
 def run(quant_dir: Path, options: Any, out_dir: Path, state: StateLike) -> Any:
+    from ..graph.graph_io import activation_encodings
+    from ..graph.ort_qnn import Compiled
     from . import CompileResult
-    from .graph_io import activation_encodings
-    from .ort_qnn import Compiled
 
     root = sdk_root()
     version = sdk_version(root)

@@ -26,8 +26,8 @@ import torch
 from .. import parts
 from ..errors import UserError
 from ..fsutil import atomic_write_bytes
+from ..graph.ort_graph import OrtGraph
 from ..progress import trim_heap
-from .ort_graph import OrtGraph
 
 SHARED_INPUTS = ("attention_mask", "position_ids_cos", "position_ids_sin")
 
@@ -128,7 +128,7 @@ def name_graph(ctx_onnx: Path, name: str) -> None:
     keeping the length keeps every offset)."""
     import onnx
 
-    from .ort_qnn import context_node
+    from ..graph.ort_qnn import context_node
 
     old_name, bin_name = context_node(ctx_onnx)
     old = old_name.encode()

@@ -144,7 +144,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
 
     state.progress(0.4, "runtime files")
     copied, missing = _runtime(target, out_dir)
-    from ..adapt import store  # here, not at the top: reading a bundle's metadata (deploy, chat) needs no torch
+    from ..graph import store  # here, not at the top: reading a bundle's metadata (deploy, chat) needs no torch
 
     spec, inv_freq = store.load_spec(adapt_dir)
     meta = {"model": card.get("source"), "family": card.get("family"), "target": target.model_dump(),

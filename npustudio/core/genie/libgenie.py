@@ -42,7 +42,7 @@ def library_dir() -> Path:
     sdk = os.environ.get("QNN_SDK_ROOT")
     if sdk and (Path(sdk) / "lib" / "x86_64-linux-clang" / "libGenie.so").is_file():
         return Path(sdk) / "lib" / "x86_64-linux-clang"
-    from ..compile.ort_qnn import qnn_paths
+    from ..graph.ort_qnn import qnn_paths
 
     return Path(qnn_paths()["folder"])
 

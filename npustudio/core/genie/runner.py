@@ -141,10 +141,10 @@ class Preview:
         import torch
         from transformers import PreTrainedTokenizerFast
 
-        from ..adapt import KVCacheRunner
-        from ..adapt.decoder import DecoderSpec
-        from ..compile.graph_io import IOEncoding
-        from ..compile.ort_graph import OrtGraph, cpu_session
+        from ..graph.decoder import DecoderSpec
+        from ..graph.graph_io import IOEncoding
+        from ..graph.kv_cache import KVCacheRunner
+        from ..graph.ort_graph import OrtGraph, cpu_session
 
         t0 = self.origin = time.perf_counter()  # profile times count from here, as Genie's do from create
         meta = _metadata(bundle_dir)

@@ -19,8 +19,6 @@ import torch
 from pydantic import BaseModel, Field
 
 from .. import compute
-from ..adapt import KVCacheRunner, TorchGraph, store
-from ..adapt.decoder import io_names
 from ..compute import Device
 from ..errors import UserError
 from ..evaluate import (
@@ -35,6 +33,10 @@ from ..evaluate import (
     read_plan,
 )
 from ..fsutil import atomic_write_json
+from ..graph import store
+from ..graph.decoder import io_names
+from ..graph.exported import TEST_VECTORS, WEIGHTS_FILE, write_test_vectors
+from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
 from ..targets import DEFAULT_SOC, soc
 from . import export, rotate, simulate
@@ -172,14 +174,14 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     sim.model.cpu()  # the export (and its bit-for-bit checks) run where CI runs them
     if options.export:
         state.progress(0.8, "exporting ONNX + encodings")
-        vec_dir = out_dir / "test_vectors"
+        vec_dir = out_dir / TEST_VECTORS
         vec_dir.mkdir(exist_ok=True)
         traced: list[export.Traced] = []
         for name, feeds, fo in zip(graph_list, vectors, fp_out, strict=True):
             state.check()
             traced.append(export.trace_graph(sim, feeds, name, out_dir))
             qo = TorchGraph(sim.model)(feeds)
-            export.write_test_vectors(vec_dir / f"{name}.npz", feeds, fo, qo)
+            write_test_vectors(vec_dir / f"{name}.npz", feeds, fo, qo)
             gc.collect()
         # the QDQ pass reads the traced graphs and the weights on disk: the model goes first (its float weights
         # are 5 GB on a 1B model; the pass adds the largest table and its integers to whatever is still held).
@@ -192,7 +194,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
             state.check()
             files += [*export.write_qdq(t), vec_dir / f"{name}.npz"]
         export.share_weights([f for f in files if f.suffix == ".onnx"], out_dir)
-        files.append(out_dir / export.WEIGHTS_FILE)
+        files.append(out_dir / WEIGHTS_FILE)
         for f in COPIED_FILES:
             if (adapt_dir / f).is_file():
                 shutil.copy2(adapt_dir / f, out_dir / f)

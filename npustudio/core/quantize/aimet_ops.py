@@ -1,7 +1,7 @@
 """Quantized definitions of the adapted decoder's own ops, registered with aimet-torch's QuantizationMixin.
 
 aimet-torch's QuantizationSimModel only wraps module types it knows; the adapted decoder's elementary ops
-(core/adapt/ops.py) are ours, so each is registered here the way aimet-torch registers its own
+(core/graph/ops.py) are ours, so each is registered here the way aimet-torch registers its own
 `aimet_torch.nn.modules.custom` ops. Importing this module performs the registration (idempotent).
 RMSNorm is wrapped as a whole (its internals stay float: they run in fp16 on the HTP).
 """
@@ -12,8 +12,8 @@ import torch
 from aimet_torch.nn import QuantizationMixin, QuantizedConv2d
 from aimet_torch.nn.true_quant import _DispatchMixin
 
-from ..adapt import ops
-from ..adapt.decoder import Neg
+from ..graph import ops
+from ..graph.decoder import Neg
 
 # pylint: disable=abstract-method
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ..adapt.decoder import io_names
 from ..fsutil import atomic_write_json
+from ..graph.decoder import io_names
+from ..graph.exported import WEIGHTS_FILE
 from ..progress import trim_heap
 from . import simulate
 
-WEIGHTS_FILE = "weights.bin"
 _MIN_EXTERNAL = 1024  # bytes: smaller tensors stay inside the .onnx
 
 
@@ -374,30 +374,6 @@ def _initializers(model: Any) -> list[Any]:
         for a in node.attribute:
             if a.HasField("t"):
                 out.append(a.t)
-    return out
-
-
-def write_test_vectors(path: Path, feeds: dict[str, torch.Tensor], fp: dict[str, torch.Tensor],
-                       quant: dict[str, torch.Tensor]) -> None:
-    """Inputs + FP and quantized outputs of one step, as a plain .npz (no pickle inside)."""
-    import numpy as np
-
-    arrays = {f"in/{k}": v.detach().cpu().numpy() for k, v in feeds.items()}
-    arrays |= {f"fp/{k}": v.detach().float().cpu().numpy() for k, v in fp.items()}
-    arrays |= {f"quant/{k}": v.detach().float().cpu().numpy() for k, v in quant.items()}
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
-    os.replace(tmp, path)
-
-
-def read_test_vectors(path: Path) -> dict[str, dict[str, Any]]:
-    import numpy as np
-
-    with np.load(path, allow_pickle=False) as z:
-        out: dict[str, dict[str, Any]] = {"in": {}, "fp": {}, "quant": {}}
-        for k in z.files:
-            group, _, name = k.partition("/")
-            out[group][name] = z[k]
     return out
 
 

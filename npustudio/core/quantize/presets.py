@@ -90,7 +90,7 @@ def load_overrides(path: str | Path | None) -> Overrides:
 def override_targets(model: Any) -> dict[str, list[str]]:
     """The module names each section of an override file can name: weights are the 1x1 convolutions and the
     embedding table; activations are the leaf ops (each gets its own quantizers in the quantsim)."""
-    from ..adapt.ops import Conv1x1
+    from ..graph.ops import Conv1x1
 
     mods = list(model.named_modules())
     return {"weights": [n for n, m in mods if isinstance(m, Conv1x1)] + ["embed"],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..adapt.decoder import StaticDecoder
+from ..graph.decoder import StaticDecoder
 
 
 def random_orthogonal(n: int, seed: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..adapt.decoder import StaticDecoder
+from ..graph.decoder import StaticDecoder
 from ..progress import trim_heap
 from ..targets import Soc
 from .presets import Overrides, Preset

@@ -19,9 +19,9 @@ from PySide6.QtWidgets import (
 
 from ...core import isolated, pipeline
 from ...core.errors import UserError
+from ...core.graph import encodings as enc
 from ...core.models import human_bytes
 from ...core.quantize import QuantizeOptions
-from ...core.quantize import encodings as enc
 from ...core.quantize.presets import load_overrides
 from .. import worker
 from ..charts import PplChart

@@ -28,7 +28,7 @@ def weights(enc_file: Path, rows: list[TensorRow]) -> dict[str, float]:
     """SQNR (dB) per weight row of `rows` whose float values the adapted model holds (inf: no error at all)."""
     from safetensors import safe_open
 
-    from ..adapt import store
+    from . import store
 
     quant_dir = Path(enc_file).resolve().parent
     floats = quant_dir.parent / "adapt" / store.WEIGHTS

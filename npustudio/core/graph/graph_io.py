@@ -175,7 +175,7 @@ def activation_encodings(path: Path) -> dict[str, IOEncoding]:
 
     Read with the quantize stage's encodings reader (1.0.0 and legacy, clear errors on malformed files).
     """
-    from ..quantize import encodings
+    from . import encodings
 
     return {r.name: IOEncoding(dtype="uint16" if r.bitwidth > 8 else "uint8", scale=r.scale_min,
                                zero_point=-r.offset)
