@@ -1,4 +1,4 @@
-"""Project-wide rules: the import contracts (Qt-free core, layers), ruff-clean code, the README's two commands."""
+"""Project-wide rules: import contracts (Qt-free core, layers), mypy on the core, ruff, the README's two commands."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def test_the_import_contracts_hold() -> None:
                        text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 broken" in r.stdout
+
+
+def test_mypy_passes_on_the_core() -> None:
+    """The type hints of npustudio/core are checked (settings in pyproject.toml), pydantic's plugin included."""
+    r = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_importing_every_core_module_loads_no_qt() -> None:

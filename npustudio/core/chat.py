@@ -83,20 +83,21 @@ class DeviceRunner:
 
 def answer_stream(on_text: OnText) -> OnText:
     """genie-t2t-run prints `[PROMPT]: …` first: pass on only what comes after `[BEGIN]: `, up to `[END]`."""
-    state = {"buf": "", "on": False, "done": False}
+    buf, on, done = "", False, False
 
     def feed(s: str) -> None:
-        if state["done"]:
+        nonlocal buf, on, done
+        if done:
             return
-        if not state["on"]:
-            state["buf"] += s
-            if "[BEGIN]: " not in state["buf"]:
+        if not on:
+            buf += s
+            if "[BEGIN]: " not in buf:
                 return
-            state["on"] = True
-            s = state["buf"].split("[BEGIN]: ", 1)[1]
+            on = True
+            s = buf.split("[BEGIN]: ", 1)[1]
         if "[END]" in s:
             s = s.split("[END]", 1)[0]
-            state["done"] = True
+            done = True
         if s:
             on_text(s)
 

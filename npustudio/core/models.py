@@ -433,6 +433,8 @@ def load(source: ModelSource, dtype: Any = None) -> LoadedModel:
     config, tok = load_config_and_tokenizer(source)
     card = make_card(config, tok, source)
     dtype = dtype or torch.float32
+    if source.path is None:
+        raise ValueError("load() takes a resolved source (a local folder or file)")
     if source.gguf_file:
         try:
             model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=dtype,
@@ -528,12 +530,11 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
     kv = 2 * card.layers * card.kv_heads * hd * context_length  # 8-bit K and V
     ar = min(ar, max(1, context_length - 1))
     pm = part_model(card, precision, ar, context_length)
+    problem: str | None = None
     try:
         ranges: list[range] | None = parts.plan(pm, int(max_part_mb * 2**20))
     except UserError as e:
         ranges, problem = None, e.problem
-    else:
-        problem = None
     ram = int(weights * 1.1 + kv + 256 * 1024**2)  # +10 % I/O buffers, +256 MB Genie/QNN runtime
     tier = next((g for g in PHONE_RAM_TIERS_GB if ram <= 0.5 * g * GiB), None)
     return FitEstimate(

@@ -8,6 +8,7 @@ equivalence gate fails the stage when they differ (unless the user accepts the m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,7 @@ def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike)
     plan.tokens = len(ids)
     kept: list[torch.Tensor] = []  # the adapted model's logits: quantize's float reference, not recomputed there
 
-    def adapted(w: list[int]) -> torch.Tensor:
+    def adapted(w: Sequence[int]) -> torch.Tensor:
         kept.append(runner.score(w, decode_tokens=options.decode_tokens))
         return kept[-1]
 

@@ -17,12 +17,15 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..progress import StateLike, peak_rss_mb
 from ..targets import Soc, soc
+
+if TYPE_CHECKING:
+    from . import CompileOptions, CompileResult
 
 BAD_VERSIONS = ("2.38.",)  # known Genie breakage
 HOST = "x86_64-linux-clang"
@@ -162,7 +165,7 @@ def _find(x: Any, keys: tuple[str, ...]) -> Any:
     return None
 
 
-def run(quant_dir: Path, options: Any, out_dir: Path, state: StateLike) -> Any:
+def run(quant_dir: Path, options: CompileOptions, out_dir: Path, state: StateLike) -> CompileResult:
     from ..graph.graph_io import activation_encodings
     from ..graph.ort_qnn import Compiled
     from . import CompileResult

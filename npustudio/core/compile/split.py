@@ -204,7 +204,7 @@ class OneAtATime:
         out = self.live[1](feeds)
         self.seconds[ar] += time.perf_counter() - t0
         self.calls[ar] += 1
-        return out  # type: ignore[no-any-return]
+        return out
 
     def release(self) -> None:
         self.live = None

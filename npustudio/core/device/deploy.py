@@ -9,7 +9,6 @@ first file that did not finish.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import posixpath
@@ -221,26 +220,27 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
     pending: list[tuple[str, str]] = []  # (name, temporary name): pushed, not yet renamed and recorded
     current = "the bundle"
     try:
-        with _Sync(d) if todo else contextlib.nullcontext() as sync:
-            for i, (name, p, size, digest) in enumerate(todo):
-                current = name
-                tmp = posixpath.join(rdir, f".{name}.part")
-                src = _Progress(p, state, sent, total, t0)
-                try:
-                    mode = 0o644 if name.endswith((".json", ".txt", ".bin")) else 0o755
-                    n, mtime = sync.send(src, tmp, mode=mode)
-                finally:
-                    src.close()
-                if n != size:
-                    raise UserError(f"{name} changed while it was pushed ({n} of {size} bytes).", "Deploy again.")
-                sent += size
-                pending.append((name, tmp))
-                remote_manifest[name] = {"size": size, "mtime": mtime, "sha256": digest}
-                if size >= _MANIFEST_EVERY or i == len(todo) - 1:  # what finished survives a disconnect
-                    _rename(d, rdir, pending)
-                    _write_manifest(sync, rdir, remote_manifest)
-                    pending.clear()
-                rows.append({"file": name, "bytes": size, "sent": True})
+        if todo:  # nothing to send: no sync connection
+            with _Sync(d) as sync:
+                for i, (name, p, size, digest) in enumerate(todo):
+                    current = name
+                    tmp = posixpath.join(rdir, f".{name}.part")
+                    src = _Progress(p, state, sent, total, t0)
+                    try:
+                        mode = 0o644 if name.endswith((".json", ".txt", ".bin")) else 0o755
+                        n, mtime = sync.send(src, tmp, mode=mode)
+                    finally:
+                        src.close()
+                    if n != size:
+                        raise UserError(f"{name} changed while it was pushed ({n} of {size} bytes).", "Deploy again.")
+                    sent += size
+                    pending.append((name, tmp))
+                    remote_manifest[name] = {"size": size, "mtime": mtime, "sha256": digest}
+                    if size >= _MANIFEST_EVERY or i == len(todo) - 1:  # what finished survives a disconnect
+                        _rename(d, rdir, pending)
+                        _write_manifest(sync, rdir, remote_manifest)
+                        pending.clear()
+                    rows.append({"file": name, "bytes": size, "sent": True})
     except UserError:
         raise
     except Exception as e:

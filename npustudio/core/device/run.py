@@ -105,7 +105,7 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
     pending, pid, parts = bytearray(), None, []
     decoder = _Utf8()
     if stop is not None:  # stop closes the stream from any thread; the read below then ends
-        threading.Thread(target=lambda: (stop.wait(), _close(conn)), daemon=True).start()
+        threading.Thread(target=_close_when_set, args=(stop, conn), daemon=True).start()
     try:
         while True:
             try:
@@ -150,6 +150,11 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
             raise err
     return DeviceRun(text=answer(output), output=output, status=status, profile_path=profile_path,
                      seconds=round(time.perf_counter() - t0, 3))
+
+
+def _close_when_set(stop: threading.Event, conn: Any) -> None:
+    stop.wait()
+    _close(conn)
 
 
 def _close(conn: Any) -> None:

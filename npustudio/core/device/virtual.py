@@ -419,10 +419,10 @@ class VirtualDevice:
         out = bytearray()
         try:
             folder = self.host_path(path)
-            names = sorted(os.listdir(folder))
+            names = [".", "..", *sorted(os.listdir(folder))]
         except OSError:
-            names, folder = [], None
-        for name in [".", "..", *names] if folder is not None else []:
+            folder, names = Path(), []  # nothing listed, not even . and ..
+        for name in names:
             try:
                 st = os.lstat(folder / name)
             except OSError:

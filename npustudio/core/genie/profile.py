@@ -78,8 +78,9 @@ def from_data(data: Any, source: str = "profile") -> Profile:
             if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
                 raise UserError(f"{source}: event {ei} of component {ci} has no type.", "The file is damaged.")
             row: dict[str, Any] = {"type": ev["type"], "component": str(comp.get("name", ci))}
-            fields = [(k, attr, ev.get(k), int) for k, attr in (("start", "start_us"), ("stop", "stop_us"),
-                                                                ("duration", "duration_us"))]
+            fields: list[tuple[str, str, Any, type[int] | type[float]]] = [
+                (k, attr, ev.get(k), int)
+                for k, attr in (("start", "start_us"), ("stop", "stop_us"), ("duration", "duration_us"))]
             fields += [(k, attr, v.get("value") if isinstance(v := ev.get(k), dict) else v,
                         float if "rate" in k else int) for k, attr in _FIELDS.items()]
             for k, attr, v, kind in fields:
@@ -89,7 +90,8 @@ def from_data(data: Any, source: str = "profile") -> Profile:
                     raise UserError(f"{source}: in event {ei} of component {ci}, {k} is {v}, not a finite number.",
                                     "The file is damaged: run Genie again with --profile.") from e
             events.append(Event(**row))
-    meta = data.get("metadata") if isinstance(data.get("metadata"), dict) else {}
+    meta = data.get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
     return Profile(runner=str(meta.get("runner", "genie")), events=events)
 
 

@@ -189,7 +189,7 @@ class Preview:
             if tok in self.eos:
                 break
             out.append(tok)
-            text = self.tok.decode(out, skip_special_tokens=False)
+            text = str(self.tok.decode(out, skip_special_tokens=False))
             if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
                 on_text(text[len(shown):])
                 shown = text
@@ -204,7 +204,7 @@ class Preview:
                  "num-generated-tokens": {"value": len(out), "unit": ""},
                  "token-generation-rate": {"value": round(len(out) / max(gen, 1e-9), 3), "unit": "toks/sec"},
                  "token-generation-time": {"value": int(gen * 1e6), "unit": "us"}}
-        return self.tok.decode(out, skip_special_tokens=False), event, aborted
+        return str(self.tok.decode(out, skip_special_tokens=False)), event, aborted
 
     def profile(self, events: list[dict[str, Any]]) -> str:
         create = {"type": "GenieDialog_create", "duration": self.init_us, "start": 0, "stop": self.init_us,

@@ -14,7 +14,7 @@ single-head convs (SHA).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from pydantic import BaseModel
@@ -86,7 +86,7 @@ class Attention(nn.Module):
                          for j in range(kv)])
         k = torch.stack([self.k[j](x).reshape(1, hd, n) for j in range(kv)])
         v = torch.stack([self.v[j](x).reshape(hd, n).t().reshape(1, n, hd) for j in range(kv)])
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.q_rope(q, cos_q, sin_q)
         k = self.k_rope(k, cos_k, sin_k)
@@ -153,6 +153,11 @@ class StaticDecoder(nn.Module):
         w = self.embed.weight
         self.lm_head.weight = nn.Parameter(w.data.view(w.shape[0], w.shape[1], 1, 1))
 
+    @property
+    def blocks(self) -> list[Layer]:
+        """The decoder layers, typed (an nn.ModuleList yields plain Modules)."""
+        return [cast(Layer, m) for m in self.layers]
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids_cos: torch.Tensor,
                 position_ids_sin: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = input_ids.shape[1]
@@ -195,7 +200,7 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
         m = StaticDecoder(spec)
     hd, scale = spec.head_dim, 1.0 / math.sqrt(spec.head_dim)
     _share(m.embed, "weight", recipe.embedding(hf_model))
-    for layer, hf_layer in zip(m.layers, recipe.layers(hf_model), strict=True):
+    for layer, hf_layer in zip(m.blocks, recipe.layers(hf_model), strict=True):
         w = recipe.layer(hf_layer)
         _share(layer.input_norm, "weight", w.input_norm)
         _share(layer.post_norm, "weight", w.post_norm)
@@ -208,7 +213,9 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
                 _share(conv, "weight", _conv(wt[rows]) * sc if sc != 1.0 else _conv(wt[rows]))
                 if b is not None:
                     _share(conv, "bias", b[rows] * sc if sc != 1.0 else b[rows])
-        if spec.qk_norm:
+        if at.q_norm is not None and at.k_norm is not None:
+            if w.q_norm is None or w.k_norm is None:
+                raise ValueError("the card says q/k norm; the weights have none")
             _share(at.q_norm, "weight", w.q_norm * scale)
             _share(at.k_norm, "weight", w.k_norm)
         for name, conv, wt, b in (("o_proj", at.o, w.o, w.o_bias), ("gate", layer.mlp.gate, w.gate, w.gate_bias),

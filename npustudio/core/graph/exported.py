@@ -23,7 +23,7 @@ def write_test_vectors(path: Path, feeds: dict[str, torch.Tensor], fp: dict[str,
     arrays |= {f"fp/{k}": v.detach().float().cpu().numpy() for k, v in fp.items()}
     arrays |= {f"quant/{k}": v.detach().float().cpu().numpy() for k, v in quant.items()}
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
+    np.savez_compressed(tmp, **arrays)  # type: ignore[arg-type]  # (numpy's stub reads **arrays as allow_pickle)
     os.replace(tmp, path)
 
 

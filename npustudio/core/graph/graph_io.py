@@ -118,7 +118,7 @@ def prepare(src: Path, encodings_file: Path, dst: Path) -> dict[str, IOEncoding]
         y = out.name
         dq = prod.get(y)
         q = prod.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
-        if q is None or q.op_type != "QuantizeLinear":
+        if dq is None or q is None or q.op_type != "QuantizeLinear":
             raise UserError(f"Output {y} of {src.name} is not quantized.", "Re-run the quantize stage.")
         scale, zp, elem = qparams(q)
         internal = [n for n in g.node if y in n.input and n is not dq]

@@ -44,7 +44,7 @@ class Conv1x1(nn.Conv2d):
         super().__init__(in_f, out_f, kernel_size=1, bias=bias is not None)
         with torch.no_grad():
             self.weight.copy_(weight.reshape(out_f, in_f, 1, 1))
-            if bias is not None:
+            if bias is not None and self.bias is not None:
                 self.bias.copy_(bias)
 
 

@@ -47,7 +47,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         with open(tmp, "wb") as f:
             f.write(len(raw).to_bytes(8, "little") + raw)
             for t in tensors.values():
-                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -117,7 +117,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
                 continue
             start, end = meta["data_offsets"]
             t = torch.empty(meta["shape"], dtype=_DTYPES[meta["dtype"]])
-            buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            buf = t.reshape(-1).view(torch.uint8).numpy().data
             if end - start != len(buf) or 8 + n + end > size:
                 raise bad
             f.seek(8 + n + start)

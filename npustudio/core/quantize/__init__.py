@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     else:  # another eval than adapt's: the model is quantized in place afterwards, so keep its logits
         state.progress(0.02, "FP reference")
 
-        def fp_logits(w: list[int]) -> torch.Tensor:
+        def fp_logits(w: Sequence[int]) -> torch.Tensor:
             ref.append(fp_run.score(w, plan.decode_tokens))
             return ref[-1]
 

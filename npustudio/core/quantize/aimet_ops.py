@@ -8,6 +8,8 @@ RMSNorm is wrapped as a whole (its internals stay float: they run in fp16 on the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from aimet_torch.nn import QuantizationMixin, QuantizedConv2d
 from aimet_torch.nn.true_quant import _DispatchMixin
@@ -45,6 +47,11 @@ class QuantizedNeg(_DispatchMixin, QuantizationMixin, Neg):
 
 @QuantizationMixin.implements(ops.RMSNorm)
 class QuantizedRMSNorm(QuantizationMixin, ops.RMSNorm):
+    input_quantizers: Any  # aimet's ModuleLists (torch types a Module attribute as Tensor | Module)
+    output_quantizers: Any
+    param_quantizers: Any
+    _patch_quantized_parameters: Any
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_quantizers[0]:
             x = self.input_quantizers[0](x)
@@ -58,3 +65,5 @@ class QuantizedRMSNorm(QuantizationMixin, ops.RMSNorm):
 @QuantizationMixin.implements(ops.Conv1x1)
 class QuantizedConv1x1(QuantizedConv2d, ops.Conv1x1):
     """A 1x1 conv is a Conv2d to aimet: same quantizers, so weights can be per output channel."""
+
+    param_quantizers: Any  # aimet's ModuleDict (torch types a Module attribute as Tensor | Module)

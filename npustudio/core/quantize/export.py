@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -149,7 +149,7 @@ def _weights_outside(trace: Any) -> Any:
 
         def keep(*a: Any) -> Any:
             out = dedupe(*a)
-            params.update(out)
+            params.update(cast(dict[str, torch.Tensor], out))
             return out
 
         with patch_attr(torch._C, "_jit_pass_onnx_deduplicate_initializers", keep):
@@ -180,7 +180,7 @@ def attach_weights(path: Path, params: dict[str, torch.Tensor]) -> None:
                 init.raw_data = raw.tobytes()
             else:
                 _point_at(init, side.name, blob.tell(), raw.nbytes)
-                blob.write(memoryview(raw))
+                blob.write(raw.data)
             proto.graph.initializer.append(init)
     del proto.graph.input[:]
     proto.graph.input.extend(i for i in inputs if i.name not in params)

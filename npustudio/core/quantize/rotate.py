@@ -10,6 +10,8 @@ spread over all channels, so the weights that read the stream have no outlier in
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -30,20 +32,21 @@ def rotate_residual(model: StaticDecoder, seed: int = 0) -> None:
     d = model.spec.hidden
     q = random_orthogonal(d, seed)
 
-    def reads(conv: nn.Conv2d, gain: torch.Tensor) -> None:
+    # (Any: a ModuleList hands out plain Modules, whose .weight torch types as Tensor | Module)
+    def reads(conv: Any, gain: torch.Tensor) -> None:
         w = conv.weight.double().reshape(conv.weight.shape[0], d)
         conv.weight = nn.Parameter(((w * gain) @ q).float().reshape(conv.weight.shape))
 
-    def writes(conv: nn.Conv2d) -> None:
+    def writes(conv: Any) -> None:
         w = conv.weight.double().reshape(d, -1)
         conv.weight = nn.Parameter((q.t() @ w).float().reshape(conv.weight.shape))
 
-    def unit(norm: nn.Module) -> torch.Tensor:
+    def unit(norm: Any) -> torch.Tensor:
         gain = norm.weight.double().clone()
         norm.weight = nn.Parameter(torch.ones_like(norm.weight))
         return gain
 
-    for layer in model.layers:
+    for layer in model.blocks:
         gain = unit(layer.input_norm)
         for conv in (*layer.attn.q, *layer.attn.k, *layer.attn.v):
             reads(conv, gain)

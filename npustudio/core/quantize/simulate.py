@@ -99,10 +99,10 @@ def weight_quantizer(weight: torch.Tensor, bits: int, block_size: int | None) ->
     return _qdq((out_c, 1, 1, 1), bits, True)
 
 
-def configure(model: torch.nn.Module, preset: Preset, ov: Overrides) -> None:
+def configure(model: Any, preset: Preset, ov: Overrides) -> None:
     from .aimet_ops import QuantizedConv1x1, QuantizedRMSNorm
 
-    names = {m: n for n, m in model.named_modules()}
+    names: dict[Any, str] = {m: n for n, m in model.named_modules()}  # aimet's modules: attributes torch cannot type
     for m, name in names.items():
         if isinstance(m, QuantizedConv1x1):
             default = preset.head_bits if name == "lm_head" else preset.weight_bits
@@ -136,12 +136,12 @@ def _override_activations(names: dict[torch.nn.Module, str], ov: Overrides) -> N
                     q.bitwidth = bits
 
 
-def _clear(quantizers: torch.nn.ModuleList) -> None:
+def _clear(quantizers: Any) -> None:
     for i in range(len(quantizers)):
         quantizers[i] = None
 
 
-def _tie_kv(attn: torch.nn.Module, bits: int) -> None:
+def _tie_kv(attn: Any, bits: int) -> None:
     """One 8-bit encoding per layer for K and one for V: past_*_in, the new entries and the joined cache."""
     kq, vq = _qdq((), bits, False), _qdq((), bits, False)
     kq._npustudio_kv = vq._npustudio_kv = True
@@ -154,7 +154,7 @@ def _tie_kv(attn: torch.nn.Module, bits: int) -> None:
     attn.v_cat.output_quantizers[0] = vq
 
 
-def _share_mask(model: torch.nn.Module) -> None:
+def _share_mask(model: Any) -> None:
     """The mask feeds every layer's score add: one quantizer, so one encoding."""
     mask = model.layers[0].attn.mask_add.input_quantizers[1]
     for layer in model.layers:
@@ -162,13 +162,13 @@ def _share_mask(model: torch.nn.Module) -> None:
             layer.attn.mask_add.input_quantizers[1] = mask
 
 
-def _share_rope_tables(model: torch.nn.Module) -> None:
+def _share_rope_tables(model: Any) -> None:
     """cos/sin lie in [-s, s] (s: the RoPE attention scaling yarn and longrope multiply the tables by, else 1):
     one frozen 16-bit encoding for the inputs, the sign flip and the doubled tables. Genie quantizes its own
     tables with this encoding, so it must hold their whole range."""
     import torch as t
 
-    s = max(1.0, abs(float(model.spec.rope_attention_scaling)))  # type: ignore[union-attr]
+    s = max(1.0, abs(float(model.spec.rope_attention_scaling)))
     q = _qdq((), 16, False)
     q.set_range(t.tensor(-s), t.tensor(s))
     q.allow_overwrite(False)
@@ -178,7 +178,7 @@ def _share_rope_tables(model: torch.nn.Module) -> None:
                 qs[i] = q
 
 
-def input_quantizers(model: torch.nn.Module) -> dict[str, Any]:
+def input_quantizers(model: Any) -> dict[str, Any]:
     """The quantizers that encode the float graph inputs (by input name)."""
     return {"position_ids_cos": model.cos_cat.output_quantizers[0],
             "position_ids_sin": model.sin_cat.output_quantizers[0],
