@@ -47,6 +47,15 @@ GENIE_TOKENS = 16
 
 
 def build_model(name: str, folder: Path) -> Path:
+    """`name`'s random HF folder, built in a child process: a stage's peak RSS is read from its process's rusage,
+    which on Linux starts from the high-water mark of the process that spawned it (the exec'd child inherits
+    it): built here, the 7 GB of float weights of the build showed as every stage's peak."""
+    if not (folder / "config.json").is_file():
+        subprocess.run([sys.executable, __file__, "--child-build", name, str(folder)], check=True, cwd=ROOT)
+    return folder
+
+
+def _build(name: str, folder: Path) -> Path:
     """A random-weight HF folder of `name`'s shapes, initialized as transformers initializes an untrained model.
 
     Scaled-up random weights (x4, tried first) make the network chaotic: w8a16 then moved the float model's
@@ -235,9 +244,13 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="rerun stages the project would skip")
     ap.add_argument("--json", action="store_true", help="print only the JSON")
     ap.add_argument("--child-genie", help=argparse.SUPPRESS)
+    ap.add_argument("--child-build", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child_genie:
         print(json.dumps(genie_vs_preview(a.child_genie)))
+        return
+    if a.child_build:
+        _build(a.child_build[0], Path(a.child_build[1]))
         return
     work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-scale-"))
     models = list(MODELS) if a.model == "all" else a.model.split(",")
