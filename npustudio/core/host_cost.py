@@ -20,13 +20,16 @@ from .errors import UserError
 REFERENCE_CPUS = 2
 MB = 2**20
 # stage -> (MiB of libraries and buffers, bytes per parameter, seconds, seconds per million parameters) on 2 cores
-# (memory per parameter from the Llama-3.2-1B-shaped w8a16 run: adapt 6,825 MB, quantize 8,909 MB, compile
-# 5,901 MB peak RSS for 1.24 B parameters)
+# (memory per parameter from the Llama-3.2-1B-shaped runs, 1.24 B parameters: adapt 6,722 MB, quantize 8,018 MB
+# at w8a16 and 10,653 MB at w4a16, compile 5,785 MB peak RSS)
 RATES: dict[str, tuple[float, float, float, float]] = {
     "adapt": (1400, 4.6, 50, 0.05),
-    "quantize": (1600, 6.2, 150, 0.35),
+    "quantize": (1600, 5.5, 150, 0.35),
     "compile": (2200, 3.2, 150, 0.45),
 }
+# the quantize stage's bytes per parameter where a precision needs more than RATES says: w4a16's block-quantized
+# (LPBQ) weights carry a scale per block of 64, which aimet's export holds as Python numbers
+QUANTIZE_BYTES_PER_PARAM = {"w4a16": 7.7}
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
 
 
@@ -37,7 +40,8 @@ class StageCost(BaseModel):
 
 
 class HostEstimate(BaseModel):
-    """The same for either precision: the stages hold float weights whatever the target bitwidth."""
+    """For the hungriest precision: the stages hold float weights whatever the target bitwidth, and w4a16's
+    quantize stage holds its per-block scales too."""
 
     stages: list[StageCost]
     peak_ram_bytes: int
@@ -56,8 +60,13 @@ def machine_ram() -> int | None:
         return None
 
 
-def stage_cost(stage: str, params: int, gguf: bool = False, cpus: int | None = None) -> StageCost:
+def stage_cost(stage: str, params: int, gguf: bool = False, cpus: int | None = None,
+               precision: str | None = None) -> StageCost:
+    """One stage's estimate; the quantize stage's at `precision` (None: the hungriest precision)."""
     base, per_param, secs, per_mparam = RATES[stage]
+    if stage == "quantize":
+        per_param = QUANTIZE_BYTES_PER_PARAM.get(precision, per_param) if precision else max(
+            per_param, *QUANTIZE_BYTES_PER_PARAM.values())
     ram = base * MB + per_param * params + (GGUF_EXTRA_BYTES_PER_PARAM * params if gguf and stage == "adapt" else 0)
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
     return StageCost(stage=stage, peak_ram_bytes=int(ram), seconds=round((secs + per_mparam * params / 1e6) * scale))
@@ -73,10 +82,10 @@ def estimate(card: Any, gguf: bool = False) -> HostEstimate:
                         fits=ram is None or peak <= ram)
 
 
-def check_fits(card: Any, stage: str, gguf: bool = False) -> None:
+def check_fits(card: Any, stage: str, gguf: bool = False, precision: str | None = None) -> None:
     """Refuse a stage whose estimated peak memory is over this computer's RAM (before loading anything)."""
     ram = machine_ram()
-    need = stage_cost(stage, card.params, gguf).peak_ram_bytes
+    need = stage_cost(stage, card.params, gguf, precision=precision).peak_ram_bytes
     if ram is not None and need > ram:
         raise UserError(f"The {stage} stage of this {card.params / 1e9:.1f} B-parameter model needs about "
                         f"{need / 2**30:.1f} GiB of memory (an estimate); this computer has {ram / 2**30:.1f} GiB.",

@@ -58,11 +58,11 @@ def _discard_if_unused(project: Project, existed: bool) -> None:
         pass  # the original error matters more than this tidying up
 
 
-def _check_fits(project: Project, stage: str) -> None:
+def _check_fits(project: Project, stage: str, precision: str | None = None) -> None:
     """Refuse a stage this computer's memory cannot hold, from the model's card (before anything loads)."""
     rec = project.record("model")
     if rec is not None and rec.status == "done":
-        host_cost.check_fits(models.ArchCard(**rec.result["card"]), stage)
+        host_cost.check_fits(models.ArchCard(**rec.result["card"]), stage, precision=precision)
 
 
 def resolve(model: str) -> models.ModelSource:
@@ -115,7 +115,7 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
     arec = _require(project, "adapt", "adapt", "adapted model")
 
     def fn(out: Path) -> dict[str, Any]:
-        _check_fits(project, "quantize")
+        _check_fits(project, "quantize", options.precision)
         free_big_blocks_at_once()
         return quantize_stage.run(project.stage_dir("adapt"), options, out, state).model_dump()
 
