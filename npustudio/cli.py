@@ -19,6 +19,7 @@ from rich.table import Table
 
 from .core import quiet
 from .core.errors import UserError
+from .core.genie.config import CONFIG as GENIE_CONFIG
 from .core.parts import DEFAULT_MAX_PART_MB
 from .core.progress import Cancelled, Partial, State
 from .core.progress import Progress as ProgressEvent
@@ -616,11 +617,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 def _default_bundle() -> Path:
     from .core import pipeline
-    from .core.genie.config import CONFIG
     from .core.project import Project
 
     b = Project(pipeline.default_project_dir()).stage_dir("bundle")
-    if not (b / CONFIG).is_file():
+    if not (b / GENIE_CONFIG).is_file():
         raise UserError("No bundle given and the default project has none.", "Pass --bundle DIR, or run "
                         "`npustudio run` first.")
     return b
@@ -772,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("genie-run", cmd_genie_run, "run a bundle with the real Genie on the HTP simulator "
             "(genie-t2t-run compatible)")
-    s.add_argument("-c", "--config", type=_given, required=True, help="the bundle's genie_config.json")
+    s.add_argument("-c", "--config", type=_given, required=True, help=f"the bundle's {GENIE_CONFIG}")
     s.add_argument("-p", "--prompt", default=None)
     s.add_argument("--prompt_file", type=_given, default=None, help="prompt text file (real newlines)")
     s.add_argument("--profile", type=_given, default=None, help="write Genie's profile JSON here")
