@@ -26,6 +26,7 @@ from .config_audit import audit as audit_options
 from .errors import UserError
 from .families import recipe_for
 from .fsutil import read_json, sha256_file
+from .shape import DecoderShape
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -182,29 +183,15 @@ def download(source: ModelSource, token: str | None = None, cache_dir: Path | No
 
 
 # ---------------------------------------------------------------- architecture card
-class ArchCard(BaseModel):
-    family: str
-    model_type: str
+class ArchCard(DecoderShape):
+    """A model's architecture as its config states it, audited (core/config_audit.py) before any weight loads."""
+
     architecture: str
     source: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
     params: int
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    tied_embeddings: bool
     max_position: int
-    rms_norm_eps: float
-    qkv_bias: bool
-    qk_norm: bool
-    o_bias: bool = False
-    mlp_bias: bool = False
-    activation: str = "silu"
     sliding_window: int | None = None
     bos_id: int | None
     eos_ids: list[int]

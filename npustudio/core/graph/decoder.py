@@ -17,34 +17,18 @@ import math
 from typing import Any, cast
 
 import torch
-from pydantic import BaseModel
 from torch import nn
 
 from ..families import FamilyRecipe
+from ..shape import DecoderShape
 from .ops import ACTIVATIONS, Add, Concat, Conv1x1, MatMul, Mul, RMSNorm, Rope
 
 MASK_VALUE = -100.0  # additive mask for excluded positions; Genie ran with it (recipes/genie_x86)
 
 
-class DecoderSpec(BaseModel):
+class DecoderSpec(DecoderShape):
     """Everything needed to rebuild the static decoder from its weights file (no transformers needed)."""
 
-    family: str
-    model_type: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    rms_norm_eps: float
-    tied_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    o_bias: bool = False
-    mlp_bias: bool = False
-    activation: str = "silu"  # silu | gelu | gelu_tanh
     rope_attention_scaling: float = 1.0
     mask_value: float = MASK_VALUE
 
@@ -177,13 +161,8 @@ class StaticDecoder(nn.Module):
 # ------------------------------------------------------------------ building from a HF model
 def spec_from(card: Any, hf_model: Any) -> DecoderSpec:
     rot = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
-    return DecoderSpec(
-        family=card.family, model_type=card.model_type, layers=card.layers, heads=card.heads,
-        kv_heads=card.kv_heads, head_dim=card.head_dim, hidden=card.hidden, intermediate=card.intermediate,
-        vocab=card.vocab, rms_norm_eps=card.rms_norm_eps, tied_embeddings=card.tied_embeddings,
-        qkv_bias=card.qkv_bias, qk_norm=card.qk_norm, o_bias=card.o_bias, mlp_bias=card.mlp_bias,
-        activation=card.activation, rope_attention_scaling=float(getattr(rot, "attention_scaling", 1.0) or 1.0),
-    )
+    shape = {k: getattr(card, k) for k in DecoderShape.model_fields}
+    return DecoderSpec(**shape, rope_attention_scaling=float(getattr(rot, "attention_scaling", 1.0) or 1.0))
 
 
 @torch.no_grad()

@@ -1,0 +1,25 @@
+"""The decoder's shape and options: what an architecture card reads from a config and the static decoder is built
+from. One model for both, so a field added for a new family reaches the card, the adapted graphs and the bundle."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+class DecoderShape(BaseModel):
+    family: str
+    model_type: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    rms_norm_eps: float
+    tied_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    o_bias: bool = False
+    mlp_bias: bool = False
+    activation: str = "silu"  # silu | gelu | gelu_tanh
