@@ -55,7 +55,8 @@ def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
     from npustudio.core.adapt import graph_specs as specs
     from npustudio.core.fsutil import atomic_write_json
     from npustudio.core.graph import store
-    from npustudio.core.graph.decoder import DecoderSpec, StaticDecoder
+    from npustudio.core.graph.decoder import StaticDecoder
+    from npustudio.core.shape import DecoderSpec
 
     out = work / "llama1b"
     out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from npustudio.cli import main
 from npustudio.core.errors import UserError
 from npustudio.core.project import Project
+from npustudio.core.shape import DecoderSpec
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -96,6 +97,11 @@ def model_copy(tiny_llama: Path, tmp_path: Path) -> Any:
     return make
 
 
+TINY_SPEC = DecoderSpec(family="Llama", model_type="llama", layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,
+                        intermediate=128, vocab=384, rms_norm_eps=1e-5, tied_embeddings=True, qkv_bias=False,
+                        qk_norm=False)
+
+
 def fake_bundle(folder: Path, tiny_llama: Path, template: str = TEMPLATE) -> Path:
     """A bundle folder with what chat and genie-run read before any runner starts."""
     from npustudio.core.targets import soc
@@ -104,7 +110,8 @@ def fake_bundle(folder: Path, tiny_llama: Path, template: str = TEMPLATE) -> Pat
     shutil.copy(tiny_llama / "tokenizer.json", folder / "tokenizer.json")
     (folder / "metadata.json").write_text(json.dumps({
         "target": soc("SM8750").model_dump(), "context_length": 128, "graphs": [{"name": "prompt", "ar": 32}],
-        "decoder": {}, "bos_id": 1, "eos_ids": [2], "chat_template": template, "question": "Hi?"}))
+        "decoder": TINY_SPEC.model_dump(), "bos_id": 1, "eos_ids": [2], "chat_template": template,
+        "question": "Hi?"}))
     return folder
 
 
@@ -113,11 +120,9 @@ def adapted_project(root: Path) -> Project:
     import torch
 
     from npustudio.core.graph import store
-    from npustudio.core.graph.decoder import DecoderSpec, StaticDecoder
+    from npustudio.core.graph.decoder import StaticDecoder
 
-    spec = DecoderSpec(family="Llama", model_type="llama", layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,
-                       intermediate=128, vocab=384, rms_norm_eps=1e-5, tied_embeddings=True, qkv_bias=False,
-                       qk_norm=False)
+    spec = TINY_SPEC
     p = Project.open(root)
     p.run_stage("adapt", {"model": {"spec": "tiny"}}, {},
                 lambda out: (store.save(StaticDecoder(spec), torch.ones(8), out), {})[1])

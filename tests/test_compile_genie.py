@@ -233,7 +233,7 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     cfg = json.loads((tokens_only / gc.CONFIG).read_text())
     assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == ["token_ar1_cl128_1_of_2.bin",
                                                                       "token_ar1_cl128_2_of_2.bin"]
-    assert [g["ar"] for g in bundle_stage.read_metadata(tokens_only)["graphs"]] == [1]
+    assert [g.ar for g in bundle_stage.read_metadata(tokens_only).graphs] == [1]
     assert res.context_bytes == r.graphs[1].bin_bytes + r.graphs[3].bin_bytes and "one token at a time" in res.notes[0]
     genie = runner.run(tokens_only / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
     preview = runner.run(tokens_only / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8, preview=True)

@@ -34,7 +34,6 @@ from npustudio.core.evaluate import load_corpus
 from npustudio.core.genie import config as gc
 from npustudio.core.genie import libgenie
 from npustudio.core.graph import ops
-from npustudio.core.graph.decoder import DecoderSpec
 from npustudio.core.graph.kv_cache import KVCacheRunner, rope_tables
 from npustudio.core.progress import State
 from npustudio.core.project import Project
@@ -113,18 +112,15 @@ def genie_run(bundle: Path, prompt: str, n: int, encoding: dict[str, Any] | None
 
 def htp_runner(project: Project) -> KVCacheRunner:
     """The host KV-cache runner over the project's compiled binaries on the HTP simulator (our RoPE tables)."""
+    from npustudio.core.genie.bundle import read_metadata
     from npustudio.core.graph import ort_qnn
-    from npustudio.core.graph.graph_io import IOEncoding
     from npustudio.core.graph.ort_graph import OrtGraph
-    from npustudio.core.targets import soc
 
-    meta = json.loads((project.stage_dir("bundle") / "metadata.json").read_text())
-    io = {k: IOEncoding(**v) for k, v in meta["io_encodings"].items()}
-    target = soc(meta["target"]["soc"])
-    graphs = {g["ar"]: OrtGraph(ort_qnn.context_session(project.stage_dir("compile") / f"{g['name']}.onnx", target),
-                                io) for g in meta["graphs"]}
-    return KVCacheRunner(DecoderSpec(**meta["decoder"]), meta["context_length"], graphs,  # type: ignore[arg-type]
-                         torch.tensor(meta["rope_inv_freq"]))
+    meta = read_metadata(project.stage_dir("bundle"))
+    graphs = {g.ar: OrtGraph(ort_qnn.context_session(project.stage_dir("compile") / f"{g.name}.onnx", meta.target),
+                             meta.io_encodings) for g in meta.graphs}
+    return KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
+                         torch.tensor(meta.rope_inv_freq))
 
 
 def prove_in_genie(project: Project, scaling: dict[str, Any] | None) -> None:

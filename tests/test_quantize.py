@@ -433,8 +433,9 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
 def test_shipped_override_files_load_and_every_pattern_names_a_module() -> None:
     import torch
 
-    from npustudio.core.graph.decoder import DecoderSpec, StaticDecoder
+    from npustudio.core.graph.decoder import StaticDecoder
     from npustudio.core.quantize.presets import check_overrides
+    from npustudio.core.shape import DecoderSpec
 
     spec = DecoderSpec(family="llama", model_type="llama", layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,
                        intermediate=128, vocab=100, rms_norm_eps=1e-5, tied_embeddings=True, qkv_bias=False,

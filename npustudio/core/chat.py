@@ -15,12 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, Field
 
 from .errors import UserError
 from .fsutil import atomic_write_json
+
+if TYPE_CHECKING:
+    from .genie.bundle import BundleMeta
 
 OnText = Callable[[str], None]
 
@@ -120,8 +123,8 @@ class ChatSession:
         from .genie.config import chat_prompt
 
         turns = list(self.turns)
-        cl = self.meta["context_length"]
-        limit = cl - max(g["ar"] for g in self.meta["graphs"]) - min(64, cl // 8)  # room for the answer
+        cl = self.meta.context_length
+        limit = cl - max(g.ar for g in self.meta.graphs) - min(64, cl // 8)  # room for the answer
         while True:
             history = [m for t in turns for m in ({"role": "user", "content": t.user},
                                                    {"role": "assistant", "content": t.assistant})]
@@ -199,7 +202,7 @@ def as_chat_prompt(bundle_dir: Path, text: str) -> str:
         meta = read_metadata(Path(bundle_dir))
     except UserError:
         return text
-    if not meta.get("chat_template"):
+    if not meta.chat_template:
         return text
     tok = _template_tokenizer(Path(bundle_dir), meta)
     if any(t.special and t.content in text for t in tok.added_tokens_decoder.values()):
@@ -209,15 +212,16 @@ def as_chat_prompt(bundle_dir: Path, text: str) -> str:
     return chat_prompt(tok, text)
 
 
-def _template_tokenizer(bundle_dir: Path, meta: dict[str, Any]) -> Any:
+def _template_tokenizer(bundle_dir: Path, meta: BundleMeta) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / "tokenizer.json"))
-    tok.bos_token = tok.convert_ids_to_tokens(meta["bos_id"])
-    tok.eos_token = tok.convert_ids_to_tokens(meta["eos_ids"][0])
-    if not meta.get("chat_template"):
+    if meta.bos_id is not None:
+        tok.bos_token = tok.convert_ids_to_tokens(meta.bos_id)
+    tok.eos_token = tok.convert_ids_to_tokens(meta.eos_ids[0])
+    if not meta.chat_template:
         raise UserError("This model has no chat template.", "Use an instruct/chat model, or genie-run with a prompt.")
-    tok.chat_template = meta["chat_template"]
+    tok.chat_template = meta.chat_template
     return tok
 
 

@@ -339,7 +339,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
                       max_tokens=max_tokens if dev.virtual else None)
         summary = genie_profile.summarize(genie_profile.read(prof)).model_dump() if res.profile_path else None
         meta = bundle_stage.read_metadata(folder)
-        return {"device": dev.serial, "virtual": dev.virtual, "question": meta["question"], "answer": res.text,
+        return {"device": dev.serial, "virtual": dev.virtual, "question": meta.question, "answer": res.text,
                 "stopped_after_tokens": max_tokens if res.status == "stopped" or dev.virtual else None,
                 "deploy": {"bytes_sent": pushed.bytes_sent, "bytes_skipped": pushed.bytes_skipped},
                 "profile": res.profile_path, "profile_summary": summary}

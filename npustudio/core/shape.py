@@ -1,5 +1,6 @@
 """The decoder's shape and options: what an architecture card reads from a config and the static decoder is built
-from. One model for both, so a field added for a new family reaches the card, the adapted graphs and the bundle."""
+from. One model for both, so a field added for a new family reaches the card, the adapted graphs and the bundle.
+Plain pydantic (no torch): a bundle's metadata carries the spec, and reading it must stay light."""
 
 from __future__ import annotations
 
@@ -23,3 +24,13 @@ class DecoderShape(BaseModel):
     o_bias: bool = False
     mlp_bias: bool = False
     activation: str = "silu"  # silu | gelu | gelu_tanh
+
+
+MASK_VALUE = -100.0  # additive mask for excluded positions; Genie ran with it (recipes/genie_x86)
+
+
+class DecoderSpec(DecoderShape):
+    """Everything needed to rebuild the static decoder from its weights file (no transformers needed)."""
+
+    rope_attention_scaling: float = 1.0
+    mask_value: float = MASK_VALUE

@@ -33,10 +33,11 @@ from ..evaluate import (
 from ..families import recipe_for
 from ..fsutil import atomic_write_json
 from ..graph import store
-from ..graph.decoder import DecoderSpec, StaticDecoder, adapt_weights, graph_names, io_names, io_shapes, spec_from
+from ..graph.decoder import StaticDecoder, adapt_weights, graph_names, io_names, io_shapes, spec_from
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..models import LoadedModel
 from ..progress import StateLike
+from ..shape import DecoderSpec
 
 __all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "Gate", "KVCacheRunner", "StaticDecoder", "TorchGraph",
            "equivalence_gate", "run"]

@@ -180,12 +180,12 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
 
     meta = read_metadata(bundle_dir)
     problems = []
-    want = meta["target"]
+    want = meta.target
     if not dev.dsp_arch:
         problems.append((f"{dev.serial} reports SoC {dev.soc or '?'}, which has no known Hexagon NPU.",
                          "Use a Snapdragon phone from the SoC table (SM8550, SM8650, SM8750, SM8850)."))
-    elif dev.dsp_arch != want["dsp_arch"]:
-        problems.append((f"The bundle was compiled for {want['soc']} ({want['dsp_arch']}); {dev.serial} has "
+    elif dev.dsp_arch != want.dsp_arch:
+        problems.append((f"The bundle was compiled for {want.soc} ({want.dsp_arch}); {dev.serial} has "
                          f"{dev.soc} ({dev.dsp_arch}).",
                          f"Recompile for this phone: `npustudio quantize --target {dev.soc}` then compile and "
                          "bundle again."))
@@ -198,7 +198,7 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
         problems.append((f"{dev.serial} has {dev.ram_bytes / 1e9:.1f} GB RAM; this model needs about "
                          f"{(2 * bins + 512 * 1024**2) / 1e9:.1f} GB.", "Use a smaller model or w4a16, or a "
                          "phone with more memory."))
-    if not dev.virtual and meta.get("runtime_missing"):
+    if not dev.virtual and meta.runtime_missing:
         problems.append(("The bundle has no QNN runtime for a phone (genie-t2t-run, libGenie.so, ...).",
                          "Set QNN_SDK_ROOT to a QAIRT SDK and run `npustudio bundle` again."))
     return problems

@@ -21,7 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import UserError
 from ..fsutil import atomic_write_json, link_or_copy, read_json
+from ..graph.graph_io import IOEncoding
 from ..progress import StateLike
+from ..shape import DecoderSpec
 from ..targets import Soc, soc
 from . import config as gc
 from . import libgenie
@@ -56,24 +58,39 @@ class BundleResult(BaseModel):
     notes: list[str] = Field(default_factory=list, description="what a person should know before running it")
 
 
-class _GraphMeta(BaseModel):
+class GraphMeta(BaseModel):
     name: str
     ar: int = Field(gt=0)
+    cl: int = Field(0, ge=0)
 
 
-class _Metadata(BaseModel):
-    """What the readers of metadata.json rely on (the rest passes through): checked once, so a damaged file
-    is a clear message, never a KeyError deep in a runner."""
+class BundleMeta(BaseModel):
+    """A bundle's metadata.json: what it was built from and for, and what a host runner, the chat and deploy
+    need. Read through `read_metadata`, checked once: a damaged file is a clear message, never a KeyError deep in
+    a runner. Fields a bundle of an earlier version may lack have defaults; unknown ones pass through."""
+
     model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    family: str | None = None
     target: Soc
     context_length: int = Field(gt=0)
-    graphs: list[_GraphMeta] = Field(min_length=1)
-    decoder: dict[str, Any]
-    bos_id: int | None = None
+    graphs: list[GraphMeta] = Field(min_length=1)
+    io_encodings: dict[str, IOEncoding] = Field(default_factory=dict)
+    backend: str = "ort-qnn"
+    weight_shared: bool = False
+    versions: dict[str, Any] = Field(default_factory=dict)
+    decoder: DecoderSpec
+    rope_inv_freq: list[float] = Field(default_factory=list)
     eos_ids: list[int] = Field(min_length=1)
+    bos_id: int | None = None
+    question: str = ""
+    chat_template: str | None = None
+    runtime_files: list[str] = Field(default_factory=list)
+    runtime_missing: list[str] = Field(default_factory=list)
+    project_compile_dir: str | None = None
 
 
-def read_metadata(bundle_dir: Path) -> dict[str, Any]:
+def read_metadata(bundle_dir: Path) -> BundleMeta:
     """A bundle's metadata.json, checked; a UserError saying the folder is not a (whole) bundle otherwise."""
     bundle_dir = Path(bundle_dir)
     fix = "Pass a bundle folder written by `npustudio bundle` (rebuild a damaged one: `npustudio bundle --project " \
@@ -88,12 +105,11 @@ def read_metadata(bundle_dir: Path) -> dict[str, Any]:
         raise UserError(f"{bundle_dir / METADATA} is damaged: it holds a JSON {type(data).__name__}, not the "
                         "bundle's description.", fix)
     try:
-        _Metadata.model_validate(data)
+        return BundleMeta.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         raise UserError(f"{bundle_dir / METADATA} is damaged: {'.'.join(map(str, first['loc']))}: {first['msg']}.",
                         fix) from e
-    return data
 
 
 def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
@@ -147,15 +163,14 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     from ..graph import store  # here, not at the top: reading a bundle's metadata (deploy, chat) needs no torch
 
     spec, inv_freq = store.load_spec(adapt_dir)
-    meta = {"model": card.get("source"), "family": card.get("family"), "target": target.model_dump(),
-            "context_length": cl,
-            "graphs": [{"name": g["name"], "ar": g["ar"], "cl": g["cl"]} for g in graphs if g["name"] in kept],
-            "io_encodings": comp["io"], "backend": comp["backend"], "weight_shared": shared,
-            "versions": _versions(), "decoder": spec.model_dump(), "rope_inv_freq": inv_freq.tolist(),
-            "eos_ids": card["eos_ids"], "bos_id": card["bos_id"], "question": options.question,
-            "chat_template": card.get("chat_template"), "runtime_files": copied, "runtime_missing": missing,
-            "project_compile_dir": str(compile_dir.resolve())}
-    atomic_write_json(out_dir / METADATA, meta)
+    meta = BundleMeta(
+        model=card.get("source"), family=card.get("family"), target=target, context_length=cl,
+        graphs=[GraphMeta(name=g["name"], ar=g["ar"], cl=g["cl"]) for g in graphs if g["name"] in kept],
+        io_encodings=comp["io"], backend=comp["backend"], weight_shared=shared, versions=_versions(), decoder=spec,
+        rope_inv_freq=inv_freq.tolist(), eos_ids=card["eos_ids"], bos_id=card["bos_id"], question=options.question,
+        chat_template=card.get("chat_template"), runtime_files=copied, runtime_missing=missing,
+        project_compile_dir=str(compile_dir.resolve()))
+    atomic_write_json(out_dir / METADATA, meta.model_dump())
 
     state.progress(0.7, "validating genie_config.json with libGenie")
     status, log = libgenie.validate_config(json.dumps(gc.absolute(cfg, out_dir)))

@@ -132,13 +132,9 @@ def bundle_roofline(bundle: Path) -> dict[str, float]:
     if not bins:
         raise UserError(f"{bundle} holds no context binary (*.bin), so it has no decode roofline.",
                         "Pass a whole bundle folder (`npustudio bundle` writes one), or leave out --bundle.")
-    dec = meta["decoder"]
-    try:
-        kv = 2 * int(dec["layers"]) * int(dec["kv_heads"]) * int(dec["head_dim"])  # 8-bit K and V per token
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{bundle}/metadata.json is damaged: its decoder has no usable layers/kv_heads/head_dim.",
-                        "Rebuild the bundle with `npustudio bundle --project P --force`.") from e
-    return roofline(Soc(**meta["target"]), max(bins), kv, meta["context_length"])
+    dec = meta.decoder
+    kv = 2 * dec.layers * dec.kv_heads * dec.head_dim  # 8-bit K and V per token
+    return roofline(meta.target, max(bins), kv, meta.context_length)
 
 
 def _num(v: Any, kind: type) -> Any:

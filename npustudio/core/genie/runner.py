@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -25,6 +25,9 @@ from ..errors import UserError
 from ..fsutil import atomic_write_text
 from . import config as gc
 from . import libgenie
+
+if TYPE_CHECKING:
+    from .bundle import BundleMeta
 
 OnText = Callable[[str], None]
 
@@ -63,7 +66,7 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
            on_log: Callable[[str], None] | None, stop: threading.Event | None, max_tokens: int | None) -> RunResult:
     cfg = gc.absolute(gc.read(config_path), config_path.parent)
     try:
-        shared = _metadata(config_path.parent).get("weight_shared")
+        shared = _metadata(config_path.parent).weight_shared
     except UserError:  # a bundle made elsewhere has no metadata: Genie says what it finds
         shared = False
     if shared:
@@ -141,25 +144,23 @@ class Preview:
         import torch
         from transformers import PreTrainedTokenizerFast
 
-        from ..graph.decoder import DecoderSpec
-        from ..graph.graph_io import IOEncoding
         from ..graph.kv_cache import KVCacheRunner
         from ..graph.ort_graph import OrtGraph, cpu_session
 
         t0 = self.origin = time.perf_counter()  # profile times count from here, as Genie's do from create
         meta = _metadata(bundle_dir)
-        prepared = Path(meta["project_compile_dir"]) / "prepared"
-        if not prepared.is_dir():
+        prepared = Path(meta.project_compile_dir or bundle_dir / "missing") / "prepared"
+        if not meta.project_compile_dir or not prepared.is_dir():
             raise UserError(f"The preview needs the project that built this bundle ({prepared} is missing).",
                             "Run without --preview (real Genie), or rebuild the bundle from its project.")
-        io = {k: IOEncoding(**v) for k, v in meta["io_encodings"].items()}
-        graphs = {g["ar"]: OrtGraph(cpu_session(prepared / f"{g['name']}.onnx"), io) for g in meta["graphs"]}
-        self.runner = KVCacheRunner(DecoderSpec(**meta["decoder"]), meta["context_length"], graphs,  # type: ignore[arg-type]
-                                    torch.tensor(meta["rope_inv_freq"]))
+        graphs = {g.ar: OrtGraph(cpu_session(prepared / f"{g.name}.onnx"), meta.io_encodings) for g in meta.graphs}
+        self.runner = KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
+                                    torch.tensor(meta.rope_inv_freq))
         self.tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / gc.TOKENIZER))
-        self.bos, self.eos = meta["bos_id"], set(meta["eos_ids"])
-        self.runner.prefill([self.bos])  # each graph's first run is slow (ORT's allocations): pay it in init,
-        self.runner.step([self.bos], 1)  # as Genie pays its graph setup, not in the first answer's rate
+        self.bos, self.eos = meta.bos_id, set(meta.eos_ids)
+        warm = meta.eos_ids[0] if meta.bos_id is None else meta.bos_id
+        self.runner.prefill([warm])  # each graph's first run is slow (ORT's allocations): pay it in init,
+        self.runner.step([warm], 1)  # as Genie pays its graph setup, not in the first answer's rate
         self.runner.reset()
         self.init_us = int((time.perf_counter() - t0) * 1e6)
 
@@ -167,7 +168,7 @@ class Preview:
               max_tokens: int | None = None) -> tuple[str, dict[str, Any], bool]:
         """Greedy answer to `prompt` (BOS prepended, as Genie does); returns text, profile event, aborted."""
         r = self.runner
-        ids = [self.bos] + self.tok(prompt, add_special_tokens=False)["input_ids"]
+        ids = ([] if self.bos is None else [self.bos]) + self.tok(prompt, add_special_tokens=False)["input_ids"]
         room = r.cl - r.ar_prompt - len(ids)
         if room <= 0:
             raise UserError(f"The prompt ({len(ids)} tokens) does not fit the context ({r.cl}).",
@@ -227,7 +228,7 @@ def _preview(config_path: Path, prompt: str, on_text: OnText, profile_path: Path
                      seconds=round(time.perf_counter() - t0, 3), profile=profile)
 
 
-def _metadata(bundle_dir: Path) -> dict[str, Any]:
+def _metadata(bundle_dir: Path) -> BundleMeta:
     from .bundle import read_metadata
 
     return read_metadata(bundle_dir)

@@ -20,17 +20,8 @@ import torch
 from torch import nn
 
 from ..families import FamilyRecipe
-from ..shape import DecoderShape
+from ..shape import DecoderShape, DecoderSpec
 from .ops import ACTIVATIONS, Add, Concat, Conv1x1, MatMul, Mul, RMSNorm, Rope
-
-MASK_VALUE = -100.0  # additive mask for excluded positions; Genie ran with it (recipes/genie_x86)
-
-
-class DecoderSpec(DecoderShape):
-    """Everything needed to rebuild the static decoder from its weights file (no transformers needed)."""
-
-    rope_attention_scaling: float = 1.0
-    mask_value: float = MASK_VALUE
 
 
 class Neg(nn.Module):

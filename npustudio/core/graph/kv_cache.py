@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .decoder import DecoderSpec, StaticDecoder, io_names
+from ..shape import DecoderSpec
+from .decoder import StaticDecoder, io_names
 
 GraphFn = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 

@@ -10,7 +10,8 @@ import torch
 
 from ..errors import UserError
 from ..fsutil import atomic_write_json
-from .decoder import DecoderSpec, StaticDecoder
+from ..shape import DecoderSpec
+from .decoder import StaticDecoder
 
 WEIGHTS = "decoder.safetensors"
 SPEC = "decoder.json"

@@ -73,8 +73,8 @@ class DeployPage(Page):
                     fill(self.compat, [(p, f) for p, f in problems], [BAD] * len(problems))
                 else:
                     meta = read_metadata(self.bundle)
-                    fill(self.compat, [("Compatible", f"bundle for {meta['target']['soc']} "
-                                        f"({meta['target']['dsp_arch']}) fits {dev.serial}")], [GOOD])
+                    fill(self.compat, [("Compatible", f"bundle for {meta.target.soc} "
+                                        f"({meta.target.dsp_arch}) fits {dev.serial}")], [GOOD])
                     ok = True
         self.strip.run.setEnabled(ok and not self.strip.busy)
         self.strip.redo.setEnabled(ok and not self.strip.busy)
@@ -115,4 +115,4 @@ class DeployPage(Page):
         except UserError as e:
             show_error(self, e.problem, e.fix)
             return
-        self.window_.chat.ask(meta["question"])
+        self.window_.chat.ask(meta.question)
