@@ -148,9 +148,9 @@ def teacher_forced(pv: Any, pieces: list[str]) -> dict[str, Any]:
     """The preview's logits along Genie's answer: per step, whether Genie's token is its top-1, the margin of its
     top-1 over Genie's token, and the gap between its own first and second choice (how close a tie it was)."""
     vocab = pv.tok.get_vocab()
-    genie = [vocab.get(p) for p in pieces]
-    if None in genie:  # a piece that is not one whole token: re-tokenize the answer
-        genie = pv.tok("".join(pieces), add_special_tokens=False)["input_ids"]
+    genie: list[int] = []
+    for piece in pieces:  # Genie hands out decoded text, one piece per token: a vocabulary entry, or plain text
+        genie += [vocab[piece]] if piece in vocab else pv.tok(piece, add_special_tokens=False)["input_ids"]
     prompt = [pv.bos] + pv.tok(PROMPT, add_special_tokens=False)["input_ids"]
     pv.runner.reset()
     logits = pv.runner.prefill(prompt + genie)[len(prompt) - 1:len(prompt) - 1 + len(genie)]
