@@ -508,13 +508,13 @@ def part_model(card: ArchCard, precision: str, ar: int, cl: int) -> parts.PartMo
 def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 128,
                  max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> FitEstimate:
     b = PRECISIONS[precision]
-    d, hd = card.hidden, card.head_dim
+    d = card.hidden
     layer_params, _ = _layer_params(card)
     layer_bytes = layer_params * b["layer"] / 8 + 2 * d * 2  # norms kept 16-bit
     embed = card.vocab * d * b["embed"] / 8
     head = card.vocab * d * b["lm_head"] / 8
     weights = int(embed + head + card.layers * layer_bytes)
-    kv = 2 * card.layers * card.kv_heads * hd * context_length  # 8-bit K and V
+    kv = card.kv_bytes_per_token * context_length
     ar = min(ar, max(1, context_length - 1))
     pm = part_model(card, precision, ar, context_length)
     problem: str | None = None

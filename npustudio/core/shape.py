@@ -25,6 +25,11 @@ class DecoderShape(BaseModel):
     mlp_bias: bool = False
     activation: str = "silu"  # silu | gelu | gelu_tanh
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The KV cache one token adds: K and V of every layer, 8-bit (the encoding the quantize stage gives it)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim
+
 
 MASK_VALUE = -100.0  # additive mask for excluded positions; Genie ran with it (recipes/genie_x86)
 

@@ -132,9 +132,7 @@ def bundle_roofline(bundle: Path) -> dict[str, float]:
     if not bins:
         raise UserError(f"{bundle} holds no context binary (*.bin), so it has no decode roofline.",
                         "Pass a whole bundle folder (`npustudio bundle` writes one), or leave out --bundle.")
-    dec = meta.decoder
-    kv = 2 * dec.layers * dec.kv_heads * dec.head_dim  # 8-bit K and V per token
-    return roofline(meta.target, max(bins), kv, meta.context_length)
+    return roofline(meta.target, max(bins), meta.decoder.kv_bytes_per_token, meta.context_length)
 
 
 def _num(v: Any, kind: type) -> Any:

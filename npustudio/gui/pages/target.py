@@ -79,8 +79,7 @@ class TargetPage(Page):
         if rec and rec.status == "done":
             card, cl = models.ArchCard(**rec.result["card"]), int(rec.options.get("cl", 1024))
             for f in rec.result["fit"]:
-                kv = 2 * card.layers * card.kv_heads * card.head_dim
-                r = roofline(s, f["weight_bytes"], kv, cl)
+                r = roofline(s, f["weight_bytes"], card.kv_bytes_per_token, cl)
                 rows.append((f"Decode bound, {f['precision']}", f"≤ {r['decode_tok_s_bound']} tok/s "
                              f"({models.human_bytes(r['bytes_per_token'])} read per token)"))
         fill(self.details, rows)
