@@ -149,9 +149,10 @@ class Preview:
 
         t0 = self.origin = time.perf_counter()  # profile times count from here, as Genie's do from create
         meta = _metadata(bundle_dir)
-        prepared = Path(meta.project_compile_dir or bundle_dir / "missing") / "prepared"
-        if not meta.project_compile_dir or not prepared.is_dir():
-            raise UserError(f"The preview needs the project that built this bundle ({prepared} is missing).",
+        prepared = Path(meta.project_compile_dir) / "prepared" if meta.project_compile_dir else None
+        if prepared is None or not prepared.is_dir():
+            raise UserError(f"The preview needs the project that built this bundle "
+                            f"({prepared or 'its compile folder'} is missing).",
                             "Run without --preview (real Genie), or rebuild the bundle from its project.")
         graphs = {g.ar: OrtGraph(cpu_session(prepared / f"{g.name}.onnx"), meta.io_encodings) for g in meta.graphs}
         self.runner = KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
