@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from npustudio.cli import main
@@ -400,6 +400,7 @@ def test_malformed_encodings_structure_is_a_message(tmp_path: Path, capsys: Any,
 @given(bw=st.one_of(st.integers(), st.floats(allow_nan=True), st.text(max_size=3)),
        scale=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers()), max_size=3),
        offset=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers()), max_size=3))
+@example(bw="1", scale=[1.0], offset=[])  # a bitwidth written as text was read as the number 1
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_any_encoding_values_read_or_refuse_cleanly(tmp_path: Path, bw: Any, scale: list[Any],
                                                     offset: list[Any]) -> None:

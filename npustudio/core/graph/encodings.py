@@ -149,7 +149,7 @@ MAX_OFFSET = 2**32
 
 def _number(v: Any) -> float:
     """A JSON number (NaN and infinities included: flagged later); anything else is malformed."""
-    if isinstance(v, bool) or not isinstance(v, int | float | str):
+    if isinstance(v, bool) or not isinstance(v, int | float):  # "8" is text, not a bitwidth: refused, not read
         raise TypeError(f"{v!r} is not a number")
     return float(v)
 
