@@ -401,6 +401,7 @@ def test_malformed_encodings_structure_is_a_message(tmp_path: Path, capsys: Any,
        scale=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers()), max_size=3),
        offset=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers()), max_size=3))
 @example(bw="1", scale=[1.0], offset=[])  # a bitwidth written as text was read as the number 1
+@example(bw=1.0, scale=[1.0], offset=[])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_any_encoding_values_read_or_refuse_cleanly(tmp_path: Path, bw: Any, scale: list[Any],
                                                     offset: list[Any]) -> None:
@@ -411,7 +412,8 @@ def test_any_encoding_values_read_or_refuse_cleanly(tmp_path: Path, bw: Any, sca
         row = encodings.read(f).rows[0]
     except UserError:
         return
-    sane = isinstance(bw, int) and 1 <= bw <= 32 and all(isinstance(s, int | float) and 0 < s < float("inf")
+    whole = isinstance(bw, int) or (isinstance(bw, float) and bw.is_integer())  # 8.0 is the bitwidth 8
+    sane = whole and 1 <= bw <= 32 and all(isinstance(s, int | float) and 0 < s < float("inf")
                                                              for s in scale)
     assert bool(row.flags) or sane
 
