@@ -17,9 +17,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .core import quiet
+from .core import layout, quiet
 from .core.errors import UserError
-from .core.genie.config import CONFIG as GENIE_CONFIG
 from .core.parts import DEFAULT_MAX_PART_MB
 from .core.progress import Cancelled, Partial, State
 from .core.progress import Progress as ProgressEvent
@@ -620,7 +619,7 @@ def _default_bundle() -> Path:
     from .core.project import Project
 
     b = Project(pipeline.default_project_dir()).stage_dir("bundle")
-    if not (b / GENIE_CONFIG).is_file():
+    if not (b / layout.GENIE_CONFIG).is_file():
         raise UserError("No bundle given and the default project has none.", "Pass --bundle DIR, or run "
                         "`npustudio run` first.")
     return b
@@ -772,7 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("genie-run", cmd_genie_run, "run a bundle with the real Genie on the HTP simulator "
             "(genie-t2t-run compatible)")
-    s.add_argument("-c", "--config", type=_given, required=True, help=f"the bundle's {GENIE_CONFIG}")
+    s.add_argument("-c", "--config", type=_given, required=True, help=f"the bundle's {layout.GENIE_CONFIG}")
     s.add_argument("-p", "--prompt", default=None)
     s.add_argument("--prompt_file", type=_given, default=None, help="prompt text file (real newlines)")
     s.add_argument("--profile", type=_given, default=None, help="write Genie's profile JSON here")
@@ -873,11 +872,10 @@ def _write_log(a: argparse.Namespace, argv: list[str], tb: str) -> Path | None:
 
     from . import __version__
     from .core.fsutil import atomic_write_text, refuse_link
-    from .core.project import MANIFEST
 
     folders = []
     project = getattr(a, "project", None)
-    if project and (Path(project).expanduser() / MANIFEST).is_file():
+    if project and (Path(project).expanduser() / layout.MANIFEST).is_file():
         folders.append(Path(project).expanduser() / "logs")
     folders.append(platformdirs.user_log_path("npustudio"))
     name = f"npustudio-{a.cmd}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from npustudio.core import models, pipeline
+from npustudio.core import layout, models, pipeline
 from npustudio.core.adapt import AdaptOptions
 from npustudio.core.errors import UserError
 from npustudio.core.graph import store
@@ -86,7 +86,7 @@ def test_adapted_form_is_convs_and_visible_ops(adapted: dict[str, Project]) -> N
 def test_saved_model_reloads_with_identical_logits_and_tied_weights_stored_once(
         adapted: dict[str, Project], tiny_llama: Path) -> None:
     folder = adapted["llama"].stage_dir("adapt")
-    with safe_open(str(folder / store.WEIGHTS), "pt") as f:
+    with safe_open(str(folder / layout.DECODER_WEIGHTS), "pt") as f:
         names = set(f.keys())
     assert "embed.weight" in names and "lm_head.weight" not in names
     model, inv = store.load(folder)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from npustudio.core import chat, pipeline
+from npustudio.core import chat, layout, pipeline
 from npustudio.core.compile import CompileOptions
 from npustudio.core.errors import UserError
 from npustudio.core.genie import bundle as bundle_stage
@@ -75,18 +75,18 @@ def test_compile_cli_json_lists_binaries_and_nodes_on_cpu(project: Project) -> N
 def test_bundle_holds_a_genie_config_libgenie_accepts(project: Project) -> None:
     b = project.stage_dir("bundle")
     names = {p.name for p in b.iterdir()}
-    assert {gc.CONFIG, gc.HTP_EXT, gc.TOKENIZER, bundle_stage.METADATA, bundle_stage.SAMPLE_PROMPT,
+    assert {layout.GENIE_CONFIG, layout.HTP_EXT_CONFIG, layout.TOKENIZER, layout.METADATA, layout.SAMPLE_PROMPT,
             "prompt_ar32_cl128_1_of_1.bin", "token_ar1_cl128_1_of_1.bin"} <= names
-    cfg = json.loads((b / gc.CONFIG).read_text())["dialog"]
+    cfg = json.loads((b / layout.GENIE_CONFIG).read_text())["dialog"]
     assert cfg["context"]["size"] == 128 and cfg["context"]["n-vocab"] == 384
     assert (cfg["context"]["bos-token"], cfg["context"]["eos-token"]) == (1, 2)
     assert cfg["engine"]["backend"]["QnnHtp"]["kv-dim"] == 64
     assert cfg["engine"]["model"]["positional-encoding"]["rope-dim"] == 32
-    status, _ = libgenie.validate_config(json.dumps(gc.absolute(json.loads((b / gc.CONFIG).read_text()), b)))
+    status, _ = libgenie.validate_config(json.dumps(gc.absolute(json.loads((b / layout.GENIE_CONFIG).read_text()), b)))
     assert status == 0
-    ext = json.loads((b / gc.HTP_EXT).read_text())
+    ext = json.loads((b / layout.HTP_EXT_CONFIG).read_text())
     assert ext["devices"][0] == {**ext["devices"][0], "soc_model": 69, "dsp_arch": "v79"}
-    prompt = (b / bundle_stage.SAMPLE_PROMPT).read_text()
+    prompt = (b / layout.SAMPLE_PROMPT).read_text()
     assert "\n" in prompt and "\\n" not in prompt and not prompt.startswith("<|im_start|>")  # Genie adds BOS
     assert prompt.rstrip().endswith("assistant")
 
@@ -102,7 +102,7 @@ def test_a_broken_config_shows_genies_own_message(tmp_path: Path) -> None:
 
 
 def test_genie_run_streams_begin_end_and_writes_its_profile(project: Project, tmp_path: Path) -> None:
-    cfg = project.stage_dir("bundle") / gc.CONFIG
+    cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
     prof = tmp_path / "p.json"
     res = _cli("genie-run", "-c", str(cfg), "-p", PROMPT, "--profile", str(prof), "--max-tokens", "6")
     assert res.returncode == 0, res.stderr
@@ -115,7 +115,7 @@ def test_genie_run_streams_begin_end_and_writes_its_profile(project: Project, tm
     assert s["summary"]["runner"] == "genie"
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(cfg.parent / gc.TOKENIZER))
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(cfg.parent / layout.TOKENIZER))
     n_prompt = 1 + len(tok(templated, add_special_tokens=False)["input_ids"])  # Genie prepends BOS
     assert s["summary"]["generated_tokens"] == 6 and s["summary"]["prompt_tokens"] == n_prompt
     assert s["summary"]["ttft_s"] > 0 and s["summary"]["generation_tok_s"] > 0
@@ -123,7 +123,7 @@ def test_genie_run_streams_begin_end_and_writes_its_profile(project: Project, tm
 
 
 def test_genie_run_keeps_a_templated_or_raw_prompt_as_given(project: Project) -> None:
-    cfg = project.stage_dir("bundle") / gc.CONFIG
+    cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
     by_hand = f"user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"  # already holds a special token
     for args, sent in ((["-p", PROMPT, "--raw"], PROMPT), (["-p", by_hand], by_hand)):
         res = _cli("genie-run", "-c", str(cfg), *args, "--preview", "--max-tokens", "2")
@@ -132,7 +132,7 @@ def test_genie_run_keeps_a_templated_or_raw_prompt_as_given(project: Project) ->
 
 
 def test_genie_and_the_cpu_preview_give_the_same_greedy_tokens(project: Project) -> None:
-    cfg = project.stage_dir("bundle") / gc.CONFIG
+    cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
     real = runner.run(cfg, PROMPT, lambda _s: None, max_tokens=8)
     fast = runner.run(cfg, PROMPT, lambda _s: None, max_tokens=8, preview=True)
     assert real.runner.startswith("genie") and fast.runner.startswith("preview")
@@ -150,7 +150,7 @@ def test_speed_benchmark_reports_the_preview_and_the_phone_roofline(project: Pro
 
 
 def test_stop_aborts_a_genie_query(project: Project) -> None:
-    cfg = project.stage_dir("bundle") / gc.CONFIG
+    cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
     stop = threading.Event()
     seen: list[str] = []
 
@@ -214,10 +214,10 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     for g in r.graphs:  # Genie orders the parts by the QNN graph name inside each binary
         assert (out / g.context_bin).read_bytes().count(g.graph[:-len("_1_of_2")].encode()) == 3
     bundle_stage.run(out, project.stage_dir("adapt"), bundle_stage.BundleOptions(), bundle, State())
-    cfg = json.loads((bundle / gc.CONFIG).read_text())
+    cfg = json.loads((bundle / layout.GENIE_CONFIG).read_text())
     assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == [f"{g.graph}.bin" for g in r.graphs]
-    whole = runner.run(project.stage_dir("bundle") / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
-    split = runner.run(bundle / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
+    whole = runner.run(project.stage_dir("bundle") / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
+    split = runner.run(bundle / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
     assert split.runner.startswith("genie") and split.text == whole.text
 
     # without the prompt graphs (how a model over one protection domain loads on the simulator): half the
@@ -226,13 +226,13 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     tokens_only.mkdir()
     res = bundle_stage.run(out, project.stage_dir("adapt"), bundle_stage.BundleOptions(prompt_graphs=False),
                            tokens_only, State())
-    cfg = json.loads((tokens_only / gc.CONFIG).read_text())
+    cfg = json.loads((tokens_only / layout.GENIE_CONFIG).read_text())
     assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == ["token_ar1_cl128_1_of_2.bin",
                                                                       "token_ar1_cl128_2_of_2.bin"]
     assert [g.ar for g in bundle_stage.read_metadata(tokens_only).graphs] == [1]
     assert res.context_bytes == r.graphs[1].bin_bytes + r.graphs[3].bin_bytes and "one token at a time" in res.notes[0]
-    genie = runner.run(tokens_only / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8)
-    preview = runner.run(tokens_only / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=8, preview=True)
+    genie = runner.run(tokens_only / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
+    preview = runner.run(tokens_only / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8, preview=True)
     assert genie.runner.startswith("genie") and genie.text and genie.text == preview.text
 
     # for a phone: one binary per part holding both graphs, their weights stored once
@@ -248,11 +248,11 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
         data = (shared_out / prompt.context_bin).read_bytes()
         assert all(g.graph.split("_cl128")[0].encode() in data for g in (prompt, token))  # both graphs, renamed
     bundle_stage.run(shared_out, project.stage_dir("adapt"), bundle_stage.BundleOptions(), shared_bundle, State())
-    cfg = json.loads((shared_bundle / gc.CONFIG).read_text())
+    cfg = json.loads((shared_bundle / layout.GENIE_CONFIG).read_text())
     assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == ["shared_1_of_2.bin", "shared_2_of_2.bin"]
-    assert json.loads((shared_bundle / gc.HTP_EXT).read_text())["context"]["weight_sharing_enabled"]
+    assert json.loads((shared_bundle / layout.HTP_EXT_CONFIG).read_text())["context"]["weight_sharing_enabled"]
     with pytest.raises(UserError, match="weight-shared, for a phone"):  # not a segfault in Genie
-        runner.run(shared_bundle / gc.CONFIG, PROMPT, lambda _s: None, max_tokens=2)
+        runner.run(shared_bundle / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=2)
     with pytest.raises(UserError, match="cannot be left out"):
         bundle_stage.run(shared_out, project.stage_dir("adapt"), bundle_stage.BundleOptions(prompt_graphs=False),
                          tmp_path / "t", State())
@@ -375,7 +375,7 @@ def test_a_base_model_without_a_chat_template_gets_a_bundle_asking_the_plain_que
     res = bundle_stage.run(project.stage_dir("compile"), adapt, bundle_stage.BundleOptions(question="Paris is"),
                            out, State())
     assert res.validated
-    assert (out / bundle_stage.SAMPLE_PROMPT).read_text() == "Paris is"
+    assert (out / layout.SAMPLE_PROMPT).read_text() == "Paris is"
     assert chat.as_chat_prompt(out, "Paris is") == "Paris is"
 
 

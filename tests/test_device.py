@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from npustudio.core import chat, device
+from npustudio.core import chat, device, layout
 from npustudio.core.device import deploy, run
 from npustudio.core.device.phone_shell import Call, Program
 from npustudio.core.device.virtual import VirtualDevice
@@ -180,7 +180,7 @@ def test_the_device_receives_exactly_the_prompt_and_runs_nothing_else(vdev: Virt
     with _genie(vdev, answer_ok):
         res = run.run(vdev.serial, rdir, prompt, lambda _s: None)
     assert res.text == "ok"
-    assert (vdev.host_path(rdir) / run.PROMPT_FILE).read_bytes() == prompt.encode("utf-8")
+    assert (vdev.host_path(rdir) / layout.PROMPT_FILE).read_bytes() == prompt.encode("utf-8")
     assert not (vdev.root / "data/local/tmp/PWNED").exists()
 
 

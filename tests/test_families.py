@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from npustudio.core import models, pipeline
+from npustudio.core import layout, models, pipeline
 from npustudio.core.adapt import AdaptOptions
 from npustudio.core.config_audit import check_context, support_table
 from npustudio.core.errors import UserError
@@ -91,7 +91,7 @@ def genie_run(bundle: Path, prompt: str, n: int, encoding: dict[str, Any] | None
     the config's positional-encoding block."""
     dump = bundle.parent / f"genie_dump_{n}"
     shutil.rmtree(dump, ignore_errors=True)
-    cfg = gc.absolute(gc.read(bundle / gc.CONFIG), bundle)
+    cfg = gc.absolute(gc.read(bundle / layout.GENIE_CONFIG), bundle)
     if encoding is not None:
         cfg["dialog"]["engine"]["model"]["positional-encoding"] = encoding
     cfg["dialog"]["debug"] = {"path": str(dump), "dump-tensors": True}
@@ -132,7 +132,8 @@ def prove_in_genie(project: Project, scaling: dict[str, Any] | None) -> None:
     assert project.record("quantize").result["ratio"] < 1.05
     assert project.record("compile").result["nodes_on_cpu"] == 0
     bundle = project.stage_dir("bundle")
-    encoding = json.loads((bundle / gc.CONFIG).read_text())["dialog"]["engine"]["model"]["positional-encoding"]
+    engine = json.loads((bundle / layout.GENIE_CONFIG).read_text())["dialog"]["engine"]
+    encoding = engine["model"]["positional-encoding"]
     got = encoding.get("rope-scaling")
     want = None if scaling is None else {k: pytest.approx(v) if isinstance(v, float) else v for k, v in scaling.items()}
     assert got == want
@@ -143,7 +144,7 @@ def prove_in_genie(project: Project, scaling: dict[str, Any] | None) -> None:
 
     prompt_ids, tokens, tables = genie_run(bundle, prompt_text(), TOKENS)
     runner = htp_runner(project)
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle / gc.TOKENIZER))
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle / layout.TOKENIZER))
     ids = [1] + tok(prompt_text(), add_special_tokens=False)["input_ids"]  # Genie prepends BOS (1)
     assert prompt_ids[:len(ids)] == ids and 64 < len(ids) and len(ids) + TOKENS < runner.cl
     cos, sin = rope_tables(runner.inv_freq, range(runner.cl), runner.spec.rope_attention_scaling)

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from npustudio.core.errors import UserError
+from npustudio.core.layout import MANIFEST
 from npustudio.core.progress import Cancelled, State
-from npustudio.core.project import MANIFEST, Project
+from npustudio.core.project import Project
 
 
 def _write_stage(value: str, calls: list[str]):

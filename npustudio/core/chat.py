@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, Field
 
+from . import layout
 from .errors import UserError
 from .fsutil import atomic_write_json
 
@@ -62,7 +63,7 @@ class DesktopRunner:
                 self._preview = runner.Preview(self.bundle_dir)
             text, event, aborted = self._preview.query(prompt, on_text, stop, self.max_tokens)
             return text, aborted, self._preview.profile([event])
-        res = runner.run(self.bundle_dir / "genie_config.json", prompt, on_text, stop=stop, max_tokens=self.max_tokens)
+        res = runner.run(self.bundle_dir / layout.GENIE_CONFIG, prompt, on_text, stop=stop, max_tokens=self.max_tokens)
         return res.text, res.status == "aborted", res.profile or None
 
 
@@ -167,9 +168,9 @@ class ChatSession:
 def default_history_file(bundle_dir: Path) -> Path:
     """`<project>/chat_history.json` for a project's bundle; else beside the bundle."""
     b = Path(bundle_dir).resolve()
-    if b.parent.name == "stages":
-        return b.parents[1] / "chat_history.json"
-    return b / "chat_history.json"
+    if b.parent.name == layout.STAGES_DIR:
+        return b.parents[1] / layout.CHAT_HISTORY
+    return b / layout.CHAT_HISTORY
 
 
 def saved_turns(bundle_dir: Path) -> list[Turn]:
@@ -215,7 +216,7 @@ def as_chat_prompt(bundle_dir: Path, text: str) -> str:
 def _template_tokenizer(bundle_dir: Path, meta: BundleMeta) -> Any:
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / "tokenizer.json"))
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / layout.TOKENIZER))
     if meta.bos_id is not None:
         tok.bos_token = tok.convert_ids_to_tokens(meta.bos_id)
     tok.eos_token = tok.convert_ids_to_tokens(meta.eos_ids[0])

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
+from . import layout
 from .errors import UserError
 from .progress import StateLike
 
@@ -211,8 +212,6 @@ def hf_logits_fn(model: object) -> LogitsFn:
     return fn
 
 
-REFERENCE_LOGITS = "reference_logits.safetensors"
-EVAL_PLAN = "eval_plan.json"
 
 
 def write_reference(folder: Path, plan: EvalPlan, ids: Sequence[int], logits: Sequence[torch.Tensor]) -> None:
@@ -221,16 +220,16 @@ def write_reference(folder: Path, plan: EvalPlan, ids: Sequence[int], logits: Se
     from .fsutil import atomic_write_json
     from .graph.store import write_tensors
 
-    write_tensors(folder / REFERENCE_LOGITS, {"ids": torch.tensor(list(ids), dtype=torch.int32),
+    write_tensors(folder / layout.REFERENCE_LOGITS, {"ids": torch.tensor(list(ids), dtype=torch.int32),
                                               "logits": torch.cat([t.float() for t in logits])})
-    atomic_write_json(folder / EVAL_PLAN, plan.model_dump())
+    atomic_write_json(folder / layout.EVAL_PLAN, plan.model_dump())
 
 
 def read_plan(folder: Path) -> EvalPlan | None:
     import json
 
     try:
-        return EvalPlan.model_validate(json.loads((folder / EVAL_PLAN).read_text()))
+        return EvalPlan.model_validate(json.loads((folder / layout.EVAL_PLAN).read_text()))
     except (OSError, ValueError):
         return None
 
@@ -241,7 +240,7 @@ class Reference:
     def __init__(self, folder: Path) -> None:
         from safetensors import safe_open
 
-        self._file = safe_open(str(folder / REFERENCE_LOGITS), framework="pt")
+        self._file = safe_open(str(folder / layout.REFERENCE_LOGITS), framework="pt")
         self.ids = self._file.get_tensor("ids").tolist()
         self._logits = self._file.get_slice("logits")
         self._pos = 0

@@ -16,14 +16,14 @@ from pydantic import BaseModel
 
 from . import adapt as adapt_stage
 from . import compile as compile_stage
-from . import host_cost, models, parts
+from . import host_cost, layout, models, parts
 from . import quantize as quantize_stage
 from .config_audit import check_context
 from .errors import UserError
 from .fsutil import atomic_write_json, refuse_link
 from .genie import bundle as bundle_stage
 from .progress import State, StateLike, free_big_blocks_at_once
-from .project import MANIFEST, Manifest, Project, StageRecord
+from .project import Manifest, Project, StageRecord
 
 
 def default_project_dir() -> Path:
@@ -35,7 +35,7 @@ def opened(project_dir: Path | str) -> Iterator[Project]:
     """The project for a command that may create it: when the command fails before any stage finished in a
     project it created, the folder is left as it was (a new folder removed, an empty one emptied again)."""
     root = Path(project_dir).expanduser().resolve()
-    existed, fresh = root.exists(), not (root / MANIFEST).exists()
+    existed, fresh = root.exists(), not (root / layout.MANIFEST).exists()
     project = Project.open(root)
     try:
         yield project
@@ -80,8 +80,8 @@ def intake(project: Project, model: str, cl: int, state: StateLike,
         check_context(card, cl)
         fits = models.fit_table(card, cl)
         host = host_cost.estimate(card, gguf=bool(source.gguf_file))
-        atomic_write_json(out / "card.json", card.model_dump())
-        atomic_write_json(out / "fit.json", [f.model_dump() for f in fits])
+        atomic_write_json(out / layout.CARD, card.model_dump())
+        atomic_write_json(out / layout.FIT, [f.model_dump() for f in fits])
         return {"source": source.model_dump(), "card": card.model_dump(), "fit": [f.model_dump() for f in fits],
                 "host": host.model_dump()}
 
@@ -195,10 +195,8 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
 
 def project_of_bundle(folder: Path) -> Project | None:
     """The project whose bundle stage `folder` is, if it is one."""
-    folder = Path(folder).resolve()
-    if folder.name == "bundle" and folder.parent.name == "stages" and (folder.parents[1] / MANIFEST).is_file():
-        return Project.open(folder.parents[1], create=False)
-    return None
+    root = layout.project_of_stage(folder)
+    return Project.open(root, create=False) if root is not None and Path(folder).resolve().name == "bundle" else None
 
 
 UPSTREAM = {"adapt": "model", "quantize": "adapt", "compile": "quantize", "bundle": "compile"}
@@ -316,8 +314,8 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
             dev = device.info(started.serial)
         state.progress(0.0, f"deploying to {dev.serial}")
         pushed = deploy(project, dev, state.sub(0.0, 0.3))
-        prompt = (folder / bundle_stage.SAMPLE_PROMPT).read_text(encoding="utf-8")
-        prof = project.root / "runs" / "sample_profile.json"
+        prompt = (folder / layout.SAMPLE_PROMPT).read_text(encoding="utf-8")
+        prof = project.root / layout.RUNS_DIR / layout.SAMPLE_PROFILE
         refuse_link(prof.parent)
         prof.parent.mkdir(exist_ok=True)
         stop = threading.Event()

@@ -24,11 +24,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from . import layout
 from .errors import UserError
 from .fsutil import atomic_write_text, open_nofollow, refuse_link, sha256_file, sha256_json
 from .progress import Cancelled, peak_rss_mb
 
-MANIFEST = "npustudio.json"
 SCHEMA_VERSION = 1
 STAGE_NOTE = "NPU Studio stage: "  # added to an unexpected exception, so the CLI can say where it happened
 _hashes: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, for this process
@@ -76,10 +76,10 @@ class Project:
     # ----- manifest -----
     @property
     def manifest_path(self) -> Path:
-        return self.root / MANIFEST
+        return self.root / layout.MANIFEST
 
     def stage_dir(self, name: str) -> Path:
-        return self.root / "stages" / name
+        return layout.stage_dir(self.root, name)
 
     @classmethod
     def open(cls, root: Path | str, create: bool = True) -> Project:
@@ -96,7 +96,7 @@ class Project:
         refuse_link(self.manifest_path)
         if not self.manifest_path.exists():
             if not create:
-                raise UserError(f"{self.root} is not an NPU Studio project (no {MANIFEST}).",
+                raise UserError(f"{self.root} is not an NPU Studio project (no {layout.MANIFEST}).",
                                 "Create it with `npustudio adapt MODEL --project DIR` or pick another folder.")
             if self.root.exists() and any(self.root.iterdir()):
                 raise UserError(f"{self.root} is not empty and is not an NPU Studio project.",
@@ -200,8 +200,8 @@ class Project:
         """Run `fn` unless an identical finished run exists. Returns (record, ran)."""
         key = sha256_json({"stage": name, "inputs": inputs, "options": options})
         with self._lock():
-            scratch = self.root / "stages" / f".{name}.partial"
-            for d in (self.root / "stages", scratch, self.stage_dir(name), self.root / "stages" / f".{name}.old"):
+            scratch = layout.scratch_dir(self.root, name)
+            for d in (scratch.parent, scratch, self.stage_dir(name), layout.old_dir(self.root, name)):
                 refuse_link(d)
             self._recover(name)
             if not force and self.is_current(name, key):
@@ -246,7 +246,7 @@ class Project:
             return rec, True
 
     def _swap_in(self, name: str, scratch: Path) -> None:
-        final, old = self.stage_dir(name), self.root / "stages" / f".{name}.old"
+        final, old = self.stage_dir(name), layout.old_dir(self.root, name)
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             os.replace(final, old)
@@ -255,7 +255,7 @@ class Project:
 
     def _recover(self, name: str) -> None:
         """Undo what a kill between the two renames of `_swap_in` left behind."""
-        final, old = self.stage_dir(name), self.root / "stages" / f".{name}.old"
+        final, old = self.stage_dir(name), layout.old_dir(self.root, name)
         if old.exists() and not final.exists():
             os.replace(old, final)
         shutil.rmtree(old, ignore_errors=True)

@@ -24,11 +24,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core import pipeline
+from ..core import layout, pipeline
 from ..core import settings as user_settings
 from ..core.device import DeviceInfo
 from ..core.errors import UserError
-from ..core.project import MANIFEST, Project
+from ..core.project import Project
 from . import worker
 from .chat import ChatPanel
 from .devices import DevicePanel
@@ -131,7 +131,7 @@ class MainWindow(QMainWindow):
 
     def _last_project(self) -> Path:
         for r in self.settings.recent_projects:
-            if (Path(r) / MANIFEST).is_file():
+            if (Path(r) / layout.MANIFEST).is_file():
                 return Path(r)
         return pipeline.default_project_dir()
 

@@ -22,8 +22,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core import layout
 from ..core.chat import ChatSession, DesktopRunner, DeviceRunner, Turn, clear_history, saved_turns
-from ..core.genie.config import CONFIG as GENIE_CONFIG
 from . import worker
 from .widgets import show_error, status_label
 
@@ -94,7 +94,7 @@ class ChatPanel(QWidget):
 
     def _runner_key(self) -> tuple[Any, ...] | None:
         project = self.window_.project
-        if project is None or not (project.stage_dir("bundle") / GENIE_CONFIG).is_file():
+        if project is None or not (project.stage_dir("bundle") / layout.GENIE_CONFIG).is_file():
             return None
         kind = self.runner.currentData()
         dev = self.window_.device

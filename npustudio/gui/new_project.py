@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.project import MANIFEST
+from ..core import layout
 
 
 class NewProjectDialog(QDialog):
@@ -59,7 +59,7 @@ class NewProjectDialog(QDialog):
         name, f = self.name.text().strip(), self.folder()
         if not name or name in (".", "..") or "/" in name:
             self.problem.setText("Give the project a name (a folder name, without '/').")
-        elif (f / MANIFEST).is_file():
+        elif (f / layout.MANIFEST).is_file():
             self.problem.setText(f"{f} is already a project: open it with File → Open project.")
         elif f.exists() and (not f.is_dir() or any(f.iterdir())):
             self.problem.setText(f"{f} already exists and holds other files: pick another name.")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from .. import compute
+from .. import compute, layout
 from ..compute import Device
 from ..config_audit import check_context
 from ..errors import UserError
@@ -213,9 +213,9 @@ def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike)
         ppl_fp=cmp.ref_ppl, ppl_adapted=cmp.test_ppl, eval_tokens=cmp.tokens, per_window=cmp.per_window,
         eval_plan=plan, device=device)
     res.gate = equivalence_gate(res.equivalence, lm.card, options.accept_mismatch)
-    atomic_write_json(out_dir / "graphs.json", [g.model_dump() for g in res.graphs])
-    atomic_write_json(out_dir / "card.json", lm.card.model_dump())
-    atomic_write_json(out_dir / "equivalence.json", res.equivalence.model_dump())
+    atomic_write_json(out_dir / layout.GRAPHS, [g.model_dump() for g in res.graphs])
+    atomic_write_json(out_dir / layout.CARD, lm.card.model_dump())
+    atomic_write_json(out_dir / layout.EQUIVALENCE, res.equivalence.model_dump())
     state.progress(1.0, "adapted")
     return res
 

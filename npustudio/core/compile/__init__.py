@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from .. import parts
+from .. import layout, parts
 from ..errors import UserError
 from ..evaluate import load_corpus, max_abs_diff, nll
 from ..fsutil import atomic_write_json, link_or_copy
 from ..graph import graph_io, ort_qnn, store
-from ..graph.exported import TEST_VECTORS, WEIGHTS_FILE, read_test_vectors
+from ..graph.exported import read_test_vectors
 from ..graph.graph_io import IOEncoding
 from ..graph.kv_cache import KVCacheRunner
 from ..graph.ort_graph import OrtGraph, cpu_session
@@ -83,17 +83,17 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         return qairt.run(quant_dir, options, out_dir, state)
     if options.backend != "ort-qnn":
         raise UserError(f"Unknown compile back-end {options.backend!r}.", "Use `ort-qnn` or `qairt`.")
-    qres = json.loads((quant_dir / "quantize.json").read_text())
+    qres = json.loads((quant_dir / layout.QUANTIZE_RESULT).read_text())
     target = soc(options.target or qres["target"])
     graphs = qres["graphs"]
     _refuse_lpbq(quant_dir, graphs[0], qres.get("precision", "?"))
     lap = Laps()
     steps = lap.steps
 
-    weights = quant_dir / WEIGHTS_FILE
+    weights = quant_dir / layout.WEIGHTS
     prep = out_dir / PREPARED
     prep.mkdir(exist_ok=True)
-    link_or_copy(weights, prep / WEIGHTS_FILE)  # the prepared graphs read the quantize stage's weights
+    link_or_copy(weights, prep / layout.WEIGHTS)  # the prepared graphs read the quantize stage's weights
     io: dict[str, IOEncoding] = {}
     for i, g in enumerate(graphs):
         state.progress(0.05 * i, f"preparing {g}: uint16 I/O from the AIMET encodings")
@@ -102,7 +102,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         io.update(enc)
     _check_kv_tied(io)
     spec, _ = store.load_spec(adapt_dir)
-    shapes = json.loads((quant_dir / "graphs.json").read_text())
+    shapes = json.loads((quant_dir / layout.GRAPHS).read_text())
     ars, cl = {s["name"]: s["ar"] for s in shapes}, shapes[0]["cl"]
     sizes = split.part_model(prep, graphs, spec, ars, cl)
     limit = int(options.max_part_mb * 2**20)
@@ -146,7 +146,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
                         nodes_on_cpu=sum(len(c.nodes_on_cpu) for c in compiled), io=io,
                         verification=verification, steps=steps, peak_rss_mb=round(peak_rss_mb()),
                         step_peak_rss_mb=lap.peaks)
-    atomic_write_json(out_dir / "compile.json", res.model_dump())
+    atomic_write_json(out_dir / layout.COMPILE_RESULT, res.model_dump())
     return res
 
 
@@ -238,7 +238,7 @@ def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str,
     """The prepared graph on the CPU, fed the test-vector inputs, against the quantsim's outputs."""
     out = {}
     for g in graphs:
-        tv = read_test_vectors(quant_dir / TEST_VECTORS / f"{g}.npz")
+        tv = read_test_vectors(quant_dir / layout.TEST_VECTORS / f"{g}.npz")
         got = OrtGraph(cpu_session(prep / f"{g}.onnx"), io)({k: torch.from_numpy(v) for k, v in tv["in"].items()})
         ref = torch.from_numpy(tv["quant"]["logits"])
         out[f"{g}_max_abs_logit_diff"] = round(max_abs_diff(got["logits"][0], ref[0]), 5)
@@ -255,7 +255,7 @@ def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: P
     from transformers import AutoTokenizer
 
     spec, inv_freq = store.load_spec(adapt_dir)
-    prompt_spec = json.loads((quant_dir / "graphs.json").read_text())[0]
+    prompt_spec = json.loads((quant_dir / layout.GRAPHS).read_text())[0]
     ar_n, cl = prompt_spec["ar"], prompt_spec["cl"]
     tok = AutoTokenizer.from_pretrained(str(quant_dir), trust_remote_code=False)
     ids = tok(load_corpus(o.eval_corpus, "eval"))["input_ids"][: min(o.verify_tokens + o.verify_decode, cl - ar_n)]
@@ -265,7 +265,7 @@ def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: P
     runs: dict[str, Any] = {}
     # a large model's parts are opened one at a time, per call (the CPU session of a 1B graph alone holds
     # several GB); a small one keeps its sessions open between calls
-    keep = (prep / WEIGHTS_FILE).stat().st_size < KEEP_SESSIONS_BYTES
+    keep = (prep / layout.WEIGHTS).stat().st_size < KEEP_SESSIONS_BYTES
     names = {g: (parts or {}).get(g, [g]) for g in graphs}
 
     def on_cpu(p: str) -> OrtGraph:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..progress import StateLike, peak_rss_mb
@@ -173,10 +174,10 @@ def run(quant_dir: Path, options: CompileOptions, out_dir: Path, state: StateLik
     root = sdk_root()
     version = sdk_version(root)
     warnings = check_version(version)
-    qres = json.loads((quant_dir / "quantize.json").read_text())
+    qres = json.loads((quant_dir / layout.QUANTIZE_RESULT).read_text())
     target = soc(options.target or qres["target"])
     graphs = qres["graphs"]
-    specs = {g["name"]: (g["ar"], g["cl"]) for g in json.loads((quant_dir / "graphs.json").read_text())}
+    specs = {g["name"]: (g["ar"], g["cl"]) for g in json.loads((quant_dir / layout.GRAPHS).read_text())}
     write_configs(root, graphs, target, out_dir)
     steps: dict[str, float] = {}
     for i, cmd in enumerate(cmds := commands(root, quant_dir, graphs, target, out_dir)):
@@ -190,7 +191,7 @@ def run(quant_dir: Path, options: CompileOptions, out_dir: Path, state: StateLik
             tail = (p.stderr or p.stdout).strip().splitlines()[-8:]
             raise UserError(f"{name} failed (exit {p.returncode}):\n" + "\n".join(tail),
                             "Fix what the tool says; the full command is in compile_commands.json.")
-    atomic_write_json(out_dir / "compile_commands.json", cmds)
+    atomic_write_json(out_dir / layout.COMPILE_COMMANDS, cmds)
     binary = out_dir / f"{binary_name(graphs)}.bin"
     check = parse_utility(out_dir / f"{binary_name(graphs)}.json", graphs, specs)
     io = {name: enc for name, enc in activation_encodings(quant_dir / f"{graphs[0]}.encodings").items()
@@ -204,5 +205,5 @@ def run(quant_dir: Path, options: CompileOptions, out_dir: Path, state: StateLik
                                       "simulator": "not run: a weight-shared binary does not run on the x86 "
                                                    "simulator; verify on the phone"},
                         steps=steps, peak_rss_mb=round(peak_rss_mb()))
-    atomic_write_json(out_dir / "compile.json", res.model_dump())
+    atomic_write_json(out_dir / layout.COMPILE_RESULT, res.model_dump())
     return res

@@ -19,12 +19,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .. import layout
 from ..errors import UserError
 from ..fsutil import sha256_file
 from ..progress import StateLike
 from . import REMOTE_ROOT, DeviceInfo, client, compatibility
 
-MANIFEST = ".npustudio-manifest.json"
 _MANIFEST_EVERY = 8 * 1024 * 1024  # files at least this large are recorded as soon as they are on the device
 
 
@@ -40,7 +40,7 @@ class DeployResult(BaseModel):
 
 def remote_dir(bundle_dir: Path) -> str:
     name = Path(bundle_dir).resolve().name
-    if Path(bundle_dir).resolve().parent.name == "stages":  # a project's bundle: name it after the project
+    if Path(bundle_dir).resolve().parent.name == layout.STAGES_DIR:  # a project's bundle: name it after the project
         name = Path(bundle_dir).resolve().parents[1].name
     return posixpath.join(REMOTE_ROOT, _safe_name(name))
 
@@ -254,7 +254,7 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
 
 
 def _read_manifest(d: Any, rdir: str) -> dict[str, Any]:
-    path = posixpath.join(rdir, MANIFEST)
+    path = posixpath.join(rdir, layout.DEVICE_MANIFEST)
     try:
         if not d.sync.exists(path):
             return {}
@@ -275,4 +275,4 @@ def _write_manifest(sync: _Sync, rdir: str, manifest: dict[str, Any]) -> None:
     """One sync SEND (a torn manifest reads as invalid JSON and only costs a full re-push)."""
     import io
 
-    sync.send(io.BytesIO(json.dumps(manifest, indent=1).encode()), posixpath.join(rdir, MANIFEST))
+    sync.send(io.BytesIO(json.dumps(manifest, indent=1).encode()), posixpath.join(rdir, layout.DEVICE_MANIFEST))

@@ -19,12 +19,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_bytes
 from . import client
 
-PROMPT_FILE = "prompt.txt"
-PROFILE_FILE = "profile.json"
 _PID = re.compile(rb"^NPUSTUDIO_PID=(\d+)\n")
 
 # (pattern in genie-t2t-run's output, explanation, fix)
@@ -89,7 +88,7 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
     if log not in ("error", "warn", "info", "verbose"):
         raise UserError(f"Unknown log level {log!r}.", "Use error, warn, info or verbose.")
     d = client().device(serial=serial)
-    d.sync.push(prompt.encode("utf-8"), posixpath.join(remote_dir, PROMPT_FILE), mode=0o644)
+    d.sync.push(prompt.encode("utf-8"), posixpath.join(remote_dir, layout.PROMPT_FILE), mode=0o644)
     # the bundle's own genie-t2t-run when it carries the runtime, else the device's; the line keeps to what
     # a phone's sh and the virtual device's shell both take (no `if`, no `[`)
     own = d.sync.exists(posixpath.join(remote_dir, "genie-t2t-run"))
@@ -97,10 +96,10 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
     line = (f"cd {q(remote_dir)} && echo NPUSTUDIO_PID=$$ && "
             f"LD_LIBRARY_PATH={q(remote_dir)}:$LD_LIBRARY_PATH ADSP_LIBRARY_PATH={q(remote_dir)} "
             f"exec {'./genie-t2t-run' if own else 'genie-t2t-run'} -c genie_config.json "
-            f"--prompt_file {PROMPT_FILE} --profile {PROFILE_FILE} --log {log}"
+            f"--prompt_file {layout.PROMPT_FILE} --profile {layout.PROFILE_FILE} --log {log}"
             + (f" --max-tokens {int(max_tokens)}" if max_tokens else "") + " 2>&1")
     t0 = time.perf_counter()
-    d.shell(["rm", "-f", posixpath.join(remote_dir, PROFILE_FILE)], timeout=30)
+    d.shell(["rm", "-f", posixpath.join(remote_dir, layout.PROFILE_FILE)], timeout=30)
     conn = d.shell(line, stream=True)
     pending, pid, parts = bytearray(), None, []
     decoder = _Utf8()
@@ -137,7 +136,7 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
     profile_path = None
     if not stopped and profile_to is not None:
         try:  # read, then written atomically: a pull would write through a link planted at profile_to
-            data = d.sync.read_bytes(posixpath.join(remote_dir, PROFILE_FILE))
+            data = d.sync.read_bytes(posixpath.join(remote_dir, layout.PROFILE_FILE))
         except Exception:
             data = None
         if data is not None:

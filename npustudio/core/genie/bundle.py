@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_json, link_or_copy, read_json
 from ..graph.graph_io import IOEncoding
@@ -30,8 +31,6 @@ from . import libgenie
 from .libgenie import PD_BUDGET_BYTES
 
 FORMAT = 1  # bumped when the bundle's contents change meaning
-METADATA = "metadata.json"
-SAMPLE_PROMPT = "sample_prompt.txt"
 DEFAULT_QUESTION = "What is the capital of France?"
 
 
@@ -98,17 +97,18 @@ def read_metadata(bundle_dir: Path) -> BundleMeta:
     if not bundle_dir.is_dir():
         what = "a file" if bundle_dir.exists() else "missing"
         raise UserError(f"{bundle_dir} is not a bundle folder (it is {what}).", fix)
-    if not (bundle_dir / METADATA).exists():
-        raise UserError(f"{bundle_dir} is not an NPU Studio bundle: it has no {METADATA}.", fix)
-    data = read_json(bundle_dir / METADATA, f"bundle description ({METADATA})", fix)
+    if not (bundle_dir / layout.METADATA).exists():
+        raise UserError(f"{bundle_dir} is not an NPU Studio bundle: it has no {layout.METADATA}.", fix)
+    data = read_json(bundle_dir / layout.METADATA, f"bundle description ({layout.METADATA})", fix)
     if not isinstance(data, dict):
-        raise UserError(f"{bundle_dir / METADATA} is damaged: it holds a JSON {type(data).__name__}, not the "
+        raise UserError(f"{bundle_dir / layout.METADATA} is damaged: it holds a JSON {type(data).__name__}, not the "
                         "bundle's description.", fix)
     try:
         return BundleMeta.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        raise UserError(f"{bundle_dir / METADATA} is damaged: {'.'.join(map(str, first['loc']))}: {first['msg']}.",
+        raise UserError(f"{bundle_dir / layout.METADATA} is damaged: "
+                        f"{'.'.join(map(str, first['loc']))}: {first['msg']}.",
                         fix) from e
 
 
@@ -126,9 +126,9 @@ def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
 
 
 def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Path, state: StateLike) -> BundleResult:
-    comp = json.loads((compile_dir / "compile.json").read_text())
-    card = json.loads((adapt_dir / "card.json").read_text())
-    graphs = json.loads((adapt_dir / "graphs.json").read_text())
+    comp = json.loads((compile_dir / layout.COMPILE_RESULT).read_text())
+    card = json.loads((adapt_dir / layout.CARD).read_text())
+    graphs = json.loads((adapt_dir / layout.GRAPHS).read_text())
     target = soc(comp["target"])
     cl = graphs[0]["cl"]
     state.progress(0.1, "linking the context binaries")
@@ -147,16 +147,16 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
         if name not in bins:
             link_or_copy(compile_dir / g["context_bin"], out_dir / name)
             bins.append(name)
-    shutil.copy2(adapt_dir / gc.TOKENIZER, out_dir / gc.TOKENIZER)
+    shutil.copy2(adapt_dir / layout.TOKENIZER, out_dir / layout.TOKENIZER)
 
     cfg = gc.genie_config(card, cl, bins, options.sampler, options.n_threads, htp_ext=True)
-    atomic_write_json(out_dir / gc.CONFIG, cfg)
-    atomic_write_json(out_dir / gc.HTP_EXT, gc.htp_ext_config(target, shared))
+    atomic_write_json(out_dir / layout.GENIE_CONFIG, cfg)
+    atomic_write_json(out_dir / layout.HTP_EXT_CONFIG, gc.htp_ext_config(target, shared))
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(adapt_dir), trust_remote_code=False)
-    (out_dir / SAMPLE_PROMPT).write_text(gc.sample_prompt(tok, options.question), encoding="utf-8")
+    (out_dir / layout.SAMPLE_PROMPT).write_text(gc.sample_prompt(tok, options.question), encoding="utf-8")
 
     state.progress(0.4, "runtime files")
     copied, missing = _runtime(target, out_dir)
@@ -170,7 +170,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
         rope_inv_freq=inv_freq.tolist(), eos_ids=card["eos_ids"], bos_id=card["bos_id"], question=options.question,
         chat_template=card.get("chat_template"), runtime_files=copied, runtime_missing=missing,
         project_compile_dir=str(compile_dir.resolve()))
-    atomic_write_json(out_dir / METADATA, meta.model_dump())
+    atomic_write_json(out_dir / layout.METADATA, meta.model_dump())
 
     state.progress(0.7, "validating genie_config.json with libGenie")
     status, log = libgenie.validate_config(json.dumps(gc.absolute(cfg, out_dir)))

@@ -14,11 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from .. import layout
 from ..targets import Soc
-
-CONFIG = "genie_config.json"
-HTP_EXT = "htp_backend_ext_config.json"
-TOKENIZER = "tokenizer.json"
 
 
 class Sampler(BaseModel):
@@ -66,7 +63,7 @@ def genie_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: Sa
            "cpu-mask": "0x3", "kv-dim": card["head_dim"], "allow-async-init": False}
     backend: dict[str, Any] = {"version": 1, "type": "QnnHtp", "QnnHtp": qnn}
     if htp_ext:
-        backend["extensions"] = HTP_EXT
+        backend["extensions"] = layout.HTP_EXT_CONFIG
     samp: dict[str, Any] = {"version": 1, "seed": sampler.seed, "temp": sampler.temp, "top-k": sampler.top_k,
                             "top-p": sampler.top_p}
     if sampler.greedy:  # Genie samples from top-k unless k is 1
@@ -76,7 +73,7 @@ def genie_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: Sa
         "context": {"version": 1, "size": cl, "n-vocab": card["vocab"], "bos-token": card["bos_id"],
                     "eos-token": eos[0] if len(eos) == 1 else eos},
         "sampler": samp,
-        "tokenizer": {"version": 1, "path": TOKENIZER},
+        "tokenizer": {"version": 1, "path": layout.TOKENIZER},
         "engine": {"version": 1, "n-threads": n_threads, "backend": backend,
                    "model": {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": ctx_bins},
                              "positional-encoding": rope(card)}}}}
@@ -109,7 +106,7 @@ def absolute(config: dict[str, Any], folder: Path) -> dict[str, Any]:
         if "extensions" in backend:
             backend["extensions"] = _file(folder, backend["extensions"])
     except (KeyError, TypeError) as e:
-        raise UserError(f"The {CONFIG} in {folder} is not a Genie dialog over context binaries "
+        raise UserError(f"The {layout.GENIE_CONFIG} in {folder} is not a Genie dialog over context binaries "
                         f"({type(e).__name__}: {e}).", "Rebuild the bundle with `npustudio bundle`.") from e
     return c
 
@@ -147,7 +144,8 @@ def inside(config: Any, folder: Path, where: str = "") -> None:
         except (OSError, RuntimeError):  # a link loop
             real = None
         if real is None or folder not in real.parents:
-            raise UserError(f"{CONFIG} names {config!r} ({where}), which is outside the bundle folder {folder}.",
+            raise UserError(f"{layout.GENIE_CONFIG} names {config!r} ({where}), which is outside the bundle folder "
+                            f"{folder}.",
                             "A bundle's config names only files inside its folder: rebuild the bundle with "
                             "`npustudio bundle`.")
 

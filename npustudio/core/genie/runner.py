@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_text
 from . import config as gc
@@ -157,7 +158,7 @@ class Preview:
         graphs = {g.ar: OrtGraph(cpu_session(prepared / f"{g.name}.onnx"), meta.io_encodings) for g in meta.graphs}
         self.runner = KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
                                     torch.tensor(meta.rope_inv_freq))
-        self.tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / gc.TOKENIZER))
+        self.tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / layout.TOKENIZER))
         self.bos, self.eos = meta.bos_id, set(meta.eos_ids)
         warm = meta.eos_ids[0] if meta.bos_id is None else meta.bos_id
         self.runner.prefill([warm])  # each graph's first run is slow (ORT's allocations): pay it in init,

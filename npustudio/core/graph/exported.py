@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-WEIGHTS_FILE = "weights.bin"  # every large initializer of the exported graphs, stored once by content
-TEST_VECTORS = "test_vectors"  # folder: {graph}.npz
 
 
 def write_test_vectors(path: Path, feeds: dict[str, torch.Tensor], fp: dict[str, torch.Tensor],

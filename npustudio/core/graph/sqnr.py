@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import layout
 from ..errors import UserError
 
 if TYPE_CHECKING:
@@ -28,14 +29,13 @@ def weights(enc_file: Path, rows: list[TensorRow]) -> dict[str, float]:
     """SQNR (dB) per weight row of `rows` whose float values the adapted model holds (inf: no error at all)."""
     from safetensors import safe_open
 
-    from . import store
 
     quant_dir = Path(enc_file).resolve().parent
-    floats = quant_dir.parent / "adapt" / store.WEIGHTS
+    floats = quant_dir.parent / "adapt" / layout.DECODER_WEIGHTS  # the project's adapt stage
     if not floats.is_file():
         raise UserError(f"SQNR needs the float weights: {Path(enc_file).name} is not in a project's quantize stage "
                         f"(no {floats}).", "Point at an .encodings file under <project>/stages/quantize.")
-    result = quant_dir / "quantize.json"
+    result = quant_dir / layout.QUANTIZE_RESULT
     if result.is_file() and json.loads(result.read_text()).get("rotated"):
         raise UserError("These weights were rotated before quantizing: the adapted float weights are not what was "
                         "quantized, so an SQNR against them would mislead.", "Read the table without --sqnr.")

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import torch
 
+from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..shape import DecoderSpec
 from .decoder import StaticDecoder
 
-WEIGHTS = "decoder.safetensors"
-SPEC = "decoder.json"
 INV_FREQ = "rope.inv_freq"
 
 
@@ -23,9 +22,9 @@ def save(model: StaticDecoder, inv_freq: torch.Tensor, folder: Path) -> list[Pat
     if model.spec.tied_embeddings:
         sd.pop("lm_head.weight")  # same storage as embed.weight: stored once
     sd[INV_FREQ] = inv_freq.float()
-    write_tensors(folder / WEIGHTS, sd)
-    atomic_write_json(folder / SPEC, model.spec.model_dump())
-    return [folder / WEIGHTS, folder / SPEC]
+    write_tensors(folder / layout.DECODER_WEIGHTS, sd)
+    atomic_write_json(folder / layout.DECODER_SPEC, model.spec.model_dump())
+    return [folder / layout.DECODER_WEIGHTS, folder / layout.DECODER_SPEC]
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -59,11 +58,12 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def load(folder: Path) -> tuple[StaticDecoder, torch.Tensor]:
     folder = Path(folder)
-    if not (folder / WEIGHTS).is_file() or not (folder / SPEC).is_file():
-        raise UserError(f"{folder} holds no adapted model ({WEIGHTS}, {SPEC}).", "Run the adapt stage first.")
-    spec = DecoderSpec.model_validate(json.loads((folder / SPEC).read_text()))
+    if not (folder / layout.DECODER_WEIGHTS).is_file() or not (folder / layout.DECODER_SPEC).is_file():
+        raise UserError(f"{folder} holds no adapted model ({layout.DECODER_WEIGHTS}, {layout.DECODER_SPEC}).",
+                        "Run the adapt stage first.")
+    spec = DecoderSpec.model_validate(json.loads((folder / layout.DECODER_SPEC).read_text()))
     # The tensors read become the parameters (assign=True on a meta-device model): one copy of the weights.
-    sd = read_tensors(folder / WEIGHTS)
+    sd = read_tensors(folder / layout.DECODER_WEIGHTS)
     inv_freq = sd.pop(INV_FREQ)
     with torch.device("meta"):
         model = StaticDecoder(spec)
@@ -83,10 +83,11 @@ def load_spec(folder: Path) -> tuple[DecoderSpec, torch.Tensor]:
     from safetensors import safe_open
 
     folder = Path(folder)
-    if not (folder / WEIGHTS).is_file() or not (folder / SPEC).is_file():
-        raise UserError(f"{folder} holds no adapted model ({WEIGHTS}, {SPEC}).", "Run the adapt stage first.")
-    spec = DecoderSpec.model_validate(json.loads((folder / SPEC).read_text()))
-    with safe_open(str(folder / WEIGHTS), framework="pt") as f:
+    if not (folder / layout.DECODER_WEIGHTS).is_file() or not (folder / layout.DECODER_SPEC).is_file():
+        raise UserError(f"{folder} holds no adapted model ({layout.DECODER_WEIGHTS}, {layout.DECODER_SPEC}).",
+                        "Run the adapt stage first.")
+    spec = DecoderSpec.model_validate(json.loads((folder / layout.DECODER_SPEC).read_text()))
+    with safe_open(str(folder / layout.DECODER_WEIGHTS), framework="pt") as f:
         inv_freq = f.get_tensor(INV_FREQ)
     return spec, inv_freq
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from .. import compute
+from .. import compute, layout
 from ..compute import Device
 from ..errors import UserError
 from ..evaluate import (
@@ -36,7 +36,7 @@ from ..evaluate import (
 from ..fsutil import atomic_write_json
 from ..graph import store
 from ..graph.decoder import io_names
-from ..graph.exported import TEST_VECTORS, WEIGHTS_FILE, write_test_vectors
+from ..graph.exported import write_test_vectors
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
 from ..targets import DEFAULT_SOC, soc
@@ -46,8 +46,8 @@ from .presets import Overrides, check_overrides, preset
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
 FORMAT = 6
 # the tokenizer, and the graphs' names and I/O (the exported graphs are the adapted ones, quantized)
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                "graphs.json")
+COPIED_FILES = (layout.TOKENIZER, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                layout.GRAPHS)
 
 
 class QuantizeOptions(BaseModel):
@@ -175,7 +175,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     sim.model.cpu()  # the export (and its bit-for-bit checks) run where CI runs them
     if options.export:
         state.progress(0.8, "exporting ONNX + encodings")
-        vec_dir = out_dir / TEST_VECTORS
+        vec_dir = out_dir / layout.TEST_VECTORS
         vec_dir.mkdir(exist_ok=True)
         traced: list[export.Traced] = []
         for name, feeds, fo in zip(graph_list, vectors, fp_out, strict=True):
@@ -195,7 +195,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
             state.check()
             files += [*export.write_qdq(t), vec_dir / f"{name}.npz"]
         export.share_weights([f for f in files if f.suffix == ".onnx"], out_dir)
-        files.append(out_dir / WEIGHTS_FILE)
+        files.append(out_dir / layout.WEIGHTS)
         for f in COPIED_FILES:
             if (adapt_dir / f).is_file():
                 shutil.copy2(adapt_dir / f, out_dir / f)
@@ -209,21 +209,21 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
         calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,
         steps=steps, peak_rss_mb=round(peak_rss_mb()), step_peak_rss_mb=lap.peaks, device=device)
-    atomic_write_json(out_dir / "quantize.json", res.model_dump())
+    atomic_write_json(out_dir / layout.QUANTIZE_RESULT, res.model_dump())
     state.progress(1.0, f"{pre.name}: PPL {res.ppl_quant:.3f} vs FP {res.ppl_fp:.3f} (×{res.ratio:.4f})")
     return res
 
 
 def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
     """AR, CL and the names of the prompt and token graphs, as the adapt stage wrote them."""
-    specs = {g["kind"]: g for g in json.loads((adapt_dir / "graphs.json").read_text())}
+    specs = {g["kind"]: g for g in json.loads((adapt_dir / layout.GRAPHS).read_text())}
     return specs["prompt"]["ar"], specs["prompt"]["cl"], [specs["prompt"]["name"], specs["token"]["name"]]
 
 
 def _eval_plan(adapt_dir: Path, o: QuantizeOptions, cl: int) -> tuple[EvalPlan, Reference | None]:
     """The adapt stage's eval plan with this stage's overrides; its float logits when nothing was overridden."""
     adapted = read_plan(adapt_dir)
-    params = int(json.loads((adapt_dir / "card.json").read_text())["params"])
+    params = int(json.loads((adapt_dir / layout.CARD).read_text())["params"])
     base = adapted or EvalPlan(tokens=auto_eval_tokens(params), window=min(DEFAULT_WINDOW, cl))
     upd: dict[str, Any] = {k: v for k, v in (("corpus", o.eval_corpus), ("chars", o.eval_chars),
                                               ("window", o.window and min(o.window, cl)),

@@ -21,9 +21,9 @@ from typing import Any, cast
 
 import torch
 
+from .. import layout
 from ..fsutil import atomic_write_json
 from ..graph.decoder import io_names
-from ..graph.exported import WEIGHTS_FILE
 from ..progress import trim_heap
 from . import simulate
 
@@ -332,7 +332,7 @@ def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:
     import onnx
     from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-    blob_path = out / WEIGHTS_FILE
+    blob_path = out / layout.WEIGHTS
     offsets: dict[str, tuple[int, int]] = {}
     written = saved = 0
     with open(blob_path, "ab") as blob:
@@ -358,7 +358,7 @@ def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:
                     blob.write(raw)
                     written += len(raw)
                 del raw
-                _point_at(t, WEIGHTS_FILE, *offsets[key])
+                _point_at(t, layout.WEIGHTS, *offsets[key])
             tmp = f.with_name(f.name + ".tmp")
             onnx.save(model, str(tmp))
             os.replace(tmp, f)
@@ -379,6 +379,6 @@ def _initializers(model: Any) -> list[Any]:
 
 def write_manifest(out: Path, files: list[Path]) -> list[dict[str, Any]]:
     rows = [{"file": p.relative_to(out).as_posix(), "bytes": p.stat().st_size} for p in sorted(files)]
-    atomic_write_json(out / "files.json", rows)
+    atomic_write_json(out / layout.EXPORTED_FILES, rows)
     return rows
 

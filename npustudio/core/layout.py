@@ -1,0 +1,80 @@
+"""Every file and folder name of a project and of a Genie bundle, in one place: the stages, the GUI, the CLI and
+the device code read and write these names only through here, so a name changes in one line.
+
+A project folder::
+
+    npustudio.json              the manifest: each stage's record (inputs, options, output files, result)
+    stages/<stage>/             a stage's output, swapped in whole when the stage ends
+    stages/.<stage>.partial/    the same while it runs (a killed stage leaves only this)
+    runs/                       profiles of sample answers
+
+A Genie bundle (a project's stages/bundle, or any folder `npustudio bundle` wrote) holds GENIE_CONFIG,
+HTP_EXT_CONFIG, TOKENIZER, METADATA, SAMPLE_PROMPT, the context binaries and, once chatted with, CHAT_HISTORY.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# ----- a project
+MANIFEST = "npustudio.json"
+STAGES_DIR = "stages"
+RUNS_DIR = "runs"
+SAMPLE_PROFILE = "sample_profile.json"  # in RUNS_DIR: Genie's profile of the sample answer of `npustudio run`
+
+# ----- the model stage (and adapt, which repeats the card)
+CARD = "card.json"
+FIT = "fit.json"
+
+# ----- adapt
+GRAPHS = "graphs.json"
+EQUIVALENCE = "equivalence.json"
+DECODER_WEIGHTS = "decoder.safetensors"
+DECODER_SPEC = "decoder.json"
+REFERENCE_LOGITS = "reference_logits.safetensors"
+EVAL_PLAN = "eval_plan.json"
+
+# ----- quantize
+QUANTIZE_RESULT = "quantize.json"
+EXPORTED_FILES = "files.json"
+WEIGHTS = "weights.bin"  # every large initializer of the exported graphs, stored once by content
+TEST_VECTORS = "test_vectors"  # folder: {graph}.npz
+
+# ----- compile
+COMPILE_RESULT = "compile.json"
+COMPILE_COMMANDS = "compile_commands.json"
+
+# ----- a Genie bundle
+GENIE_CONFIG = "genie_config.json"
+HTP_EXT_CONFIG = "htp_backend_ext_config.json"
+TOKENIZER = "tokenizer.json"
+METADATA = "metadata.json"
+SAMPLE_PROMPT = "sample_prompt.txt"
+CHAT_HISTORY = "chat_history.json"
+
+# ----- on a device, next to the pushed bundle
+DEVICE_MANIFEST = ".npustudio-manifest.json"
+PROMPT_FILE = "prompt.txt"
+PROFILE_FILE = "profile.json"
+
+
+def stage_dir(root: Path, stage: str) -> Path:
+    return Path(root) / STAGES_DIR / stage
+
+
+def scratch_dir(root: Path, stage: str) -> Path:
+    """Where a stage writes while it runs."""
+    return Path(root) / STAGES_DIR / f".{stage}.partial"
+
+
+def old_dir(root: Path, stage: str) -> Path:
+    """Where the previous output waits while the new one is swapped in."""
+    return Path(root) / STAGES_DIR / f".{stage}.old"
+
+
+def project_of_stage(folder: Path) -> Path | None:
+    """The project folder whose stage `folder` is, or None when `folder` is not a project's stage folder."""
+    folder = Path(folder).resolve()
+    if folder.parent.name == STAGES_DIR and (folder.parents[1] / MANIFEST).is_file():
+        return folder.parents[1]
+    return None
