@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--no-genie", action="store_true", help="only the preview (Genie takes minutes per run)")
     a = ap.parse_args()
 
-    from npustudio.core.genie import profile, runner
+    from npustudio.core.genie import host, profile
 
     bundle = Path(a.bundle)
     prompt = (bundle / "sample_prompt.txt").read_text(encoding="utf-8")
@@ -34,7 +34,7 @@ def main() -> None:
             if label.startswith("genie") and a.no_genie:
                 continue
             prof = Path(tmp) / f"{label}.json"
-            res = runner.run(bundle / "genie_config.json", prompt, lambda _s: None, prof, max_tokens=a.tokens,
+            res = host.run(bundle / "genie_config.json", prompt, lambda _s: None, prof, max_tokens=a.tokens,
                              preview=preview)
             s = profile.summarize(profile.read(prof))
             out[label] = {"answer": res.text, "wall_s": res.seconds, "init_s": s.init_s, "ttft_s": s.ttft_s,

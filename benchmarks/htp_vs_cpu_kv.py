@@ -25,7 +25,7 @@ def main() -> None:
     from npustudio.core.graph.graph_io import IOEncoding
     from npustudio.core.graph.kv_cache import KVCacheRunner
     from npustudio.core.graph.ort_graph import cpu_session, quantize
-    from npustudio.core.targets import soc
+    from npustudio.core.targets import find_soc
 
     stages = Path(sys.argv[1]) / "stages"
     comp = json.loads((stages / "compile" / "compile.json").read_text())
@@ -39,8 +39,9 @@ def main() -> None:
     feeds = KVCacheRunner(spec, cl, {ar: None}, inv_freq).feeds(ids, ar)  # type: ignore[dict-item]
     q = {n: quantize(t.numpy(), io[n]) for n, t in feeds.items()}
     outs, secs = {}, {}
+    target = find_soc(comp["target"])
     for label, sess in (("cpu", cpu_session(stages / "compile" / "prepared" / f"{graph}.onnx")),
-                        ("htp", ort_qnn.context_session(stages / "compile" / f"{graph}.onnx", soc(comp["target"])))):
+                        ("htp", ort_qnn.context_session(stages / "compile" / f"{graph}.onnx", target))):
         names = [o.name for o in sess.get_outputs()]
         t0 = time.perf_counter()
         outs[label] = dict(zip(names, sess.run(names, q), strict=True))

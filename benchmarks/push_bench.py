@@ -32,7 +32,7 @@ def main() -> None:
     from npustudio.core import device
     from npustudio.core.device import deploy
     from npustudio.core.progress import State
-    from npustudio.core.targets import soc
+    from npustudio.core.targets import find_soc
 
     work = Path(tempfile.mkdtemp(prefix="npustudio-push-"))
     adb = [device.adb_path(), "-P", str(a.port)]
@@ -44,7 +44,7 @@ def main() -> None:
         for i in range(a.files):
             (bundle / f"part_{i}.bin").write_bytes(os.urandom(a.mb * 1024 * 1024 // a.files))
         (bundle / "metadata.json").write_text(json.dumps(  # what deploy's compatibility check reads
-            {"target": soc("SM8750").model_dump(), "context_length": 1024, "graphs": [{"name": "g", "ar": 1}],
+            {"target": find_soc("SM8750").model_dump(), "context_length": 1024, "graphs": [{"name": "g", "ar": 1}],
              "decoder": {}, "eos_ids": [2], "runtime_missing": []}))
         total = sum(p.stat().st_size for p in bundle.iterdir())
         dev = device.info(vd.serial)

@@ -129,18 +129,18 @@ def genie_vs_preview(bundle: str) -> dict[str, Any]:
     preview fed Genie's own tokens (teacher-forced): at each step, is Genie's token the preview's greedy choice,
     and where not, by how many logits does the preview prefer its own (a near tie flips on fp16 rounding: the HTP
     computes the float parts in fp16, the preview in fp32; after one flip the free-running answers part)."""
-    from npustudio.core.genie import runner
+    from npustudio.core.genie import host
 
     out: dict[str, Any] = {}
     pieces: list[str] = []
     t0 = time.perf_counter()
-    r = runner.run(Path(bundle) / "genie_config.json", PROMPT, pieces.append, max_tokens=GENIE_TOKENS)
+    r = host.run(Path(bundle) / "genie_config.json", PROMPT, pieces.append, max_tokens=GENIE_TOKENS)
     out["genie"] = {"tokens": pieces, "seconds": round(time.perf_counter() - t0, 1), "status": r.status}
     # one preview (its graphs loaded once) answers and is then teacher-forced; built after Genie is done with the
     # simulator, so the two are never in memory together
     pieces = []
     t0 = time.perf_counter()
-    pv = runner.Preview(Path(bundle))
+    pv = host.Preview(Path(bundle))
     _text, _event, aborted = pv.query(PROMPT, pieces.append, max_tokens=GENIE_TOKENS)
     out["preview"] = {"tokens": pieces, "seconds": round(time.perf_counter() - t0, 1),
                       "status": "aborted" if aborted else "complete"}

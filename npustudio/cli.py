@@ -71,7 +71,7 @@ def _given(text: str) -> str:
 
 
 def _until_done(work: Callable[[], Any], stop: Any) -> Any:
-    """`work()` in a thread while this one waits: Ctrl-C sets `stop` (the runner aborts and returns what it
+    """`work()` in a thread while this one waits: Ctrl-C sets `stop` (Genie aborts and the run returns what it
     has) instead of being lost, as a KeyboardInterrupt raised inside Genie's ctypes callback is. Waits on an
     Event, not Thread.join: an interrupted join can report a live thread as finished (Python 3.11), and
     leaving while Genie still runs crashes the interpreter at exit."""
@@ -430,7 +430,7 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
     import ctypes
     import threading
 
-    from .core.genie import runner
+    from .core.genie import host
     from .core.genie.config import check_prompt
     from .core.native_io import fd_redirected
 
@@ -446,7 +446,7 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
         prompt = a.prompt or ""
     check_prompt(prompt)
     if a.profile:
-        runner.check_output_file(Path(a.profile), "--profile")
+        host.check_output_file(Path(a.profile), "--profile")
     if not a.raw:
         from .core.chat import as_chat_prompt
 
@@ -472,7 +472,7 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
             tokens_out.flush()
 
         try:
-            res = _until_done(lambda: runner.run(
+            res = _until_done(lambda: host.run(
                 Path(a.config), prompt, text, Path(a.profile) if a.profile else None, log_level=a.log,
                 on_log=lambda line: err.print(line, markup=False, highlight=False), stop=stop,
                 max_tokens=a.max_tokens, preview=a.preview), stop)
@@ -582,13 +582,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
     bundle = Path(a.bundle) if a.bundle else _default_bundle()
     read_metadata(bundle)  # "not a bundle" before "no device"
     if a.desktop or a.preview:
-        runner: Any = chat.DesktopRunner(bundle, preview=a.preview)
+        engine: Any = chat.DesktopEngine(bundle, preview=a.preview)
     else:
         dev = device.pick(a.device)
         with live_state() as st:
             deploy.deploy(bundle, dev, st)
-        runner = chat.DeviceRunner(dev.serial, bundle)
-    session = chat.ChatSession(bundle, runner, system=a.system)
+        engine = chat.DeviceEngine(dev.serial, bundle)
+    session = chat.ChatSession(bundle, engine, system=a.system)
     if a.new:
         session.clear()
 
@@ -598,12 +598,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
         turn = _until_done(lambda: session.send(text, lambda s: (sys.stdout.write(s), sys.stdout.flush()), stop),
                            stop)
         rate = f", {turn.generation_tok_s:.2f} tok/s" if turn.generation_tok_s else ""
-        err.print(f"\n[dim]({runner.name}{rate}{', stopped' if turn.stopped else ''})[/]")
+        err.print(f"\n[dim]({engine.name}{rate}{', stopped' if turn.stopped else ''})[/]")
         return not turn.stopped
 
     if a.prompt:
         return 0 if ask(a.prompt) else 130
-    err.print(f"chatting with {bundle} on {runner.name}; empty line or Ctrl-D ends, Ctrl-C stops an answer")
+    err.print(f"chatting with {bundle} on {engine.name}; empty line or Ctrl-D ends, Ctrl-C stops an answer")
     while True:
         try:
             line = input("> ")

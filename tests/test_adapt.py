@@ -139,7 +139,7 @@ def test_rmsnorm_of_the_attention_sink_token_survives_the_htp_simulator(tmp_path
     """The HTP divides by multiplying with the reciprocal: 1/23000 is subnormal in fp16 and was
     flushed to zero, so the sink token's norm (and every layer's K/V after it) came out 0."""
     from npustudio.core.graph import ort_qnn
-    from npustudio.core.targets import soc
+    from npustudio.core.targets import find_soc
 
     torch.manual_seed(0)
     x = torch.randn(1, 576, 1, 8)
@@ -148,9 +148,9 @@ def test_rmsnorm_of_the_attention_sink_token_survives_the_htp_simulator(tmp_path
     ref = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-5) * w.reshape(1, -1, 1, 1)
     torch.onnx.export(RMSNorm(w, 1e-5, dim=1), (x,), str(tmp_path / "norm.onnx"), input_names=["x"],
                       output_names=["y"], dynamo=False)
-    c = ort_qnn.compile_graph(tmp_path / "norm.onnx", "norm_ctx", tmp_path, soc("SM8750"))
+    c = ort_qnn.compile_graph(tmp_path / "norm.onnx", "norm_ctx", tmp_path, find_soc("SM8750"))
     assert not c.nodes_on_cpu
-    got = ort_qnn.context_session(tmp_path / "norm_ctx.onnx", soc("SM8750")).run(["y"], {"x": x.numpy()})[0]
+    got = ort_qnn.context_session(tmp_path / "norm_ctx.onnx", find_soc("SM8750")).run(["y"], {"x": x.numpy()})[0]
     err = np.abs(got - ref.numpy())
     assert err[..., 0].max() < 0.05 * ref[..., 0].abs().max()  # the sink token (|y| up to ~24·w)
     assert err.max() < 0.05

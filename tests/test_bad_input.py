@@ -104,12 +104,12 @@ TINY_SPEC = DecoderSpec(family="Llama", model_type="llama", layers=2, heads=4, k
 
 def fake_bundle(folder: Path, tiny_llama: Path, template: str = TEMPLATE) -> Path:
     """A bundle folder with what chat and genie-run read before any runner starts."""
-    from npustudio.core.targets import soc
+    from npustudio.core.targets import find_soc
 
     folder.mkdir(parents=True)
     shutil.copy(tiny_llama / "tokenizer.json", folder / "tokenizer.json")
     (folder / "metadata.json").write_text(json.dumps({
-        "target": soc("SM8750").model_dump(), "context_length": 128, "graphs": [{"name": "prompt", "ar": 32}],
+        "target": find_soc("SM8750").model_dump(), "context_length": 128, "graphs": [{"name": "prompt", "ar": 32}],
         "decoder": TINY_SPEC.model_dump(), "bos_id": 1, "eos_ids": [2], "chat_template": template,
         "question": "Hi?"}))
     return folder

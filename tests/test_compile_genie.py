@@ -15,8 +15,8 @@ from npustudio.core import chat, layout, pipeline
 from npustudio.core.compile import CompileOptions
 from npustudio.core.errors import UserError
 from npustudio.core.genie import bundle as bundle_stage
-from npustudio.core.genie import config as gc
-from npustudio.core.genie import libgenie, profile, runner
+from npustudio.core.genie import config as genie_config
+from npustudio.core.genie import host, libgenie, profile
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 
@@ -82,7 +82,8 @@ def test_bundle_holds_a_genie_config_libgenie_accepts(project: Project) -> None:
     assert (cfg["context"]["bos-token"], cfg["context"]["eos-token"]) == (1, 2)
     assert cfg["engine"]["backend"]["QnnHtp"]["kv-dim"] == 64
     assert cfg["engine"]["model"]["positional-encoding"]["rope-dim"] == 32
-    status, _ = libgenie.validate_config(json.dumps(gc.absolute(json.loads((b / layout.GENIE_CONFIG).read_text()), b)))
+    absolute = genie_config.absolute(json.loads((b / layout.GENIE_CONFIG).read_text()), b)
+    status, _ = libgenie.validate_config(json.dumps(absolute))
     assert status == 0
     ext = json.loads((b / layout.HTP_EXT_CONFIG).read_text())
     assert ext["devices"][0] == {**ext["devices"][0], "soc_model": 69, "dsp_arch": "v79"}
@@ -133,8 +134,8 @@ def test_genie_run_keeps_a_templated_or_raw_prompt_as_given(project: Project) ->
 
 def test_genie_and_the_cpu_preview_give_the_same_greedy_tokens(project: Project) -> None:
     cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
-    real = runner.run(cfg, PROMPT, lambda _s: None, max_tokens=8)
-    fast = runner.run(cfg, PROMPT, lambda _s: None, max_tokens=8, preview=True)
+    real = host.run(cfg, PROMPT, lambda _s: None, max_tokens=8)
+    fast = host.run(cfg, PROMPT, lambda _s: None, max_tokens=8, preview=True)
     assert real.runner.startswith("genie") and fast.runner.startswith("preview")
     assert real.text and real.text == fast.text
 
@@ -158,7 +159,7 @@ def test_stop_aborts_a_genie_query(project: Project) -> None:
         seen.append(s)
         stop.set()  # the user presses stop once text appears
 
-    res = runner.run(cfg, PROMPT, on_text, stop=stop, max_tokens=100)
+    res = host.run(cfg, PROMPT, on_text, stop=stop, max_tokens=100)
     assert res.status == "aborted"
     assert 1 <= len(seen) < 100
 
@@ -216,8 +217,8 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     bundle_stage.run(out, project.stage_dir("adapt"), bundle_stage.BundleOptions(), bundle, State())
     cfg = json.loads((bundle / layout.GENIE_CONFIG).read_text())
     assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == [f"{g.graph}.bin" for g in r.graphs]
-    whole = runner.run(project.stage_dir("bundle") / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
-    split = runner.run(bundle / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
+    whole = host.run(project.stage_dir("bundle") / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
+    split = host.run(bundle / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
     assert split.runner.startswith("genie") and split.text == whole.text
 
     # without the prompt graphs (how a model over one protection domain loads on the simulator): half the
@@ -231,8 +232,8 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
                                                                       "token_ar1_cl128_2_of_2.bin"]
     assert [g.ar for g in bundle_stage.read_metadata(tokens_only).graphs] == [1]
     assert res.context_bytes == r.graphs[1].bin_bytes + r.graphs[3].bin_bytes and "one token at a time" in res.notes[0]
-    genie = runner.run(tokens_only / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
-    preview = runner.run(tokens_only / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8, preview=True)
+    genie = host.run(tokens_only / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
+    preview = host.run(tokens_only / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8, preview=True)
     assert genie.runner.startswith("genie") and genie.text and genie.text == preview.text
 
     # for a phone: one binary per part holding both graphs, their weights stored once
@@ -252,7 +253,7 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == ["shared_1_of_2.bin", "shared_2_of_2.bin"]
     assert json.loads((shared_bundle / layout.HTP_EXT_CONFIG).read_text())["context"]["weight_sharing_enabled"]
     with pytest.raises(UserError, match="weight-shared, for a phone"):  # not a segfault in Genie
-        runner.run(shared_bundle / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=2)
+        host.run(shared_bundle / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=2)
     with pytest.raises(UserError, match="cannot be left out"):
         bundle_stage.run(shared_out, project.stage_dir("adapt"), bundle_stage.BundleOptions(prompt_graphs=False),
                          tmp_path / "t", State())
@@ -332,7 +333,7 @@ def test_a_large_models_verification_opens_one_part_at_a_time(project: Project,
     from npustudio.core import compile as compile_stage
     from npustudio.core.graph import ort_qnn
     from npustudio.core.graph.graph_io import IOEncoding
-    from npustudio.core.targets import soc
+    from npustudio.core.targets import find_soc
 
     c = project.stage_dir("compile")
     comp = json.loads((c / "compile.json").read_text())
@@ -345,7 +346,7 @@ def test_a_large_models_verification_opens_one_part_at_a_time(project: Project,
         opened.clear()
         return compile_stage.verify_on_simulator(
             project.stage_dir("quantize"), project.stage_dir("adapt"), c / "prepared", c,
-            [g["graph"] for g in comp["graphs"]], io, soc("SM8750"), CompileOptions(verify_tokens=64), State())
+            [g["graph"] for g in comp["graphs"]], io, find_soc("SM8750"), CompileOptions(verify_tokens=64), State())
 
     monkeypatch.setattr(compile_stage, "KEEP_SESSIONS_BYTES", 2**62)
     kept = verify()

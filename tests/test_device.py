@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from npustudio.core import chat, device, layout
-from npustudio.core.device import deploy, run
+from npustudio.core.device import deploy, remote_genie
 from npustudio.core.device.phone_shell import Call, Program
 from npustudio.core.device.virtual import VirtualDevice
 from npustudio.core.errors import UserError
@@ -178,7 +178,7 @@ def test_the_device_receives_exactly_the_prompt_and_runs_nothing_else(vdev: Virt
     rdir = deploy.remote_dir(bundle)
     vdev.host_path(rdir).mkdir(parents=True, exist_ok=True)
     with _genie(vdev, answer_ok):
-        res = run.run(vdev.serial, rdir, prompt, lambda _s: None)
+        res = remote_genie.run(vdev.serial, rdir, prompt, lambda _s: None)
     assert res.text == "ok"
     assert (vdev.host_path(rdir) / layout.PROMPT_FILE).read_bytes() == prompt.encode("utf-8")
     assert not (vdev.root / "data/local/tmp/PWNED").exists()
@@ -200,7 +200,7 @@ def test_known_failures_are_explained(vdev: VirtualDevice, bundle: Path, line: s
         return 1
 
     with _genie(vdev, fail), pytest.raises(UserError) as e:
-        run.run(vdev.serial, deploy.remote_dir(bundle), "hi", lambda _s: None)
+        remote_genie.run(vdev.serial, deploy.remote_dir(bundle), "hi", lambda _s: None)
     assert words in e.value.problem and e.value.fix
 
 
@@ -218,7 +218,7 @@ def test_stop_closes_the_stream_and_kills_the_remote_process(vdev: VirtualDevice
 
     t0 = time.monotonic()
     with _genie(vdev, looping):
-        res = run.run(vdev.serial, deploy.remote_dir(bundle), "hi", on_out, stop=stop)
+        res = remote_genie.run(vdev.serial, deploy.remote_dir(bundle), "hi", on_out, stop=stop)
     assert res.status == "stopped" and time.monotonic() - t0 < 20
     pid = int((_remote(vdev, bundle) / "genie.pid").read_text())
     time.sleep(0.5)
@@ -229,7 +229,7 @@ def test_stop_closes_the_stream_and_kills_the_remote_process(vdev: VirtualDevice
 def test_chat_on_the_virtual_device_streams_an_answer_with_real_genie(vdev: VirtualDevice, bundle: Path,
                                                                       tmp_path: Path) -> None:
     deploy.deploy(bundle, device.info(vdev.serial), State())
-    session = chat.ChatSession(bundle, chat.DeviceRunner(vdev.serial, bundle), system="You are helpful.",
+    session = chat.ChatSession(bundle, chat.DeviceEngine(vdev.serial, bundle), system="You are helpful.",
                                history_file=tmp_path / "h.json")
     pieces: list[str] = []
     turn = session.send("Hello", pieces.append)  # this random tiny model answers "o o o ..." to it
@@ -279,11 +279,11 @@ def test_a_missing_adb_is_said_plainly(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 def test_chat_on_the_desktop_preview_reports_tokens_per_second(bundle: Path, tmp_path: Path) -> None:
-    session = chat.ChatSession(bundle, chat.DesktopRunner(bundle, preview=True, max_tokens=8),
+    session = chat.ChatSession(bundle, chat.DesktopEngine(bundle, preview=True, max_tokens=8),
                                history_file=tmp_path / "h.json")
     first = session.send("Hello", lambda _s: None)
     second = session.send("And then?", lambda _s: None)
     assert first.generation_tok_s and first.generation_tok_s > 0 and first.ttft_s is not None
     assert second.runner == "desktop preview (CPU)"
-    again = chat.ChatSession(bundle, chat.DesktopRunner(bundle, preview=True), history_file=tmp_path / "h.json")
+    again = chat.ChatSession(bundle, chat.DesktopEngine(bundle, preview=True), history_file=tmp_path / "h.json")
     assert [t.user for t in again.turns] == ["Hello", "And then?"]  # history survives a restart

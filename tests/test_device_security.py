@@ -25,8 +25,8 @@ from npustudio.core.device import adbauth, deploy
 from npustudio.core.device.phone_shell import Call
 from npustudio.core.device.virtual import A_AUTH, A_CNXN, A_OKAY, A_OPEN, A_VERSION, A_WRTE, VirtualDevice
 from npustudio.core.errors import UserError
-from npustudio.core.genie import config as gc
-from npustudio.core.genie import runner
+from npustudio.core.genie import config as genie_config
+from npustudio.core.genie import host
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 
@@ -273,10 +273,10 @@ def test_the_runner_refuses_config_paths_outside_the_bundle(tmp_path: Path) -> N
                                           (["out.bin"], "tokenizer.json", {}, "out.bin"),  # a link in the bundle
                                           (["m.bin"], "tokenizer.json", {"fcb": ["../s.bin"]}, "../s.bin")]:
         with pytest.raises(UserError) as e:
-            runner.run(config(bins, tokenizer, **extra), "hi", lambda _s: None)
+            host.run(config(bins, tokenizer, **extra), "hi", lambda _s: None)
         assert named in e.value.problem and "outside the bundle" in e.value.problem
     good = json.loads(config(["m.bin"]).read_text())
-    resolved = gc.absolute(good, bundle)["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
+    resolved = genie_config.absolute(good, bundle)["dialog"]["engine"]["model"]["binary"]["ctx-bins"]
     assert resolved == [str((bundle / "m.bin").resolve())]
 
 

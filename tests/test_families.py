@@ -31,7 +31,7 @@ from npustudio.core.adapt import AdaptOptions
 from npustudio.core.config_audit import check_context, support_table
 from npustudio.core.errors import UserError
 from npustudio.core.evaluate import load_corpus
-from npustudio.core.genie import config as gc
+from npustudio.core.genie import config as genie_config
 from npustudio.core.genie import libgenie
 from npustudio.core.graph import ops
 from npustudio.core.graph.kv_cache import KVCacheRunner, rope_tables
@@ -91,7 +91,7 @@ def genie_run(bundle: Path, prompt: str, n: int, encoding: dict[str, Any] | None
     the config's positional-encoding block."""
     dump = bundle.parent / f"genie_dump_{n}"
     shutil.rmtree(dump, ignore_errors=True)
-    cfg = gc.absolute(gc.read(bundle / layout.GENIE_CONFIG), bundle)
+    cfg = genie_config.absolute(genie_config.read(bundle / layout.GENIE_CONFIG), bundle)
     if encoding is not None:
         cfg["dialog"]["engine"]["model"]["positional-encoding"] = encoding
     cfg["dialog"]["debug"] = {"path": str(dump), "dump-tensors": True}

@@ -314,12 +314,12 @@ def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_pro
 
 
 def test_profile_view_draws_a_real_genie_profile(qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
-    from npustudio.core.genie import runner
+    from npustudio.core.genie import host
     from npustudio.gui.profile_view import ProfileView, spans
 
     bundle = genie_project.stage_dir("bundle")
     prof = tmp_path / "p.json"
-    runner.run(bundle / "genie_config.json", "Hello there", lambda s: None, profile_path=prof, max_tokens=4)
+    host.run(bundle / "genie_config.json", "Hello there", lambda s: None, profile_path=prof, max_tokens=4)
     view = ProfileView()
     qtbot.addWidget(view)
     view.set_roofline(bundle)

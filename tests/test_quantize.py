@@ -356,7 +356,7 @@ def test_folding_by_slabs_gives_aimets_folded_weights(w8: tuple[Project, list[Pa
     from npustudio.core.graph.decoder import io_names
     from npustudio.core.quantize import simulate
     from npustudio.core.quantize.presets import preset
-    from npustudio.core.targets import soc
+    from npustudio.core.targets import find_soc
 
     p = w8[0]
     tv = read_test_vectors(p.stage_dir("quantize") / "test_vectors" / f"{PROMPT}.npz")
@@ -364,7 +364,7 @@ def test_folding_by_slabs_gives_aimets_folded_weights(w8: tuple[Project, list[Pa
     sims = []
     for _ in range(2):
         model, _ = store.load(p.stage_dir("adapt"))
-        sims.append(simulate.build(model, dummy, preset(precision), soc("SM8750"), Overrides()))
+        sims.append(simulate.build(model, dummy, preset(precision), find_soc("SM8750"), Overrides()))
     monkeypatch.setattr(simulate, "_SLAB", 1000)  # many slabs per weight, a partial last one
     simulate.fold(sims[0])
     from aimet_torch.nn import compute_param_encodings
@@ -392,14 +392,14 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
     from npustudio.core.graph.kv_cache import TorchGraph
     from npustudio.core.quantize import export, simulate
     from npustudio.core.quantize.presets import preset
-    from npustudio.core.targets import soc
+    from npustudio.core.targets import find_soc
 
     p = w8[0]
     tv = read_test_vectors(p.stage_dir("quantize") / "test_vectors" / f"{PROMPT}.npz")
     feeds = {k: torch.from_numpy(v) for k, v in tv["in"].items()}
     model, _ = store.load(p.stage_dir("adapt"))
     sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset(precision),
-                         soc("SM8750"), Overrides())
+                         find_soc("SM8750"), Overrides())
     simulate.fold(sim)
     sim.compute_encodings(lambda m, _a: TorchGraph(m)(feeds), None)
     one, two = tmp_path / "one", tmp_path / "two"

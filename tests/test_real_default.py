@@ -77,7 +77,7 @@ def test_default_model_on_the_simulator_matches_the_quantsim_and_genie_answers_p
     from npustudio.core import compile as compile_stage
     from npustudio.core.graph.graph_io import IOEncoding
     from npustudio.core.progress import State
-    from npustudio.core.targets import soc
+    from npustudio.core.targets import find_soc
 
     stages = default_project / "stages"
     cfg = stages / "bundle" / "genie_config.json"
@@ -87,7 +87,7 @@ def test_default_model_on_the_simulator_matches_the_quantsim_and_genie_answers_p
     io = {k: IOEncoding(**v) for k, v in comp["io"].items()}
     v = compile_stage.verify_on_simulator(stages / "quantize", stages / "adapt", stages / "compile" / "prepared",
                                           stages / "compile", [g["graph"] for g in comp["graphs"]], io,
-                                          soc(comp["target"]), compile_stage.CompileOptions(), State())
+                                          find_soc(comp["target"]), compile_stage.CompileOptions(), State())
     # NLL within 0.02 of the quantsim (0.009 with oneDNN convs, 0.011 with plain ones). Top-1 over 132 tokens
     # moves in steps of 0.0076 and measured
     # 0.947-0.970 as the RoPE tables' rounding followed Genie's (floor) and their encoding its range

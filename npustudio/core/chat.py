@@ -39,7 +39,7 @@ class Turn(BaseModel):
     at: float = Field(default_factory=time.time)
 
 
-class Runner(Protocol):
+class Engine(Protocol):
     name: str
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, str | None]:
@@ -47,7 +47,7 @@ class Runner(Protocol):
         ...
 
 
-class DesktopRunner:
+class DesktopEngine:
     """The bundle on this computer: real Genie on the HTP simulator, or the CPU preview (kept loaded)."""
 
     def __init__(self, bundle_dir: Path, preview: bool = False, max_tokens: int | None = None) -> None:
@@ -56,18 +56,18 @@ class DesktopRunner:
         self._preview: Any = None
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, str | None]:
-        from .genie import runner
+        from .genie import host
 
         if self.preview:
             if self._preview is None:
-                self._preview = runner.Preview(self.bundle_dir)
+                self._preview = host.Preview(self.bundle_dir)
             text, event, aborted = self._preview.query(prompt, on_text, stop, self.max_tokens)
             return text, aborted, self._preview.profile([event])
-        res = runner.run(self.bundle_dir / layout.GENIE_CONFIG, prompt, on_text, stop=stop, max_tokens=self.max_tokens)
+        res = host.run(self.bundle_dir / layout.GENIE_CONFIG, prompt, on_text, stop=stop, max_tokens=self.max_tokens)
         return res.text, res.status == "aborted", res.profile or None
 
 
-class DeviceRunner:
+class DeviceEngine:
     """The deployed bundle on an adb device (a phone, or the virtual device)."""
 
     def __init__(self, serial: str, bundle_dir: Path) -> None:
@@ -77,11 +77,11 @@ class DeviceRunner:
         self.name = f"device {serial}"
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, str | None]:
-        from .device import run
+        from .device import remote_genie
 
         with tempfile.TemporaryDirectory() as tmp:
             prof = Path(tmp) / "profile.json"
-            res = run.run(self.serial, self.remote, prompt, answer_stream(on_text), stop, prof)
+            res = remote_genie.run(self.serial, self.remote, prompt, answer_stream(on_text), stop, prof)
             return res.text, res.status == "stopped", prof.read_text(encoding="utf-8") if res.profile_path else None
 
 
@@ -109,9 +109,9 @@ def answer_stream(on_text: OnText) -> OnText:
 
 
 class ChatSession:
-    def __init__(self, bundle_dir: Path, runner: Runner, system: str | None = None,
+    def __init__(self, bundle_dir: Path, engine: Engine, system: str | None = None,
                  history_file: Path | None = None) -> None:
-        self.bundle_dir, self.runner, self.system = Path(bundle_dir), runner, system
+        self.bundle_dir, self.engine, self.system = Path(bundle_dir), engine, system
         from .genie.bundle import read_metadata
 
         self.meta = read_metadata(self.bundle_dir)
@@ -147,10 +147,10 @@ class ChatSession:
         if self.system:
             check_prompt(self.system)
 
-        text, stopped, prof = self.runner.ask(self.prompt_for(user), on_text, stop)
+        text, stopped, prof = self.engine.ask(self.prompt_for(user), on_text, stop)
         self.last_profile = prof
         summary = profile.summarize(profile.parse(prof)).model_dump() if prof else {}
-        turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.runner.name, stopped=stopped,
+        turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.engine.name, stopped=stopped,
                     generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"))
         self.turns.append(turn)
         self.save()

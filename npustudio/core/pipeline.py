@@ -298,7 +298,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
 
     from . import device
     from .chat import answer_stream
-    from .device import run
+    from .device import remote_genie
     from .genie import profile as genie_profile
 
     state = state or State()
@@ -333,7 +333,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
         state.progress(0.3, f"asking on {dev.serial} (Genie on the HTP simulator for the virtual device: slow)")
         # the virtual device's runner stops by itself after max_tokens (and so writes its profile);
         # a phone's genie-t2t-run has no limit: it is stopped once enough text has arrived
-        res = run.run(dev.serial, pushed.remote_dir, prompt, text, stop=stop, profile_to=prof,
+        res = remote_genie.run(dev.serial, pushed.remote_dir, prompt, text, stop=stop, profile_to=prof,
                       max_tokens=max_tokens if dev.virtual else None)
         summary = genie_profile.summarize(genie_profile.read(prof)).model_dump() if res.profile_path else None
         meta = bundle_stage.read_metadata(folder)

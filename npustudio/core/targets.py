@@ -23,7 +23,7 @@ class Soc(BaseModel):
         return int(self.dsp_arch.lstrip("v"))
 
 
-SOCS: dict[str, Soc] = {s.soc: s for s in (
+KNOWN_SOCS: dict[str, Soc] = {s.soc: s for s in (
     Soc(soc="SM8550", product="Snapdragon 8 Gen 2", soc_model=43, dsp_arch="v73", memory_gb_s=68.3),
     Soc(soc="SM8650", product="Snapdragon 8 Gen 3", soc_model=57, dsp_arch="v75", memory_gb_s=76.8),
     Soc(soc="SM8750", product="Snapdragon 8 Elite", soc_model=69, dsp_arch="v79", memory_gb_s=85.3),
@@ -33,9 +33,10 @@ SOCS: dict[str, Soc] = {s.soc: s for s in (
 DEFAULT_SOC = "SM8750"
 
 
-def soc(name: str) -> Soc:
+def find_soc(name: str) -> Soc:
+    """The SoC by its part number (any case), or a UserError listing the known ones."""
     key = name.strip().upper()
-    if key not in SOCS:
+    if key not in KNOWN_SOCS:
         raise UserError(f"Unknown target SoC {name!r}.",
-                        "Use one of: " + ", ".join(f"{s.soc} ({s.product})" for s in SOCS.values()) + ".")
-    return SOCS[key]
+                        "Use one of: " + ", ".join(f"{s.soc} ({s.product})" for s in KNOWN_SOCS.values()) + ".")
+    return KNOWN_SOCS[key]

@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (
 )
 
 from ..core import layout
-from ..core.chat import ChatSession, DesktopRunner, DeviceRunner, Turn, clear_history, saved_turns
+from ..core.chat import ChatSession, DesktopEngine, DeviceEngine, Turn, clear_history, saved_turns
 from . import worker
 from .widgets import show_error, status_label
 
@@ -161,9 +161,9 @@ class ChatPanel(QWidget):
         def work(state: Any) -> tuple[ChatSession, Turn]:
             nonlocal session
             if session is None:
-                runner = (DeviceRunner(serial, bundle) if kind == "device"
-                          else DesktopRunner(bundle, preview=kind == "preview"))
-                session = ChatSession(bundle, runner, system)
+                engine = (DeviceEngine(serial, bundle) if kind == "device"
+                          else DesktopEngine(bundle, preview=kind == "preview"))
+                session = ChatSession(bundle, engine, system)
             session.system = system
             turn = session.send(text, lambda s: state.partial("text", text=s), stop)
             return session, turn

@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 from ..core import secrets
 from ..core import settings as user_settings
 from ..core.errors import UserError
-from ..core.targets import SOCS
+from ..core.targets import KNOWN_SOCS
 from . import worker
 
 
@@ -69,7 +69,7 @@ class SettingsDialog(QDialog):
         self.adb = QLineEdit(s.adb_path)
         self.adb.setPlaceholderText("adb binary (optional; else the one on PATH or shipped with adbutils)")
         self.target = QComboBox()
-        for soc in SOCS.values():
+        for soc in KNOWN_SOCS.values():
             self.target.addItem(f"{soc.soc} — {soc.product}", soc.soc)
         self.target.setCurrentIndex(max(0, self.target.findData(s.default_target)))
         self.precision = QComboBox()

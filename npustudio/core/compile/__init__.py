@@ -33,7 +33,7 @@ from ..graph.kv_cache import KVCacheRunner
 from ..graph.ort_graph import OrtGraph, cpu_session
 from ..parts import DEFAULT_MAX_PART_MB
 from ..progress import Laps, StateLike, peak_rss_mb
-from ..targets import soc
+from ..targets import find_soc
 from . import split
 
 FORMAT = 1  # bumped when the compiled output changes meaning
@@ -84,7 +84,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     if options.backend != "ort-qnn":
         raise UserError(f"Unknown compile back-end {options.backend!r}.", "Use `ort-qnn` or `qairt`.")
     qres = json.loads((quant_dir / layout.QUANTIZE_RESULT).read_text())
-    target = soc(options.target or qres["target"])
+    target = find_soc(options.target or qres["target"])
     graphs = qres["graphs"]
     _refuse_lpbq(quant_dir, graphs[0], qres.get("precision", "?"))
     lap = Laps()

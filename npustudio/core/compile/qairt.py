@@ -23,7 +23,7 @@ from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..progress import StateLike, peak_rss_mb
-from ..targets import Soc, soc
+from ..targets import Soc, find_soc
 
 if TYPE_CHECKING:
     from . import CompileOptions, CompileResult
@@ -175,7 +175,7 @@ def run(quant_dir: Path, options: CompileOptions, out_dir: Path, state: StateLik
     version = sdk_version(root)
     warnings = check_version(version)
     qres = json.loads((quant_dir / layout.QUANTIZE_RESULT).read_text())
-    target = soc(options.target or qres["target"])
+    target = find_soc(options.target or qres["target"])
     graphs = qres["graphs"]
     specs = {g["name"]: (g["ar"], g["cl"]) for g in json.loads((quant_dir / layout.GRAPHS).read_text())}
     write_configs(root, graphs, target, out_dir)

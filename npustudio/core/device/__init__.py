@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..errors import UserError
-from ..targets import SOCS
+from ..targets import KNOWN_SOCS
 
 DEFAULT_PORT = 5037
 REMOTE_ROOT = "/data/local/tmp/npustudio"
@@ -129,7 +129,7 @@ def info(serial: str) -> DeviceInfo:
         raise UserError(f"Device {serial} did not answer ({e}).", "Check the cable and that USB debugging is "
                         "allowed, then run `npustudio devices`.") from e
     soc_name = props["ro.soc.model"].upper()
-    s = SOCS.get(soc_name)
+    s = KNOWN_SOCS.get(soc_name)
     return DeviceInfo(serial=serial, state="device", virtual=props["ro.npustudio.virtual"] == "1",
                       model=props["ro.product.model"], soc=soc_name, product=s.product if s else "unknown SoC",
                       soc_model=s.soc_model if s else None, dsp_arch=s.dsp_arch if s else "",

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import UserError
-from ..targets import DEFAULT_SOC, soc
+from ..targets import DEFAULT_SOC, find_soc
 from . import adbauth, phone_commands, phone_shell
 from .phone_shell import HOME, Program
 
@@ -48,7 +48,7 @@ RESERVED_PORTS = range(5554, 5586)  # the adb server scans these for emulators
 
 
 def default_props(soc_name: str = DEFAULT_SOC) -> dict[str, str]:
-    s = soc(soc_name)
+    s = find_soc(soc_name)
     return {"ro.soc.model": s.soc, "ro.soc.manufacturer": "QTI", "ro.product.model": "NPU Studio virtual device",
             "ro.product.name": VIRTUAL_DEVICE_NAME, "ro.product.device": VIRTUAL_DEVICE_NAME,
             "ro.product.manufacturer": "NPU Studio", "ro.build.version.release": "15",

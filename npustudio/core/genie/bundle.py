@@ -25,8 +25,8 @@ from ..fsutil import atomic_write_json, link_or_copy, read_json
 from ..graph.graph_io import IOEncoding
 from ..progress import StateLike
 from ..shape import DecoderSpec
-from ..targets import Soc, soc
-from . import config as gc
+from ..targets import Soc, find_soc
+from . import config as genie_config
 from . import libgenie
 from .libgenie import PD_BUDGET_BYTES
 
@@ -35,7 +35,7 @@ DEFAULT_QUESTION = "What is the capital of France?"
 
 
 class BundleOptions(BaseModel):
-    sampler: gc.Sampler = Field(default_factory=gc.Sampler)
+    sampler: genie_config.Sampler = Field(default_factory=genie_config.Sampler)
     question: str = DEFAULT_QUESTION
     n_threads: int = 2
     prompt_graphs: bool = Field(True, description="include the AR-N prompt graphs; without them Genie reads a "
@@ -129,7 +129,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     comp = json.loads((compile_dir / layout.COMPILE_RESULT).read_text())
     card = json.loads((adapt_dir / layout.CARD).read_text())
     graphs = json.loads((adapt_dir / layout.GRAPHS).read_text())
-    target = soc(comp["target"])
+    target = find_soc(comp["target"])
     cl = graphs[0]["cl"]
     state.progress(0.1, "linking the context binaries")
     # one binary per graph (the simulator's layout; a phone takes it too), or with weight sharing one per
@@ -149,14 +149,14 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
             bins.append(name)
     shutil.copy2(adapt_dir / layout.TOKENIZER, out_dir / layout.TOKENIZER)
 
-    cfg = gc.genie_config(card, cl, bins, options.sampler, options.n_threads, htp_ext=True)
+    cfg = genie_config.dialog_config(card, cl, bins, options.sampler, options.n_threads, htp_ext=True)
     atomic_write_json(out_dir / layout.GENIE_CONFIG, cfg)
-    atomic_write_json(out_dir / layout.HTP_EXT_CONFIG, gc.htp_ext_config(target, shared))
+    atomic_write_json(out_dir / layout.HTP_EXT_CONFIG, genie_config.htp_ext_config(target, shared))
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(adapt_dir), trust_remote_code=False)
-    (out_dir / layout.SAMPLE_PROMPT).write_text(gc.sample_prompt(tok, options.question), encoding="utf-8")
+    (out_dir / layout.SAMPLE_PROMPT).write_text(genie_config.sample_prompt(tok, options.question), encoding="utf-8")
 
     state.progress(0.4, "runtime files")
     copied, missing = _runtime(target, out_dir)
@@ -173,7 +173,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     atomic_write_json(out_dir / layout.METADATA, meta.model_dump())
 
     state.progress(0.7, "validating genie_config.json with libGenie")
-    status, log = libgenie.validate_config(json.dumps(gc.absolute(cfg, out_dir)))
+    status, log = libgenie.validate_config(json.dumps(genie_config.absolute(cfg, out_dir)))
     if status != 0:
         raise UserError(f"libGenie rejected the bundle's genie_config.json: status {libgenie.describe(status)}.\n"
                         + "\n".join(log[-10:]), "This is a bug in the bundle writer; please report it with the log.")

@@ -56,7 +56,7 @@ def rope(card: dict[str, Any]) -> dict[str, Any]:
     return enc
 
 
-def genie_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: Sampler, n_threads: int = 2,
+def dialog_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: Sampler, n_threads: int = 2,
                  htp_ext: bool = False) -> dict[str, Any]:
     eos = card["eos_ids"]
     qnn = {"version": 1, "use-mmap": False, "spill-fill-bufsize": 0, "mmap-budget": 0, "poll": False,

@@ -39,7 +39,7 @@ from ..graph.decoder import io_names
 from ..graph.exported import write_test_vectors
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
-from ..targets import DEFAULT_SOC, soc
+from ..targets import DEFAULT_SOC, find_soc
 from . import export, rotate, simulate
 from .presets import Overrides, check_overrides, preset
 
@@ -97,7 +97,7 @@ class QuantizeResult(BaseModel):
 
 @compute.plain_convolutions
 def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLike) -> QuantizeResult:
-    pre, target = preset(options.precision), soc(options.target)
+    pre, target = preset(options.precision), find_soc(options.target)
     lap = Laps()
     steps = lap.steps
 

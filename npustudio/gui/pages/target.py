@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QComboBox, QPushButton
 
 from ...core import device, models
 from ...core.genie.profile import roofline
-from ...core.targets import DEFAULT_SOC, SOCS, soc
+from ...core.targets import DEFAULT_SOC, KNOWN_SOCS, find_soc
 from ..widgets import Page, fill, table
 
 
@@ -20,7 +20,7 @@ class TargetPage(Page):
     def __init__(self, window: Any) -> None:
         super().__init__(window)
         self.soc = QComboBox()
-        for s in SOCS.values():
+        for s in KNOWN_SOCS.values():
             self.soc.addItem(f"{s.soc} — {s.product} (Hexagon {s.dsp_arch})", s.soc)
         self.detect = QPushButton("Detect from the connected device")
         self.form.addRow("SoC:", self.soc)
@@ -57,7 +57,7 @@ class TargetPage(Page):
 
         def work(_state: Any) -> str:
             d = device.pick(serial)
-            if d.soc not in SOCS:
+            if d.soc not in KNOWN_SOCS:
                 from ...core.errors import UserError
 
                 raise UserError(f"{d.serial} reports the SoC {d.soc or 'nothing'}, which is not in the SoC table.",
@@ -72,7 +72,7 @@ class TargetPage(Page):
         self.strip.start(work, found, "Asking the device for its SoC")
 
     def _show(self) -> None:
-        s = soc(self.selected())
+        s = find_soc(self.selected())
         rows: list[tuple[str, Any]] = [("SoC", s.soc), ("Product", s.product), ("Hexagon (dsp_arch)", s.dsp_arch),
                                        ("QNN soc_model", s.soc_model), ("Memory bandwidth", f"{s.memory_gb_s} GB/s")]
         rec = self.project.record("model") if self.window_.project else None

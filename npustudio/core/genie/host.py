@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_text
-from . import config as gc
+from . import config as genie_config
 from . import libgenie
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | No
         max_tokens: int | None = None, preview: bool = False) -> RunResult:
     if not prompt:
         raise UserError("The prompt is empty.", "Give a prompt with -p or --prompt_file.")
-    gc.check_prompt(prompt)
+    genie_config.check_prompt(prompt)
     if profile_path is not None:
         check_output_file(Path(profile_path), "--profile")
     if preview:
@@ -65,7 +65,7 @@ def check_output_file(path: Path, what: str) -> None:
 
 def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None, log_level: str,
            on_log: Callable[[str], None] | None, stop: threading.Event | None, max_tokens: int | None) -> RunResult:
-    cfg = gc.absolute(gc.read(config_path), config_path.parent)
+    cfg = genie_config.absolute(genie_config.read(config_path), config_path.parent)
     try:
         shared = _metadata(config_path.parent).weight_shared
     except UserError:  # a bundle made elsewhere has no metadata: Genie says what it finds
