@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -22,6 +22,11 @@ from .core.errors import UserError
 from .core.parts import DEFAULT_MAX_PART_MB
 from .core.progress import Cancelled, Partial, State
 from .core.progress import Progress as ProgressEvent
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel as Summary
+
+    from .core.pipeline import CompileSummary, QuantizeSummary
 
 # A log or a pipe gets whole lines: rich would wrap them mid-phrase at 80 columns where there is no terminal
 err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
@@ -219,23 +224,25 @@ def cmd_adapt(a: argparse.Namespace) -> int:
 
     with pipeline.opened(a.project) as project, live_state(quiet=a.json) as st, _stdout_is_for(a.json):
         rec = pipeline.adapt(project, a.model, _adapt_options(a), st, force=a.force)
-    res = rec.result
-    summary = pipeline.adapt_summary(res) | {"project": str(project.root), "seconds": round(rec.seconds, 1)}
+    from .core.results import AdaptResult
+
+    res = rec.result_as(AdaptResult)
+    summary = pipeline.adapt_summary(res)
     if a.json:
-        _print_json(summary)
+        _print_json(summary.model_dump() | {"project": str(project.root), "seconds": round(rec.seconds, 1)})
     else:
-        eq = res["equivalence"]
+        eq = res.equivalence
         out.print(f"Adapted into {project.root}")
-        for g in res["graphs"]:
-            out.print(f"  graph {g['name']}: {len(g['inputs'])} inputs, {len(g['outputs'])} outputs")
-        if summary["gate"] == "failed, accepted":
+        for g in res.graphs:
+            out.print(f"  graph {g.name}: {len(g.inputs)} inputs, {len(g.outputs)} outputs")
+        if summary.gate == "failed, accepted":
             out.print("[bold red]Equivalence gate FAILED; the mismatch was accepted (--accept-mismatch): this model "
                       "will not answer like the original.[/]")
-        out.print(f"Equivalence vs the original model over {eq['positions']} positions "
-                  f"(AR-{eq['prefill_ar']} prefill + {eq['decode_steps']} AR-1 steps): "
-                  f"top-1 agreement {eq['top1_agreement']:.4f}, max |logit diff| {eq['max_abs_logit_diff']:.2e}")
-        out.print(f"Perplexity (fp32): original {res['ppl_fp']:.3f}, adapted {res['ppl_adapted']:.3f} "
-                  f"over {res['eval_tokens']} tokens")
+        out.print(f"Equivalence vs the original model over {eq.positions} positions "
+                  f"(AR-{eq.prefill_ar} prefill + {eq.decode_steps} AR-1 steps): "
+                  f"top-1 agreement {eq.top1_agreement:.4f}, max |logit diff| {eq.max_abs_logit_diff:.2e}")
+        out.print(f"Perplexity (fp32): original {res.ppl_fp:.3f}, adapted {res.ppl_adapted:.3f} "
+                  f"over {res.eval_tokens} tokens")
     return 0
 
 
@@ -250,42 +257,44 @@ def _quantize_options(a: argparse.Namespace) -> Any:
                            eval_corpus=getattr(a, "eval_corpus", None))
 
 
-def _print_quantize(q: dict[str, Any]) -> None:
+def _print_quantize(q: QuantizeSummary) -> None:
     from .core.models import human_bytes
 
-    how = " with SeqMSE" * bool(q["seq_mse"]) + " (stream rotated)" * bool(q.get("rotated"))
-    out.print(f"Quantized {q['precision']} for {q['target']}{how}: "
-              f"PPL {q['ppl_quant']:.3f} vs FP {q['ppl_fp']:.3f} (ratio {q['ratio']:.4f}), "
-              f"top-1 agreement {q['top1_agreement']:.3f} over {q['eval_tokens']} tokens")
-    t = Table(title=f"Exported to {q['folder']}")
+    how = " with SeqMSE" * q.seq_mse + " (stream rotated)" * q.rotated
+    out.print(f"Quantized {q.precision} for {q.target}{how}: "
+              f"PPL {q.ppl_quant:.3f} vs FP {q.ppl_fp:.3f} (ratio {q.ratio:.4f}), "
+              f"top-1 agreement {q.top1_agreement:.3f} over {q.eval_tokens} tokens")
+    t = Table(title=f"Exported to {q.folder}")
     t.add_column("file")
     t.add_column("size", justify="right")
-    for f in q["files"]:
+    for f in q.files:
         t.add_row(f["file"], human_bytes(f["bytes"]))
     out.print(t)
-    out.print("  " + ", ".join(f"{k} {v:.1f} s" for k, v in q["steps"].items()))
+    out.print("  " + ", ".join(f"{k} {v:.1f} s" for k, v in q.steps.items()))
 
 
 def cmd_quantize(a: argparse.Namespace) -> int:
     from .core import pipeline
+    from .core.results import QuantizeResult
 
     opts = _quantize_options(a)
     return _stage_command(a, lambda p, st: pipeline.quantize(p, opts, st, force=a.force),
-                          lambda rec, p: pipeline.quantize_summary(rec.result, p.stage_dir("quantize")),
+                          lambda rec, p: pipeline.quantize_summary(rec.result_as(QuantizeResult),
+                                                                   p.stage_dir("quantize")),
                           _print_quantize)
 
 
 def _stage_command(a: argparse.Namespace, run: Callable[[Any, State], Any],
-                   summarize: Callable[[Any, Any], dict[str, Any]], show: Callable[[dict[str, Any]], None]) -> int:
+                   summarize: Callable[[Any, Any], Summary], show: Callable[[Summary], None]) -> int:
     """A stage on an existing project (--project, --json): live progress, then its summary as JSON or tables."""
     from .core.project import Project
 
     project = Project.open(a.project, create=False)
     with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
         rec = run(project, st)
-    summary = summarize(rec, project) | {"seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)}
+    summary = summarize(rec, project)
     if a.json:
-        _print_json(summary)
+        _print_json(summary.model_dump() | {"seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)})
     else:
         show(summary)
     return 0
@@ -336,35 +345,35 @@ def cmd_run(a: argparse.Namespace) -> int:
                                    _compile_options(a), ask=not a.no_ask, on_text=None if a.json else stream,
                                    force=a.force)
     if a.json:
-        _print_json(summary)
+        _print_json(summary.model_dump())
         return 0
-    ad = summary["adapt"]
-    out.print(f"[bold]NPU Studio[/] — {summary['model']} → project {summary['project']}")
-    for name, s in summary["stages"].items():
-        out.print(f"  stage {name:<8} {s['seconds']:>7.1f} s  peak RSS {s['peak_rss_mb']} MB")
-    out.print(f"  graphs: {', '.join(ad['graphs'])}")
-    out.print(f"  equivalence: top-1 {ad['top1_agreement']:.4f}, max |Δlogit| {ad['max_abs_logit_diff']:.2e} "
-              f"({ad['positions']} positions)")
-    if ad["gate"] == "failed, accepted":
+    ad = summary.adapt
+    out.print(f"[bold]NPU Studio[/] — {summary.model} → project {summary.project}")
+    for name, s in summary.stages.items():
+        out.print(f"  stage {name:<8} {s.seconds:>7.1f} s  peak RSS {s.peak_rss_mb} MB")
+    out.print(f"  graphs: {', '.join(ad.graphs)}")
+    out.print(f"  equivalence: top-1 {ad.top1_agreement:.4f}, max |Δlogit| {ad.max_abs_logit_diff:.2e} "
+              f"({ad.positions} positions)")
+    if ad.gate == "failed, accepted":
         out.print("  [bold red]equivalence gate FAILED, mismatch accepted: the model will not answer like the "
                   "original[/]")
-    out.print(f"  FP perplexity: {ad['ppl_fp']:.3f} (adapted graphs: {ad['ppl_adapted']:.3f}) "
-              f"over {ad['eval_tokens']} tokens")
-    _print_quantize(summary["quantize"])
-    _print_compile(summary["compile"])
-    out.print(f"  bundle: {summary['bundle']['folder']} (libGenie {summary['bundle']['genie_api']}: valid)")
-    if summary["sample"]:
-        sm = summary["sample"]
-        where = f"{sm['device']}{' (virtual device)' if sm['virtual'] else ''}"
-        out.print(f"  deployed to {where}: {sm['deploy']['bytes_sent']:,} B sent")
-        cut = f" … (stopped after {sm['stopped_after_tokens']} tokens)" if sm["stopped_after_tokens"] else ""
-        out.print(f"  [bold]{sm['question']}[/] → {sm['answer'].strip()!r}{cut}")
-        ps = sm["profile_summary"]
+    out.print(f"  FP perplexity: {ad.ppl_fp:.3f} (adapted graphs: {ad.ppl_adapted:.3f}) "
+              f"over {ad.eval_tokens} tokens")
+    _print_quantize(summary.quantize)
+    _print_compile(summary.compile)
+    out.print(f"  bundle: {summary.bundle.folder} (libGenie {summary.bundle.genie_api}: valid)")
+    if summary.sample:
+        sm = summary.sample
+        where = f"{sm.device}{' (virtual device)' if sm.virtual else ''}"
+        out.print(f"  deployed to {where}: {sm.deploy['bytes_sent']:,} B sent")
+        cut = f" … (stopped after {sm.stopped_after_tokens} tokens)" if sm.stopped_after_tokens else ""
+        out.print(f"  [bold]{sm.question}[/] → {sm.answer.strip()!r}{cut}")
+        ps = sm.profile_summary
         if ps:
             from .core.models import human_number as n
 
-            out.print(f"  Genie profile: init {n(ps['init_s'])} s, TTFT {n(ps['ttft_s'])} s, prompt "
-                      f"{n(ps['prompt_tok_s'])} tok/s, generation {n(ps['generation_tok_s'])} tok/s  ({sm['profile']})")
+            out.print(f"  Genie profile: init {n(ps.init_s)} s, TTFT {n(ps.ttft_s)} s, prompt "
+                      f"{n(ps.prompt_tok_s)} tok/s, generation {n(ps.generation_tok_s)} tok/s  ({sm.profile})")
     return 0
 
 
@@ -375,16 +384,16 @@ def _compile_options(a: argparse.Namespace) -> Any:
                           parts=a.parts, max_part_mb=a.max_part_mb, weight_sharing=a.weight_sharing)
 
 
-def _print_compile(c: dict[str, Any]) -> None:
+def _print_compile(c: CompileSummary) -> None:
     from .core.models import human_bytes
 
-    out.print(f"Compiled with {c['backend']} for {c['target']} ({c['dsp_arch']}, soc_model {c['soc_model']}): "
-              f"{c['nodes_on_cpu']} nodes on the CPU" + (f", split into {c['parts']} parts" if c["parts"] > 1 else "")
-              + (", weight-shared binaries (for a phone)" if c["weight_shared"] else ""))
-    for b in c["binaries"]:
-        out.print(f"  {b['file']}: {human_bytes(b['bytes'])}, {b['nodes_on_qnn']} nodes on QNN, "
-                  f"compiled in {b['compile_seconds']:.1f} s")
-    v = c["verification"]
+    out.print(f"Compiled with {c.backend} for {c.target} ({c.dsp_arch}, soc_model {c.soc_model}): "
+              f"{c.nodes_on_cpu} nodes on the CPU" + (f", split into {c.parts} parts" if c.parts > 1 else "")
+              + (", weight-shared binaries (for a phone)" if c.weight_shared else ""))
+    for b in c.binaries:
+        out.print(f"  {b.file}: {human_bytes(b.bytes)}, {b.nodes_on_qnn} nodes on QNN, "
+                  f"compiled in {b.compile_seconds:.1f} s")
+    v = c.verification
     if "simulator" in v:
         out.print(f"  HTP simulator check: {v['simulator']}")
     if "nll_htp" in v:
@@ -394,10 +403,11 @@ def _print_compile(c: dict[str, Any]) -> None:
 
 def cmd_compile(a: argparse.Namespace) -> int:
     from .core import pipeline
+    from .core.results import CompileResult
 
     opts = _compile_options(a)
     return _stage_command(a, lambda p, st: pipeline.compile_graphs(p, opts, st, force=a.force),
-                          lambda rec, _p: pipeline.compile_summary(rec.result), _print_compile)
+                          lambda rec, _p: pipeline.compile_summary(rec.result_as(CompileResult)), _print_compile)
 
 
 def cmd_bundle(a: argparse.Namespace) -> int:
@@ -405,6 +415,7 @@ def cmd_bundle(a: argparse.Namespace) -> int:
     from .core.genie.bundle import BundleOptions
     from .core.genie.config import Sampler, check_prompt
     from .core.project import Project
+    from .core.results import BundleResult
 
     project = Project.open(a.project, create=False)
     opts = BundleOptions(question=check_prompt(a.question), sampler=Sampler(greedy=not a.sample),
@@ -412,14 +423,15 @@ def cmd_bundle(a: argparse.Namespace) -> int:
     with live_state(quiet=a.json) as st, _stdout_is_for(a.json):
         rec = pipeline.bundle(project, opts, st, force=a.force)
     if a.json:
-        _print_json(rec.result)
+        _print_json(rec.result_as(BundleResult).model_dump())
     else:
-        out.print(f"Bundle {rec.result['folder']} (validated by libGenie {rec.result['genie_api']})")
-        for f in rec.result["files"]:
+        b = rec.result_as(BundleResult)
+        out.print(f"Bundle {b.folder} (validated by libGenie {b.genie_api})")
+        for f in b.files:
             out.print(f"  {f['file']:<40} {f['bytes']:>12,d} B")
-        if rec.result["runtime_missing"]:
-            out.print("  phone runtime not included (set QNN_SDK_ROOT): " + ", ".join(rec.result["runtime_missing"]))
-        for note in rec.result.get("notes", []):
+        if b.runtime_missing:
+            out.print("  phone runtime not included (set QNN_SDK_ROOT): " + ", ".join(b.runtime_missing))
+        for note in b.notes:
             out.print(f"  [bold]note:[/] {escape(note)}")
     return 0
 

@@ -186,6 +186,25 @@ def test_ctrl_c_stops_a_desktop_chat_and_the_history_keeps_the_turn_as_stopped(p
     assert [(t["user"], t["stopped"]) for t in turns] == [(PROMPT, True)]
 
 
+def test_each_stage_reads_its_record_back_typed_and_names_a_damaged_one(project: Project, tmp_path: Path) -> None:
+    """What a stage wrote into its folder is what the project recorded, read back as the stage's result model;
+    the next stage reads it that way, so a damaged record is a message naming the file, not a KeyError."""
+    from npustudio.core import adapt, quantize, results
+    from npustudio.core import compile as compile_stage
+
+    for name, stage, model in (("adapt", adapt, results.AdaptResult), ("quantize", quantize, results.QuantizeResult),
+                               ("compile", compile_stage, results.CompileResult),
+                               ("bundle", bundle_stage, results.BundleResult)):
+        assert stage.load_result(project.stage_dir(name)) == project.record(name).result_as(model), name
+    assert results.load_intake(project.stage_dir("model")) == project.record("model").result_as(results.IntakeResult)
+    damaged = tmp_path / "quantize"
+    damaged.mkdir()
+    (damaged / layout.QUANTIZE_RESULT).write_text(json.dumps({"precision": "w8a16"}))
+    with pytest.raises(UserError) as e:
+        compile_stage.run(damaged, project.stage_dir("adapt"), CompileOptions(), tmp_path / "out", State())
+    assert f"{layout.QUANTIZE_RESULT} is damaged" in e.value.problem and "quantize stage" in (e.value.fix or "")
+
+
 def test_profile_reader_tolerates_missing_fields_and_names_bad_files(tmp_path: Path) -> None:
     minimal = {"components": [{"name": "dialog0", "events": [{"type": "GenieDialog_query", "duration": 5_000_000}]}]}
     s = profile.summarize(profile.parse(json.dumps(minimal)))
@@ -367,10 +386,11 @@ def test_a_base_model_without_a_chat_template_gets_a_bundle_asking_the_plain_que
     adapt = tmp_path / "adapt"
     shutil.copytree(project.stage_dir("adapt"), adapt)
     (adapt / "chat_template.jinja").unlink(missing_ok=True)
-    for name in ("tokenizer_config.json", "card.json"):
-        data = json.loads((adapt / name).read_text())
-        data.pop("chat_template", None)
-        (adapt / name).write_text(json.dumps(data))
+    config = json.loads((adapt / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (adapt / "tokenizer_config.json").write_text(json.dumps(config))
+    card = json.loads((adapt / layout.CARD).read_text())
+    (adapt / layout.CARD).write_text(json.dumps(card | {"chat_template": None}))  # as intake reads a base model
     out = tmp_path / "bundle"
     out.mkdir()
     res = bundle_stage.run(project.stage_dir("compile"), adapt, bundle_stage.BundleOptions(question="Paris is"),

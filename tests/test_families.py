@@ -37,6 +37,7 @@ from npustudio.core.graph import ops
 from npustudio.core.graph.kv_cache import KVCacheRunner, rope_tables
 from npustudio.core.progress import State
 from npustudio.core.project import Project
+from npustudio.core.results import AdaptResult
 from tests.conftest import genie_pipeline, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +266,7 @@ def test_a_diverging_adaptation_fails_the_stage_and_keeps_the_last_good_state(
     accepted = pipeline.adapt(project, str(model), opts.model_copy(update={"ar": 16, "accept_mismatch": True}),
                               State())
     assert accepted.result["gate"] == {**accepted.result["gate"], "passed": False, "accepted_mismatch": True}
-    assert pipeline.adapt_summary(accepted.result)["gate"] == "failed, accepted"
+    assert pipeline.adapt_summary(accepted.result_as(AdaptResult)).gate == "failed, accepted"
 
 
 def test_the_adapt_page_shows_an_accepted_mismatch_in_red(qtbot: Any, tmp_path: Path) -> None:
@@ -279,10 +280,17 @@ def test_the_adapt_page_shows_an_accepted_mismatch_in_red(qtbot: Any, tmp_path: 
 
     page = AdaptPage(Window())
     qtbot.addWidget(page)
-    result = {"equivalence": {"top1_agreement": 0.68, "max_abs_logit_diff": 4.6, "positions": 800, "prefill_ar": 32,
-                              "decode_steps": 28},
-              "gate": {"passed": False, "accepted_mismatch": True}, "ppl_fp": 9.0, "ppl_adapted": 30.0,
-              "eval_tokens": 800, "graphs": [{"name": "prompt_ar32_cl128_1_of_1"}], "per_window": []}
+    from npustudio.core.results import Equivalence, Gate, GraphSpec
+
+    from .test_bad_input import TINY_SPEC
+
+    result = AdaptResult(
+        spec=TINY_SPEC, graphs=[GraphSpec(name="prompt_ar32_cl128_1_of_1", kind="prompt", ar=32, cl=128, inputs=[],
+                                          outputs=[])],
+        equivalence=Equivalence(top1_agreement=0.68, max_abs_logit_diff=4.6, positions=800, windows=2, prefill_ar=32,
+                                decode_steps=28),
+        gate=Gate(passed=False, accepted_mismatch=True, min_top1=0.999, max_logit_diff=0.01), ppl_fp=9.0,
+        ppl_adapted=30.0, eval_tokens=800, per_window=[])
     page.show_result(result)
     assert cells(page.results)[0] == ["Equivalence gate", "failed, accepted"]
     assert page.results.item(0, 0).background().color() == BAD

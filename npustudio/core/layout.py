@@ -23,10 +23,12 @@ RUNS_DIR = "runs"
 SAMPLE_PROFILE = "sample_profile.json"  # in RUNS_DIR: Genie's profile of the sample answer of `npustudio run`
 
 # ----- the model stage (and adapt, which repeats the card)
+MODEL_RESULT = "model.json"
 CARD = "card.json"
 FIT = "fit.json"
 
 # ----- adapt
+ADAPT_RESULT = "adapt.json"
 GRAPHS = "graphs.json"
 EQUIVALENCE = "equivalence.json"
 DECODER_WEIGHTS = "decoder.safetensors"
@@ -49,6 +51,7 @@ GENIE_CONFIG = "genie_config.json"
 HTP_EXT_CONFIG = "htp_backend_ext_config.json"
 TOKENIZER = "tokenizer.json"
 METADATA = "metadata.json"
+BUNDLE_RESULT = "bundle.json"
 SAMPLE_PROMPT = "sample_prompt.txt"
 CHAT_HISTORY = "chat_history.json"
 

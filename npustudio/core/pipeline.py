@@ -22,8 +22,10 @@ from .config_audit import check_context
 from .errors import UserError
 from .fsutil import atomic_write_json, refuse_link
 from .genie import bundle as bundle_stage
+from .genie.profile import Summary as ProfileSummary
 from .progress import State, StateLike, free_big_blocks_at_once
 from .project import Manifest, Project, StageRecord
+from .results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult
 
 
 def default_project_dir() -> Path:
@@ -62,7 +64,7 @@ def _check_fits(project: Project, stage: str, precision: str | None = None) -> N
     """Refuse a stage this computer's memory cannot hold, from the model's card (before anything loads)."""
     rec = project.record("model")
     if rec is not None and rec.status == "done":
-        host_cost.check_fits(models.ArchCard(**rec.result["card"]), stage, precision=precision)
+        host_cost.check_fits(rec.result_as(IntakeResult).card, stage, precision=precision)
 
 
 def resolve(model: str) -> models.ModelSource:
@@ -78,12 +80,12 @@ def intake(project: Project, model: str, cl: int, state: StateLike,
     def fn(out: Path) -> dict[str, Any]:
         card = models.read_card(source)
         check_context(card, cl)
-        fits = models.fit_table(card, cl)
-        host = host_cost.estimate(card, gguf=bool(source.gguf_file))
+        res = IntakeResult(source=source, card=card, fit=models.fit_table(card, cl),
+                           host=host_cost.estimate(card, gguf=bool(source.gguf_file)))
         atomic_write_json(out / layout.CARD, card.model_dump())
-        atomic_write_json(out / layout.FIT, [f.model_dump() for f in fits])
-        return {"source": source.model_dump(), "card": card.model_dump(), "fit": [f.model_dump() for f in fits],
-                "host": host.model_dump()}
+        atomic_write_json(out / layout.FIT, [f.model_dump() for f in res.fit])
+        atomic_write_json(out / layout.MODEL_RESULT, res.model_dump())
+        return res.model_dump()
 
     rec, _ = project.run_stage("model", inputs={"model": fp}, options={"cl": cl}, fn=fn, force=force)
     state.progress(1.0, "model read")
@@ -94,10 +96,11 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
           force: bool = False) -> StageRecord:
     """Adapt `model` into the project; `force` redoes it even when the inputs and options are unchanged."""
     source, mrec = intake(project, model, options.cl, state.sub(0.0, 0.05))
-    adapt_stage.validate(options, models.ArchCard(**mrec.result["card"]))  # before any weight is loaded
+    card = mrec.result_as(IntakeResult).card
+    adapt_stage.validate(options, card)  # before any weight is loaded
 
     def fn(out: Path) -> dict[str, Any]:
-        host_cost.check_fits(models.ArchCard(**mrec.result["card"]), "adapt", gguf=bool(source.gguf_file))
+        host_cost.check_fits(card, "adapt", gguf=bool(source.gguf_file))
         free_big_blocks_at_once()
         st = state.sub(0.05, 1.0)
         st.progress(0.0, "loading weights")
@@ -221,7 +224,7 @@ def _stale(m: Manifest) -> dict[str, str]:
         elif prev is None or prev.status != "done":
             out[name] = f"the {up} stage it was made from is gone"
         elif name == "adapt" and rec.inputs.get("model") != prev.inputs.get("model"):
-            out[name] = f"another model was read ({prev.result.get('source', {}).get('spec', '?')})"
+            out[name] = f"another model was read ({prev.result_as(IntakeResult).source.spec})"
         elif name == "adapt" and rec.options.get("cl") != prev.options.get("cl"):
             out[name] = f"the context length is now {prev.options.get('cl')} (adapted for {rec.options.get('cl')})"
         elif name != "adapt" and rec.inputs.get(up) != prev.key:
@@ -288,8 +291,21 @@ def compile_and_bundle(project: Project, options: compile_stage.CompileOptions, 
     return crec, brec
 
 
+class SampleAnswer(BaseModel):
+    """The sample prompt asked on a device after `npustudio run`."""
+
+    device: str
+    virtual: bool
+    question: str
+    answer: str
+    stopped_after_tokens: int | None
+    deploy: dict[str, int]  # bytes_sent, bytes_skipped
+    profile: str | None
+    profile_summary: ProfileSummary | None
+
+
 def ask_on_device(project: Project, serial: str | None = None, max_tokens: int = 16, on_text: Any = None,
-                  state: StateLike | None = None) -> dict[str, Any]:
+                  state: StateLike | None = None) -> SampleAnswer:
     """Deploy the bundle (to the virtual device when no phone is attached) and ask its sample prompt there.
 
     genie-t2t-run has no token limit of its own, so the answer is stopped after `max_tokens` pieces.
@@ -334,22 +350,101 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
         # the virtual device's runner stops by itself after max_tokens (and so writes its profile);
         # a phone's genie-t2t-run has no limit: it is stopped once enough text has arrived
         res = remote_genie.run(dev.serial, pushed.remote_dir, prompt, text, stop=stop, profile_to=prof,
-                      max_tokens=max_tokens if dev.virtual else None)
-        summary = genie_profile.summarize(genie_profile.read(prof)).model_dump() if res.profile_path else None
+                               max_tokens=max_tokens if dev.virtual else None)
+        summary = genie_profile.summarize(genie_profile.read(prof)) if res.profile_path else None
         meta = bundle_stage.read_metadata(folder)
-        return {"device": dev.serial, "virtual": dev.virtual, "question": meta.question, "answer": res.text,
-                "stopped_after_tokens": max_tokens if res.status == "stopped" or dev.virtual else None,
-                "deploy": {"bytes_sent": pushed.bytes_sent, "bytes_skipped": pushed.bytes_skipped},
-                "profile": res.profile_path, "profile_summary": summary}
+        return SampleAnswer(device=dev.serial, virtual=dev.virtual, question=meta.question, answer=res.text,
+                            stopped_after_tokens=max_tokens if res.status == "stopped" or dev.virtual else None,
+                            deploy={"bytes_sent": pushed.bytes_sent, "bytes_skipped": pushed.bytes_skipped},
+                            profile=res.profile_path, profile_summary=summary)
     finally:
         if started is not None:
             device.stop_virtual(started)
 
 
+class AdaptSummary(BaseModel):
+    """What the CLI and the window show of an adapt result (one shape for both)."""
+
+    gate: Literal["passed", "failed, accepted", "not run"]
+    top1_agreement: float
+    max_abs_logit_diff: float
+    positions: int
+    prefill_ar: int
+    decode_steps: int
+    ppl_fp: float
+    ppl_adapted: float
+    eval_tokens: int
+    graphs: list[str]
+
+
+class QuantizeSummary(BaseModel):
+    precision: str
+    target: str
+    seq_mse: bool
+    rotated: bool
+    ppl_fp: float
+    ppl_quant: float
+    ratio: float
+    top1_agreement: float
+    eval_tokens: int
+    folder: str
+    files: list[dict[str, Any]]
+    steps: dict[str, float]
+
+
+class BinarySummary(BaseModel):
+    graph: str
+    file: str
+    bytes: int
+    nodes_on_qnn: int
+    compile_seconds: float
+    estimated_alloc_kb: int | None
+
+
+class CompileSummary(BaseModel):
+    backend: str
+    target: str
+    dsp_arch: str
+    soc_model: int | None
+    nodes_on_cpu: int
+    parts: int
+    weight_shared: bool
+    binaries: list[BinarySummary]
+    htp_graph_limit_kb: int
+    recut: list[str]
+    verification: dict[str, Any]
+    steps: dict[str, float]
+
+
+class BundleSummary(BaseModel):
+    folder: str
+    validated: bool
+    files: list[dict[str, Any]]
+    genie_api: str
+
+
+class StageFigures(BaseModel):
+    seconds: float
+    peak_rss_mb: int
+
+
+class RunSummary(BaseModel):
+    """`npustudio run`: every stage's summary, the sample answer and what each stage cost."""
+
+    project: str
+    model: str
+    adapt: AdaptSummary
+    quantize: QuantizeSummary
+    compile: CompileSummary
+    bundle: BundleSummary
+    sample: SampleAnswer | None
+    stages: dict[str, StageFigures]
+
+
 def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,
             state: StateLike | None = None, qoptions: quantize_stage.QuantizeOptions | None = None,
             coptions: compile_stage.CompileOptions | None = None, ask: bool = True,
-            on_text: Any = None, force: bool = False) -> dict[str, Any]:
+            on_text: Any = None, force: bool = False) -> RunSummary:
     """The main job on the embedded defaults: intake -> adapt (+ equivalence) -> quantize + export ->
     compile (+ simulator check) -> bundle (libGenie-validated) -> deploy to a device (the virtual one when
     no phone is attached) -> the sample prompt there, streamed."""
@@ -365,43 +460,41 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     if ask:
         sample = ask_on_device(project, on_text=on_text, state=state.sub(0.9, 1.0))
     m = project.load()
-    return {
-        "project": str(project.root),
-        "model": m.stages["model"].result["card"]["source"],
-        "adapt": adapt_summary(rec.result),
-        "quantize": quantize_summary(qrec.result, project.stage_dir("quantize")),
-        "compile": compile_summary(crec.result),
-        "bundle": {"folder": brec.result["folder"], "validated": brec.result["validated"],
-                   "files": brec.result["files"], "genie_api": brec.result["genie_api"]},
-        "sample": sample,
-        "stages": {n: {"seconds": round(s.seconds, 2), "peak_rss_mb": round(s.peak_rss_mb)}
-                   for n, s in m.stages.items()},
-    }
+    b = brec.result_as(BundleResult)
+    return RunSummary(
+        project=str(project.root),
+        model=m.stages["model"].result_as(IntakeResult).card.source,
+        adapt=adapt_summary(rec.result_as(AdaptResult)),
+        quantize=quantize_summary(qrec.result_as(QuantizeResult), project.stage_dir("quantize")),
+        compile=compile_summary(crec.result_as(CompileResult)),
+        bundle=BundleSummary(folder=b.folder, validated=b.validated, files=b.files, genie_api=b.genie_api),
+        sample=sample,
+        stages={n: StageFigures(seconds=round(s.seconds, 2), peak_rss_mb=round(s.peak_rss_mb))
+                for n, s in m.stages.items()},
+    )
 
 
-def adapt_summary(r: dict[str, Any]) -> dict[str, Any]:
-    """What the CLI and GUI show of an adapt result (one shape for both)."""
-    eq, gate = r["equivalence"], r.get("gate") or {}
-    verdict = "passed" if gate.get("passed") else "failed, accepted" if gate.get("accepted_mismatch") else "not run"
-    return {"gate": verdict, "top1_agreement": eq["top1_agreement"], "max_abs_logit_diff": eq["max_abs_logit_diff"],
-            "positions": eq["positions"], "prefill_ar": eq["prefill_ar"], "decode_steps": eq["decode_steps"],
-            "ppl_fp": r["ppl_fp"], "ppl_adapted": r["ppl_adapted"], "eval_tokens": r["eval_tokens"],
-            "graphs": [g["name"] for g in r["graphs"]]}
+def adapt_summary(r: AdaptResult) -> AdaptSummary:
+    eq, gate = r.equivalence, r.gate
+    verdict: Literal["passed", "failed, accepted", "not run"] = (
+        "passed" if gate and gate.passed else "failed, accepted" if gate and gate.accepted_mismatch else "not run")
+    return AdaptSummary(gate=verdict, top1_agreement=eq.top1_agreement, max_abs_logit_diff=eq.max_abs_logit_diff,
+                        positions=eq.positions, prefill_ar=eq.prefill_ar, decode_steps=eq.decode_steps,
+                        ppl_fp=r.ppl_fp, ppl_adapted=r.ppl_adapted, eval_tokens=r.eval_tokens,
+                        graphs=[g.name for g in r.graphs])
 
 
-def quantize_summary(r: dict[str, Any], folder: Path) -> dict[str, Any]:
-    return {"precision": r["precision"], "target": r["target"], "seq_mse": r["seq_mse"],
-            "rotated": r.get("rotated", False), "ppl_fp": r["ppl_fp"],
-            "ppl_quant": r["ppl_quant"], "ratio": r["ratio"], "top1_agreement": r["top1_agreement"],
-            "eval_tokens": r["eval_tokens"], "folder": str(folder), "files": r["files"], "steps": r["steps"]}
+def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:
+    return QuantizeSummary(precision=r.precision, target=r.target, seq_mse=r.seq_mse, rotated=r.rotated,
+                           ppl_fp=r.ppl_fp, ppl_quant=r.ppl_quant, ratio=r.ratio, top1_agreement=r.top1_agreement,
+                           eval_tokens=r.eval_tokens, folder=str(folder), files=r.files, steps=r.steps)
 
 
-def compile_summary(r: dict[str, Any]) -> dict[str, Any]:
-    return {"backend": r["backend"], "target": r["target"], "dsp_arch": r["dsp_arch"], "soc_model": r["soc_model"],
-            "nodes_on_cpu": r["nodes_on_cpu"], "parts": r.get("parts", 1),
-            "weight_shared": r.get("weight_shared", r["backend"] == "qairt"),
-            "binaries": [{"graph": g["graph"], "file": g["context_bin"], "bytes": g["bin_bytes"],
-                          "nodes_on_qnn": g["nodes_on_qnn"], "compile_seconds": g["seconds"],
-                          "estimated_alloc_kb": g.get("estimated_alloc_kb")} for g in r["graphs"]],
-            "htp_graph_limit_kb": parts.HTP_GRAPH_LIMIT_KB, "recut": r.get("recut", []),
-            "verification": r["verification"], "steps": r["steps"]}
+def compile_summary(r: CompileResult) -> CompileSummary:
+    return CompileSummary(
+        backend=r.backend, target=r.target, dsp_arch=r.dsp_arch, soc_model=r.soc_model,
+        nodes_on_cpu=r.nodes_on_cpu, parts=r.parts, weight_shared=r.weight_shared or r.backend == "qairt",
+        binaries=[BinarySummary(graph=g.graph, file=g.context_bin, bytes=g.bin_bytes, nodes_on_qnn=g.nodes_on_qnn,
+                                compile_seconds=g.seconds, estimated_alloc_kb=g.estimated_alloc_kb)
+                  for g in r.graphs],
+        htp_graph_limit_kb=parts.HTP_GRAPH_LIMIT_KB, recut=r.recut, verification=r.verification, steps=r.steps)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -30,6 +30,7 @@ from .fsutil import atomic_write_text, open_nofollow, refuse_link, sha256_file, 
 from .progress import Cancelled, peak_rss_mb
 
 SCHEMA_VERSION = 1
+Record = TypeVar("Record", bound=BaseModel)
 STAGE_NOTE = "NPU Studio stage: "  # added to an unexpected exception, so the CLI can say where it happened
 _hashes: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, for this process
 
@@ -53,6 +54,10 @@ class StageRecord(BaseModel):
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
     error: str | None = None
+
+    def result_as(self, model: type[Record]) -> Record:
+        """The stage's result as its typed record (`core/results.py`)."""
+        return model.model_validate(self.result)
 
 
 class Manifest(BaseModel):

@@ -37,10 +37,12 @@ from ..graph.decoder import StaticDecoder, adapt_weights, graph_names, io_names,
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..models import LoadedModel
 from ..progress import StateLike
+from ..results import AdaptResult, Equivalence, Gate, GraphSpec, TensorSpec, load_adapt
 from ..shape import DecoderSpec
 
-__all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "Gate", "KVCacheRunner", "StaticDecoder", "TorchGraph",
-           "equivalence_gate", "run"]
+__all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "Equivalence", "Gate", "GraphSpec", "KVCacheRunner",
+           "StaticDecoder", "TensorSpec", "TorchGraph",
+           "equivalence_gate", "load_result", "run"]
 
 
 class AdaptOptions(BaseModel):
@@ -56,51 +58,9 @@ class AdaptOptions(BaseModel):
     accept_mismatch: bool = Field(False, description="keep adapted graphs that fail the equivalence gate")
 
 
-class TensorSpec(BaseModel):
-    name: str
-    shape: list[int]
-    dtype: str
-
-
-class GraphSpec(BaseModel):
-    name: str
-    kind: str  # prompt | token
-    ar: int
-    cl: int
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-
-
-class Equivalence(BaseModel):
-    max_abs_logit_diff: float
-    top1_agreement: float
-    positions: int
-    windows: int
-    prefill_ar: int
-    decode_steps: int
-    ref_logit_range: float = 0.0
-
-
-class Gate(BaseModel):
-    """The equivalence gate's verdict: passed, or failed and accepted by the user (shown in red)."""
-
-    passed: bool
-    accepted_mismatch: bool
-    min_top1: float
-    max_logit_diff: float  # the allowed max |Δlogit|: a fraction of the reference's logit range
-
-
-class AdaptResult(BaseModel):
-    spec: DecoderSpec
-    graphs: list[GraphSpec]
-    equivalence: Equivalence
-    ppl_fp: float  # the original model
-    ppl_adapted: float
-    eval_tokens: int
-    per_window: list[dict[str, float]]
-    eval_plan: EvalPlan | None = None
-    device: str = "cpu"
-    gate: Gate | None = None
+def load_result(stage_dir: Path) -> AdaptResult:
+    """This stage's record, read back from its folder (a UserError when it is missing or damaged)."""
+    return load_adapt(stage_dir)
 
 
 MIN_TOP1 = 0.999
@@ -216,6 +176,7 @@ def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike)
     atomic_write_json(out_dir / layout.GRAPHS, [g.model_dump() for g in res.graphs])
     atomic_write_json(out_dir / layout.CARD, lm.card.model_dump())
     atomic_write_json(out_dir / layout.EQUIVALENCE, res.equivalence.model_dump())
+    atomic_write_json(out_dir / layout.ADAPT_RESULT, res.model_dump())
     state.progress(1.0, "adapted")
     return res
 

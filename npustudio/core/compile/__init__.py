@@ -33,6 +33,7 @@ from ..graph.kv_cache import KVCacheRunner
 from ..graph.ort_graph import OrtGraph, cpu_session
 from ..parts import DEFAULT_MAX_PART_MB
 from ..progress import Laps, StateLike, peak_rss_mb
+from ..results import CompileResult, load_compile, load_graphs, load_quantize
 from ..targets import find_soc
 from . import split
 
@@ -55,21 +56,9 @@ class CompileOptions(BaseModel):
     eval_corpus: str = "default"
 
 
-class CompileResult(BaseModel):
-    backend: str
-    target: str
-    soc_model: int | None
-    dsp_arch: str
-    graphs: list[ort_qnn.Compiled]
-    parts: int = 1
-    weight_shared: bool = False
-    recut: list[str] = Field(default_factory=list, description="QNN refused a cut as too large: what was redone")
-    nodes_on_cpu: int
-    io: dict[str, IOEncoding]
-    verification: dict[str, Any]
-    steps: dict[str, float]
-    peak_rss_mb: float
-    step_peak_rss_mb: dict[str, float] = Field(default_factory=dict, description="peak RSS as each step ended")
+def load_result(stage_dir: Path) -> CompileResult:
+    """This stage's record, read back from its folder (a UserError when it is missing or damaged)."""
+    return load_compile(stage_dir)
 
 
 def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path, state: StateLike) -> CompileResult:
@@ -83,10 +72,10 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         return qairt.run(quant_dir, options, out_dir, state)
     if options.backend != "ort-qnn":
         raise UserError(f"Unknown compile back-end {options.backend!r}.", "Use `ort-qnn` or `qairt`.")
-    qres = json.loads((quant_dir / layout.QUANTIZE_RESULT).read_text())
-    target = find_soc(options.target or qres["target"])
-    graphs = qres["graphs"]
-    _refuse_lpbq(quant_dir, graphs[0], qres.get("precision", "?"))
+    qres = load_quantize(quant_dir)
+    target = find_soc(options.target or qres.target)
+    graphs = qres.graphs
+    _refuse_lpbq(quant_dir, graphs[0], qres.precision)
     lap = Laps()
     steps = lap.steps
 
@@ -102,8 +91,8 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         io.update(enc)
     _check_kv_tied(io)
     spec, _ = store.load_spec(adapt_dir)
-    shapes = json.loads((quant_dir / layout.GRAPHS).read_text())
-    ars, cl = {s["name"]: s["ar"] for s in shapes}, shapes[0]["cl"]
+    shapes = load_graphs(quant_dir)
+    ars, cl = {s.name: s.ar for s in shapes}, shapes[0].cl
     sizes = split.part_model(prep, graphs, spec, ars, cl)
     limit = int(options.max_part_mb * 2**20)
     ranges = parts.plan(sizes, limit, options.parts)
@@ -255,8 +244,8 @@ def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: P
     from transformers import AutoTokenizer
 
     spec, inv_freq = store.load_spec(adapt_dir)
-    prompt_spec = json.loads((quant_dir / layout.GRAPHS).read_text())[0]
-    ar_n, cl = prompt_spec["ar"], prompt_spec["cl"]
+    prompt_spec = load_graphs(quant_dir)[0]
+    ar_n, cl = prompt_spec.ar, prompt_spec.cl
     tok = AutoTokenizer.from_pretrained(str(quant_dir), trust_remote_code=False)
     ids = tok(load_corpus(o.eval_corpus, "eval"))["input_ids"][: min(o.verify_tokens + o.verify_decode, cl - ar_n)]
     if len(ids) < 2:

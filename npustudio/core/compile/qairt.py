@@ -23,6 +23,7 @@ from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..progress import StateLike, peak_rss_mb
+from ..results import load_graphs, load_quantize
 from ..targets import Soc, find_soc
 
 if TYPE_CHECKING:
@@ -174,10 +175,10 @@ def run(quant_dir: Path, options: CompileOptions, out_dir: Path, state: StateLik
     root = sdk_root()
     version = sdk_version(root)
     warnings = check_version(version)
-    qres = json.loads((quant_dir / layout.QUANTIZE_RESULT).read_text())
-    target = find_soc(options.target or qres["target"])
-    graphs = qres["graphs"]
-    specs = {g["name"]: (g["ar"], g["cl"]) for g in json.loads((quant_dir / layout.GRAPHS).read_text())}
+    qres = load_quantize(quant_dir)
+    target = find_soc(options.target or qres.target)
+    graphs = qres.graphs
+    specs = {g.name: (g.ar, g.cl) for g in load_graphs(quant_dir)}
     write_configs(root, graphs, target, out_dir)
     steps: dict[str, float] = {}
     for i, cmd in enumerate(cmds := commands(root, quant_dir, graphs, target, out_dir)):

@@ -24,6 +24,7 @@ from ..errors import UserError
 from ..fsutil import atomic_write_json, link_or_copy, read_json
 from ..graph.graph_io import IOEncoding
 from ..progress import StateLike
+from ..results import BundleResult, GraphSpec, load_bundle, load_card, load_compile, load_graphs
 from ..shape import DecoderSpec
 from ..targets import Soc, find_soc
 from . import config as genie_config
@@ -44,17 +45,9 @@ class BundleOptions(BaseModel):
                                                   "of contexts load on the HTP simulator)")
 
 
-class BundleResult(BaseModel):
-    folder: str
-    target: str
-    dsp_arch: str
-    files: list[dict[str, Any]]
-    genie_api: str
-    validated: bool
-    runtime_files: list[str]
-    runtime_missing: list[str]
-    context_bytes: int = 0
-    notes: list[str] = Field(default_factory=list, description="what a person should know before running it")
+def load_result(stage_dir: Path) -> BundleResult:
+    """This stage's record, read back from its folder (a UserError when it is missing or damaged)."""
+    return load_bundle(stage_dir)
 
 
 class GraphMeta(BaseModel):
@@ -126,30 +119,30 @@ def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
 
 
 def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Path, state: StateLike) -> BundleResult:
-    comp = json.loads((compile_dir / layout.COMPILE_RESULT).read_text())
-    card = json.loads((adapt_dir / layout.CARD).read_text())
-    graphs = json.loads((adapt_dir / layout.GRAPHS).read_text())
-    target = find_soc(comp["target"])
-    cl = graphs[0]["cl"]
+    comp = load_compile(compile_dir)
+    card = load_card(adapt_dir)
+    graphs = load_graphs(adapt_dir)
+    target = find_soc(comp.target)
+    cl = graphs[0].cl
     state.progress(0.1, "linking the context binaries")
     # one binary per graph (the simulator's layout; a phone takes it too), or with weight sharing one per
     # part holding the prompt and token graphs (a qairt build always shares)
-    shared = comp["backend"] == "qairt" or comp.get("weight_shared", False)
+    shared = comp.backend == "qairt" or comp.weight_shared
     kept = _kept_graphs(graphs, options.prompt_graphs, shared)
     bins: list[str] = []
-    for g in comp["graphs"]:
-        if _whole_graph(g["graph"]) not in kept:
+    for g in comp.graphs:
+        if _whole_graph(g.graph) not in kept:
             continue
-        name = f"{g['graph']}.bin"
+        name = f"{g.graph}.bin"
         if shared:
-            part = re.search(r"_\d+_of_\d+$", g["graph"])
+            part = re.search(r"_\d+_of_\d+$", g.graph)
             name = f"shared{part.group(0) if part else ''}.bin"
         if name not in bins:
-            link_or_copy(compile_dir / g["context_bin"], out_dir / name)
+            link_or_copy(compile_dir / g.context_bin, out_dir / name)
             bins.append(name)
     shutil.copy2(adapt_dir / layout.TOKENIZER, out_dir / layout.TOKENIZER)
 
-    cfg = genie_config.dialog_config(card, cl, bins, options.sampler, options.n_threads, htp_ext=True)
+    cfg = genie_config.dialog_config(card.model_dump(), cl, bins, options.sampler, options.n_threads, htp_ext=True)
     atomic_write_json(out_dir / layout.GENIE_CONFIG, cfg)
     atomic_write_json(out_dir / layout.HTP_EXT_CONFIG, genie_config.htp_ext_config(target, shared))
 
@@ -164,11 +157,11 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
 
     spec, inv_freq = store.load_spec(adapt_dir)
     meta = BundleMeta(
-        model=card.get("source"), family=card.get("family"), target=target, context_length=cl,
-        graphs=[GraphMeta(name=g["name"], ar=g["ar"], cl=g["cl"]) for g in graphs if g["name"] in kept],
-        io_encodings=comp["io"], backend=comp["backend"], weight_shared=shared, versions=_versions(), decoder=spec,
-        rope_inv_freq=inv_freq.tolist(), eos_ids=card["eos_ids"], bos_id=card["bos_id"], question=options.question,
-        chat_template=card.get("chat_template"), runtime_files=copied, runtime_missing=missing,
+        model=card.source, family=card.family, target=target, context_length=cl,
+        graphs=[GraphMeta(name=g.name, ar=g.ar, cl=g.cl) for g in graphs if g.name in kept],
+        io_encodings=comp.io, backend=comp.backend, weight_shared=shared, versions=_versions(), decoder=spec,
+        rope_inv_freq=inv_freq.tolist(), eos_ids=card.eos_ids, bos_id=card.bos_id, question=options.question,
+        chat_template=card.chat_template, runtime_files=copied, runtime_missing=missing,
         project_compile_dir=str(compile_dir.resolve()))
     atomic_write_json(out_dir / layout.METADATA, meta.model_dump())
 
@@ -180,10 +173,12 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     files = [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(out_dir.iterdir()) if p.is_file()]
     context_bytes = sum((out_dir / b).stat().st_size for b in bins)
     state.progress(1.0, "bundle ready")
-    return BundleResult(folder=str(out_dir), target=target.soc, dsp_arch=target.dsp_arch, files=files,
-                        genie_api=libgenie.api_version(), validated=True, runtime_files=copied,
-                        runtime_missing=missing, context_bytes=context_bytes,
-                        notes=_notes(context_bytes, shared, options.prompt_graphs))
+    res = BundleResult(folder=str(out_dir), target=target.soc, dsp_arch=target.dsp_arch, files=files,
+                       genie_api=libgenie.api_version(), validated=True, runtime_files=copied,
+                       runtime_missing=missing, context_bytes=context_bytes,
+                       notes=_notes(context_bytes, shared, options.prompt_graphs))
+    atomic_write_json(out_dir / layout.BUNDLE_RESULT, res.model_dump())
+    return res
 
 
 def _whole_graph(name: str) -> str:
@@ -191,14 +186,14 @@ def _whole_graph(name: str) -> str:
     return re.sub(r"_\d+_of_\d+$", "_1_of_1", name)
 
 
-def _kept_graphs(graphs: list[dict[str, Any]], prompt_graphs: bool, shared: bool) -> set[str]:
+def _kept_graphs(graphs: list[GraphSpec], prompt_graphs: bool, shared: bool) -> set[str]:
     if prompt_graphs:
-        return {g["name"] for g in graphs}
+        return {g.name for g in graphs}
     if shared:
         raise UserError("A weight-shared build holds the prompt and token graphs in one binary per part: the prompt "
                         "graphs cannot be left out of it.",
                         "Bundle it with its prompt graphs, or compile without --weight-sharing.")
-    token = {g["name"] for g in graphs if g["ar"] == 1}
+    token = {g.name for g in graphs if g.ar == 1}
     if not token:
         raise UserError("This model was adapted without an AR-1 (token) graph, so there is nothing to bundle "
                         "without the prompt graphs.", "Bundle it with its prompt graphs.")

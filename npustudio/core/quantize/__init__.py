@@ -9,7 +9,6 @@ mirrors (AR-N prefill + AR-1 steps), quantized evaluation (points labelled "quan
 from __future__ import annotations
 
 import gc
-import json
 import shutil
 from collections.abc import Sequence
 from functools import partial
@@ -39,6 +38,7 @@ from ..graph.decoder import io_names
 from ..graph.exported import write_test_vectors
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
+from ..results import QuantizeResult, load_card, load_graphs, load_quantize
 from ..targets import DEFAULT_SOC, find_soc
 from . import export, rotate, simulate
 from .presets import Overrides, check_overrides, preset
@@ -73,26 +73,9 @@ class QuantizeOptions(BaseModel):
                                                "CUDA GPU when torch sees one)")
 
 
-class QuantizeResult(BaseModel):
-    precision: str
-    target: str
-    dsp_arch: str
-    seq_mse: bool
-    rotated: bool = False
-    ppl_fp: float
-    ppl_quant: float
-    ratio: float
-    top1_agreement: float
-    max_abs_logit_diff: float
-    eval_tokens: int
-    calib_tokens: int
-    per_window: list[dict[str, float]]
-    graphs: list[str]
-    files: list[dict[str, Any]]
-    steps: dict[str, float]  # seconds per step
-    peak_rss_mb: float
-    step_peak_rss_mb: dict[str, float] = Field(default_factory=dict, description="peak RSS as each step ended")
-    device: str = "cpu"
+def load_result(stage_dir: Path) -> QuantizeResult:
+    """This stage's record, read back from its folder (a UserError when it is missing or damaged)."""
+    return load_quantize(stage_dir)
 
 
 @compute.plain_convolutions
@@ -216,14 +199,14 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
 
 def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
     """AR, CL and the names of the prompt and token graphs, as the adapt stage wrote them."""
-    specs = {g["kind"]: g for g in json.loads((adapt_dir / layout.GRAPHS).read_text())}
-    return specs["prompt"]["ar"], specs["prompt"]["cl"], [specs["prompt"]["name"], specs["token"]["name"]]
+    specs = {g.kind: g for g in load_graphs(adapt_dir)}
+    return specs["prompt"].ar, specs["prompt"].cl, [specs["prompt"].name, specs["token"].name]
 
 
 def _eval_plan(adapt_dir: Path, o: QuantizeOptions, cl: int) -> tuple[EvalPlan, Reference | None]:
     """The adapt stage's eval plan with this stage's overrides; its float logits when nothing was overridden."""
     adapted = read_plan(adapt_dir)
-    params = int(json.loads((adapt_dir / layout.CARD).read_text())["params"])
+    params = load_card(adapt_dir).params
     base = adapted or EvalPlan(tokens=auto_eval_tokens(params), window=min(DEFAULT_WINDOW, cl))
     upd: dict[str, Any] = {k: v for k, v in (("corpus", o.eval_corpus), ("chars", o.eval_chars),
                                               ("window", o.window and min(o.window, cl)),

@@ -9,6 +9,7 @@ from PySide6.QtWidgets import QCheckBox, QSpinBox
 
 from ...core import isolated, pipeline
 from ...core.adapt import AdaptOptions
+from ...core.results import AdaptResult
 from ..charts import PplChart
 from ..widgets import BAD, Page, fill, table, with_note
 
@@ -51,8 +52,9 @@ class AdaptPage(Page):
         self.chart.clear()
         self.strip.status.setStyleSheet("")
 
-        def work(state: Any) -> dict[str, Any]:
-            return isolated.run(partial(pipeline.adapt, force=force), project, model, opts, state=state).result
+        def work(state: Any) -> AdaptResult:
+            rec = isolated.run(partial(pipeline.adapt, force=force), project, model, opts, state=state)
+            return rec.result_as(AdaptResult)
 
         self.strip.start(work, self.finish, "Adapting", on_partial=self.ppl_point)
 
@@ -63,30 +65,30 @@ class AdaptPage(Page):
             self.ar.setValue(int(rec.options["ar"]))
             self.cl.setValue(int(rec.options["cl"]))
             self.accept_mismatch.setChecked(bool(rec.options.get("accept_mismatch", False)))
-            self.show_result(rec.result)
+            self.show_result(rec.result_as(AdaptResult))
         else:
             self.cl.setValue(int(ch.get("cl", 1024)))
 
-    def show_result(self, r: dict[str, Any]) -> None:
+    def show_result(self, r: AdaptResult) -> None:
         s = pipeline.adapt_summary(r)
         if not self.chart.series:
-            for w in r.get("per_window", []):
+            for w in r.per_window:
                 self.chart.add(w)
-        accepted = s["gate"] == "failed, accepted"
+        accepted = s.gate == "failed, accepted"
         rows = [
-            ("Equivalence gate", s["gate"]),
-            ("Top-1 agreement with the original", f"{s['top1_agreement']:.4f}"),
-            ("Max |Δ logit|", f"{s['max_abs_logit_diff']:.2e}"),
-            ("Positions compared", f"{s['positions']} (prefill AR-{s['prefill_ar']}, {s['decode_steps']} AR-1 steps)"),
-            ("Perplexity: original / adapted", f"{s['ppl_fp']:.3f} / {s['ppl_adapted']:.3f}"),
-            ("Graphs", ", ".join(s["graphs"])),
+            ("Equivalence gate", s.gate),
+            ("Top-1 agreement with the original", f"{s.top1_agreement:.4f}"),
+            ("Max |Δ logit|", f"{s.max_abs_logit_diff:.2e}"),
+            ("Positions compared", f"{s.positions} (prefill AR-{s.prefill_ar}, {s.decode_steps} AR-1 steps)"),
+            ("Perplexity: original / adapted", f"{s.ppl_fp:.3f} / {s.ppl_adapted:.3f}"),
+            ("Graphs", ", ".join(s.graphs)),
         ]
         fill(self.results, rows, [BAD if accepted and i < 3 else None for i in range(len(rows))])
         if accepted:
             self.strip.status.setStyleSheet("color: #b00020; font-weight: bold")
-            self.strip.status.setText(f"Adapted WITHOUT equivalence: top-1 {s['top1_agreement']:.4f}, max |Δ logit| "
-                                      f"{s['max_abs_logit_diff']:.2e}. The mismatch was accepted; this model will "
+            self.strip.status.setText(f"Adapted WITHOUT equivalence: top-1 {s.top1_agreement:.4f}, max |Δ logit| "
+                                      f"{s.max_abs_logit_diff:.2e}. The mismatch was accepted; this model will "
                                       "not answer like the original.")
         else:
             self.strip.status.setStyleSheet("")
-            self.strip.status.setText(f"Adapted: top-1 {s['top1_agreement']:.4f}, FP perplexity {s['ppl_fp']:.3f}.")
+            self.strip.status.setText(f"Adapted: top-1 {s.top1_agreement:.4f}, FP perplexity {s.ppl_fp:.3f}.")

@@ -12,6 +12,7 @@ from ...core import isolated, pipeline
 from ...core.compile import CompileOptions, qairt
 from ...core.errors import UserError
 from ...core.models import human_bytes
+from ...core.results import BundleResult, CompileResult
 from ..widgets import Page, fill, table, with_note
 from .adapt import spin
 
@@ -71,14 +72,14 @@ class CompilePage(Page):
     def start(self, force: bool = False) -> None:
         project, opts = self.project, self.options()
 
-        def work(state: Any) -> dict[str, Any]:
+        def work(state: Any) -> tuple[CompileResult, BundleResult]:
             crec, brec = isolated.run(partial(pipeline.compile_and_bundle, force=force), project, opts, state=state)
-            return {"compile": crec.result, "bundle": brec.result}
+            return crec.result_as(CompileResult), brec.result_as(BundleResult)
 
         self.strip.start(work, self.finish, "Compiling")
 
-    def show_result(self, result: dict[str, Any]) -> None:
-        self._show(result["compile"], result["bundle"])
+    def show_result(self, result: tuple[CompileResult, BundleResult]) -> None:
+        self._show(*result)
 
     def refresh(self) -> None:
         self.find_sdk()
@@ -88,18 +89,19 @@ class CompilePage(Page):
             self.share.setChecked(bool(crec.options.get("weight_sharing", False)))
             (self.sdk if crec.options.get("backend") == "qairt" and self.sdk.isEnabled() else self.embedded
              ).setChecked(True)
-            self._show(crec.result, brec.result if brec and brec.status == "done" else None)
+            self._show(crec.result_as(CompileResult),
+                       brec.result_as(BundleResult) if brec and brec.status == "done" else None)
 
-    def _show(self, c: dict[str, Any], b: dict[str, Any] | None) -> None:
+    def _show(self, c: CompileResult, b: BundleResult | None) -> None:
         s = pipeline.compile_summary(c)
-        fill(self.binaries, [(x["graph"], x["file"], human_bytes(x["bytes"]), f"{x['nodes_on_qnn']:,}",
-                              f"{x['compile_seconds']:.0f} s") for x in s["binaries"]])
-        v = s["verification"] or {}
+        fill(self.binaries, [(x.graph, x.file, human_bytes(x.bytes), f"{x.nodes_on_qnn:,}",
+                              f"{x.compile_seconds:.0f} s") for x in s.binaries])
+        v = s.verification or {}
         rows: list[tuple[str, Any]] = [
-            ("Target", f"{s['target']} (Hexagon {s['dsp_arch']}, soc_model {s['soc_model']})"),
-            ("Back-end", s["backend"]), ("Ops left on the CPU", s["nodes_on_cpu"]),
-            ("Contexts", f"{s['parts']} part{'s' if s['parts'] > 1 else ''}"
-                         + (", weight-shared (for a phone)" if s["weight_shared"] else ", one binary per graph"))]
+            ("Target", f"{s.target} (Hexagon {s.dsp_arch}, soc_model {s.soc_model})"),
+            ("Back-end", s.backend), ("Ops left on the CPU", s.nodes_on_cpu),
+            ("Contexts", f"{s.parts} part{'s' if s.parts > 1 else ''}"
+                         + (", weight-shared (for a phone)" if s.weight_shared else ", one binary per graph"))]
         t = v.get("vs_quantsim_test_vectors", {})
         for g in (k.removesuffix("_top1_agreement") for k in t if k.endswith("_top1_agreement")):
             rows.append((f"{g} on the CPU vs quantsim", f"top-1 {t[f'{g}_top1_agreement']:.3f}, "
@@ -114,8 +116,8 @@ class CompilePage(Page):
             rows.append(("HTP simulator check", "skipped (0 tokens)"))
         if b:
             rows += [("Genie bundle", str(self.project.stage_dir("bundle"))),
-                     ("Validated by libGenie", "yes" if b["validated"] else "no"),
-                     ("Genie API", b["genie_api"])]
+                     ("Validated by libGenie", "yes" if b.validated else "no"),
+                     ("Genie API", b.genie_api)]
         fill(self.results, rows)
-        self.strip.status.setText(f"{len(s['binaries'])} context binaries, {s['nodes_on_cpu']} ops on the CPU"
-                                  + (", bundle validated by libGenie." if b and b["validated"] else "."))
+        self.strip.status.setText(f"{len(s.binaries)} context binaries, {s.nodes_on_cpu} ops on the CPU"
+                                  + (", bundle validated by libGenie." if b and b.validated else "."))

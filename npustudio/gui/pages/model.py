@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
 )
 
 from ...core import host_cost, models, pipeline
+from ...core.results import IntakeResult
 from ..widgets import BAD, GOOD, WARN, Page, fill, status_label, table
 
 KINDS = (("default", "Embedded default"), ("folder", "Local folder"), ("gguf", "GGUF file"),
@@ -102,10 +103,10 @@ class ModelPage(Page):
             self.strip.status.setText("Type a model folder, a .gguf file or a hub id first.")
             return
 
-        def work(state: Any) -> dict[str, Any]:
+        def work(state: Any) -> IntakeResult:
             _src, rec = pipeline.intake(project, spec, cl, state, force=force)
             project.choose(model=spec, cl=cl)
-            return rec.result
+            return rec.result_as(IntakeResult)
 
         self.strip.start(work, self.finish, f"Reading {spec}")
 
@@ -115,24 +116,20 @@ class ModelPage(Page):
         self.cl.setValue(int(ch.get("cl", 1024)))
         rec = self.project.record("model")
         if rec and rec.status == "done":
-            self.show_result(rec.result)
+            self.show_result(rec.result_as(IntakeResult))
 
-    def show_result(self, result: dict[str, Any]) -> None:
-        card = models.ArchCard(**result["card"])
-        self.fits = [models.FitEstimate(**f) for f in result["fit"]]
+    def show_result(self, result: IntakeResult) -> None:
+        card = result.card
+        self.fits = result.fit
         rows = [(k, models.format_value(v)) for k, v in card.model_dump().items() if k != "chat_template"]
         rows.append(("chat template", "yes" if card.chat_template else "no"))
         fill(self.card, rows)
         self.show_fit()
-        self.show_host(result.get("host"))
+        self.show_host(result.host)
         self.strip.status.setText(f"{card.source}: {card.family}, {card.params / 1e6:.1f} M parameters")
 
-    def show_host(self, host: dict[str, Any] | None) -> None:
+    def show_host(self, h: host_cost.HostEstimate) -> None:
         """What the stages will cost this computer (an estimate, said so)."""
-        if not host:
-            self.host.setText("")
-            return
-        h = host_cost.HostEstimate(**host)
         per = ", ".join(f"{s.stage} {models.human_bytes(s.peak_ram_bytes)} ~{max(1, round(s.seconds / 60))} min"
                         for s in h.stages)
         verdict = "fits this computer's memory" if h.fits else "needs more memory than this computer has"

@@ -23,6 +23,7 @@ from ...core.graph import encodings as enc
 from ...core.models import human_bytes
 from ...core.quantize import QuantizeOptions
 from ...core.quantize.presets import load_overrides
+from ...core.results import QuantizeResult
 from .. import worker
 from ..charts import PplChart
 from ..inspector import Inspector
@@ -112,8 +113,9 @@ class QuantizePage(Page):
         self.chart.clear()
         self.tabs.setCurrentIndex(0)
 
-        def work(state: Any) -> dict[str, Any]:
-            return isolated.run(partial(pipeline.quantize, force=force), project, opts, state=state).result
+        def work(state: Any) -> QuantizeResult:
+            rec = isolated.run(partial(pipeline.quantize, force=force), project, opts, state=state)
+            return rec.result_as(QuantizeResult)
 
         self.strip.start(work, self.finish, "Quantizing", on_partial=self.ppl_point)
 
@@ -128,25 +130,25 @@ class QuantizePage(Page):
             self.calib_len.setValue(int(o["calib_len"]))
             self.calib.setText(o["calib_corpus"])
             self.device.setCurrentIndex(max(0, self.device.findData(o.get("device", "auto"))))
-            self.show_result(rec.result)
+            self.show_result(rec.result_as(QuantizeResult))
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
 
-    def show_result(self, r: dict[str, Any]) -> None:
+    def show_result(self, r: QuantizeResult) -> None:
         folder = self.project.stage_dir("quantize")
         s = pipeline.quantize_summary(r, folder)
         if not self.chart.series:
-            for w in r.get("per_window", []):
+            for w in r.per_window:
                 self.chart.add(w)
-        rows = [("Precision / target", f"{s['precision']} / {s['target']}{' + SeqMSE' if s['seq_mse'] else ''}"
-                                      f"{' + rotation' if s.get('rotated') else ''}"),
-                ("Perplexity FP", f"{s['ppl_fp']:.3f}"), ("Perplexity quantized", f"{s['ppl_quant']:.3f}"),
-                ("Ratio", f"×{s['ratio']:.4f}"), ("Top-1 agreement", f"{s['top1_agreement']:.3f}")]
-        rows += [(f["file"], human_bytes(f["bytes"])) for f in s["files"]]
+        rows = [("Precision / target", f"{s.precision} / {s.target}{' + SeqMSE' if s.seq_mse else ''}"
+                                      f"{' + rotation' if s.rotated else ''}"),
+                ("Perplexity FP", f"{s.ppl_fp:.3f}"), ("Perplexity quantized", f"{s.ppl_quant:.3f}"),
+                ("Ratio", f"×{s.ratio:.4f}"), ("Top-1 agreement", f"{s.top1_agreement:.3f}")]
+        rows += [(f["file"], human_bytes(f["bytes"])) for f in s.files]
         fill(self.results, rows)
-        self.strip.status.setText(f"{s['precision']}: PPL {s['ppl_quant']:.3f} vs FP {s['ppl_fp']:.3f} "
-                                  f"(×{s['ratio']:.4f}).")
-        graphs = r.get("graphs") or []
+        self.strip.status.setText(f"{s.precision}: PPL {s.ppl_quant:.3f} vs FP {s.ppl_fp:.3f} "
+                                  f"(×{s.ratio:.4f}).")
+        graphs = r.graphs
         if graphs:
             self.load_encodings(folder / f"{graphs[0]}.encodings")
 

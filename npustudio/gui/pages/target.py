@@ -8,6 +8,7 @@ from PySide6.QtWidgets import QComboBox, QPushButton
 
 from ...core import device, models
 from ...core.genie.profile import roofline
+from ...core.results import IntakeResult
 from ...core.targets import DEFAULT_SOC, KNOWN_SOCS, find_soc
 from ..widgets import Page, fill, table
 
@@ -77,9 +78,9 @@ class TargetPage(Page):
                                        ("QNN soc_model", s.soc_model), ("Memory bandwidth", f"{s.memory_gb_s} GB/s")]
         rec = self.project.record("model") if self.window_.project else None
         if rec and rec.status == "done":
-            card, cl = models.ArchCard(**rec.result["card"]), int(rec.options.get("cl", 1024))
-            for f in rec.result["fit"]:
-                r = roofline(s, f["weight_bytes"], card.kv_bytes_per_token, cl)
-                rows.append((f"Decode bound, {f['precision']}", f"≤ {r['decode_tok_s_bound']} tok/s "
+            intake, cl = rec.result_as(IntakeResult), int(rec.options.get("cl", 1024))
+            for f in intake.fit:
+                r = roofline(s, f.weight_bytes, intake.card.kv_bytes_per_token, cl)
+                rows.append((f"Decode bound, {f.precision}", f"≤ {r['decode_tok_s_bound']} tok/s "
                              f"({models.human_bytes(r['bytes_per_token'])} read per token)"))
         fill(self.details, rows)

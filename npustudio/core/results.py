@@ -1,0 +1,184 @@
+"""What each stage hands on: its result record, typed, and `load_*` to read it from the stage's folder.
+
+The stages never import each other: compile reads the quantize stage's record and the bundle the compile
+stage's through here, and the pipeline, the window and the CLI read every record as these models (the
+project's manifest keeps each one as JSON). Each stage exposes its own as `load_result(stage_dir)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Field, RootModel, ValidationError
+
+from . import layout
+from .errors import UserError
+from .evaluate import EvalPlan
+from .fsutil import read_json
+from .graph.graph_io import IOEncoding
+from .graph.ort_qnn import Compiled
+from .host_cost import HostEstimate
+from .models import ArchCard, FitEstimate, ModelSource
+from .shape import DecoderSpec
+
+
+class IntakeResult(BaseModel):
+    """The model stage: where the model came from, its architecture card, the phone fit and the host cost."""
+
+    source: ModelSource
+    card: ArchCard
+    fit: list[FitEstimate]
+    host: HostEstimate
+
+
+class TensorSpec(BaseModel):
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class GraphSpec(BaseModel):
+    name: str
+    kind: str  # prompt | token
+    ar: int
+    cl: int
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+class Equivalence(BaseModel):
+    max_abs_logit_diff: float
+    top1_agreement: float
+    positions: int
+    windows: int
+    prefill_ar: int
+    decode_steps: int
+    ref_logit_range: float = 0.0
+
+
+class Gate(BaseModel):
+    """The equivalence gate's verdict: passed, or failed and accepted by the user (shown in red)."""
+
+    passed: bool
+    accepted_mismatch: bool
+    min_top1: float
+    max_logit_diff: float  # the allowed max |Δlogit|: a fraction of the reference's logit range
+
+
+class AdaptResult(BaseModel):
+    spec: DecoderSpec
+    graphs: list[GraphSpec]
+    equivalence: Equivalence
+    ppl_fp: float  # the original model
+    ppl_adapted: float
+    eval_tokens: int
+    per_window: list[dict[str, float]]
+    eval_plan: EvalPlan | None = None
+    device: str = "cpu"
+    gate: Gate | None = None
+
+
+class QuantizeResult(BaseModel):
+    precision: str
+    target: str
+    dsp_arch: str
+    seq_mse: bool
+    rotated: bool = False
+    ppl_fp: float
+    ppl_quant: float
+    ratio: float
+    top1_agreement: float
+    max_abs_logit_diff: float
+    eval_tokens: int
+    calib_tokens: int
+    per_window: list[dict[str, float]]
+    graphs: list[str]
+    files: list[dict[str, Any]]
+    steps: dict[str, float]  # seconds per step
+    peak_rss_mb: float
+    step_peak_rss_mb: dict[str, float] = Field(default_factory=dict, description="peak RSS as each step ended")
+    device: str = "cpu"
+
+
+class CompileResult(BaseModel):
+    backend: str
+    target: str
+    soc_model: int | None
+    dsp_arch: str
+    graphs: list[Compiled]
+    parts: int = 1
+    weight_shared: bool = False
+    recut: list[str] = Field(default_factory=list, description="QNN refused a cut as too large: what was redone")
+    nodes_on_cpu: int
+    io: dict[str, IOEncoding]
+    verification: dict[str, Any]
+    steps: dict[str, float]
+    peak_rss_mb: float
+    step_peak_rss_mb: dict[str, float] = Field(default_factory=dict, description="peak RSS as each step ended")
+
+
+class BundleResult(BaseModel):
+    folder: str
+    target: str
+    dsp_arch: str
+    files: list[dict[str, Any]]
+    genie_api: str
+    validated: bool
+    runtime_files: list[str]
+    runtime_missing: list[str]
+    context_bytes: int = 0
+    notes: list[str] = Field(default_factory=list, description="what a person should know before running it")
+
+
+Record = TypeVar("Record", bound=BaseModel)
+
+
+def load(stage_dir: Path, file: str, model: type[Record], stage: str) -> Record:
+    """`stage_dir/file` as `model`; a clear UserError when it is missing or damaged."""
+    path = Path(stage_dir) / file
+    fix = f"Run the {stage} stage again (with --force) to rewrite it."
+    if not path.is_file():
+        raise UserError(f"{stage_dir} holds no {stage} result ({file} is missing).", fix)
+    data = read_json(path, f"the {stage} stage's result ({file})", fix)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise UserError(f"{path} is damaged: {'.'.join(map(str, first['loc']))}: {first['msg']}.", fix) from e
+
+
+def load_intake(stage_dir: Path) -> IntakeResult:
+    return load(stage_dir, layout.MODEL_RESULT, IntakeResult, "model")
+
+
+def load_adapt(stage_dir: Path) -> AdaptResult:
+    return load(stage_dir, layout.ADAPT_RESULT, AdaptResult, "adapt")
+
+
+def load_quantize(stage_dir: Path) -> QuantizeResult:
+    return load(stage_dir, layout.QUANTIZE_RESULT, QuantizeResult, "quantize")
+
+
+def load_compile(stage_dir: Path) -> CompileResult:
+    return load(stage_dir, layout.COMPILE_RESULT, CompileResult, "compile")
+
+
+def load_bundle(stage_dir: Path) -> BundleResult:
+    res = load(stage_dir, layout.BUNDLE_RESULT, BundleResult, "bundle")
+    res.folder = str(Path(stage_dir).resolve())  # it was written into a scratch folder, then moved
+    return res
+
+
+def load_card(adapt_dir: Path) -> ArchCard:
+    """The architecture card the adapt stage keeps beside its graphs."""
+    return load(adapt_dir, layout.CARD, ArchCard, "adapt")
+
+
+def load_graphs(adapt_dir: Path) -> list[GraphSpec]:
+    """The adapted graphs' shapes (the quantize stage copies the file)."""
+    return load(adapt_dir, layout.GRAPHS, _Graphs, "adapt").root
+
+
+class _Graphs(RootModel[list[GraphSpec]]):
+    pass
