@@ -264,7 +264,7 @@ def test_a_bad_adb_server_port_in_the_environment(capsys: Any, monkeypatch: pyte
 def test_a_number_option_takes_any_text_without_a_traceback(text: str) -> None:
     import argparse
 
-    from npustudio.cli import _int_in
+    from npustudio.cli.args import int_in as _int_in
 
     parse = _int_in(0, 65535, skip=range(5554, 5586))
     try:

@@ -29,5 +29,29 @@ def test_a_stage_run_into_a_pipe_prints_whole_lines_and_no_library_warnings(geni
 
 
 def test_measured_figures_are_rounded_for_people() -> None:
+    assert human_number(None) == "—"  # a figure the profile lacks, not a crash
     assert [human_number(x) for x in (157.0962, 38.211692810058594, 0.81134, 12345.6, 0.0)] == \
         ["157", "38.2", "0.811", "12,346", "0"]
+
+
+def test_cli_defaults_come_from_the_stage_options_and_the_windows_settings() -> None:
+    """A default lives in the stage's options model (the CLI follows it); the precision, target and device the
+    window's settings name are the CLI's defaults too; a flag given on the command line wins."""
+    from npustudio.cli import build_parser
+    from npustudio.core import settings
+    from npustudio.core.quantize import QuantizeOptions
+
+    p = build_parser()
+    a = p.parse_args(["quantize", "--project", "p"])
+    want = QuantizeOptions()
+    assert (a.precision, a.target, a.calib_samples, a.calib_len) == \
+        (want.precision, want.target, want.calib_samples, want.calib_len)
+    helps = {x.dest: x.help for x in p._subparsers._group_actions[0].choices["quantize"]._actions}  # type: ignore
+    assert helps["calib_samples"] == QuantizeOptions.model_fields["calib_samples"].description
+    prefs = settings.load()
+    prefs.default_precision, prefs.default_target, prefs.device = "w4a16", "SM8650", "cpu"
+    settings.save(prefs)
+    a = build_parser().parse_args(["run", "--no-ask"])
+    assert (a.precision, a.target, a.device) == ("w4a16", "SM8650", "cpu")
+    a = build_parser().parse_args(["quantize", "--project", "p", "--precision", "w8a16"])
+    assert a.precision == "w8a16"

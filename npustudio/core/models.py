@@ -550,9 +550,11 @@ def format_value(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
-def human_number(x: float) -> str:
+def human_number(x: float | None) -> str:
     """A measured figure to the precision that matters, three significant digits: 157.0962 → 157, 38.2117 → 38.2,
-    0.81134 → 0.811, 12345.6 → 12,346."""
+    0.81134 → 0.811, 12345.6 → 12,346; "—" for a figure the profile does not have."""
+    if x is None:
+        return "—"
     if not x or not math.isfinite(x):
         return f"{x:g}"
     digits = max(0, 2 - math.floor(math.log10(abs(x))))

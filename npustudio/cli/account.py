@@ -1,0 +1,35 @@
+"""The Hugging Face token (system keyring only) and the window."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import sys
+
+from ..core.errors import UserError
+from .console import err
+
+
+def cmd_token(a: argparse.Namespace) -> int:
+    from ..core import secrets
+
+    if a.action == "set":
+        tok = sys.stdin.readline().strip() if not sys.stdin.isatty() else getpass.getpass("Hugging Face token: ")
+        if not tok:
+            raise UserError("No token given.", "Paste the token from https://huggingface.co/settings/tokens.")
+        secrets.set_hf_token(tok)
+        err.print("Token stored in the system keyring.")
+    elif a.action == "delete":
+        secrets.delete_hf_token()
+        err.print("Token removed from the system keyring.")
+    else:
+        err.print("A Hugging Face token is set." if secrets.get_hf_token() else "No Hugging Face token is set.")
+        why = secrets.no_keyring()
+        if why:
+            err.print(f"(No usable system keyring: {why}; only HF_TOKEN can hold a token.)")
+    return 0
+
+def cmd_gui(a: argparse.Namespace) -> int:
+    from .gui.app import main as gui_main
+
+    return gui_main([a.project] if getattr(a, "project", None) else [])

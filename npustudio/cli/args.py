@@ -1,0 +1,148 @@
+"""Argument types and the stage options: each option's default and help come from its pydantic Field, so a
+default changes in one place (the stage's options model) and the CLI follows."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from ..core.adapt import AdaptOptions
+    from ..core.compile import CompileOptions
+    from ..core.quantize import QuantizeOptions
+
+MAX_CONTEXT = 131072  # tokens: no phone holds a longer KV cache; larger values are typos (--cl 1e8)
+MAX_PART_MB = 2048  # the HTP refuses a graph over 2 GiB
+
+
+def number_in(lo: float, hi: float) -> Callable[[str], float]:
+    """An argparse type: a number in [lo, hi], else a plain message (exit 2)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number (use {lo:g} to {hi:g})") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v:g} is out of range (use {lo:g} to {hi:g})")
+        return v
+
+    return parse
+
+def int_in(lo: int, hi: int, skip: range | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [lo, hi] (not in `skip`), else a plain message (exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (use {lo} to {hi})") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is out of range (use {lo} to {hi})")
+        if skip is not None and v in skip:
+            raise argparse.ArgumentTypeError(f"{v} is reserved for Android emulators ({skip.start}-{skip.stop - 1}); "
+                                             "pick another port, or 0 for any free one")
+        return v
+
+    parse.__name__ = "number"  # argparse names the type in its messages
+    return parse
+
+def given(text: str) -> str:
+    """An argparse type for paths and names: an empty one ('') is a mistake, not the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (give a path or a name)")
+    return text
+
+def option(s: argparse.ArgumentParser, model: type[BaseModel], name: str, *flags: str, **kw: Any) -> None:
+    """`--name` for the field `name` of a stage's options: its default and (unless given) its help are the
+    field's, a flag for a bool; `kw` adds the CLI's own checks (type=, choices=)."""
+    field = model.model_fields[name]
+    kw.setdefault("help", field.description)
+    if field.annotation is bool:
+        kw.setdefault("action", "store_false" if field.default else "store_true")
+    else:
+        kw.setdefault("default", field.default)
+    s.add_argument(*(flags or (f"--{name.replace('_', '-')}",)), dest=name, **kw)
+
+
+def adapt_args(s: argparse.ArgumentParser) -> None:
+    from ..core.adapt import AdaptOptions as O
+
+    option(s, O, "ar", type=int_in(1, 4096))
+    option(s, O, "cl", type=int_in(2, MAX_CONTEXT))
+    option(s, O, "eval_corpus", type=given, help="default | text file | datasets:ID")
+    option(s, O, "eval_tokens", type=int_in(2, 10_000_000))
+    option(s, O, "decode_tokens", type=int_in(0, MAX_CONTEXT))
+    option(s, O, "accept_mismatch", help="keep adapted graphs that fail the equivalence gate (recorded in the "
+           "project; they will not answer like the original model)")
+
+
+def quantize_args(s: argparse.ArgumentParser) -> None:
+    from ..core.quantize import QuantizeOptions as O
+    from ..core.quantize.presets import PRESETS
+    from ..core.targets import KNOWN_SOCS
+
+    option(s, O, "precision", choices=list(PRESETS))
+    option(s, O, "target", help=f"target SoC ({', '.join(KNOWN_SOCS)})")
+    option(s, O, "seq_mse", help="search int4 weight encodings with SeqMSE (slow)")
+    option(s, O, "rotate", help="rotate the residual stream before quantizing (QuaRot-style; hurts models that "
+           "come from a 4-bit GGUF, such as the default)")
+    option(s, O, "calib_corpus", type=given, help="default | text file | datasets:ID")
+    option(s, O, "calib_samples", type=int_in(1, 100_000))
+    option(s, O, "calib_len", type=int_in(2, MAX_CONTEXT))
+    s.add_argument("--overrides", type=given, default=None, help="JSON file of per-module bitwidths (mixed "
+                   "precision)")
+    option(s, O, "eval_chars", type=int_in(1, 2**31 - 1), help="evaluate on the first N characters only")
+
+
+def compile_args(s: argparse.ArgumentParser) -> None:
+    from ..core.compile import CompileOptions as O
+
+    option(s, O, "backend", choices=["ort-qnn", "qairt"],
+           help="ort-qnn: embedded onnxruntime-qnn (HTP simulator); qairt: the SDK at QNN_SDK_ROOT")
+    option(s, O, "verify_tokens", type=int_in(0, MAX_CONTEXT))
+    option(s, O, "parts", type=int_in(0, 1024),
+           help="split the model into N contexts `…_i_of_N` (0: as many as keep each under --max-part-mb)")
+    max_part_arg(s)
+    option(s, O, "weight_sharing")
+
+
+def max_part_arg(s: argparse.ArgumentParser) -> None:
+    from ..core.compile import CompileOptions
+
+    option(s, CompileOptions, "max_part_mb", type=number_in(0.001, MAX_PART_MB),
+           help="largest estimated HTP allocation of one part's graph, MiB (the HTP refuses graphs over 2 GiB: the "
+                "default keeps a 10%% margin)")
+
+
+def device_arg(s: argparse.ArgumentParser) -> None:
+    from ..core.adapt import AdaptOptions
+    from ..core.compute import DEVICES
+
+    option(s, AdaptOptions, "device", choices=list(DEVICES),
+           help="where the torch work runs (auto: the CUDA GPU when torch sees one)")
+
+
+def adapt_options(a: argparse.Namespace) -> AdaptOptions:
+    from ..core.adapt import AdaptOptions
+
+    return AdaptOptions(ar=a.ar, cl=a.cl, eval_corpus=a.eval_corpus, eval_tokens=a.eval_tokens,
+                        decode_tokens=a.decode_tokens, device=a.device, accept_mismatch=a.accept_mismatch)
+
+
+def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
+    from ..core.quantize import QuantizeOptions
+    from ..core.quantize.presets import load_overrides
+
+    return QuantizeOptions(precision=a.precision, target=a.target, seq_mse=a.seq_mse, rotate=a.rotate,
+                           calib_corpus=a.calib_corpus, calib_samples=a.calib_samples, calib_len=a.calib_len,
+                           overrides=load_overrides(a.overrides), eval_chars=a.eval_chars, device=a.device,
+                           eval_corpus=getattr(a, "eval_corpus", None))
+
+
+def compile_options(a: argparse.Namespace) -> CompileOptions:
+    from ..core.compile import CompileOptions
+
+    return CompileOptions(backend=a.backend, verify_tokens=a.verify_tokens, parts=a.parts,
+                          max_part_mb=a.max_part_mb, weight_sharing=a.weight_sharing)

@@ -1,0 +1,94 @@
+"""The two consoles (answers on stdout, everything else on stderr), the live progress bar, and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..core.progress import Partial, State
+from ..core.progress import Progress as ProgressEvent
+
+err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
+out = Console(soft_wrap=not sys.stdout.isatty())
+
+
+def until_done(work: Callable[[], Any], stop: Any) -> Any:
+    """`work()` in a thread while this one waits: Ctrl-C sets `stop` (Genie aborts and the run returns what it
+    has) instead of being lost, as a KeyboardInterrupt raised inside Genie's ctypes callback is. Waits on an
+    Event, not Thread.join: an interrupted join can report a live thread as finished (Python 3.11), and
+    leaving while Genie still runs crashes the interpreter at exit."""
+    import threading
+
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as e:  # handed to the waiting thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="npustudio-generate", daemon=True).start()
+    while not done.is_set():
+        try:
+            done.wait(0.1)
+        except KeyboardInterrupt:
+            if not stop.is_set():
+                stop.set()
+                err.print("\n[dim]stopping…[/]")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+def print_json(obj: Any) -> None:
+    """Strict JSON (a NaN or infinity, e.g. a flagged encoding, becomes null: jq and others reject NaN)."""
+    sys.stdout.write(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False) + "\n")
+
+def _finite(obj: Any) -> Any:
+    import math
+
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+@contextmanager
+def live_state(quiet: bool = False) -> Iterator[State]:
+    """A State drawn as a rich progress bar on stderr; perplexity points are printed as they arrive."""
+    state = State()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), console=err, transient=True, disable=quiet) as bar:
+        task = bar.add_task("starting", total=1.0)
+
+        def on(ev: ProgressEvent | Partial) -> None:
+            if isinstance(ev, ProgressEvent):
+                bar.update(task, completed=ev.fraction, description=ev.message[:60])
+            elif ev.kind == "ppl" and not quiet:
+                vals = ", ".join(f"{k} {v:.3f}" for k, v in ev.data.items()
+                                 if k.endswith("_ppl") or k == "max_abs_logit_diff")
+                err.print(f"  window {ev.data['window']}: {vals}")
+
+        state.subscribe(on)
+        yield state
+
+@contextmanager
+def stdout_is_for(json_only: bool) -> Iterator[None]:
+    """With --json, stdout carries only the JSON: anything a library prints goes to stderr."""
+    if not json_only:
+        yield
+        return
+    from ..core.native_io import fd_redirected
+
+    with fd_redirected(1, 2), redirect_stdout(sys.stderr):
+        yield

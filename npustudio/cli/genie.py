@@ -1,0 +1,149 @@
+"""Genie on this computer and chats: genie-run (genie-t2t-run compatible), profile, chat."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from ..core import layout
+from ..core.errors import UserError
+from .console import err, live_state, out, print_json, until_done
+
+
+def cmd_genie_run(a: argparse.Namespace) -> int:
+    """genie-t2t-run compatible: [PROMPT]/[BEGIN]: ... [END] on stdout, Genie's log on stderr."""
+    import contextlib
+    import ctypes
+    import threading
+
+    from ..core.genie import host
+    from ..core.genie.config import check_prompt
+    from ..core.native_io import fd_redirected
+
+    if a.prompt_file:
+        try:
+            prompt = Path(a.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise UserError(f"Cannot read the prompt file {a.prompt_file}: {e.strerror}.", "Check the path.") from e
+        except UnicodeDecodeError as e:
+            raise UserError(f"The prompt file {a.prompt_file} is not UTF-8 text (byte {e.start}).",
+                            "Save it as UTF-8 text.") from e
+    else:
+        prompt = a.prompt or ""
+    check_prompt(prompt)
+    if a.profile:
+        host.check_output_file(Path(a.profile), "--profile")
+    if not a.raw:
+        from ..core.chat import as_chat_prompt
+
+        prompt = as_chat_prompt(Path(a.config).parent, prompt)
+    stop = threading.Event()
+    # the answer alone on stdout: QNN's and Genie's native banners go to /dev/null (their log comes through
+    # the logger callback), and so does their stderr outside --log verbose, while our messages keep stderr
+    with contextlib.ExitStack() as stack:
+        tokens_out = stack.enter_context(os.fdopen(os.dup(stack.enter_context(fd_redirected(1))), "w",
+                                                   encoding="utf-8"))
+        if a.log != "verbose":
+            real_err = stack.enter_context(os.fdopen(os.dup(stack.enter_context(fd_redirected(2))), "w",
+                                                     encoding="utf-8"))
+            stack.callback(setattr, err, "file", err.file)
+            err.file = real_err
+        if a.preview:  # before [BEGIN]: over adb, stderr and stdout arrive as one stream
+            err.print("[yellow]preview: the quantized graphs on the CPU, not Genie on the HTP[/]")
+        tokens_out.write(f"[PROMPT]: {prompt}\n\n[BEGIN]: ")
+        tokens_out.flush()
+
+        def text(s: str) -> None:
+            tokens_out.write(s)
+            tokens_out.flush()
+
+        try:
+            res = until_done(lambda: host.run(
+                Path(a.config), prompt, text, Path(a.profile) if a.profile else None, log_level=a.log,
+                on_log=lambda line: err.print(line, markup=False, highlight=False), stop=stop,
+                max_tokens=a.max_tokens, preview=a.preview), stop)
+        finally:
+            ctypes.CDLL(None).fflush(None)  # native buffers to /dev/null before [END] ends the answer
+            tokens_out.write("[END]\n")
+            tokens_out.flush()
+        if res.status == "aborted":
+            err.print("aborted")
+            return 130
+        elif res.status == "context-full":
+            err.print("Genie stopped: the prompt and the answer filled the model's context. Shorten the prompt.")
+    return 0
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from ..core.genie import profile
+
+    prof = profile.read(Path(a.file))
+    summary = profile.summarize(prof).model_dump()
+    roof = profile.bundle_roofline(Path(a.bundle)) if a.bundle else None
+    if a.json:
+        print_json({"summary": summary, "events": [e.model_dump() for e in prof.events], "roofline": roof})
+        return 0
+    from ..core.models import human_number as n
+
+    t = Table(title=f"{a.file}  ({summary['runner']})", show_header=False)
+    for k, v in summary.items():
+        t.add_row(k, "—" if v is None else n(v) if isinstance(v, float) else str(v))
+    if roof:
+        t.add_row("decode roofline (tok/s)", f"{n(roof['decode_tok_s_bound'])} at {n(roof['memory_gb_s'])} GB/s")
+    out.print(t)
+    return 0
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    import threading
+
+    from ..core import chat, device
+    from ..core.device import deploy
+    from ..core.genie.bundle import read_metadata
+
+    bundle = Path(a.bundle) if a.bundle else default_bundle()
+    read_metadata(bundle)  # "not a bundle" before "no device"
+    if a.desktop or a.preview:
+        engine: Any = chat.DesktopEngine(bundle, preview=a.preview)
+    else:
+        dev = device.pick(a.device)
+        with live_state() as st:
+            deploy.deploy(bundle, dev, st)
+        engine = chat.DeviceEngine(dev.serial, bundle)
+    session = chat.ChatSession(bundle, engine, system=a.system)
+    if a.new:
+        session.clear()
+
+    def ask(text: str) -> bool:
+        """One turn; Ctrl-C stops the answer (kept in the history as stopped). False when it was stopped."""
+        stop = threading.Event()
+        turn = until_done(lambda: session.send(text, lambda s: (sys.stdout.write(s), sys.stdout.flush()), stop),
+                           stop)
+        rate = f", {turn.generation_tok_s:.2f} tok/s" if turn.generation_tok_s else ""
+        err.print(f"\n[dim]({engine.name}{rate}{', stopped' if turn.stopped else ''})[/]")
+        return not turn.stopped
+
+    if a.prompt:
+        return 0 if ask(a.prompt) else 130
+    err.print(f"chatting with {bundle} on {engine.name}; empty line or Ctrl-D ends, Ctrl-C stops an answer")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            return 0
+        ask(line)
+
+def default_bundle() -> Path:
+    from ..core import pipeline
+    from ..core.project import Project
+
+    b = Project(pipeline.default_project_dir()).stage_dir("bundle")
+    if not (b / layout.GENIE_CONFIG).is_file():
+        raise UserError("No bundle given and the default project has none.", "Pass --bundle DIR, or run "
+                        "`npustudio run` first.")
+    return b

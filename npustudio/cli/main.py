@@ -1,0 +1,231 @@
+"""Headless entry points for every stage. `npustudio` with no arguments opens the desktop app."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.markup import escape
+
+from ..core import layout, quiet
+from ..core.errors import UserError
+from ..core.progress import Cancelled
+from . import account, devices, genie, stages
+from .args import MAX_CONTEXT, adapt_args, compile_args, device_arg, given, int_in, max_part_arg, option, quantize_args
+from .console import err
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The commands; a stage option's default and help come from the stage's options model, and the defaults the
+    window's settings change (precision, target, device) from the settings the window writes."""
+    from ..core import settings as user_settings
+    from ..core.adapt import AdaptOptions
+
+    prefs = user_settings.load()
+    p = argparse.ArgumentParser(prog="npustudio", description=__doc__)
+    sub = p.add_subparsers(dest="cmd")
+
+    p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help, description=help)
+        s.set_defaults(fn=fn)
+        # also after the command; SUPPRESS keeps `npustudio --debug CMD` from being reset by the sub-parser
+        s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="print the traceback of an unexpected error")
+        return s
+
+    def force_arg(s: argparse.ArgumentParser,
+                  help: str = "redo the stage even when its inputs and options are unchanged") -> None:
+        s.add_argument("--force", action="store_true", help=help)
+
+    def json_arg(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+    def preferred(s: argparse.ArgumentParser) -> None:
+        """The window's preferences are the CLI's defaults too."""
+        names = {a.dest for a in s._actions}
+        s.set_defaults(**{k: v for k, v in (("precision", prefs.default_precision),
+                                            ("target", prefs.default_target), ("device", prefs.device))
+                          if k in names})
+
+    s = add("info", stages.cmd_info, "architecture card and phone-fit estimate of a model")
+    s.add_argument("model", type=given, help="default | HF folder | file.gguf | org/name")
+    option(s, AdaptOptions, "cl", type=int_in(2, MAX_CONTEXT), help="context length for the KV-cache estimate")
+    option(s, AdaptOptions, "ar", type=int_in(1, 4096), help="prompt step size (AR-N graph), for the parts estimate")
+    max_part_arg(s)
+    json_arg(s)
+
+    s = add("adapt", stages.cmd_adapt, "adapt a model to Genie's static graphs and prove it equivalent")
+    s.add_argument("model", nargs="?", type=given, default="default")
+    s.add_argument("--project", type=given, required=True, help="project folder (created if new)")
+    adapt_args(s)
+    device_arg(s)
+    force_arg(s)
+    json_arg(s)
+    preferred(s)
+
+    s = add("quantize", stages.cmd_quantize, "calibrate and quantize the adapted graphs with AIMET, then export them")
+    s.add_argument("--project", type=given, required=True, help="project folder with an adapted model")
+    quantize_args(s)
+    device_arg(s)
+    force_arg(s)
+    json_arg(s)
+    preferred(s)
+
+    s = add("encodings", stages.cmd_encodings, "per-tensor table of an AIMET .encodings file")
+    s.add_argument("file", type=given)
+    s.add_argument("--flagged", action="store_true", help="only tensors with a flag")
+    s.add_argument("--sqnr", action="store_true", help="each weight's quantization error (SQNR, dB) against the "
+                                                       "float weights beside the file; the worst first")
+    json_arg(s)
+
+    s = add("run", stages.cmd_run, "the whole job on the embedded defaults")
+    s.add_argument("--model", type=given, default="default")
+    s.add_argument("--project", type=given, default=None,
+                   help="project folder (default: the per-user default project)")
+    adapt_args(s)
+    quantize_args(s)
+    compile_args(s)
+    device_arg(s)
+    force_arg(s, "redo every stage even when its inputs and options are unchanged")
+    s.add_argument("--no-ask", action="store_true", help="stop at the verified bundle (skip the Genie question)")
+    json_arg(s)
+    preferred(s)
+
+    s = add("compile", stages.cmd_compile, "compile the quantized graphs to QNN HTP context binaries and verify them")
+    s.add_argument("--project", type=given, required=True)
+    compile_args(s)
+    force_arg(s)
+    json_arg(s)
+
+    s = add("bundle", stages.cmd_bundle, "write the Genie bundle (config, binaries, tokenizer), validated by libGenie")
+    s.add_argument("--project", type=given, required=True)
+    s.add_argument("--question", default="What is the capital of France?", help="the sample prompt's question")
+    s.add_argument("--sample", action="store_true", help="sample (top-k/top-p) instead of greedy decoding")
+    s.add_argument("--token-graphs-only", action="store_true",
+                   help="leave the AR-N prompt graphs out: half the contexts (a model over ~3 GB of them loads on "
+                        "the HTP simulator), the prompt read one token at a time")
+    force_arg(s)
+    json_arg(s)
+
+    s = add("genie-run", genie.cmd_genie_run, "run a bundle with the real Genie on the HTP simulator "
+            "(genie-t2t-run compatible)")
+    s.add_argument("-c", "--config", type=given, required=True, help=f"the bundle's {layout.GENIE_CONFIG}")
+    s.add_argument("-p", "--prompt", default=None)
+    s.add_argument("--prompt_file", type=given, default=None, help="prompt text file (real newlines)")
+    s.add_argument("--profile", type=given, default=None, help="write Genie's profile JSON here")
+    s.add_argument("--log", default="error", choices=["error", "warn", "info", "verbose"])
+    s.add_argument("--max-tokens", type=int_in(1, MAX_CONTEXT), default=None, help="stop after N generated tokens")
+    s.add_argument("--preview", action="store_true", help="fast preview: the quantized graphs on the CPU, not Genie")
+    s.add_argument("--raw", action="store_true", help="send the prompt exactly as given (genie-t2t-run's way); "
+                   "by default a prompt that is not already in the model's chat template is put into it")
+
+    s = add("profile", genie.cmd_profile, "read a Genie profile JSON: init, TTFT, rates; roofline with --bundle")
+    s.add_argument("file", type=given)
+    s.add_argument("--bundle", type=given, default=None, help="the bundle folder, for a roofline estimate")
+    json_arg(s)
+
+    s = add("devices", devices.cmd_devices, "adb devices with SoC, NPU arch, Android, RAM and free space")
+    json_arg(s)
+
+    s = add("virtual-device", devices.cmd_virtual_device, "start a virtual phone the adb server connects to")
+    s.add_argument("--port", type=int_in(0, 65535, skip=range(5554, 5586)), default=0,
+                   help="TCP port on 127.0.0.1 (not 5554-5585; 0 = any)")
+    s.add_argument("--soc", default="SM8750", help="the SoC it reports (ro.soc.model)")
+    s.add_argument("--preview", action="store_true", help="answer with the fast CPU preview instead of real Genie")
+    s.add_argument("--root", type=given, default=None, help="folder holding its file system")
+
+    s = add("deploy", devices.cmd_deploy, "push a bundle to a device (incremental, resumable)")
+    s.add_argument("bundle", type=given)
+    s.add_argument("--device", default=None, help="serial (default: the only phone, else the only device)")
+    s.add_argument("--force", action="store_true", help="push every file again")
+    json_arg(s)
+
+    s = add("chat", genie.cmd_chat, "chat with a bundle on a device or on this computer")
+    s.add_argument("prompt", nargs="?", default=None, help="one question (omit for an interactive chat)")
+    s.add_argument("--bundle", type=given, default=None, help="bundle folder (default: the default project's)")
+    s.add_argument("--device", default=None, help="adb serial")
+    s.add_argument("--desktop", action="store_true", help="real Genie on this computer's HTP simulator")
+    s.add_argument("--preview", action="store_true", help="the fast CPU preview on this computer")
+    s.add_argument("--system", default=None, help="system prompt")
+    s.add_argument("--new", action="store_true", help="start a new conversation (forget the saved history)")
+
+    s = add("token", account.cmd_token, "store, check or delete the Hugging Face token (system keyring only)")
+    s.add_argument("action", choices=["set", "delete", "status"])
+
+    s = add("gui", account.cmd_gui, "open the desktop application")
+    s.add_argument("--project", type=given, default=None, help="project folder to open (default: the last one)")
+    return p
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "debug", False):
+        os.environ[quiet.DEBUG_ENV] = "1"
+    quiet.libraries()
+    if not getattr(args, "fn", None):
+        return account.cmd_gui(args)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        err.print(f"[bold red]error:[/] {escape(e.problem)}")
+        if e.fix:
+            err.print(f"[bold]fix:[/] {escape(e.fix)}")
+        return 2
+    except (Cancelled, KeyboardInterrupt):
+        err.print("stopped; the project keeps its last finished stages.")
+        return 130
+    except Exception as e:  # a bug, or an input nothing checks yet: a short message; the traceback goes to a log
+        return _unexpected(args, e, sys.argv[1:] if argv is None else argv)
+
+def _unexpected(a: argparse.Namespace, e: BaseException, argv: list[str]) -> int:
+    """Say what failed and where, write the traceback to a log file (the project's `logs/`, else the per-user log
+    folder) and print it only with --debug. Exit 1: a UserError (exit 2) is what a handled bad input gives."""
+    import traceback
+
+    from ..core.project import STAGE_NOTE
+
+    tb = "".join(traceback.format_exception(e))
+    stage = next((n.removeprefix(STAGE_NOTE) for n in getattr(e, "__notes__", []) if n.startswith(STAGE_NOTE)),
+                 None)
+    where = f"`npustudio {a.cmd}`" + (f" in the {stage} stage" if stage else "")
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    log = _write_log(a, argv, tb)
+    err.print(f"[bold red]error:[/] {escape(where)} failed unexpectedly: {e.__class__.__name__}"
+              + (f": {escape(first)}" if first else ""))
+    err.print(f"The traceback is in {escape(str(log))}." if log else "The traceback could not be written to a log.")
+    err.print("[bold]fix:[/] this is a bug in NPU Studio or an input it does not check yet: please report it with "
+              "the log. A project keeps its last finished stages." + ("" if getattr(a, "debug", False) else
+                                                                          " (--debug prints the traceback)"))
+    if getattr(a, "debug", False):
+        err.print(tb, markup=False, highlight=False)
+    return 1
+
+def _write_log(a: argparse.Namespace, argv: list[str], tb: str) -> Path | None:
+    import platform
+    import time
+
+    import platformdirs
+
+    from .. import __version__
+    from ..core.fsutil import atomic_write_text, refuse_link
+
+    folders = []
+    project = getattr(a, "project", None)
+    if project and (Path(project).expanduser() / layout.MANIFEST).is_file():
+        folders.append(Path(project).expanduser() / "logs")
+    folders.append(platformdirs.user_log_path("npustudio"))
+    name = f"npustudio-{a.cmd}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    text = (f"npustudio {__version__}, Python {platform.python_version()}, {platform.platform()}\n"
+            f"command: npustudio {' '.join(argv)}\n\n{tb}")
+    for folder in folders:
+        try:
+            refuse_link(folder)
+            atomic_write_text(folder / name, text)
+            return folder / name
+        except (OSError, UserError):
+            continue
+    return None

@@ -1,0 +1,81 @@
+"""Tables and lines people read: a model's card and fit, the host estimate, each stage's summary."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from .console import out
+
+if TYPE_CHECKING:
+    from ..core.pipeline import CompileSummary, QuantizeSummary
+
+
+def card_table(card: dict[str, Any], fits: list[dict[str, Any]]) -> None:
+    from ..core.models import format_value, human_bytes
+
+    t = Table(title=f"{card['source']}  —  {card['family']} ({card['architecture']})", show_header=False)
+    for k in ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "params", "rope_theta",
+              "rope_scaling", "tied_embeddings", "max_position", "activation", "qkv_bias", "o_bias", "mlp_bias",
+              "qk_norm", "sliding_window", "bos_id", "eos_ids"):
+        t.add_row(k, format_value(card.get(k)))
+    t.add_row("chat template", "yes" if card.get("chat_template") else "no")
+    out.print(t)
+    f = Table(title=f"Fit at context {fits[0]['context_length']}")
+    for col in ("precision", "weights", "KV cache (8-bit)", "HTP parts", "phone RAM", "fits phones with"):
+        f.add_column(col)
+    for e in fits:
+        tier = f"≥ {e['min_phone_ram_gb']} GB" if e["min_phone_ram_gb"] else "none listed (too large)"
+        cut = f"{e['parts']} (largest {e['largest_part_mb']:,.0f} MiB)" if e["parts"] else "none fits"
+        f.add_row(e["precision"], human_bytes(e["weight_bytes"]), human_bytes(e["kv_cache_bytes"]), cut,
+                  human_bytes(e["phone_ram_bytes"]), tier)
+    out.print(f)
+    for e in fits:
+        if e["parts_problem"]:
+            out.print(f"{e['precision']}: {e['parts_problem']}")
+
+def host_table(h: Any) -> None:
+    from ..core.models import human_bytes
+
+    ram = human_bytes(h.machine_ram_bytes) if h.machine_ram_bytes else "unknown"
+    t = Table(title=f"This computer ({h.cpus} CPUs, {ram} RAM): estimate per stage")
+    for col in ("stage", "peak memory", "time"):
+        t.add_column(col)
+    for s in h.stages:
+        t.add_row(s.stage, human_bytes(s.peak_ram_bytes), f"~{s.seconds / 60:.0f} min" if s.seconds >= 90
+                  else f"~{s.seconds:.0f} s")
+    out.print(t)
+    out.print(("fits this computer's memory" if h.fits else "[bold red]needs more memory than this computer has[/]")
+              + f" ({h.note})")
+
+def print_quantize(q: QuantizeSummary) -> None:
+    from ..core.models import human_bytes
+
+    how = " with SeqMSE" * q.seq_mse + " (stream rotated)" * q.rotated
+    out.print(f"Quantized {q.precision} for {q.target}{how}: "
+              f"PPL {q.ppl_quant:.3f} vs FP {q.ppl_fp:.3f} (ratio {q.ratio:.4f}), "
+              f"top-1 agreement {q.top1_agreement:.3f} over {q.eval_tokens} tokens")
+    t = Table(title=f"Exported to {q.folder}")
+    t.add_column("file")
+    t.add_column("size", justify="right")
+    for f in q.files:
+        t.add_row(f["file"], human_bytes(f["bytes"]))
+    out.print(t)
+    out.print("  " + ", ".join(f"{k} {v:.1f} s" for k, v in q.steps.items()))
+
+def print_compile(c: CompileSummary) -> None:
+    from ..core.models import human_bytes
+
+    out.print(f"Compiled with {c.backend} for {c.target} ({c.dsp_arch}, soc_model {c.soc_model}): "
+              f"{c.nodes_on_cpu} nodes on the CPU" + (f", split into {c.parts} parts" if c.parts > 1 else "")
+              + (", weight-shared binaries (for a phone)" if c.weight_shared else ""))
+    for b in c.binaries:
+        out.print(f"  {b.file}: {human_bytes(b.bytes)}, {b.nodes_on_qnn} nodes on QNN, "
+                  f"compiled in {b.compile_seconds:.1f} s")
+    v = c.verification
+    if "simulator" in v:
+        out.print(f"  HTP simulator check: {v['simulator']}")
+    if "nll_htp" in v:
+        out.print(f"  on the HTP simulator over {v['tokens']} tokens: NLL {v['nll_htp']:.4f} vs quantsim (CPU) "
+                  f"{v['nll_quantsim_cpu']:.4f} (Δ {v['nll_diff']:+.4f}), top-1 agreement {v['top1_agreement']:.3f}")

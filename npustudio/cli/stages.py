@@ -1,0 +1,198 @@
+"""The stage commands: info, adapt, quantize, compile, bundle, run, and the encodings table."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rich.markup import escape
+from rich.table import Table
+
+from ..core.progress import State
+from .args import adapt_options, compile_options, quantize_options
+from .console import err, live_state, out, print_json, stdout_is_for
+from .render import card_table, host_table, print_compile, print_quantize
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+S = TypeVar("S", bound="BaseModel")
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from ..core import host_cost, models
+    from ..core.config_audit import check_context
+
+    with err.status(f"reading {a.model}"):
+        source = models.download(models.resolve_source(a.model))
+        card = models.read_card(source)
+    check_context(card, a.cl)
+    fits = [f.model_dump() for f in models.fit_table(card, a.cl, a.ar, a.max_part_mb)]
+    host = host_cost.estimate(card, gguf=bool(source.gguf_file))
+    if a.json:
+        print_json(card.model_dump() | {"fit": fits, "host": host.model_dump()})
+    else:
+        card_table(card.model_dump(), fits)
+        host_table(host)
+    return 0
+
+def cmd_adapt(a: argparse.Namespace) -> int:
+    from ..core import pipeline
+
+    with pipeline.opened(a.project) as project, live_state(quiet=a.json) as st, stdout_is_for(a.json):
+        rec = pipeline.adapt(project, a.model, adapt_options(a), st, force=a.force)
+    from ..core.results import AdaptResult
+
+    res = rec.result_as(AdaptResult)
+    summary = pipeline.adapt_summary(res)
+    if a.json:
+        print_json(summary.model_dump() | {"project": str(project.root), "seconds": round(rec.seconds, 1)})
+    else:
+        eq = res.equivalence
+        out.print(f"Adapted into {project.root}")
+        for g in res.graphs:
+            out.print(f"  graph {g.name}: {len(g.inputs)} inputs, {len(g.outputs)} outputs")
+        if summary.gate == "failed, accepted":
+            out.print("[bold red]Equivalence gate FAILED; the mismatch was accepted (--accept-mismatch): this model "
+                      "will not answer like the original.[/]")
+        out.print(f"Equivalence vs the original model over {eq.positions} positions "
+                  f"(AR-{eq.prefill_ar} prefill + {eq.decode_steps} AR-1 steps): "
+                  f"top-1 agreement {eq.top1_agreement:.4f}, max |logit diff| {eq.max_abs_logit_diff:.2e}")
+        out.print(f"Perplexity (fp32): original {res.ppl_fp:.3f}, adapted {res.ppl_adapted:.3f} "
+                  f"over {res.eval_tokens} tokens")
+    return 0
+
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from ..core import pipeline
+    from ..core.results import QuantizeResult
+
+    opts = quantize_options(a)
+    return stage_command(a, lambda p, st: pipeline.quantize(p, opts, st, force=a.force),
+                          lambda rec, p: pipeline.quantize_summary(rec.result_as(QuantizeResult),
+                                                                   p.stage_dir("quantize")),
+                          print_quantize)
+
+def stage_command(a: argparse.Namespace, run: Callable[[Any, State], Any],
+                   summarize: Callable[[Any, Any], S], show: Callable[[S], None]) -> int:
+    """A stage on an existing project (--project, --json): live progress, then its summary as JSON or tables."""
+    from ..core.project import Project
+
+    project = Project.open(a.project, create=False)
+    with live_state(quiet=a.json) as st, stdout_is_for(a.json):
+        rec = run(project, st)
+    summary = summarize(rec, project)
+    if a.json:
+        print_json(summary.model_dump() | {"seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)})
+    else:
+        show(summary)
+    return 0
+
+def cmd_encodings(a: argparse.Namespace) -> int:
+    from ..core.graph import encodings
+
+    table = encodings.read(a.file, sqnr=a.sqnr)
+    if a.json:
+        print_json(table.model_dump())
+        return 0
+    rows = [r for r in table.rows if not a.flagged or r.flags]
+    if a.sqnr:  # the tensors that lose the most first
+        rows.sort(key=lambda r: (r.sqnr_db is None, r.sqnr_db if r.sqnr_db is not None else 0.0))
+    t = Table(title=f"{Path(a.file).name}  (schema {table.version}, {len(table.rows)} tensors)")
+    t.add_column("tensor", overflow="fold", min_width=16)
+    cols = ("layer", "role", "kind", "bits", "sym", "granularity", "scale min/med/max", "range")
+    for col in (*cols, *(("SQNR dB",) if a.sqnr else ()), "flags"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        gran = r.granularity + (f" {r.block_size}" if r.block_size else "")
+        db = ("—" if r.sqnr_db is None else f"{r.sqnr_db:.1f}",) if a.sqnr else ()
+        t.add_row(r.name, "" if r.layer is None else str(r.layer), r.role, r.kind, str(r.bitwidth),
+                  "y" if r.symmetric else "n", gran, f"{r.scale_min:.2e} / {r.scale_median:.2e} / {r.scale_max:.2e}",
+                  f"[{r.range_min:.4g}, {r.range_max:.4g}]", *db, "; ".join(r.flags))
+    out.print(t)
+    s = Table(title="Per layer")
+    for col in ("layer", "tensors", "weight bits", "activation bits", "max scale spread", "flagged"):
+        s.add_column(col)
+    for layer in table.layers:
+        s.add_row("—" if layer.layer is None else str(layer.layer), str(layer.tensors),
+                  ",".join(map(str, layer.weight_bits)), ",".join(map(str, layer.activation_bits)),
+                  f"{layer.max_scale_spread:.1f}", str(layer.flagged))
+    out.print(s)
+    return 0
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from ..core import pipeline
+
+    project_dir = Path(a.project) if a.project else pipeline.default_project_dir()
+    def stream(s: str) -> None:  # the device's answer as it arrives (stderr keeps stdout for the summary)
+        err.print(s, end="", markup=False, highlight=False)
+
+    with live_state(quiet=a.json) as st, stdout_is_for(a.json):
+        summary = pipeline.run_all(project_dir, a.model, adapt_options(a), st, quantize_options(a),
+                                   compile_options(a), ask=not a.no_ask, on_text=None if a.json else stream,
+                                   force=a.force)
+    if a.json:
+        print_json(summary.model_dump())
+        return 0
+    ad = summary.adapt
+    out.print(f"[bold]NPU Studio[/] — {summary.model} → project {summary.project}")
+    for name, s in summary.stages.items():
+        out.print(f"  stage {name:<8} {s.seconds:>7.1f} s  peak RSS {s.peak_rss_mb} MB")
+    out.print(f"  graphs: {', '.join(ad.graphs)}")
+    out.print(f"  equivalence: top-1 {ad.top1_agreement:.4f}, max |Δlogit| {ad.max_abs_logit_diff:.2e} "
+              f"({ad.positions} positions)")
+    if ad.gate == "failed, accepted":
+        out.print("  [bold red]equivalence gate FAILED, mismatch accepted: the model will not answer like the "
+                  "original[/]")
+    out.print(f"  FP perplexity: {ad.ppl_fp:.3f} (adapted graphs: {ad.ppl_adapted:.3f}) "
+              f"over {ad.eval_tokens} tokens")
+    print_quantize(summary.quantize)
+    print_compile(summary.compile)
+    out.print(f"  bundle: {summary.bundle.folder} (libGenie {summary.bundle.genie_api}: valid)")
+    if summary.sample:
+        sm = summary.sample
+        where = f"{sm.device}{' (virtual device)' if sm.virtual else ''}"
+        out.print(f"  deployed to {where}: {sm.deploy['bytes_sent']:,} B sent")
+        cut = f" … (stopped after {sm.stopped_after_tokens} tokens)" if sm.stopped_after_tokens else ""
+        out.print(f"  [bold]{sm.question}[/] → {sm.answer.strip()!r}{cut}")
+        ps = sm.profile_summary
+        if ps:
+            from ..core.models import human_number as n
+
+            out.print(f"  Genie profile: init {n(ps.init_s)} s, TTFT {n(ps.ttft_s)} s, prompt "
+                      f"{n(ps.prompt_tok_s)} tok/s, generation {n(ps.generation_tok_s)} tok/s  ({sm.profile})")
+    return 0
+
+def cmd_compile(a: argparse.Namespace) -> int:
+    from ..core import pipeline
+    from ..core.results import CompileResult
+
+    opts = compile_options(a)
+    return stage_command(a, lambda p, st: pipeline.compile_graphs(p, opts, st, force=a.force),
+                          lambda rec, _p: pipeline.compile_summary(rec.result_as(CompileResult)), print_compile)
+
+def cmd_bundle(a: argparse.Namespace) -> int:
+    from ..core import pipeline
+    from ..core.genie.bundle import BundleOptions
+    from ..core.genie.config import Sampler, check_prompt
+    from ..core.project import Project
+    from ..core.results import BundleResult
+
+    project = Project.open(a.project, create=False)
+    opts = BundleOptions(question=check_prompt(a.question), sampler=Sampler(greedy=not a.sample),
+                         prompt_graphs=not a.token_graphs_only)
+    with live_state(quiet=a.json) as st, stdout_is_for(a.json):
+        rec = pipeline.bundle(project, opts, st, force=a.force)
+    if a.json:
+        print_json(rec.result_as(BundleResult).model_dump())
+    else:
+        b = rec.result_as(BundleResult)
+        out.print(f"Bundle {b.folder} (validated by libGenie {b.genie_api})")
+        for f in b.files:
+            out.print(f"  {f['file']:<40} {f['bytes']:>12,d} B")
+        if b.runtime_missing:
+            out.print("  phone runtime not included (set QNN_SDK_ROOT): " + ", ".join(b.runtime_missing))
+        for note in b.notes:
+            out.print(f"  [bold]note:[/] {escape(note)}")
+    return 0
