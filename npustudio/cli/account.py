@@ -29,6 +29,7 @@ def cmd_token(a: argparse.Namespace) -> int:
             err.print(f"(No usable system keyring: {why}; only HF_TOKEN can hold a token.)")
     return 0
 
+
 def cmd_gui(a: argparse.Namespace) -> int:
     from .gui.app import main as gui_main
 

@@ -31,6 +31,7 @@ def number_in(lo: float, hi: float) -> Callable[[str], float]:
 
     return parse
 
+
 def int_in(lo: int, hi: int, skip: range | None = None) -> Callable[[str], int]:
     """An argparse type: a whole number in [lo, hi] (not in `skip`), else a plain message (exit 2)."""
     def parse(text: str) -> int:
@@ -48,11 +49,13 @@ def int_in(lo: int, hi: int, skip: range | None = None) -> Callable[[str], int]:
     parse.__name__ = "number"  # argparse names the type in its messages
     return parse
 
+
 def given(text: str) -> str:
     """An argparse type for paths and names: an empty one ('') is a mistake, not the current folder."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty (give a path or a name)")
     return text
+
 
 def option(s: argparse.ArgumentParser, model: type[BaseModel], name: str, *flags: str, **kw: Any) -> None:
     """`--name` for the field `name` of a stage's options: its default and (unless given) its help are the

@@ -48,9 +48,11 @@ def until_done(work: Callable[[], Any], stop: Any) -> Any:
         raise box["error"]
     return box["value"]
 
+
 def print_json(obj: Any) -> None:
     """Strict JSON (a NaN or infinity, e.g. a flagged encoding, becomes null: jq and others reject NaN)."""
     sys.stdout.write(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False) + "\n")
+
 
 def _finite(obj: Any) -> Any:
     import math
@@ -62,6 +64,7 @@ def _finite(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [_finite(v) for v in obj]
     return obj
+
 
 @contextmanager
 def live_state(quiet: bool = False) -> Iterator[State]:
@@ -81,6 +84,7 @@ def live_state(quiet: bool = False) -> Iterator[State]:
 
         state.subscribe(on)
         yield state
+
 
 @contextmanager
 def stdout_is_for(json_only: bool) -> Iterator[None]:

@@ -34,6 +34,7 @@ def cmd_devices(a: argparse.Namespace) -> int:
     out.print(t)
     return 0
 
+
 def cmd_virtual_device(a: argparse.Namespace) -> int:
     import time
 
@@ -53,6 +54,7 @@ def cmd_virtual_device(a: argparse.Namespace) -> int:
     finally:
         device.stop_virtual(vd)
     return 0
+
 
 def cmd_deploy(a: argparse.Namespace) -> int:
     from ..core import device, pipeline

@@ -78,6 +78,7 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
             err.print("Genie stopped: the prompt and the answer filled the model's context. Shorten the prompt.")
     return 0
 
+
 def cmd_profile(a: argparse.Namespace) -> int:
     from ..core.genie import profile
 
@@ -96,6 +97,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
         t.add_row("decode roofline (tok/s)", f"{n(roof['decode_tok_s_bound'])} at {n(roof['memory_gb_s'])} GB/s")
     out.print(t)
     return 0
+
 
 def cmd_chat(a: argparse.Namespace) -> int:
     import threading
@@ -137,6 +139,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if not line.strip():
             return 0
         ask(line)
+
 
 def default_bundle() -> Path:
     from ..core import pipeline

@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--project", type=given, default=None, help="project folder to open (default: the last one)")
     return p
 
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "debug", False):
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # a bug, or an input nothing checks yet: a short message; the traceback goes to a log
         return _unexpected(args, e, sys.argv[1:] if argv is None else argv)
+
 
 def _unexpected(a: argparse.Namespace, e: BaseException, argv: list[str]) -> int:
     """Say what failed and where, write the traceback to a log file (the project's `logs/`, else the per-user log
@@ -203,6 +205,7 @@ def _unexpected(a: argparse.Namespace, e: BaseException, argv: list[str]) -> int
     if getattr(a, "debug", False):
         err.print(tb, markup=False, highlight=False)
     return 1
+
 
 def _write_log(a: argparse.Namespace, argv: list[str], tb: str) -> Path | None:
     import platform

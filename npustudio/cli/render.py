@@ -35,6 +35,7 @@ def card_table(card: dict[str, Any], fits: list[dict[str, Any]]) -> None:
         if e["parts_problem"]:
             out.print(f"{e['precision']}: {e['parts_problem']}")
 
+
 def host_table(h: Any) -> None:
     from ..core.models import human_bytes
 
@@ -48,6 +49,7 @@ def host_table(h: Any) -> None:
     out.print(t)
     out.print(("fits this computer's memory" if h.fits else "[bold red]needs more memory than this computer has[/]")
               + f" ({h.note})")
+
 
 def print_quantize(q: QuantizeSummary) -> None:
     from ..core.models import human_bytes
@@ -63,6 +65,7 @@ def print_quantize(q: QuantizeSummary) -> None:
         t.add_row(f["file"], human_bytes(f["bytes"]))
     out.print(t)
     out.print("  " + ", ".join(f"{k} {v:.1f} s" for k, v in q.steps.items()))
+
 
 def print_compile(c: CompileSummary) -> None:
     from ..core.models import human_bytes

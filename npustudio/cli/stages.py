@@ -38,6 +38,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         host_table(host)
     return 0
 
+
 def cmd_adapt(a: argparse.Namespace) -> int:
     from ..core import pipeline
 
@@ -64,6 +65,7 @@ def cmd_adapt(a: argparse.Namespace) -> int:
                   f"over {res.eval_tokens} tokens")
     return 0
 
+
 def cmd_quantize(a: argparse.Namespace) -> int:
     from ..core import pipeline
     from ..core.results import QuantizeResult
@@ -73,6 +75,7 @@ def cmd_quantize(a: argparse.Namespace) -> int:
                           lambda rec, p: pipeline.quantize_summary(rec.result_as(QuantizeResult),
                                                                    p.stage_dir("quantize")),
                           print_quantize)
+
 
 def stage_command(a: argparse.Namespace, run: Callable[[Any, State], Any],
                    summarize: Callable[[Any, Any], S], show: Callable[[S], None]) -> int:
@@ -88,6 +91,7 @@ def stage_command(a: argparse.Namespace, run: Callable[[Any, State], Any],
     else:
         show(summary)
     return 0
+
 
 def cmd_encodings(a: argparse.Namespace) -> int:
     from ..core.graph import encodings
@@ -120,6 +124,7 @@ def cmd_encodings(a: argparse.Namespace) -> int:
                   f"{layer.max_scale_spread:.1f}", str(layer.flagged))
     out.print(s)
     return 0
+
 
 def cmd_run(a: argparse.Namespace) -> int:
     from ..core import pipeline
@@ -164,6 +169,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                       f"{n(ps.prompt_tok_s)} tok/s, generation {n(ps.generation_tok_s)} tok/s  ({sm.profile})")
     return 0
 
+
 def cmd_compile(a: argparse.Namespace) -> int:
     from ..core import pipeline
     from ..core.results import CompileResult
@@ -171,6 +177,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     opts = compile_options(a)
     return stage_command(a, lambda p, st: pipeline.compile_graphs(p, opts, st, force=a.force),
                           lambda rec, _p: pipeline.compile_summary(rec.result_as(CompileResult)), print_compile)
+
 
 def cmd_bundle(a: argparse.Namespace) -> int:
     from ..core import pipeline
