@@ -297,3 +297,19 @@ def test_a_bundles_genie_t2t_run_is_not_run_on_this_computer(phone: VirtualDevic
     assert "Permission denied" in _sh(adb_server, phone, "cd /data/local/tmp/rt && ./evil")
     _sh(adb_server, phone, "cd /data/local/tmp/rt && ./genie-t2t-run --log info")
     assert calls == [["--log", "info"]] and not os.path.exists("/tmp/npustudio-ran")
+
+
+def test_file_commands_go_on_past_a_bad_path_and_refuse_bad_input_before_acting(phone: VirtualDevice,
+                                                                                adb_server: list[str]) -> None:
+    """As toybox does: a path that fails is said and the others are still done (exit 1); an unknown option or a
+    bad mode changes nothing."""
+    tmp = phone.root / "data/local/tmp"
+    out = _sh(adb_server, phone, "cd /data/local/tmp && touch a b && rm a missing b; echo rc=$?")
+    assert "missing: No such file or directory" in out and "rc=1" in out
+    assert not (tmp / "a").exists() and not (tmp / "b").exists()
+    out = _sh(adb_server, phone, "cd /data/local/tmp && touch c -x; echo rc=$?")
+    assert "Unknown option 'x'" in out and "rc=1" in out and not (tmp / "c").exists()
+    out = _sh(adb_server, phone, "cd /data/local/tmp && touch d && chmod 0600 d && chmod u+q d; echo rc=$?")
+    assert "bad mode 'u+q'" in out and "rc=1" in out and (tmp / "d").stat().st_mode & 0o777 == 0o600
+    out = _sh(adb_server, phone, "cd /data/local/tmp && mkdir e e; ls -d e; echo rc=$?")
+    assert "e: File exists" in out and "rc=0" in out  # the ls after it ran

@@ -15,7 +15,7 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from .phone_shell import Call, Program, Stopped
@@ -60,6 +60,33 @@ def _writable(call: Call, arg: str, follow: bool = True, itself: bool = True) ->
         call.error(f"{arg}: Permission denied")
         return None
     return p
+
+
+class _Abort(Exception):
+    """Ends the whole command with `status` from inside a per-path action (a bad mode, a closed pipe)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+def _each(call: Call, args: Iterable[str], act: Callable[[str, Path], int | None],
+          resolve: Callable[[Call, str], Path | None] = _path) -> int:
+    """`act(arg, path)` for every argument, as toybox does: an argument whose path does not resolve (said already)
+    or whose action fails makes the exit status 1 and the others still run; an OSError is said as `arg: reason`."""
+    status = 0
+    for arg in args:
+        p = resolve(call, arg)
+        if p is None:
+            status = 1
+            continue
+        try:
+            status = act(arg, p) or status
+        except OSError as e:
+            status = call.error(f"{arg}: {e.strerror}")
+        except _Abort as e:
+            return e.status
+    return status
 
 
 def _device_path(call: Call, arg: str) -> str:
@@ -131,23 +158,14 @@ def kill(call: Call) -> int:
 def cat(call: Call) -> int:
     if not call.args:
         return call.error("reading standard input is not supported on the virtual device")
-    status = 0
-    for arg in call.args:
-        virtual = VIRTUAL_FILES.get(_device_path(call, arg))
-        p = virtual or _path(call, arg)
-        if p is None:
-            status = 1
-            continue
-        try:
-            with open(p, "rb") as f:
-                while chunk := f.read(65536):
-                    if not call.write(chunk):
-                        return 1
-        except IsADirectoryError:
-            status = call.error(f"{arg}: Is a directory")
-        except OSError as e:
-            status = call.error(f"{arg}: {e.strerror}")
-    return status
+
+    def send(_arg: str, p: Path) -> None:
+        with open(p, "rb") as f:
+            while chunk := f.read(65536):
+                if not call.write(chunk):
+                    raise _Abort(1)
+
+    return _each(call, call.args, send, lambda c, arg: VIRTUAL_FILES.get(_device_path(c, arg)) or _path(c, arg))
 
 
 def ls(call: Call) -> int:
@@ -155,17 +173,14 @@ def ls(call: Call) -> int:
     if parsed is None:
         return 1
     opts, paths = parsed
-    status, shown = 0, 0
-    for arg in paths or ["."]:
-        p = _path(call, arg)
-        if p is None:
-            status = 1
-            continue
+    shown = 0
+
+    def show(arg: str, p: Path) -> int:
+        nonlocal shown
         try:
             st = p.lstat()
         except OSError:
-            status = call.error(f"{arg}: No such file or directory")
-            continue
+            return call.error(f"{arg}: No such file or directory")
         if stat.S_ISDIR(st.st_mode) and "d" not in opts:
             names = sorted(os.listdir(p))
             if "a" in opts:
@@ -180,7 +195,9 @@ def ls(call: Call) -> int:
         else:
             call.write(_entry(p, arg, "l" in opts))
         shown += 1
-    return status
+        return 0
+
+    return _each(call, paths or ["."], show)
 
 
 def _lstat(p: Path) -> os.stat_result:
@@ -204,30 +221,21 @@ def rm(call: Call) -> int:
     if parsed is None:
         return 1
     opts, paths = parsed
-    status = 0
-    for arg in paths:
-        p = _path(call, arg, follow=False)
-        if p is None:
-            status = 1
-            continue
+
+    def remove(arg: str, p: Path) -> int:
         if not p.is_symlink() and not p.exists():
-            if "f" not in opts:
-                status = call.error(f"{arg}: No such file or directory")
-            continue
+            return 0 if "f" in opts else call.error(f"{arg}: No such file or directory")
         if not call.device.writable(p, itself=False):
-            status = call.error(f"{arg}: Permission denied")
-            continue
-        try:
-            if p.is_dir() and not p.is_symlink():
-                if not opts & {"r", "R"}:
-                    status = call.error(f"{arg}: Is a directory")
-                    continue
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-        except OSError as e:
-            status = call.error(f"{arg}: {e.strerror}")
-    return status
+            return call.error(f"{arg}: Permission denied")
+        if p.is_dir() and not p.is_symlink():
+            if not opts & {"r", "R"}:
+                return call.error(f"{arg}: Is a directory")
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+        return 0
+
+    return _each(call, paths, remove, lambda c, arg: _path(c, arg, follow=False))
 
 
 def mv(call: Call) -> int:
@@ -263,56 +271,28 @@ def mkdir(call: Call) -> int:
     if parsed is None:
         return 1
     opts, paths = parsed
-    status = 0
-    for arg in paths:
-        p = _writable(call, arg)
-        if p is None:
-            status = 1
-            continue
-        try:
-            if "p" in opts:
-                p.mkdir(parents=True, exist_ok=True)
-            else:
-                p.mkdir()
-        except OSError as e:
-            status = call.error(f"{arg}: {e.strerror}")
-    return status
+    return _each(call, paths, lambda _arg, p: p.mkdir(parents="p" in opts, exist_ok="p" in opts), _writable)
 
 
 def touch(call: Call) -> int:
-    status = 0
-    for arg in call.args:
-        if arg.startswith("-"):
-            return call.error(f"Unknown option '{arg[1:]}'")
-        p = _writable(call, arg)
-        if p is None:
-            status = 1
-            continue
-        try:
-            p.touch()
-        except OSError as e:
-            status = call.error(f"{arg}: {e.strerror}")
-    return status
+    option = next((arg for arg in call.args if arg.startswith("-")), None)
+    if option is not None:  # before any file is touched
+        return call.error(f"Unknown option '{option[1:]}'")
+    return _each(call, call.args, lambda _arg, p: p.touch(), _writable)
 
 
 def chmod(call: Call) -> int:
     if len(call.args) < 2:
         return call.error("Needs 2 arguments")
     spec, *paths = call.args
-    status = 0
-    for arg in paths:
-        p = _writable(call, arg)
-        if p is None:
-            status = 1
-            continue
-        try:
-            mode = _mode(spec, stat.S_IMODE(p.stat().st_mode))
-            if mode is None:
-                return call.error(f"bad mode '{spec}'")
-            p.chmod(mode & 0o777)  # no set-id or sticky bits in the sandbox
-        except OSError as e:
-            status = call.error(f"{arg}: {e.strerror}")
-    return status
+
+    def change(_arg: str, p: Path) -> None:
+        mode = _mode(spec, stat.S_IMODE(p.stat().st_mode))
+        if mode is None:
+            raise _Abort(call.error(f"bad mode '{spec}'"))
+        p.chmod(mode & 0o777)  # no set-id or sticky bits in the sandbox
+
+    return _each(call, paths, change, _writable)
 
 
 def _mode(spec: str, current: int) -> int | None:
@@ -335,17 +315,18 @@ def df(call: Call) -> int:
         return 1
     _opts, paths = parsed
     lines = ["Filesystem          1K-blocks      Used Available Use% Mounted on"]
-    status = 0
-    for arg in paths or ["/data"]:
-        p = _path(call, arg)
-        if p is None or not p.exists():
-            status = 1 if p is None else call.error(f"{arg}: No such file or directory")
-            continue
+
+    def usage(arg: str, p: Path) -> int:
+        if not p.exists():
+            return call.error(f"{arg}: No such file or directory")
         v = os.statvfs(p)
         total, free = v.f_blocks * v.f_frsize // 1024, v.f_bavail * v.f_frsize // 1024
         used = total - v.f_bfree * v.f_frsize // 1024
         mount = "/data" if _device_path(call, arg).startswith("/data") else "/"
         lines.append(f"npustudio-sandbox {total:>11} {used:>9} {free:>9} {100 * used // max(total, 1):>3}% {mount}")
+        return 0
+
+    status = _each(call, paths or ["/data"], usage)
     call.write("\n".join(lines) + "\n")
     return status
 
