@@ -6,7 +6,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from rich.table import Table
 
@@ -102,20 +101,13 @@ def cmd_profile(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     import threading
 
-    from ..core import chat, device
-    from ..core.device import deploy
-    from ..core.genie.bundle import read_metadata
+    from ..core import pipeline
 
     bundle = Path(a.bundle) if a.bundle else default_bundle()
-    read_metadata(bundle)  # "not a bundle" before "no device"
-    if a.desktop or a.preview:
-        engine: Any = chat.DesktopEngine(bundle, preview=a.preview)
-    else:
-        dev = device.pick(a.device)
-        with live_state() as st:
-            deploy.deploy(bundle, dev, st)
-        engine = chat.DeviceEngine(dev.serial, bundle)
-    session = chat.ChatSession(bundle, engine, system=a.system)
+    with live_state() as st:
+        session = pipeline.open_chat(bundle, "preview" if a.preview else "desktop" if a.desktop else "device",
+                                     a.device, a.system, st)
+    engine = session.engine
     if a.new:
         session.clear()
 

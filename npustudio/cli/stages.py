@@ -22,20 +22,17 @@ S = TypeVar("S", bound="BaseModel")
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from ..core import host_cost, models
-    from ..core.config_audit import check_context
+    from ..core import pipeline
 
     with err.status(f"reading {a.model}"):
-        source = models.download(models.resolve_source(a.model))
-        card = models.read_card(source)
-    check_context(card, a.cl)
-    fits = [f.model_dump() for f in models.fit_table(card, a.cl, a.ar, a.max_part_mb)]
-    host = host_cost.estimate(card, gguf=bool(source.gguf_file))
+        source = pipeline.resolve(a.model)
+        res = pipeline.describe(source, a.cl, a.ar, a.max_part_mb)
+    fits = [f.model_dump() for f in res.fit]
     if a.json:
-        print_json(card.model_dump() | {"fit": fits, "host": host.model_dump()})
+        print_json(res.card.model_dump() | {"fit": fits, "host": res.host.model_dump()})
     else:
-        card_table(card.model_dump(), fits)
-        host_table(host)
+        card_table(res.card.model_dump(), fits)
+        host_table(res.host)
     return 0
 
 

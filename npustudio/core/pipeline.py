@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import platformdirs
 from pydantic import BaseModel
@@ -23,6 +23,9 @@ from .errors import UserError
 from .fsutil import atomic_write_json, refuse_link
 from .genie import bundle as bundle_stage
 from .genie.profile import Summary as ProfileSummary
+
+if TYPE_CHECKING:
+    from .chat import ChatSession
 from .progress import State, StateLike, free_big_blocks_at_once
 from .project import Manifest, Project, StageRecord
 from .results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult
@@ -71,6 +74,16 @@ def resolve(model: str) -> models.ModelSource:
     return models.download(models.resolve_source(model))
 
 
+def describe(source: models.ModelSource, cl: int, ar: int = adapt_stage.AdaptOptions().ar,
+             max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> IntakeResult:
+    """A model's card, its fit on phones at context `cl` (parts cut for AR-`ar` graphs under `max_part_mb`) and
+    what each stage will cost this computer: what the model stage records and `npustudio info` shows."""
+    card = models.read_card(source)
+    check_context(card, cl)
+    return IntakeResult(source=source, card=card, fit=models.fit_table(card, cl, ar, max_part_mb),
+                        host=host_cost.estimate(card, gguf=bool(source.gguf_file)))
+
+
 def intake(project: Project, model: str, cl: int, state: StateLike,
            force: bool = False) -> tuple[models.ModelSource, StageRecord]:
     state.progress(0.0, f"reading {model}")
@@ -78,10 +91,8 @@ def intake(project: Project, model: str, cl: int, state: StateLike,
     fp = models.fingerprint(source)
 
     def fn(out: Path) -> dict[str, Any]:
-        card = models.read_card(source)
-        check_context(card, cl)
-        res = IntakeResult(source=source, card=card, fit=models.fit_table(card, cl),
-                           host=host_cost.estimate(card, gguf=bool(source.gguf_file)))
+        res = describe(source, cl)
+        card = res.card
         atomic_write_json(out / layout.CARD, card.model_dump())
         atomic_write_json(out / layout.FIT, [f.model_dump() for f in res.fit])
         atomic_write_json(out / layout.MODEL_RESULT, res.model_dump())
@@ -194,6 +205,29 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
     project.choose(deployed={"device": res.device, "remote_dir": res.remote_dir, "bundle": brec.key,
                              "at": time.time()})
     return res
+
+
+def open_chat(bundle: Path, where: Literal["device", "desktop", "preview"], serial: str | None = None,
+              system: str | None = None, state: StateLike | None = None) -> ChatSession:
+    """A chat over a bundle: on a device (the bundle deployed there first: nothing moves when it is there already,
+    and a project's bundle is recorded as deployed), with real Genie on this computer, or with the CPU preview."""
+    from . import chat, device
+    from .device import deploy as device_deploy
+
+    bundle = Path(bundle)
+    bundle_stage.read_metadata(bundle)  # "not a bundle" before "no device"
+    engine: chat.Engine
+    if where == "device":
+        dev = device.pick(serial)
+        project = project_of_bundle(bundle)
+        if project is not None:
+            deploy(project, dev, state or State())
+        else:
+            device_deploy.deploy(bundle, dev, state or State())
+        engine = chat.DeviceEngine(dev.serial, bundle)
+    else:
+        engine = chat.DesktopEngine(bundle, preview=where == "preview")
+    return chat.ChatSession(bundle, engine, system=system)
 
 
 def project_of_bundle(folder: Path) -> Project | None:

@@ -22,12 +22,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core import layout
-from ..core.chat import ChatSession, DesktopEngine, DeviceEngine, Turn, clear_history, saved_turns
+from ..core import layout, pipeline
+from ..core.chat import ChatSession, Turn, clear_history, saved_turns
 from . import worker
 from .widgets import show_error, status_label
 
-RUNNERS = (("device", "The selected device"), ("genie", "This computer: Genie on the HTP simulator (slow)"),
+RUNNERS = (("device", "The selected device"), ("desktop", "This computer: Genie on the HTP simulator (slow)"),
            ("preview", "This computer: CPU preview (fast, not Genie)"))
 
 
@@ -161,9 +161,7 @@ class ChatPanel(QWidget):
         def work(state: Any) -> tuple[ChatSession, Turn]:
             nonlocal session
             if session is None:
-                engine = (DeviceEngine(serial, bundle) if kind == "device"
-                          else DesktopEngine(bundle, preview=kind == "preview"))
-                session = ChatSession(bundle, engine, system)
+                session = pipeline.open_chat(bundle, kind, serial, system)
             session.system = system
             turn = session.send(text, lambda s: state.partial("text", text=s), stop)
             return session, turn
