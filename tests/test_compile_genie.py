@@ -230,7 +230,8 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
                                            "prompt_ar32_cl128_2_of_2", "token_ar1_cl128_2_of_2"]
     assert r.io["residual_0"].dtype == "float32"  # the residual stream passes between the parts as it is
     v = r.verification
-    assert abs(v["nll_diff"]) < 0.01 and v["top1_agreement"] >= 0.95  # the parts chained on the simulator
+    # the parts chained on the simulator
+    assert v.nll_diff is not None and abs(v.nll_diff) < 0.01 and (v.top1_agreement or 0) >= 0.95
     for g in r.graphs:  # Genie orders the parts by the QNN graph name inside each binary
         assert (out / g.context_bin).read_bytes().count(g.graph[:-len("_1_of_2")].encode()) == 3
     bundle_stage.run(out, project.stage_dir("adapt"), bundle_stage.BundleOptions(), bundle, State())
@@ -260,7 +261,7 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     shared_out.mkdir(), shared_bundle.mkdir()
     s = compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
                           CompileOptions(parts=2, weight_sharing=True, verify_tokens=8), shared_out, State())
-    assert s.weight_shared and "not run" in s.verification["simulator"]
+    assert s.weight_shared and "not run" in (s.verification.simulator or "")
     for i in (0, 2):
         prompt, token = s.graphs[i], s.graphs[i + 1]
         assert prompt.context_bin == token.context_bin and prompt.bin_bytes == token.bin_bytes

@@ -77,8 +77,8 @@ def print_compile(c: CompileSummary) -> None:
         out.print(f"  {b.file}: {human_bytes(b.bytes)}, {b.nodes_on_qnn} nodes on QNN, "
                   f"compiled in {b.compile_seconds:.1f} s")
     v = c.verification
-    if "simulator" in v:
-        out.print(f"  HTP simulator check: {v['simulator']}")
-    if "nll_htp" in v:
-        out.print(f"  on the HTP simulator over {v['tokens']} tokens: NLL {v['nll_htp']:.4f} vs quantsim (CPU) "
-                  f"{v['nll_quantsim_cpu']:.4f} (Δ {v['nll_diff']:+.4f}), top-1 agreement {v['top1_agreement']:.3f}")
+    if v.simulator:
+        out.print(f"  HTP simulator check: {v.simulator}")
+    if v.nll_htp is not None:
+        out.print(f"  on the HTP simulator over {v.tokens} tokens: NLL {v.nll_htp:.4f} vs quantsim (CPU) "
+                  f"{v.nll_quantsim_cpu:.4f} (Δ {v.nll_diff:+.4f}), top-1 agreement {v.top1_agreement:.3f}")

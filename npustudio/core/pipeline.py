@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .chat import ChatSession
 from .progress import State, StateLike, free_big_blocks_at_once
 from .project import Manifest, Project, StageRecord
-from .results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult
+from .results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult, Verification
 
 
 def default_project_dir() -> Path:
@@ -446,7 +446,7 @@ class CompileSummary(BaseModel):
     binaries: list[BinarySummary]
     htp_graph_limit_kb: int
     recut: list[str]
-    verification: dict[str, Any]
+    verification: Verification
     steps: dict[str, float]
 
 

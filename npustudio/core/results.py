@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, Field, RootModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from . import layout
 from .errors import UserError
@@ -101,6 +101,25 @@ class QuantizeResult(BaseModel):
     device: str = "cpu"
 
 
+class Verification(BaseModel):
+    """What compile checked: each prepared graph against the quantsim's test vectors, then the binaries on the HTP
+    simulator against the quantsim over `tokens` eval tokens, or why that did not run (`simulator`)."""
+
+    model_config = ConfigDict(extra="allow")  # a back-end's own findings (qairt: sdk_version, binary_check …)
+    vs_quantsim_test_vectors: dict[str, float] = Field(default_factory=dict)
+    simulator: str | None = Field(None, description="why the simulator check did not run")
+    tokens: int | None = None
+    prefill_ar: int | None = None
+    decode_steps: int | None = None
+    nll_quantsim_cpu: float | None = None
+    nll_htp: float | None = None
+    nll_diff: float | None = None
+    top1_agreement: float | None = None
+    max_abs_logit_diff: float | None = None
+    seconds_per_call_htp: dict[int, float] = Field(default_factory=dict, description="per graph, by its AR")
+    seconds_per_call_cpu: dict[int, float] = Field(default_factory=dict, description="per graph, by its AR")
+
+
 class CompileResult(BaseModel):
     backend: str
     target: str
@@ -112,7 +131,7 @@ class CompileResult(BaseModel):
     recut: list[str] = Field(default_factory=list, description="QNN refused a cut as too large: what was redone")
     nodes_on_cpu: int
     io: dict[str, IOEncoding]
-    verification: dict[str, Any]
+    verification: Verification = Field(default_factory=Verification)
     steps: dict[str, float]
     peak_rss_mb: float
     step_peak_rss_mb: dict[str, float] = Field(default_factory=dict, description="peak RSS as each step ended")

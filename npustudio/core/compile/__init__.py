@@ -33,7 +33,7 @@ from ..graph.kv_cache import KVCacheRunner
 from ..graph.ort_graph import OrtGraph, cpu_session
 from ..parts import DEFAULT_MAX_PART_MB
 from ..progress import Laps, StateLike, peak_rss_mb
-from ..results import CompileResult, load_compile, load_graphs, load_quantize
+from ..results import CompileResult, Verification, load_compile, load_graphs, load_quantize
 from ..targets import find_soc
 from . import split
 
@@ -118,17 +118,18 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         c.estimated_alloc_kb = estimate[c.graph]
     shared = options.weight_sharing
 
-    verification: dict[str, Any] = {}
+    verification = Verification()
     if options.verify_tokens > 0:
         state.progress(0.45, "checking the prepared graphs against the quantsim's test vectors")
-        verification["vs_quantsim_test_vectors"] = _check_vectors(quant_dir, prep, graphs, io)
+        verification.vs_quantsim_test_vectors = _check_vectors(quant_dir, prep, graphs, io)
         lap("verify_vectors")
         if shared:
-            verification["simulator"] = ("not run: weight-shared binaries do not load on the x86 HTP simulator "
-                                         "(they are for a phone)")
+            verification.simulator = ("not run: weight-shared binaries do not load on the x86 HTP simulator "
+                                      "(they are for a phone)")
         else:
-            verification |= verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
-                                                state.sub(0.5, 1.0), names)
+            on_sim = verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
+                                         state.sub(0.5, 1.0), names)
+            verification = Verification.model_validate(verification.model_dump() | on_sim)
             lap("verify_simulator")
     res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
                         dsp_arch=target.dsp_arch, graphs=compiled, parts=n_parts, weight_shared=shared, recut=recut,

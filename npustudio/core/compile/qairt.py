@@ -23,7 +23,7 @@ from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..progress import StateLike, peak_rss_mb
-from ..results import load_graphs, load_quantize
+from ..results import Verification, load_graphs, load_quantize
 from ..targets import Soc, find_soc
 
 if TYPE_CHECKING:
@@ -202,9 +202,9 @@ def run(quant_dir: Path, options: CompileOptions, out_dir: Path, state: StateLik
                          nodes_on_qnn=0, nodes_on_cpu=[]) for g in graphs]
     res = CompileResult(backend="qairt", target=target.soc, soc_model=target.soc_model, dsp_arch=target.dsp_arch,
                         graphs=compiled, nodes_on_cpu=0, io=io,
-                        verification={"sdk_version": version, "warnings": warnings, "binary_check": check,
-                                      "simulator": "not run: a weight-shared binary does not run on the x86 "
-                                                   "simulator; verify on the phone"},
+                        verification=Verification(sdk_version=version, warnings=warnings, binary_check=check,
+                                                  simulator="not run: a weight-shared binary does not run on the "
+                                                            "x86 simulator; verify on the phone"),
                         steps=steps, peak_rss_mb=round(peak_rss_mb()))
     atomic_write_json(out_dir / layout.COMPILE_RESULT, res.model_dump())
     return res

@@ -96,22 +96,22 @@ class CompilePage(Page):
         s = pipeline.compile_summary(c)
         fill(self.binaries, [(x.graph, x.file, human_bytes(x.bytes), f"{x.nodes_on_qnn:,}",
                               f"{x.compile_seconds:.0f} s") for x in s.binaries])
-        v = s.verification or {}
+        v = s.verification
         rows: list[tuple[str, Any]] = [
             ("Target", f"{s.target} (Hexagon {s.dsp_arch}, soc_model {s.soc_model})"),
             ("Back-end", s.backend), ("Ops left on the CPU", s.nodes_on_cpu),
             ("Contexts", f"{s.parts} part{'s' if s.parts > 1 else ''}"
                          + (", weight-shared (for a phone)" if s.weight_shared else ", one binary per graph"))]
-        t = v.get("vs_quantsim_test_vectors", {})
+        t = v.vs_quantsim_test_vectors
         for g in (k.removesuffix("_top1_agreement") for k in t if k.endswith("_top1_agreement")):
             rows.append((f"{g} on the CPU vs quantsim", f"top-1 {t[f'{g}_top1_agreement']:.3f}, "
                          f"max |Δ logit| {t[f'{g}_max_abs_logit_diff']:.3f}"))
-        if "simulator" in v:
-            rows.append(("HTP simulator check", v["simulator"]))
-        elif v.get("tokens"):
-            rows += [("HTP simulator vs quantsim", f"NLL {v['nll_htp']:.3f} vs {v['nll_quantsim_cpu']:.3f} "
-                      f"(Δ {v['nll_diff']:+.3f}) over {v['tokens']} tokens"),
-                     ("Top-1 agreement on the simulator", f"{v['top1_agreement']:.3f}")]
+        if v.simulator:
+            rows.append(("HTP simulator check", v.simulator))
+        elif v.tokens and v.nll_htp is not None:
+            rows += [("HTP simulator vs quantsim", f"NLL {v.nll_htp:.3f} vs {v.nll_quantsim_cpu:.3f} "
+                      f"(Δ {v.nll_diff:+.3f}) over {v.tokens} tokens"),
+                     ("Top-1 agreement on the simulator", f"{v.top1_agreement:.3f}")]
         else:
             rows.append(("HTP simulator check", "skipped (0 tokens)"))
         if b:
