@@ -228,3 +228,10 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     with pytest.raises(UserError, match=r"adapt stage .* needs about .* GiB .* this computer has 0.2 GiB"):
         pipeline.adapt(Project.open(tmp_path / "p"), str(tiny_llama), AdaptOptions(ar=32, cl=128), State())
     assert not loaded  # refused before any weight was read
+
+
+def test_the_source_kind_is_decided_in_one_place(tmp_path: Path) -> None:
+    """The window's source buttons show what intake will read a remembered model as."""
+    (tmp_path / "m").mkdir()
+    assert [models.source_kind(s) for s in ("default", "x/model.GGUF", str(tmp_path / "m"), "./m", "org/name",
+                                            "org/name@main")] == ["default", "gguf", "hf_dir", "hf_dir", "hub", "hub"]

@@ -68,6 +68,20 @@ def default_gguf_dir() -> Path:
     return d
 
 
+def source_kind(spec: str) -> Literal["default", "hf_dir", "gguf", "hub"]:
+    """The kind of source `spec` names, from its form (and whether it is a folder here): what the window's source
+    buttons show for a remembered model. `resolve_source` decides the same way and checks the files."""
+    if spec == "default":
+        return "default"
+    if spec.lower().endswith(".gguf"):
+        return "gguf"
+    return "hf_dir" if Path(spec).expanduser().is_dir() or _looks_like_path(spec) else "hub"
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or os.sep + os.sep in spec
+
+
 def resolve_source(spec: str) -> ModelSource:
     """Decide what kind of source `spec` names, and check the files are there. Does not download."""
     if spec == "default":
@@ -84,9 +98,8 @@ def resolve_source(spec: str) -> ModelSource:
     if p.is_dir():
         check_hf_dir(p)
         return ModelSource(kind="hf_dir", spec=spec, path=str(p.resolve()))
-    looks_like_path = spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or os.sep + os.sep in spec
     repo, _, rev = spec.partition("@")  # org/name@revision
-    if HUB_ID.match(repo) and not looks_like_path:
+    if HUB_ID.match(repo) and not _looks_like_path(spec):
         check_hub_id(repo)
         return ModelSource(kind="hub", spec=spec, repo_id=repo, revision=rev or None)
     raise UserError(f"No model at '{spec}': it is neither a file, a folder, a hub id (org/name) nor `default`.",

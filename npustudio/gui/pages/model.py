@@ -19,7 +19,7 @@ from ...core import host_cost, models, pipeline
 from ...core.results import IntakeResult
 from ..widgets import BAD, GOOD, WARN, Page, fill, status_label, table
 
-KINDS = (("default", "Embedded default"), ("folder", "Local folder"), ("gguf", "GGUF file"),
+KINDS = (("default", "Embedded default"), ("hf_dir", "Local folder"), ("gguf", "GGUF file"),
          ("hub", "Hugging Face hub id"))
 
 
@@ -77,20 +77,19 @@ class ModelPage(Page):
         if spec == "default":
             self.kind.button(0).setChecked(True)
             return
-        i = 2 if spec.lower().endswith(".gguf") else 1 if spec.startswith(("/", ".", "~")) else 3
-        self.kind.button(i).setChecked(True)
+        self.kind.button([k for k, _label in KINDS].index(models.source_kind(spec))).setChecked(True)
         self.source.setText(spec)
 
     def _kind_changed(self, i: int, on: bool) -> None:
         if on:
             k = KINDS[i][0]
             self.source.setEnabled(k != "default")
-            self.browse.setEnabled(k in ("folder", "gguf"))
+            self.browse.setEnabled(k in ("hf_dir", "gguf"))
 
     def _browse(self) -> None:
         k = KINDS[self.kind.checkedId()][0]
         opts = QFileDialog.Option.DontUseNativeDialog
-        if k == "folder":
+        if k == "hf_dir":
             path = QFileDialog.getExistingDirectory(self, "Model folder", options=opts)
         else:
             path, _ = QFileDialog.getOpenFileName(self, "GGUF file", filter="GGUF (*.gguf)", options=opts)
