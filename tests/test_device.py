@@ -95,10 +95,11 @@ def _remote(vd: VirtualDevice, bundle: Path) -> Path:
 def test_deploy_pushes_once_then_sends_nothing(vdev: VirtualDevice, bundle: Path) -> None:
     dev = device.info(vdev.serial)
     first = deploy.deploy(bundle, dev, State(), force=True)
-    assert first.bytes_sent == sum(p.stat().st_size for p in bundle.iterdir() if p.is_file())
-    for p in bundle.iterdir():
-        if p.is_file():
-            assert (_remote(vdev, bundle) / p.name).read_bytes() == p.read_bytes()
+    needed = [p for p in bundle.iterdir() if p.is_file() and p.name != layout.BUNDLE_RESULT]  # host-side record
+    assert first.bytes_sent == sum(p.stat().st_size for p in needed)
+    for p in needed:
+        assert (_remote(vdev, bundle) / p.name).read_bytes() == p.read_bytes()
+    assert not (_remote(vdev, bundle) / layout.BUNDLE_RESULT).exists()
     assert not [p for p in _remote(vdev, bundle).iterdir() if p.name.endswith(".part")]
     res = subprocess.run([sys.executable, "-m", "npustudio.cli", "deploy", str(bundle), "--device", vdev.serial,
                           "--json"], capture_output=True, text=True, timeout=120)
@@ -135,12 +136,11 @@ def test_a_device_killed_mid_push_resumes_on_the_next_deploy(adb_server: list[st
     _connect(vd2)
     try:
         res = deploy.deploy(bundle, device.info(vd2.serial), State())
-        total = sum(p.stat().st_size for p in bundle.iterdir() if p.is_file())
+        total = sum(p.stat().st_size for p in deploy.local_files(bundle))
         assert 0 < res.bytes_sent < total and res.bytes_skipped > 0  # finished files were not sent again
-        for p in bundle.iterdir():
-            if p.is_file():
-                got = (_remote(vd2, bundle) / p.name).read_bytes()
-                assert hashlib.sha256(got).digest() == hashlib.sha256(p.read_bytes()).digest(), p.name
+        for p in deploy.local_files(bundle):
+            got = (_remote(vd2, bundle) / p.name).read_bytes()
+            assert hashlib.sha256(got).digest() == hashlib.sha256(p.read_bytes()).digest(), p.name
     finally:
         device.client().disconnect(vd2.serial)
         vd2.stop()

@@ -62,7 +62,7 @@ def local_files(bundle_dir: Path) -> list[Path]:
                         "Build one with `npustudio bundle --project P`.") from e
     files = []
     for p in entries:
-        if p.name.startswith("."):
+        if p.name.startswith(".") or p.name == layout.BUNDLE_RESULT:  # the bundle stage's record stays here
             continue
         if p.is_symlink():
             raise UserError(f"{p.name} in the bundle {bundle_dir} is a link (to {os.readlink(p)}), not a file of "

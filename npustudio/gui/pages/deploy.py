@@ -52,7 +52,11 @@ class DeployPage(Page):
     def device_changed(self) -> None:
         """The selected device or the bundle changed: show the files and whether it fits."""
         dev = self.window_.device
-        files = sorted(p for p in self.bundle.iterdir() if p.is_file()) if self.bundle.is_dir() else []
+        try:  # what deploy will send: the phone's files, not the bundle stage's own record
+            files = deploy.local_files(self.bundle) if self.bundle.is_dir() else []
+        except UserError as e:  # a link in the bundle: deploy refuses it, and says so here already
+            files = []
+            self.strip.status.setText(e.problem)
         fill(self.files, [(p.name, human_bytes(p.stat().st_size), "yes" if self.pushed.get(p.name) else "")
                           for p in files])
         ok = False
