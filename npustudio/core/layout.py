@@ -22,13 +22,13 @@ STAGES_DIR = "stages"
 RUNS_DIR = "runs"
 SAMPLE_PROFILE = "sample_profile.json"  # in RUNS_DIR: Genie's profile of the sample answer of `npustudio run`
 
-# ----- the model stage (and adapt, which repeats the card)
+# ----- the model stage
 MODEL_RESULT = "model.json"
-CARD = "card.json"
-FIT = "fit.json"
+
 
 # ----- adapt
 ADAPT_RESULT = "adapt.json"
+CARD = "card.json"  # the architecture card beside the adapted graphs
 GRAPHS = "graphs.json"
 EQUIVALENCE = "equivalence.json"
 DECODER_WEIGHTS = "decoder.safetensors"

@@ -92,10 +92,7 @@ def intake(project: Project, model: str, cl: int, state: StateLike,
 
     def fn(out: Path) -> dict[str, Any]:
         res = describe(source, cl)
-        card = res.card
-        atomic_write_json(out / layout.CARD, card.model_dump())
-        atomic_write_json(out / layout.FIT, [f.model_dump() for f in res.fit])
-        atomic_write_json(out / layout.MODEL_RESULT, res.model_dump())
+        atomic_write_json(out / layout.MODEL_RESULT, res.model_dump())  # the card, the fit and the host cost
         return res.model_dump()
 
     rec, _ = project.run_stage("model", inputs={"model": fp}, options={"cl": cl}, fn=fn, force=force)

@@ -159,7 +159,11 @@ def load(stage_dir: Path, file: str, model: type[Record], stage: str) -> Record:
     fix = f"Run the {stage} stage again (with --force) to rewrite it."
     if not path.is_file():
         raise UserError(f"{stage_dir} holds no {stage} result ({file} is missing).", fix)
-    data = read_json(path, f"the {stage} stage's result ({file})", fix)
+    return validated(path, read_json(path, f"the {stage} stage's result ({file})", fix), model, fix)
+
+
+def validated(path: Path, data: Any, model: type[Record], fix: str) -> Record:
+    """`data`, read from `path`, as `model`; a UserError naming the file and its first wrong field otherwise."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

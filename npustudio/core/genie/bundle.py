@@ -17,14 +17,14 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_json, link_or_copy, read_json
 from ..graph.graph_io import IOEncoding
 from ..progress import StateLike
-from ..results import BundleResult, GraphSpec, load_bundle, load_card, load_compile, load_graphs
+from ..results import BundleResult, GraphSpec, load_bundle, load_card, load_compile, load_graphs, validated
 from ..shape import DecoderSpec
 from ..targets import Soc, find_soc
 from . import config as genie_config
@@ -96,13 +96,7 @@ def read_metadata(bundle_dir: Path) -> BundleMeta:
     if not isinstance(data, dict):
         raise UserError(f"{bundle_dir / layout.METADATA} is damaged: it holds a JSON {type(data).__name__}, not the "
                         "bundle's description.", fix)
-    try:
-        return BundleMeta.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        raise UserError(f"{bundle_dir / layout.METADATA} is damaged: "
-                        f"{'.'.join(map(str, first['loc']))}: {first['msg']}.",
-                        fix) from e
+    return validated(bundle_dir / layout.METADATA, data, BundleMeta, fix)
 
 
 def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
