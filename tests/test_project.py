@@ -259,3 +259,16 @@ def test_links_planted_in_a_project_never_let_it_write_outside(tmp_path: Path) -
     with pytest.raises(UserError, match="symbolic link"):
         p.choose(model="x")
     assert (tmp_path / "real_manifest.json").read_text() == before
+
+
+def test_a_json_write_that_fails_midway_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
+    from npustudio.core.fsutil import atomic_write_json
+
+    path = tmp_path / "x.encodings"
+    data = {"param_encodings": [{"name": "w", "per_block_int_scale": [[1, 2], [3, 4]]}], "version": "1.0.0"}
+    atomic_write_json(path, data)
+    assert path.read_text() == json.dumps(data, indent=2) + "\n"  # streamed, the same text as before
+    with pytest.raises(TypeError):
+        atomic_write_json(path, {"a": list(range(100_000)), "b": object()})  # fails after writing a lot
+    assert json.loads(path.read_text()) == data
+    assert [p.name for p in tmp_path.iterdir()] == ["x.encodings"]

@@ -333,7 +333,10 @@ def _aimet_two_exports(sim: object, feeds: dict, name: str, out: Path) -> None:
         warnings.simplefilter("ignore")
         sim.onnx.export(args, str(out / f"{name}.onnx"), encoding_version="1.0.0", **kw)
         aonnx.export(sim.model, args, str(out / f"{name}_qdq.onnx"), prequantize_constants=True, **kw)
-    export._add_input_encodings(out / f"{name}.encodings", simulate.input_quantizers(sim.model))
+    enc = out / f"{name}.encodings"
+    data = json.loads(enc.read_text())
+    export._add_input_encodings(data, simulate.input_quantizers(sim.model))
+    enc.write_text(json.dumps(data))
 
 
 def _graph(path: Path) -> tuple[list[tuple], list[list[bytes]], dict[str, bytes]]:

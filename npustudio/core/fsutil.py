@@ -7,14 +7,17 @@ is refused with a clear error instead.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import UserError
 
@@ -44,14 +47,16 @@ def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[BinaryIO]:
+    """A binary file whose content replaces `path` (synced) only when the block ends without an error."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     refuse_link(path)  # os.replace would only replace the link, but a link there is a sign of foul play
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # O_EXCL: no link
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -60,12 +65,24 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """Indented JSON, streamed to the file: `json.dumps` with an indent first lists every chunk it will join (one
+    string per number), which cost 1.9 GB for a 1B model's 4-bit encodings (15 million block scales)."""
+    with atomic_writer(path) as f:
+        text = io.TextIOWrapper(f, encoding="utf-8", newline="\n")
+        json.dump(obj, text, indent=2, sort_keys=False)
+        text.write("\n")
+        text.flush()
+        text.detach()  # the writer, not the wrapper, closes the file
 
 
 def read_json(path: Path, what: str, fix: str) -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -92,8 +91,9 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
     onnx.save(graph, str(float_onnx))
     data = sim.onnx._to_json(enc_map, "1.0.0", aonnx._get_all_constants(graph))
     data["param_encodings"] = [e for e in data["param_encodings"] if not _int32(e)]
+    _add_input_encodings(data, simulate.input_quantizers(sim.model))
     atomic_write_json(enc_file, data)
-    _add_input_encodings(enc_file, simulate.input_quantizers(sim.model))
+    del data
     return Traced(graph, enc_map, float_onnx, enc_file, qdq_onnx)
 
 
@@ -307,10 +307,9 @@ def _int32(e: dict[str, Any]) -> bool:
     return int(e.get("bw", 0)) == 32
 
 
-def _add_input_encodings(path: Path, quantizers: dict[str, Any]) -> None:
+def _add_input_encodings(data: dict[str, Any], quantizers: dict[str, Any]) -> None:
     """Name the encodings of graph inputs that aimet's export leaves implicit (it lists none for an input
     that only feeds a Concat), so a compiler can quantize every input exactly as the quantsim did."""
-    data = json.loads(path.read_text())
     have = {e["name"] for e in data["activation_encodings"]}
     for name, q in quantizers.items():
         if name in have:
@@ -319,7 +318,6 @@ def _add_input_encodings(path: Path, quantizers: dict[str, Any]) -> None:
             "name": name, "dtype": "INT", "bw": int(q.bitwidth), "is_sym": bool(q.symmetric),
             "scale": [float(q.get_scale().detach())], "offset": [int(q.get_offset().detach())],
             "enc_type": "PER_TENSOR"})
-    atomic_write_json(path, data)
 
 
 def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:
