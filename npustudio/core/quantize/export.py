@@ -59,6 +59,7 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
     """
     import onnx
     from aimet_torch import onnx as aonnx
+    from aimet_torch.quantization.affine.encoding import GroupedBlockEncoding
     from aimet_torch.utils import patch_attr
 
     trim_heap()  # what the evaluation freed goes back to the system before the export's peak
@@ -87,6 +88,8 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
         stack.enter_context(aonnx._remove_fp16_quantizers(model))
         stack.enter_context(aonnx._remove_fp16_quantized_parameters(model))
         stack.enter_context(patch_attr(aonnx._onnx, "export", _weights_outside(aonnx._onnx.export)))
+        lpbq = GroupedBlockEncoding
+        stack.enter_context(patch_attr(lpbq, "to_qnn_encoding_dict", _lean_lpbq_dict(lpbq.to_qnn_encoding_dict)))
         graph, enc_map = aonnx._to_onnx(model, args, str(float_onnx), **kw, propagate_int32_encodings=False)
     onnx.save(graph, str(float_onnx))
     data = sim.onnx._to_json(enc_map, "1.0.0", aonnx._get_all_constants(graph))
@@ -119,6 +122,26 @@ def write_qdq(t: Traced) -> list[Path]:
     onnx.save(qdq, str(t.qdq_onnx))
     del qdq
     return [t.float_onnx, t.enc_file, t.qdq_onnx]
+
+
+def _lean_lpbq_dict(to_dict: Any) -> Any:
+    """LPBQ's `to_qnn_encoding_dict` for aimet's trace (`_to_onnx`), without the block scales as Python lists.
+
+    The trace asks every encoding for its 2.1.0 dict only to derive the per-tensor encodings of data-movement and
+    rescaling ops; an LPBQ weight's (it has an axis, its scale is no float) is never propagated there. aimet
+    still builds it as nested lists of every block scale, (out, blocks, 1, 1) deep: ~2.2 GB at the export's peak
+    for a 1B model's 15 million blocks. The stand-in has the same keys, and a token unique to the encoding where
+    the lists were, so two encodings stay unequal. The QDQ pass (`write_qdq`) gets aimet's real dicts."""
+    def lean(self: Any, encoding_version: str | None = None) -> Any:
+        if encoding_version != "2.1.0" or all(g == 1 for g in self.block_grouping):
+            return to_dict(self, encoding_version)
+        channel_axis, block_axis = self._safe_get_channel_and_block_axis()
+        token = f"LPBQ encoding {id(self)}: block scales not listed for the trace"
+        return {"output_dtype": f"{'' if self.signed else 'u'}int{self.bitwidth}",
+                "y_scale": {"x": token, "x_scale": token, "axis": channel_axis},
+                "axis": block_axis, "block_size": self.block_size[block_axis]}
+
+    return lean
 
 
 @torch.no_grad()
