@@ -397,6 +397,40 @@ def test_redo_on_each_stage_page_reruns_its_stage_with_force(qtbot: Any, tmp_pat
                      ("compile_and_bundle", False), ("compile_and_bundle", True)]
 
 
+def test_the_cluster_switch_in_settings_sends_the_heavy_stages_to_that_cluster(qtbot: Any, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings: a wrong address is said and nothing is saved; with the switch on, adapt, quantize and compile
+    are asked to run on the cluster (what the CLI's --cluster does)."""
+    from npustudio.core import isolated, settings
+
+    asked: list[tuple[str, str | None]] = []
+
+    def fake_run(fn: Any, *args: Any, state: Any, **kw: Any) -> Any:
+        asked.append((fn.func.__name__, fn.keywords["cluster"]))
+        raise UserError("not run in this test", "")
+
+    monkeypatch.setattr(isolated, "run", fake_run)
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    dlg = w.open_settings()
+    dlg.cluster_address.setText("my-gpu-box")
+    dlg.use_cluster.setChecked(True)
+    dlg.accept()
+    assert "is not a Ray cluster address" in dlg.cluster_status.text() and dlg.isVisible()
+    assert not settings.path().exists() or not json.loads(settings.path().read_text()).get("use_cluster")
+    dlg.cluster_address.setText("10.0.0.5:6379")
+    dlg.accept()
+    assert json.loads(settings.path().read_text())["cluster_address"] == "10.0.0.5:6379"
+    for page in (w.adapt_page, w.quantize_page, w.compile_page):
+        with qtbot.waitSignal(page.strip.finished, timeout=10_000):
+            page.strip.run.click()
+    assert asked == [("adapt", "10.0.0.5:6379"), ("quantize", "10.0.0.5:6379"), ("compile_and_bundle", "10.0.0.5:6379")]
+    w.settings.use_cluster = False  # the switch off: here again
+    with qtbot.waitSignal(w.quantize_page.strip.finished, timeout=10_000):
+        w.quantize_page.strip.run.click()
+    assert asked[-1] == ("quantize", None)
+
+
 CLOSE_WHILE_BUSY = """
 import os, sys
 os.environ["QT_QPA_PLATFORM"] = "offscreen"

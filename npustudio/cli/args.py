@@ -127,6 +127,24 @@ def device_arg(s: argparse.ArgumentParser) -> None:
            help="where the torch work runs (auto: the CUDA GPU when torch sees one)")
 
 
+def cluster_address(text: str) -> str:
+    """An argparse type: a Ray cluster address (HOST:PORT or ray://HOST:PORT)."""
+    from ..core.cluster import host_port
+    from ..core.errors import UserError
+
+    try:
+        host_port(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(f"{e.problem} {e.fix}") from None
+    return text.strip()
+
+
+def cluster_arg(s: argparse.ArgumentParser, stages: str) -> None:
+    s.add_argument("--cluster", type=cluster_address, default=None, metavar="ADDRESS",
+                   help=f"run {stages} on the Ray cluster at ADDRESS (HOST:PORT as `ray start --head` prints it, or "
+                        "ray://HOST:10001); its files come back into the project")
+
+
 def adapt_options(a: argparse.Namespace) -> AdaptOptions:
     from ..core.adapt import AdaptOptions
 

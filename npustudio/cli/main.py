@@ -14,7 +14,18 @@ from ..core import layout, quiet
 from ..core.errors import UserError
 from ..core.progress import Cancelled
 from . import account, devices, genie, stages
-from .args import MAX_CONTEXT, adapt_args, compile_args, device_arg, given, int_in, max_part_arg, option, quantize_args
+from .args import (
+    MAX_CONTEXT,
+    adapt_args,
+    cluster_arg,
+    compile_args,
+    device_arg,
+    given,
+    int_in,
+    max_part_arg,
+    option,
+    quantize_args,
+)
 from .console import err
 
 
@@ -64,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--project", type=given, required=True, help="project folder (created if new)")
     adapt_args(s)
     device_arg(s)
+    cluster_arg(s, "the stage")
     force_arg(s)
     json_arg(s)
     preferred(s)
@@ -72,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--project", type=given, required=True, help="project folder with an adapted model")
     quantize_args(s)
     device_arg(s)
+    cluster_arg(s, "the stage")
     force_arg(s)
     json_arg(s)
     preferred(s)
@@ -91,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize_args(s)
     compile_args(s)
     device_arg(s)
+    cluster_arg(s, "adapt, quantize and compile")
     force_arg(s, "redo every stage even when its inputs and options are unchanged")
     s.add_argument("--no-ask", action="store_true", help="stop at the verified bundle (skip the Genie question)")
     json_arg(s)
@@ -99,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("compile", stages.cmd_compile, "compile the quantized graphs to QNN HTP context binaries and verify them")
     s.add_argument("--project", type=given, required=True)
     compile_args(s)
+    cluster_arg(s, "the stage")
     force_arg(s)
     json_arg(s)
 

@@ -40,7 +40,7 @@ def cmd_adapt(a: argparse.Namespace) -> int:
     from ..core import pipeline
 
     with pipeline.opened(a.project) as project, live_state(quiet=a.json) as st, stdout_is_for(a.json):
-        rec = pipeline.adapt(project, a.model, adapt_options(a), st, force=a.force)
+        rec = pipeline.adapt(project, a.model, adapt_options(a), st, force=a.force, cluster=a.cluster)
     from ..core.results import AdaptResult
 
     res = rec.result_as(AdaptResult)
@@ -68,7 +68,7 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     from ..core.results import QuantizeResult
 
     opts = quantize_options(a)
-    return stage_command(a, lambda p, st: pipeline.quantize(p, opts, st, force=a.force),
+    return stage_command(a, lambda p, st: pipeline.quantize(p, opts, st, force=a.force, cluster=a.cluster),
                           lambda rec, p: pipeline.quantize_summary(rec.result_as(QuantizeResult),
                                                                    p.stage_dir("quantize")),
                           print_quantize)
@@ -133,7 +133,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     with live_state(quiet=a.json) as st, stdout_is_for(a.json):
         summary = pipeline.run_all(project_dir, a.model, adapt_options(a), st, quantize_options(a),
                                    compile_options(a), ask=not a.no_ask, on_text=None if a.json else stream,
-                                   force=a.force)
+                                   force=a.force, cluster=a.cluster)
     if a.json:
         print_json(summary.model_dump())
         return 0
@@ -172,7 +172,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     from ..core.results import CompileResult
 
     opts = compile_options(a)
-    return stage_command(a, lambda p, st: pipeline.compile_graphs(p, opts, st, force=a.force),
+    return stage_command(a, lambda p, st: pipeline.compile_graphs(p, opts, st, force=a.force, cluster=a.cluster),
                           lambda rec, _p: pipeline.compile_summary(rec.result_as(CompileResult)), print_compile)
 
 

@@ -458,11 +458,16 @@ def load(source: ModelSource, dtype: Any = None) -> LoadedModel:
 
 def fingerprint(source: ModelSource) -> dict[str, Any]:
     """What identifies the model's content, for the project manifest (changes => stages rerun)."""
+    return {"kind": source.kind, "spec": source.spec, "files": {f.name: sha256_file(f) for f in files(source)}}
+
+
+def files(source: ModelSource) -> list[Path]:
+    """The files that make the model (config, tokenizer, weights; or the GGUF): what is hashed, what a cluster
+    worker is sent."""
     assert source.path is not None
     d = Path(source.path)
-    files = [d / source.gguf_file] if source.gguf_file else sorted(
+    return [d / source.gguf_file] if source.gguf_file else sorted(
         f for f in d.iterdir() if f.is_file() and (f.suffix in (".json", ".safetensors", ".model", ".jinja")))
-    return {"kind": source.kind, "spec": source.spec, "files": {f.name: sha256_file(f) for f in files}}
 
 
 # ---------------------------------------------------------------- fit estimate

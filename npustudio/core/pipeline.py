@@ -6,7 +6,7 @@ Used by both the CLI and the GUI, so they run exactly the same thing.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -101,39 +101,74 @@ def intake(project: Project, model: str, cl: int, state: StateLike,
 
 
 def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state: StateLike,
-          force: bool = False) -> StageRecord:
-    """Adapt `model` into the project; `force` redoes it even when the inputs and options are unchanged."""
+          force: bool = False, cluster: str | None = None) -> StageRecord:
+    """Adapt `model` into the project; `force` redoes it even when the inputs and options are unchanged;
+    `cluster` (a Ray address) runs it there."""
     source, mrec = intake(project, model, options.cl, state.sub(0.0, 0.05))
     card = mrec.result_as(IntakeResult).card
     adapt_stage.validate(options, card)  # before any weight is loaded
+    inputs: dict[str, Path | list[Path]] = {"model": models.files(source)}
 
     def fn(out: Path) -> dict[str, Any]:
-        host_cost.check_fits(card, "adapt", gguf=bool(source.gguf_file))
-        free_big_blocks_at_once()
-        st = state.sub(0.05, 1.0)
-        st.progress(0.0, "loading weights")
-        lm = models.load(source)
-        return adapt_stage.run(lm, options, out, st.sub(0.1, 1.0)).model_dump()
+        return _on(cluster, "adapt", _adapt_body, inputs, (source, card, options), out, state.sub(0.05, 1.0),
+                   options.device)
 
     rec, _ = project.run_stage("adapt", inputs={"model": mrec.inputs["model"]}, options=options.model_dump(), fn=fn,
-                               force=force)
+                               force=force, ran_on=_ran_on(cluster))
     return rec
 
 
+def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
+    """The adapt stage where it runs (here or on a cluster worker, whose memory is then the one checked)."""
+    source, card, options = args
+    host_cost.check_fits(card, "adapt", gguf=bool(source.gguf_file))
+    free_big_blocks_at_once()
+    state.progress(0.0, "loading weights")
+    lm = models.load(source.model_copy(update={"path": str(inputs["model"])}))
+    return adapt_stage.run(lm, options, out, state.sub(0.1, 1.0)).model_dump()
+
+
 def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike,
-             force: bool = False) -> StageRecord:
+             force: bool = False, cluster: str | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
     arec = _require(project, "adapt", "adapt", "adapted model")
 
     def fn(out: Path) -> dict[str, Any]:
-        _check_fits(project, "quantize", options.precision)
-        free_big_blocks_at_once()
-        return quantize_stage.run(project.stage_dir("adapt"), options, out, state).model_dump()
+        return _on(cluster, "quantize", _quantize_body, {"adapt": project.stage_dir("adapt")},
+                   (_card(project), options), out, state, options.device)
 
     rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key, "format": quantize_stage.FORMAT},
-                               options=options.model_dump(), fn=fn, force=force)
+                               options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(cluster))
     project.choose(target=options.target)  # what the stage was made for is the target now, from the CLI too
     return rec
+
+
+def _quantize_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
+    card, options = args
+    if card is not None:
+        host_cost.check_fits(card, "quantize", precision=options.precision)
+    free_big_blocks_at_once()
+    return quantize_stage.run(inputs["adapt"], options, out, state).model_dump()
+
+
+def _on(cluster: str | None, stage: str, body: Any, inputs: Mapping[str, Path | list[Path]], args: Any, out: Path,
+        state: StateLike, device: str = "cpu") -> dict[str, Any]:
+    """`body` here, or on the Ray cluster at `cluster` (the inputs sent, the output folder brought back)."""
+    if cluster is None:
+        here = {k: v if isinstance(v, Path) else v[0].parent for k, v in inputs.items()}
+        return body(here, args, out, state)
+    from . import cluster as ray_cluster
+
+    return ray_cluster.run(cluster, ray_cluster.Job(stage, body, inputs, args, device), out, state)
+
+
+def _ran_on(cluster: str | None) -> str | None:
+    return None if cluster is None else f"Ray cluster at {cluster}"
+
+
+def _card(project: Project) -> models.ArchCard | None:
+    rec = project.record("model")
+    return rec.result_as(IntakeResult).card if rec is not None and rec.status == "done" else None
 
 
 STAGES = ("model", "adapt", "quantize", "compile", "bundle")
@@ -284,19 +319,25 @@ def _require(project: Project, stage: str, command: str, what: str | None = None
 
 
 def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike,
-                   force: bool = False) -> StageRecord:
+                   force: bool = False, cluster: str | None = None) -> StageRecord:
     """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
     qrec = _require(project, "quantize", "quantize")
 
     def fn(out: Path) -> dict[str, Any]:
-        _check_fits(project, "compile")
-        free_big_blocks_at_once()
-        return compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"), options, out,
-                                 state).model_dump()
+        inputs = {"quantize": project.stage_dir("quantize"), "adapt": project.stage_dir("adapt")}
+        return _on(cluster, "compile", _compile_body, inputs, (_card(project), options), out, state)
 
     rec, _ = project.run_stage("compile", inputs={"quantize": qrec.key, "format": compile_stage.FORMAT},
-                               options=options.model_dump(), fn=fn, force=force)
+                               options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(cluster))
     return rec
+
+
+def _compile_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
+    card, options = args
+    if card is not None:
+        host_cost.check_fits(card, "compile")
+    free_big_blocks_at_once()
+    return compile_stage.run(inputs["quantize"], inputs["adapt"], options, out, state).model_dump()
 
 
 def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike,
@@ -315,9 +356,9 @@ def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLi
 
 def compile_and_bundle(project: Project, options: compile_stage.CompileOptions, state: StateLike,
                        boptions: bundle_stage.BundleOptions | None = None,
-                       force: bool = False) -> tuple[StageRecord, StageRecord]:
+                       force: bool = False, cluster: str | None = None) -> tuple[StageRecord, StageRecord]:
     """Compile (+ simulator check), then the libGenie-validated bundle: the wizard's Compile step."""
-    crec = compile_graphs(project, options, state.sub(0.0, 0.9), force=force)
+    crec = compile_graphs(project, options, state.sub(0.0, 0.9), force=force, cluster=cluster)
     brec = bundle(project, boptions or bundle_stage.BundleOptions(), state.sub(0.9, 1.0), force=force)
     return crec, brec
 
@@ -475,18 +516,19 @@ class RunSummary(BaseModel):
 def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,
             state: StateLike | None = None, qoptions: quantize_stage.QuantizeOptions | None = None,
             coptions: compile_stage.CompileOptions | None = None, ask: bool = True,
-            on_text: Any = None, force: bool = False) -> RunSummary:
+            on_text: Any = None, force: bool = False, cluster: str | None = None) -> RunSummary:
     """The main job on the embedded defaults: intake -> adapt (+ equivalence) -> quantize + export ->
     compile (+ simulator check) -> bundle (libGenie-validated) -> deploy to a device (the virtual one when
-    no phone is attached) -> the sample prompt there, streamed."""
+    no phone is attached) -> the sample prompt there, streamed. `cluster`: adapt, quantize and compile run on
+    that Ray cluster."""
     options = options or adapt_stage.AdaptOptions()
     qoptions = qoptions or quantize_stage.QuantizeOptions()
     coptions = coptions or compile_stage.CompileOptions()
     state = state or State()
     with opened(project_dir) as project:
-        rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force)
-    qrec = quantize(project, qoptions, state.sub(0.3, 0.7), force=force)
-    crec, brec = compile_and_bundle(project, coptions, state.sub(0.7, 0.9), force=force)
+        rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force, cluster=cluster)
+    qrec = quantize(project, qoptions, state.sub(0.3, 0.7), force=force, cluster=cluster)
+    crec, brec = compile_and_bundle(project, coptions, state.sub(0.7, 0.9), force=force, cluster=cluster)
     sample = None
     if ask:
         sample = ask_on_device(project, on_text=on_text, state=state.sub(0.9, 1.0))

@@ -52,8 +52,9 @@ class StageRecord(BaseModel):
     result: dict[str, Any] = Field(default_factory=dict)
     started: datetime
     seconds: float = 0.0
-    peak_rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0  # this process's: a cluster run's own peak is in its result
     error: str | None = None
+    ran_on: str | None = None  # None: this computer
 
     def result_as(self, model: type[Record]) -> Record:
         """The stage's result as its typed record (`core/results.py`)."""
@@ -201,8 +202,9 @@ class Project:
             self.save(m)
 
     def run_stage(self, name: str, inputs: dict[str, Any], options: dict[str, Any], fn: StageFn,
-                  force: bool = False) -> tuple[StageRecord, bool]:
-        """Run `fn` unless an identical finished run exists. Returns (record, ran)."""
+                  force: bool = False, ran_on: str | None = None) -> tuple[StageRecord, bool]:
+        """Run `fn` unless an identical finished run exists (wherever it ran: `ran_on` names a cluster, the
+        same files are made). Returns (record, ran)."""
         key = sha256_json({"stage": name, "inputs": inputs, "options": options})
         with self._lock():
             scratch = layout.scratch_dir(self.root, name)
@@ -242,7 +244,7 @@ class Project:
             ]
             rec = StageRecord(name=name, status="done", key=key, inputs=inputs, options=options,
                               outputs=outputs, result=result, started=started,
-                              seconds=time.perf_counter() - t0, peak_rss_mb=peak_rss_mb())
+                              seconds=time.perf_counter() - t0, peak_rss_mb=peak_rss_mb(), ran_on=ran_on)
             self._swap_in(name, scratch)
             m = self.load()
             m.stages[name] = rec

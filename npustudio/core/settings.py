@@ -33,6 +33,15 @@ class Settings(BaseModel):
     device: Device = Field("auto", description="where adapt and quantize run their torch work (auto: a CUDA GPU "
                                                "when there is one)")
 
+    cluster_address: str = Field("", description="Ray cluster address: HOST:PORT as `ray start --head` prints it, or "
+                                                 "ray://HOST:10001")
+    use_cluster: bool = Field(False, description="run the heavy stages (adapt, quantize, compile) on the cluster")
+
+    @property
+    def cluster(self) -> str | None:
+        """Where the heavy stages run: the cluster's address when the switch is on, else None (here)."""
+        return self.cluster_address.strip() or None if self.use_cluster else None
+
     def remember(self, project: Path | str) -> None:
         p = str(Path(project).expanduser().resolve())
         self.recent_projects = [p, *[r for r in self.recent_projects if r != p]][:MAX_RECENT]

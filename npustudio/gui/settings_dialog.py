@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 
 from ..core import secrets
 from ..core import settings as user_settings
+from ..core.cluster import host_port
 from ..core.errors import UserError
 from ..core.targets import KNOWN_SOCS
 from . import worker
@@ -86,6 +87,20 @@ class SettingsDialog(QDialog):
         form.addRow("Compute on:", self.device)
         form.addRow("", self.preview)
         lay.addWidget(paths)
+
+        ray = QGroupBox("Ray cluster (for models that outgrow this computer)")
+        rf = QFormLayout(ray)
+        self.cluster_address = QLineEdit(s.cluster_address)
+        self.cluster_address.setPlaceholderText("HOST:PORT as `ray start --head` printed it, or ray://HOST:10001")
+        self.use_cluster = QCheckBox("Run heavy stages on the cluster (adapt, quantize, compile; their files come "
+                                     "back into the project)")
+        self.use_cluster.setChecked(s.use_cluster)
+        self.cluster_status = QLabel("")
+        self.cluster_status.setWordWrap(True)
+        rf.addRow("Ray cluster address:", self.cluster_address)
+        rf.addRow("", self.use_cluster)
+        rf.addRow("", self.cluster_status)
+        lay.addWidget(ray)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
         lay.addWidget(buttons)
         buttons.accepted.connect(self.accept)
@@ -129,7 +144,15 @@ class SettingsDialog(QDialog):
             self.token_status.setText(f"The keyring refused ({e.__class__.__name__}).")
 
     def accept(self) -> None:
+        address = self.cluster_address.text().strip()
+        if address or self.use_cluster.isChecked():
+            try:
+                host_port(address)
+            except UserError as e:
+                self.cluster_status.setText(f"{e.problem} {e.fix}")
+                return
         s = self.settings
+        s.cluster_address, s.use_cluster = address, self.use_cluster.isChecked()
         s.qnn_sdk_root, s.adb_path = self.sdk.text().strip(), self.adb.text().strip()
         s.default_target, s.default_precision = str(self.target.currentData()), self.precision.currentText()
         s.virtual_preview = self.preview.isChecked()

@@ -51,9 +51,10 @@ class AdaptPage(Page):
         model = project.choices().get("model", "default")
         self.chart.clear()
         self.strip.status.setStyleSheet("")
+        cluster = self.window_.settings.cluster  # None: here
 
         def work(state: Any) -> AdaptResult:
-            rec = isolated.run(partial(pipeline.adapt, force=force), project, model, opts, state=state)
+            rec = isolated.run(partial(pipeline.adapt, force=force, cluster=cluster), project, model, opts, state=state)
             return rec.result_as(AdaptResult)
 
         self.strip.start(work, self.finish, "Adapting", on_partial=self.ppl_point)

@@ -71,9 +71,11 @@ class CompilePage(Page):
 
     def start(self, force: bool = False) -> None:
         project, opts = self.project, self.options()
+        cluster = self.window_.settings.cluster  # None: here
 
         def work(state: Any) -> tuple[CompileResult, BundleResult]:
-            crec, brec = isolated.run(partial(pipeline.compile_and_bundle, force=force), project, opts, state=state)
+            run = partial(pipeline.compile_and_bundle, force=force, cluster=cluster)
+            crec, brec = isolated.run(run, project, opts, state=state)
             return crec.result_as(CompileResult), brec.result_as(BundleResult)
 
         self.strip.start(work, self.finish, "Compiling")

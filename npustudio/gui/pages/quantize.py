@@ -112,9 +112,10 @@ class QuantizePage(Page):
         project = self.project
         self.chart.clear()
         self.tabs.setCurrentIndex(0)
+        cluster = self.window_.settings.cluster  # None: here
 
         def work(state: Any) -> QuantizeResult:
-            rec = isolated.run(partial(pipeline.quantize, force=force), project, opts, state=state)
+            rec = isolated.run(partial(pipeline.quantize, force=force, cluster=cluster), project, opts, state=state)
             return rec.result_as(QuantizeResult)
 
         self.strip.start(work, self.finish, "Quantizing", on_partial=self.ppl_point)

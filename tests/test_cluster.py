@@ -1,0 +1,192 @@
+"""The heavy stages on a Ray cluster: a head started here on loopback only, the tiny model's quantize and compile
+run on it and give the files a local run gives; cancel, an unreachable address, a killed worker, version skew."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from npustudio.core import cluster, pipeline
+from npustudio.core.compile import CompileOptions
+from npustudio.core.errors import UserError
+from npustudio.core.progress import Cancelled, Partial, Progress, State
+from npustudio.core.project import Project
+from npustudio.core.quantize import QuantizeOptions
+
+from .ray_head import free_port, loopback_head
+
+# what conftest.genie_pipeline ran locally: the same options give the same files
+QUANTIZE = QuantizeOptions(precision="w8a16", calib_samples=2, calib_len=64, calib_decode=4, eval_chars=1500,
+                           window=128, decode_tokens=8)
+COMPILE = CompileOptions(verify_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with loopback_head(cpus=2, temp_dir=tmp_path_factory.mktemp("ray")) as address:
+        yield address
+        import ray
+
+        ray.shutdown()
+
+
+def _copy(project: Project, root: Path) -> Project:
+    shutil.copytree(project.root, root)
+    return Project.open(root, create=False)
+
+
+def _hashes(p: Project, stage: str) -> dict[str, str]:
+    """Every output file's hash, but the stage's own record (its timings and peak memory differ on every run)."""
+    rec = p.record(stage)
+    assert rec is not None
+    return {Path(f.path).name: f.sha256 for f in rec.outputs if Path(f.path).name != f"{stage}.json"}
+
+
+def _ray_processes() -> list[psutil.Process]:
+    names = ("gcs_server", "raylet", "ray::")
+    return [p for p in psutil.process_iter(["name", "cmdline"])
+            if any(n in (p.info["name"] or "") or n in " ".join(p.info["cmdline"] or []) for n in names)]
+
+
+def test_quantize_and_compile_on_the_cluster_give_the_local_files(head: str, genie_project: Project,
+                                                                  tmp_path: Path) -> None:
+    p = _copy(genie_project, tmp_path / "p")
+    events: list[Progress | Partial] = []
+    st = State()
+    st.subscribe(events.append)
+    qrec = pipeline.quantize(p, QUANTIZE, st, force=True, cluster=head)
+    assert qrec.ran_on == f"Ray cluster at {head}"
+    assert _hashes(p, "quantize") == _hashes(genie_project, "quantize")  # encodings, graphs, weights.bin
+    local = genie_project.record("quantize")
+    assert local is not None and qrec.result["ratio"] == local.result["ratio"]
+    assert qrec.result["files"] == local.result["files"]
+    assert qrec.key == local.key and qrec.options == local.options  # the same record, apart from ran_on
+    # the live perplexity points and the progress crossed the cluster as in a local run
+    ppl = [e.data for e in events if isinstance(e, Partial) and e.kind == "ppl"]
+    assert "quant_ppl" not in ppl[0] and "quant_ppl" in ppl[-1]  # the FP line first, then quantized points
+    assert any(isinstance(e, Progress) and "sending the inputs" in e.message for e in events)
+    moved = next(e.data for e in events if isinstance(e, Partial) and e.kind == "transfer")
+    assert moved["sent_bytes"] > 0 and moved["received_bytes"] == sum(
+        f.bytes for f in qrec.outputs)
+
+    crec = pipeline.compile_graphs(p, COMPILE, State(), force=True, cluster=head)
+    assert crec.ran_on == f"Ray cluster at {head}"
+    # QNN writes other bytes into a context binary on every compile, here too (its graph name hashes the
+    # model's path, tensor ids change): the binaries are compared by what the HTP simulator computes with them
+    lrec = genie_project.record("compile")
+    assert lrec is not None
+    assert {Path(f.path).name: f.bytes for f in crec.outputs if f.path.endswith(".bin")} == \
+        {Path(f.path).name: f.bytes for f in lrec.outputs if f.path.endswith(".bin")}
+    same = ("parts", "nodes_on_cpu", "io")
+    assert {k: crec.result[k] for k in same} == {k: lrec.result[k] for k in same}
+    assert [g | {"seconds": 0} for g in crec.result["graphs"]] == [g | {"seconds": 0} for g in lrec.result["graphs"]]
+    checked = ("vs_quantsim_test_vectors", "nll_quantsim_cpu", "nll_htp", "top1_agreement", "max_abs_logit_diff")
+    assert {k: crec.result["verification"][k] for k in checked} == \
+        {k: lrec.result["verification"][k] for k in checked}
+    assert not p.changed("compile")  # the next stage (bundle) takes it as it takes a local run's
+
+    # nothing of the cluster listens beyond this computer
+    listening = []
+    for proc in _ray_processes():
+        try:
+            listening += [(proc.info["name"], c.laddr.ip) for c in proc.net_connections(kind="inet")
+                          if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue  # a worker that ended meanwhile
+    assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _n, ip in listening), listening
+
+
+def _run_until(p: Project, head: str, when: str, act: object) -> BaseException | None:
+    """Quantize on the cluster in a thread; call `act(state)` once an event of kind `when` arrived; the error."""
+    st = State()
+    seen = threading.Event()
+    st.subscribe(lambda e: seen.set() if isinstance(e, Partial) and e.kind == when else None)
+    caught: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            pipeline.quantize(p, QUANTIZE, st, force=True, cluster=head)
+        except BaseException as e:
+            caught.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    assert seen.wait(600), "the stage never reported"
+    act(st)  # type: ignore[operator]
+    t.join(600)
+    assert not t.is_alive()
+    return caught[0] if caught else None
+
+
+def test_cancel_mid_quantize_stops_the_worker_and_keeps_the_last_good_state(head: str, genie_project: Project,
+                                                                            tmp_path: Path) -> None:
+    p = _copy(genie_project, tmp_path / "p")
+    before = _hashes(p, "quantize")
+    err = _run_until(p, head, "ppl", lambda st: st.cancel())
+    assert isinstance(err, Cancelled)
+    assert _hashes(p, "quantize") == before and not p.changed("quantize")
+    assert p.load().attempts["quantize"].status == "cancelled"
+    _no_worker_left()
+
+
+def _workers() -> list[psutil.Process]:
+    return [q for q in _ray_processes() if "ray::Worker" in " ".join(q.info["cmdline"] or [])]
+
+
+def _no_worker_left() -> None:
+    deadline = time.monotonic() + 30
+    while _workers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _workers()
+
+
+def test_a_killed_worker_is_said_and_the_project_keeps_its_last_good_state(head: str, genie_project: Project,
+                                                                          tmp_path: Path) -> None:
+    p = _copy(genie_project, tmp_path / "p")
+    before = _hashes(p, "quantize")
+
+    def kill(_st: State) -> None:
+        for w in _workers():
+            os.kill(w.pid, signal.SIGKILL)
+
+    err = _run_until(p, head, "ppl", kill)
+    assert isinstance(err, UserError), err
+    assert "stopped before it finished" in err.problem and "run the command again" in err.fix
+    assert _hashes(p, "quantize") == before and not p.changed("quantize")
+    assert p.load().attempts["quantize"].status == "failed"
+
+
+def test_other_versions_on_the_workers_are_refused_before_any_work(head: str, genie_project: Project,
+                                                                   tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _copy(genie_project, tmp_path / "p")
+    here = cluster.versions()
+    monkeypatch.setattr(cluster, "versions", lambda: here | {"torch": "9.9.9"})  # this side differs
+    with pytest.raises(UserError) as e:
+        pipeline.quantize(p, QUANTIZE, State(), force=True, cluster=head)
+    assert f"torch 9.9.9 here, {here['torch']} there" in e.value.problem
+    assert "pip install torch==9.9.9" in e.value.fix
+    assert p.load().attempts["quantize"].status == "failed" and not p.changed("quantize")
+
+
+def test_an_unreachable_cluster_is_said_with_its_address(genie_project: Project, tmp_path: Path) -> None:
+    p = _copy(genie_project, tmp_path / "p")
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    res = subprocess.run([sys.executable, "-m", "npustudio.cli", "quantize", "--project", str(p.root),
+                          "--cluster", address, "--force"], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert f"Cannot reach a Ray cluster at {address}" in res.stderr and "ray start --head" in res.stderr
+    assert "Traceback" not in res.stderr
+    bad = subprocess.run([sys.executable, "-m", "npustudio.cli", "compile", "--project", str(p.root),
+                          "--cluster", "my-cluster"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is not a Ray cluster address" in bad.stderr
