@@ -106,6 +106,31 @@ def test_quantize_and_compile_on_the_cluster_give_the_local_files(head: str, gen
     assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _n, ip in listening), listening
 
 
+def test_adapt_on_the_cluster_sends_only_the_models_files_and_gives_the_local_graphs(head: str,
+                                                                                    genie_project: Project,
+                                                                                    tmp_path: Path) -> None:
+    from npustudio.core.adapt import AdaptOptions
+    from npustudio.core.results import IntakeResult
+
+    p = _copy(genie_project, tmp_path / "p")
+    mrec = p.record("model")
+    assert mrec is not None
+    folder = Path(mrec.result_as(IntakeResult).source.path or "")
+    (folder / "notes.bin").write_bytes(b"\0" * 4096)  # not part of the model: stays here
+    events: list[Progress | Partial] = []
+    st = State()
+    st.subscribe(events.append)
+    try:
+        rec = pipeline.adapt(p, str(folder), AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128,
+                                                          decode_tokens=8), st, force=True, cluster=head)
+    finally:
+        (folder / "notes.bin").unlink()
+    assert rec.ran_on == f"Ray cluster at {head}"
+    assert _hashes(p, "adapt") == _hashes(genie_project, "adapt")
+    moved = next(e.data for e in events if isinstance(e, Partial) and e.kind == "transfer")
+    assert moved["sent_bytes"] == sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
 def _run_until(p: Project, head: str, when: str, act: object) -> BaseException | None:
     """Quantize on the cluster in a thread; call `act(state)` once an event of kind `when` arrived; the error."""
     st = State()
