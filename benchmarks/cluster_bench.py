@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from npustudio.core import pipeline
 from npustudio.core.adapt import AdaptOptions
+from npustudio.core.cluster import Cluster
 from npustudio.core.compile import CompileOptions
 from npustudio.core.progress import Partial, State
 from npustudio.core.project import Project
@@ -39,7 +40,7 @@ SMALL = {"tiny": (AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128, decod
          "default": (AdaptOptions(), QuantizeOptions(), CompileOptions())}
 
 
-def stages(p: Project, q: QuantizeOptions, c: CompileOptions, cluster: str | None) -> dict[str, Any]:
+def stages(p: Project, q: QuantizeOptions, c: CompileOptions, cluster: Cluster | None) -> dict[str, Any]:
     moved: list[dict[str, Any]] = []
     st = State()
     st.subscribe(lambda e: moved.append(e.data) if isinstance(e, Partial) and e.kind == "transfer" else None)
@@ -69,7 +70,7 @@ def main() -> int:
         t0 = time.perf_counter()
         with loopback_head(cpus=os.cpu_count() or 2, temp_dir=root / "ray") as address:
             head_s = time.perf_counter() - t0
-            remote = stages(there, q, c, address)
+            remote = stages(there, q, c, Cluster(address))
             import ray
 
             ray.shutdown()

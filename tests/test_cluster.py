@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from npustudio.core import cluster, pipeline
+from npustudio.core.cluster import Cluster
 from npustudio.core.compile import CompileOptions
 from npustudio.core.errors import UserError
 from npustudio.core.progress import Cancelled, Partial, Progress, State
@@ -64,7 +65,7 @@ def test_quantize_and_compile_on_the_cluster_give_the_local_files(head: str, gen
     events: list[Progress | Partial] = []
     st = State()
     st.subscribe(events.append)
-    qrec = pipeline.quantize(p, QUANTIZE, st, force=True, cluster=head)
+    qrec = pipeline.quantize(p, QUANTIZE, st, force=True, cluster=Cluster(head))
     assert qrec.ran_on == f"Ray cluster at {head}"
     assert _hashes(p, "quantize") == _hashes(genie_project, "quantize")  # encodings, graphs, weights.bin
     local = genie_project.record("quantize")
@@ -79,7 +80,7 @@ def test_quantize_and_compile_on_the_cluster_give_the_local_files(head: str, gen
     assert moved["sent_bytes"] > 0 and moved["received_bytes"] == sum(
         f.bytes for f in qrec.outputs)
 
-    crec = pipeline.compile_graphs(p, COMPILE, State(), force=True, cluster=head)
+    crec = pipeline.compile_graphs(p, COMPILE, State(), force=True, cluster=Cluster(head))
     assert crec.ran_on == f"Ray cluster at {head}"
     # QNN writes other bytes into a context binary on every compile, here too (its graph name hashes the
     # model's path, tensor ids change): the binaries are compared by what the HTP simulator computes with them
@@ -122,10 +123,12 @@ def test_adapt_on_the_cluster_sends_only_the_models_files_and_gives_the_local_gr
     st.subscribe(events.append)
     try:
         rec = pipeline.adapt(p, str(folder), AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128,
-                                                          decode_tokens=8), st, force=True, cluster=head)
+                                                          decode_tokens=8), st, force=True,
+                             cluster=Cluster(head, install=True))  # Ray sets the workers' packages up from our pins
     finally:
         (folder / "notes.bin").unlink()
     assert rec.ran_on == f"Ray cluster at {head}"
+    assert any(isinstance(e, Progress) and "setting up the workers' packages" in e.message for e in events)
     assert _hashes(p, "adapt") == _hashes(genie_project, "adapt")
     moved = next(e.data for e in events if isinstance(e, Partial) and e.kind == "transfer")
     assert moved["sent_bytes"] == sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
@@ -140,7 +143,7 @@ def _run_until(p: Project, head: str, when: str, act: object) -> BaseException |
 
     def work() -> None:
         try:
-            pipeline.quantize(p, QUANTIZE, st, force=True, cluster=head)
+            pipeline.quantize(p, QUANTIZE, st, force=True, cluster=Cluster(head))
         except BaseException as e:
             caught.append(e)
 
@@ -198,7 +201,7 @@ def test_other_versions_on_the_workers_are_refused_before_any_work(head: str, ge
     here = cluster.versions()
     monkeypatch.setattr(cluster, "versions", lambda: here | {"torch": "9.9.9"})  # this side differs
     with pytest.raises(UserError) as e:
-        pipeline.quantize(p, QUANTIZE, State(), force=True, cluster=head)
+        pipeline.quantize(p, QUANTIZE, State(), force=True, cluster=Cluster(head))
     assert f"torch 9.9.9 here, {here['torch']} there" in e.value.problem
     assert "pip install torch==9.9.9" in e.value.fix
     assert p.load().attempts["quantize"].status == "failed" and not p.changed("quantize")

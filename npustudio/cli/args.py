@@ -9,8 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from ..core.errors import UserError
+
 if TYPE_CHECKING:
     from ..core.adapt import AdaptOptions
+    from ..core.cluster import Cluster
     from ..core.compile import CompileOptions
     from ..core.quantize import QuantizeOptions
 
@@ -130,7 +133,6 @@ def device_arg(s: argparse.ArgumentParser) -> None:
 def cluster_address(text: str) -> str:
     """An argparse type: a Ray cluster address (HOST:PORT or ray://HOST:PORT)."""
     from ..core.cluster import host_port
-    from ..core.errors import UserError
 
     try:
         host_port(text)
@@ -143,6 +145,17 @@ def cluster_arg(s: argparse.ArgumentParser, stages: str) -> None:
     s.add_argument("--cluster", type=cluster_address, default=None, metavar="ADDRESS",
                    help=f"run {stages} on the Ray cluster at ADDRESS (HOST:PORT as `ray start --head` prints it, or "
                         "ray://HOST:10001); its files come back into the project")
+    s.add_argument("--cluster-install", action="store_true",
+                   help="with --cluster: Ray installs this computer's versions of NPU Studio's requirements on the "
+                        "workers first (runtime_env; the workers need their package index)")
+
+
+def cluster_of(a: argparse.Namespace) -> Cluster | None:
+    from ..core.cluster import Cluster
+
+    if a.cluster_install and not a.cluster:
+        raise UserError("--cluster-install needs --cluster ADDRESS.", "Add the cluster's address, or leave it out.")
+    return Cluster(a.cluster, install=a.cluster_install) if a.cluster else None
 
 
 def adapt_options(a: argparse.Namespace) -> AdaptOptions:

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.progress import State
-from .args import adapt_options, compile_options, quantize_options
+from .args import adapt_options, cluster_of, compile_options, quantize_options
 from .console import err, live_state, out, print_json, stdout_is_for
 from .render import card_table, host_table, print_compile, print_quantize
 
@@ -40,7 +40,7 @@ def cmd_adapt(a: argparse.Namespace) -> int:
     from ..core import pipeline
 
     with pipeline.opened(a.project) as project, live_state(quiet=a.json) as st, stdout_is_for(a.json):
-        rec = pipeline.adapt(project, a.model, adapt_options(a), st, force=a.force, cluster=a.cluster)
+        rec = pipeline.adapt(project, a.model, adapt_options(a), st, force=a.force, cluster=cluster_of(a))
     from ..core.results import AdaptResult
 
     res = rec.result_as(AdaptResult)
@@ -68,7 +68,7 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     from ..core.results import QuantizeResult
 
     opts = quantize_options(a)
-    return stage_command(a, lambda p, st: pipeline.quantize(p, opts, st, force=a.force, cluster=a.cluster),
+    return stage_command(a, lambda p, st: pipeline.quantize(p, opts, st, force=a.force, cluster=cluster_of(a)),
                           lambda rec, p: pipeline.quantize_summary(rec.result_as(QuantizeResult),
                                                                    p.stage_dir("quantize")),
                           print_quantize)
@@ -133,7 +133,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     with live_state(quiet=a.json) as st, stdout_is_for(a.json):
         summary = pipeline.run_all(project_dir, a.model, adapt_options(a), st, quantize_options(a),
                                    compile_options(a), ask=not a.no_ask, on_text=None if a.json else stream,
-                                   force=a.force, cluster=a.cluster)
+                                   force=a.force, cluster=cluster_of(a))
     if a.json:
         print_json(summary.model_dump())
         return 0
@@ -172,7 +172,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     from ..core.results import CompileResult
 
     opts = compile_options(a)
-    return stage_command(a, lambda p, st: pipeline.compile_graphs(p, opts, st, force=a.force, cluster=a.cluster),
+    return stage_command(a, lambda p, st: pipeline.compile_graphs(p, opts, st, force=a.force, cluster=cluster_of(a)),
                           lambda rec, _p: pipeline.compile_summary(rec.result_as(CompileResult)), print_compile)
 
 

@@ -39,6 +39,18 @@ StageFn = Callable[[dict[str, Path], Any, Path, StateLike], dict[str, Any]]
 
 
 @dataclass(frozen=True)
+class Cluster:
+    """Where heavy stages go: a Ray cluster's address; `install`: Ray's runtime_env installs this computer's
+    versions of NPU Studio's requirements (`pins()`) on the workers first (they need their package index)."""
+
+    address: str
+    install: bool = False
+
+    def __str__(self) -> str:
+        return self.address
+
+
+@dataclass(frozen=True)
 class Job:
     """One stage for the cluster: `fn(inputs, args, out, state)` (module-level, importable on the workers) with
     `inputs` the local folders (or some files of one folder) it reads, by name; each arrives on the worker as a
@@ -63,6 +75,20 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             found[name] = "not installed"
     return found
+
+
+def pins() -> list[str]:
+    """NPU Studio's requirements at the versions installed here; the window's Qt is left out (workers show none)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    out = []
+    for text in metadata.requires("npustudio") or []:
+        req = Requirement(text)
+        if req.marker is None and not req.name.lower().startswith(("pyside6", "pyqtgraph")):
+            out.append(f"{req.name}=={metadata.version(req.name).split('+')[0]}")
+    return out
 
 
 def host_port(address: str) -> tuple[str, int]:
@@ -231,12 +257,13 @@ class Transfer:
     received_s: float = 0.0
 
 
-def run(address: str, job: Job, out: Path, state: StateLike, cpus: int | None = None) -> dict[str, Any]:
-    """`job` on the cluster at `address`; its output files land in `out`. Returns the stage's result (the bytes
+def run(target: Cluster, job: Job, out: Path, state: StateLike, cpus: int | None = None) -> dict[str, Any]:
+    """`job` on the `target` cluster; its output files land in `out`. Returns the stage's result (the bytes
     moved each way go out as a "transfer" partial). Raises what a local run raises: `Cancelled`, `UserError`
     (also for a worker that died or a version skew), or RuntimeError with the worker's traceback for a bug."""
     import ray
 
+    address = target.address
     connect(address)
     cpus = cpus or _largest_node_cpus()
     has_gpu = bool(ray.cluster_resources().get("GPU"))
@@ -246,11 +273,14 @@ def run(address: str, job: Job, out: Path, state: StateLike, cpus: int | None = 
     gpu = job.device == "cuda" or (job.device == "auto" and has_gpu)
     options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": 1 if gpu else 0, "max_concurrency": 4,
                                "max_restarts": 0}
+    if target.install:
+        options["runtime_env"] = {"pip": {"packages": pins(), "pip_check": False}}
+        state.progress(0.0, f"{job.stage}: setting up the workers' packages (first time: minutes)")
     worker: Any = ray.remote(Worker).options(**options).remote()
     transfer = Transfer()
     with _failures(job.stage, address):
         try:
-            node = _started(worker, address)
+            node = _started(worker, address, START_S * (10 if target.install else 1))
             _same_versions(ray.get(worker.versions.remote()), address)
             state.progress(0.0, f"{job.stage}: sending the inputs to {node}")
             _send(worker, _files(job.inputs), state, transfer)
@@ -271,13 +301,13 @@ def _largest_node_cpus() -> int:
     return max([int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")] or [1]) or 1
 
 
-def _started(worker: Any, address: str) -> str:
+def _started(worker: Any, address: str, wait_s: float) -> str:
     import ray
 
     ref = worker.where.remote()
-    ready, _ = ray.wait([ref], timeout=START_S)
+    ready, _ = ray.wait([ref], timeout=wait_s)
     if not ready:
-        raise UserError(f"No node of the cluster at {address} could take the stage within {START_S:.0f} s.",
+        raise UserError(f"No node of the cluster at {address} could take the stage within {wait_s:.0f} s.",
                         "Check the free CPUs and GPUs with `ray status`, or run the stage here without --cluster.")
     return str(ray.get(ref))
 
@@ -289,8 +319,8 @@ def _same_versions(theirs: dict[str, str], address: str) -> None:
         listed = "; ".join(f"{k} {a} here, {b} there" for k, (a, b) in differ.items())
         pins = " ".join(f"{k}=={a}" for k, (a, _b) in differ.items() if k != "python")
         raise UserError(f"The workers of the cluster at {address} run other versions: {listed}.",
-                        f"Install this computer's versions on the workers (`pip install {pins}`), so the stage "
-                        "gives the files it gives here.")
+                        f"Install this computer's versions on the workers (`pip install {pins}`, or let Ray do it: "
+                        "--cluster-install), so the stage gives the files it gives here.")
 
 
 def _pipelined(calls: Iterator[Any], handle: Callable[[Any], None]) -> None:
@@ -402,10 +432,16 @@ def _failures(stage: str, address: str) -> Iterator[None]:
 
     try:
         yield
+    except ray.exceptions.RuntimeEnvSetupError as e:
+        raise UserError(f"Ray could not install NPU Studio's requirements on the workers of {address} "
+                        f"({_first_line(e)}).",
+                        "Check that the workers reach their package index, or install the versions there yourself "
+                        "and run without --cluster-install.") from e
     except ray.exceptions.RayActorError as e:
         if "No module named 'npustudio'" in str(e):
             raise UserError(f"NPU Studio is not installed on the workers of the cluster at {address}.",
-                            f"Install this computer's versions there: {_pins()}.") from e
+                            "Install it there with this computer's versions (`bash packaging/bootstrap.sh`), then "
+                            "run the command again.") from e
         raise UserError(f"The cluster worker running the {stage} stage stopped before it finished "
                         f"({_first_line(e)}).",
                         "The project keeps its last good state; run the command again (`ray status` shows the "
@@ -423,5 +459,3 @@ def _first_line(e: BaseException) -> str:
     return next((s for s in reversed(lines) if "Error" in s), lines[0] if lines else e.__class__.__name__)
 
 
-def _pins() -> str:
-    return ", ".join(f"{k}=={v}" for k, v in versions().items() if k != "python")

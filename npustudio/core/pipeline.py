@@ -18,6 +18,7 @@ from . import adapt as adapt_stage
 from . import compile as compile_stage
 from . import host_cost, layout, models, parts
 from . import quantize as quantize_stage
+from .cluster import Cluster, Job
 from .config_audit import check_context
 from .errors import UserError
 from .fsutil import atomic_write_json, refuse_link
@@ -101,9 +102,9 @@ def intake(project: Project, model: str, cl: int, state: StateLike,
 
 
 def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state: StateLike,
-          force: bool = False, cluster: str | None = None) -> StageRecord:
+          force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Adapt `model` into the project; `force` redoes it even when the inputs and options are unchanged;
-    `cluster` (a Ray address) runs it there."""
+    `cluster` runs it on that Ray cluster."""
     source, mrec = intake(project, model, options.cl, state.sub(0.0, 0.05))
     card = mrec.result_as(IntakeResult).card
     adapt_stage.validate(options, card)  # before any weight is loaded
@@ -129,7 +130,7 @@ def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state
 
 
 def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike,
-             force: bool = False, cluster: str | None = None) -> StageRecord:
+             force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
     arec = _require(project, "adapt", "adapt", "adapted model")
 
@@ -151,7 +152,7 @@ def _quantize_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, st
     return quantize_stage.run(inputs["adapt"], options, out, state).model_dump()
 
 
-def _on(cluster: str | None, stage: str, body: Any, inputs: Mapping[str, Path | list[Path]], args: Any, out: Path,
+def _on(cluster: Cluster | None, stage: str, body: Any, inputs: Mapping[str, Path | list[Path]], args: Any, out: Path,
         state: StateLike, device: str = "cpu") -> dict[str, Any]:
     """`body` here, or on the Ray cluster at `cluster` (the inputs sent, the output folder brought back)."""
     if cluster is None:
@@ -159,11 +160,11 @@ def _on(cluster: str | None, stage: str, body: Any, inputs: Mapping[str, Path | 
         return body(here, args, out, state)
     from . import cluster as ray_cluster
 
-    return ray_cluster.run(cluster, ray_cluster.Job(stage, body, inputs, args, device), out, state)
+    return ray_cluster.run(cluster, Job(stage, body, inputs, args, device), out, state)
 
 
-def _ran_on(cluster: str | None) -> str | None:
-    return None if cluster is None else f"Ray cluster at {cluster}"
+def _ran_on(cluster: Cluster | None) -> str | None:
+    return None if cluster is None else f"Ray cluster at {cluster.address}"
 
 
 def _card(project: Project) -> models.ArchCard | None:
@@ -319,7 +320,7 @@ def _require(project: Project, stage: str, command: str, what: str | None = None
 
 
 def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike,
-                   force: bool = False, cluster: str | None = None) -> StageRecord:
+                   force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
     qrec = _require(project, "quantize", "quantize")
 
@@ -356,7 +357,7 @@ def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLi
 
 def compile_and_bundle(project: Project, options: compile_stage.CompileOptions, state: StateLike,
                        boptions: bundle_stage.BundleOptions | None = None,
-                       force: bool = False, cluster: str | None = None) -> tuple[StageRecord, StageRecord]:
+                       force: bool = False, cluster: Cluster | None = None) -> tuple[StageRecord, StageRecord]:
     """Compile (+ simulator check), then the libGenie-validated bundle: the wizard's Compile step."""
     crec = compile_graphs(project, options, state.sub(0.0, 0.9), force=force, cluster=cluster)
     brec = bundle(project, boptions or bundle_stage.BundleOptions(), state.sub(0.9, 1.0), force=force)
@@ -516,7 +517,7 @@ class RunSummary(BaseModel):
 def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,
             state: StateLike | None = None, qoptions: quantize_stage.QuantizeOptions | None = None,
             coptions: compile_stage.CompileOptions | None = None, ask: bool = True,
-            on_text: Any = None, force: bool = False, cluster: str | None = None) -> RunSummary:
+            on_text: Any = None, force: bool = False, cluster: Cluster | None = None) -> RunSummary:
     """The main job on the embedded defaults: intake -> adapt (+ equivalence) -> quantize + export ->
     compile (+ simulator check) -> bundle (libGenie-validated) -> deploy to a device (the virtual one when
     no phone is attached) -> the sample prompt there, streamed. `cluster`: adapt, quantize and compile run on

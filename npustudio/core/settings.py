@@ -13,6 +13,7 @@ from pathlib import Path
 import platformdirs
 from pydantic import BaseModel, Field, ValidationError
 
+from .cluster import Cluster
 from .compute import Device
 from .errors import UserError
 from .fsutil import atomic_write_text
@@ -36,11 +37,14 @@ class Settings(BaseModel):
     cluster_address: str = Field("", description="Ray cluster address: HOST:PORT as `ray start --head` prints it, or "
                                                  "ray://HOST:10001")
     use_cluster: bool = Field(False, description="run the heavy stages (adapt, quantize, compile) on the cluster")
+    cluster_install: bool = Field(False, description="Ray installs this computer's versions of NPU Studio's "
+                                                     "requirements on the workers first")
 
     @property
-    def cluster(self) -> str | None:
-        """Where the heavy stages run: the cluster's address when the switch is on, else None (here)."""
-        return self.cluster_address.strip() or None if self.use_cluster else None
+    def cluster(self) -> Cluster | None:
+        """Where the heavy stages run: the cluster when the switch is on and an address is set, else None (here)."""
+        address = self.cluster_address.strip()
+        return Cluster(address, install=self.cluster_install) if self.use_cluster and address else None
 
     def remember(self, project: Path | str) -> None:
         p = str(Path(project).expanduser().resolve())

@@ -95,10 +95,14 @@ class SettingsDialog(QDialog):
         self.use_cluster = QCheckBox("Run heavy stages on the cluster (adapt, quantize, compile; their files come "
                                      "back into the project)")
         self.use_cluster.setChecked(s.use_cluster)
+        self.cluster_install = QCheckBox("Ray installs this computer's package versions on the workers first "
+                                         "(they need their package index)")
+        self.cluster_install.setChecked(s.cluster_install)
         self.cluster_status = QLabel("")
         self.cluster_status.setWordWrap(True)
         rf.addRow("Ray cluster address:", self.cluster_address)
         rf.addRow("", self.use_cluster)
+        rf.addRow("", self.cluster_install)
         rf.addRow("", self.cluster_status)
         lay.addWidget(ray)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
@@ -153,6 +157,7 @@ class SettingsDialog(QDialog):
                 return
         s = self.settings
         s.cluster_address, s.use_cluster = address, self.use_cluster.isChecked()
+        s.cluster_install = self.cluster_install.isChecked()
         s.qnn_sdk_root, s.adb_path = self.sdk.text().strip(), self.adb.text().strip()
         s.default_target, s.default_precision = str(self.target.currentData()), self.precision.currentText()
         s.virtual_preview = self.preview.isChecked()
