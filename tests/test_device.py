@@ -287,3 +287,28 @@ def test_chat_on_the_desktop_preview_reports_tokens_per_second(bundle: Path, tmp
     assert second.runner == "desktop preview (CPU)"
     again = chat.ChatSession(bundle, chat.DesktopEngine(bundle, preview=True), history_file=tmp_path / "h.json")
     assert [t.user for t in again.turns] == ["Hello", "And then?"]  # history survives a restart
+
+
+def test_a_history_saved_before_several_chats_reads_as_one_chat_and_stays_readable(tmp_path: Path) -> None:
+    """The file's old shape ({system, turns}) is the current chat; a new chat keeps the old one under `others`,
+    and the file's top level stays that shape for whatever reads it as before."""
+    f = tmp_path / "chat_history.json"
+    f.write_text(json.dumps({"system": "Be brief.", "turns": [{"user": "Hi", "assistant": "Yo", "runner": "x"}]}))
+    hist = chat.ChatHistory.load(f)
+    assert [(c.title, c.system, [t.user for t in c.turns]) for c in hist.chats] == [("Hi", "Be brief.", ["Hi"])]
+    old = hist.current.id
+    assert chat.ChatHistory.load(f).current.id == old  # the same chat at every read: it can be picked
+    assert hist.new() is hist.new()  # an empty chat is reused, not piled up
+    hist.current.turns.append(chat.Turn(user="Second question here", assistant="A", runner="x"))
+    hist.save()
+    data = json.loads(f.read_text())
+    assert [t["user"] for t in data["turns"]] == ["Second question here"] and data["system"] == "Be brief."
+    back = chat.ChatHistory.load(f)
+    assert [c.title for c in back.listed()] == ["Second question here", "Hi"]
+    back.pick(old)
+    back.save()
+    assert chat.ChatHistory.load(f).current.turns[0].assistant == "Yo"
+    with pytest.raises(UserError, match="no longer"):
+        back.pick("gone")
+    f.write_text("not json")
+    assert chat.ChatHistory.load(f).current.turns == []

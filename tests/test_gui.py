@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage, QPainter
 from PySide6.QtWidgets import QMessageBox, QTableWidget
 
+from npustudio.core.chat import Turn
 from npustudio.core.device import DeviceInfo
 from npustudio.core.errors import UserError
 from npustudio.core.project import Project
@@ -466,3 +468,86 @@ def test_a_stage_still_running_when_the_window_closes_ends_quietly(tmp_path: Pat
                          cwd=Path(__file__).parent.parent)
     assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr and "has been deleted" not in res.stderr, res.stderr
+
+
+def test_an_answer_in_markdown_shows_as_formatted_text_with_shaded_code(qtbot: Any) -> None:
+    from npustudio.gui.chat import CODE_BACKGROUND, Bubble
+
+    b = Bubble("model", "Model")
+    qtbot.addWidget(b)
+    b.resize(320, 200)
+    b.append("Use **this**:\n\n```python\nx = 1\n")  # streamed: drawn within 50 ms, not per token
+    b.append("```\n\nDone.")
+    qtbot.waitUntil(lambda: "Done." in b.body.toPlainText(), timeout=2_000)
+    shown = b.body.toPlainText()
+    assert "Use this:" in shown and "**" not in shown and "```" not in shown and "x = 1" in shown
+    doc = b.body.document()
+    code = doc.findBlock(shown.index("x = 1"))
+    assert code.blockFormat().background().color() == CODE_BACKGROUND
+    assert doc.findBlock(shown.index("Done.")).blockFormat().background().style() == Qt.BrushStyle.NoBrush
+    assert b.body.height() >= doc.size().height()  # the whole message shows, no scroll inside a bubble
+    user = Bubble("user", "You", "**not markdown**")
+    qtbot.addWidget(user)
+    assert user.body.toPlainText() == "**not markdown**"  # what the user typed, as typed
+
+
+def test_chat_regenerates_edits_and_keeps_several_chats_per_project(qtbot: Any, genie_project: Project,
+                                                                   tmp_path: Path) -> None:
+    """On the CPU preview: an answer regenerated or a message edited replaces the last turn (on screen and in
+    the saved history); New chat starts another, the list picks either back, and a reopened window has both."""
+    import shutil
+
+    root = tmp_path / "proj"  # a copy: the shared project keeps no chat
+    shutil.copytree(genie_project.root, root)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    c = w.chat
+    c.runner.setCurrentIndex(c.runner.findData("preview"))
+    assert c.stats.text().startswith("Ready:") and not c.regen_btn.isEnabled() and not c.edit_btn.isEnabled()
+
+    def answer(click: Any) -> Turn:
+        with qtbot.waitSignal(c.answered, timeout=120_000) as got:
+            click()
+            assert not c.send_btn.isEnabled() and c.stop_btn.isEnabled() and c.stop_btn.isVisible()
+        assert c.send_btn.isEnabled() and not c.stop_btn.isEnabled()
+        assert "tok/s" in c.stats.text() or "rate ?" in c.stats.text()
+        return got.args[0]
+
+    first = answer(lambda: c.ask("Hello"))
+    saved = lambda: json.loads((root / "chat_history.json").read_text())  # noqa: E731
+    assert [t["user"] for t in saved()["turns"]] == ["Hello"]
+    again = answer(c.regen_btn.click)
+    assert again.user == "Hello" and again.at > first.at
+    assert [(t["user"], t["at"]) for t in saved()["turns"]] == [("Hello", again.at)]  # replaced, not added
+    assert [b.role for b in c.transcript.bubbles] == ["user", "model"]
+    assert c.transcript.bubbles[1].text == again.assistant
+
+    c.edit_btn.click()
+    assert c.input.text() == "Hello" and c.send_btn.text() == "Resend"
+    c.input.setText("Hi there")
+    edited = answer(c.send_btn.click)
+    assert [t["user"] for t in saved()["turns"]] == ["Hi there"] and c.send_btn.text() == "Send"
+    assert "Hi there" in c.transcript.toPlainText() and "You: Hello" not in c.transcript.toPlainText()
+
+    c.new_btn.click()
+    assert not c.transcript.bubbles and c.chats.count() == 2 and c.stats.text().startswith("Ready:")
+    answer(lambda: c.ask("Second chat"))
+    assert c.chats.count() == 2 and c.chats.currentText().startswith("Second chat")
+    older = next(i for i in range(c.chats.count()) if c.chats.itemText(i).startswith("Hi there"))
+    c.chats.activated.emit(older)
+    assert [b.text for b in c.transcript.bubbles] == ["Hi there", edited.assistant]
+    assert c.stats.text().startswith("Ready:")  # not the other chat's last rate
+    w.close()
+
+    w2 = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w2)
+    w2.chat.runner.setCurrentIndex(w2.chat.runner.findData("preview"))
+    titles = sorted(w2.chat.chats.itemText(i) for i in range(w2.chat.chats.count()))
+    assert titles == ["Hi there", "Second chat"] and w2.chat.chats.currentText().startswith("Hi there")
+    follow = w2.chat
+    with qtbot.waitSignal(follow.answered, timeout=120_000):
+        follow.ask("And then?")  # continues the picked chat
+    hist = saved()
+    assert [t["user"] for t in hist["turns"]] == ["Hi there", "And then?"]
+    assert [[t["user"] for t in o["turns"]] for o in hist["others"]] == [["Second chat"]]

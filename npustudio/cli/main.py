@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--desktop", action="store_true", help="real Genie on this computer's HTP simulator")
     s.add_argument("--preview", action="store_true", help="the fast CPU preview on this computer")
     s.add_argument("--system", default=None, help="system prompt")
-    s.add_argument("--new", action="store_true", help="start a new conversation (forget the saved history)")
+    s.add_argument("--new", action="store_true",
+                   help="start a new conversation (the earlier ones stay in the project's chat list)")
 
     s = add("token", account.cmd_token, "store, check or delete the Hugging Face token (system keyring only)")
     s.add_argument("action", choices=["set", "delete", "status"])

@@ -4,7 +4,8 @@ runner directly (real Genie on the HTP simulator, or the fast CPU preview).
 Each turn renders the whole conversation with the model's chat template (system prompt + history, real
 newlines, no BOS: Genie adds it) and sends it as one prompt, so any runner works the same; the oldest
 turns are dropped when the conversation outgrows the context. Tokens stream to the caller; `stop` ends a
-turn from any thread; tokens/s come from the runner's Genie profile. History is saved per project.
+turn from any thread; tokens/s come from the runner's Genie profile. A project keeps several chats (its
+`chat_history.json`, `ChatHistory`); the last answer can be asked for again, the last message edited.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -37,6 +39,75 @@ class Turn(BaseModel):
     generation_tok_s: float | None = None
     ttft_s: float | None = None
     at: float = Field(default_factory=time.time)
+
+
+class Chat(BaseModel):
+    """One conversation of a project: what the history list shows and what a prompt is made from."""
+
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+    system: str | None = None
+    turns: list[Turn] = Field(default_factory=list)
+    created: float = Field(default_factory=time.time)
+
+    @property
+    def title(self) -> str:
+        """The first question, cut to a list entry's length ("New chat" while there is none)."""
+        if not self.turns:
+            return "New chat"
+        first = " ".join(self.turns[0].user.split())
+        return first if len(first) <= 40 else first[:39] + "…"
+
+
+class ChatHistory:
+    """Every chat of a project in one file. The chat on screen keeps the file's original shape at its top level
+    (`system`, `turns`), so a history written before chats could be several reads as one chat, and a reader
+    that knows only that shape still finds the current conversation; the others are under `others`."""
+
+    def __init__(self, path: Path, chats: list[Chat], current: str) -> None:
+        self.path, self.chats, self.current_id = Path(path), chats, current
+
+    @classmethod
+    def load(cls, path: Path) -> ChatHistory:
+        """The saved chats (a missing or unreadable file is one empty chat, as before)."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            top = Chat(**{k: data[k] for k in ("id", "system", "turns", "created") if k in data})
+            if "id" not in data:  # written before chats had ids: the same one at every read, so it can be picked
+                top.id = "first"
+                top.created = top.turns[0].at if top.turns else top.created
+            others = [Chat(**c) for c in data.get("others", [])]
+        except (OSError, ValueError, TypeError, AttributeError):
+            top, others = Chat(), []
+        return cls(path, [top, *others], top.id)
+
+    @property
+    def current(self) -> Chat:
+        return next(c for c in self.chats if c.id == self.current_id)
+
+    def listed(self) -> list[Chat]:
+        """Newest first, as a chat list shows them."""
+        return sorted(self.chats, key=lambda c: c.created, reverse=True)
+
+    def new(self) -> Chat:
+        """A new empty chat becomes current; an empty current chat is reused rather than piled up."""
+        if self.current.turns:
+            chat = Chat(system=self.current.system)
+            self.chats.append(chat)
+            self.current_id = chat.id
+        return self.current
+
+    def pick(self, chat_id: str) -> Chat:
+        if not any(c.id == chat_id for c in self.chats):
+            raise UserError("That chat is no longer in this project's history.", "Pick another one.")
+        self.current_id = chat_id
+        return self.current
+
+    def save(self) -> None:
+        cur = self.current
+        others = [c.model_dump() for c in self.chats if c.id != cur.id and c.turns]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.path, {"system": cur.system, "turns": [t.model_dump() for t in cur.turns],
+                                      "id": cur.id, "created": cur.created, "others": others})
 
 
 class Engine(Protocol):
@@ -117,13 +188,27 @@ class ChatSession:
         self.meta = read_metadata(self.bundle_dir)
         self.tok = _template_tokenizer(self.bundle_dir, self.meta)
         self.history_file = history_file or default_history_file(self.bundle_dir)
-        self.turns: list[Turn] = _load(self.history_file)
+        self.history = ChatHistory.load(self.history_file)
         self.last_profile: str | None = None  # Genie's profile JSON of the last turn, for the profile view
 
-    def prompt_for(self, user: str) -> str:
+    @property
+    def turns(self) -> list[Turn]:
+        """The current chat's turns."""
+        return self.history.current.turns
+
+    @turns.setter
+    def turns(self, turns: list[Turn]) -> None:
+        self.history.current.turns = turns
+
+    def reload(self) -> None:
+        """Read the chats back from the file (another view picked or started a chat there)."""
+        self.history = ChatHistory.load(self.history_file)
+
+    def prompt_for(self, user: str, before: list[Turn] | None = None) -> str:
+        """`user`'s message after the chat so far (or after `before`), the oldest turns dropped to fit."""
         from .genie.config import chat_prompt
 
-        turns = list(self.turns)
+        turns = list(self.turns if before is None else before)
         cl = self.meta.context_length
         limit = cl - max(g.ar for g in self.meta.graphs) - min(64, cl // 8)  # room for the answer
         while True:
@@ -137,32 +222,45 @@ class ChatSession:
             raise UserError("The message is too long for the model's context.", "Write a shorter message.")
         return text
 
-    def send(self, user: str, on_text: OnText, stop: threading.Event | None = None) -> Turn:
+    def send(self, user: str, on_text: OnText, stop: threading.Event | None = None,
+             replace_last: bool = False) -> Turn:
+        """One turn. With `replace_last`, `user` is asked in place of the last message: its answer replaces the
+        last turn (kept as it was should the new answer fail)."""
         from .genie import profile
         from .genie.config import check_prompt
 
         if not user.strip():
             raise UserError("The message is empty.", "Type a question.")
+        if replace_last and not self.turns:
+            raise UserError("This chat has no message to replace yet.", "Send a message first.")
         check_prompt(user)
         if self.system:
             check_prompt(self.system)
 
-        text, stopped, prof = self.engine.ask(self.prompt_for(user), on_text, stop)
+        before = self.turns[:-1] if replace_last else self.turns
+        text, stopped, prof = self.engine.ask(self.prompt_for(user, before), on_text, stop)
         self.last_profile = prof
         summary = profile.summarize(profile.parse(prof)).model_dump() if prof else {}
         turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.engine.name, stopped=stopped,
                     generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"))
-        self.turns.append(turn)
+        self.turns = [*before, turn]
         self.save()
         return turn
 
+    def regenerate(self, on_text: OnText, stop: threading.Event | None = None) -> Turn:
+        """The last message asked again; the new answer takes the old one's place."""
+        if not self.turns:
+            raise UserError("There is no answer to regenerate yet.", "Send a message first.")
+        return self.send(self.turns[-1].user, on_text, stop, replace_last=True)
+
     def clear(self) -> None:
-        self.turns = []
+        """Start a new chat (the earlier ones stay in the history)."""
+        self.history.new()
         self.save()
 
     def save(self) -> None:
-        self.history_file.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.history_file, {"system": self.system, "turns": [t.model_dump() for t in self.turns]})
+        self.history.current.system = self.system
+        self.history.save()
 
 
 def default_history_file(bundle_dir: Path) -> Path:
@@ -174,22 +272,20 @@ def default_history_file(bundle_dir: Path) -> Path:
 
 
 def saved_turns(bundle_dir: Path) -> list[Turn]:
-    """The saved conversation of a bundle's project (what a chat window shows on open)."""
-    return _load(default_history_file(bundle_dir))
+    """The current saved conversation of a bundle's project (what a chat window shows on open)."""
+    return ChatHistory.load(default_history_file(bundle_dir)).current.turns
+
+
+def history(bundle_dir: Path) -> ChatHistory:
+    """Every saved chat of a bundle's project."""
+    return ChatHistory.load(default_history_file(bundle_dir))
 
 
 def clear_history(bundle_dir: Path) -> None:
+    """Forget every chat of a bundle's project."""
     f = default_history_file(bundle_dir)
     if f.exists():
         atomic_write_json(f, {"system": None, "turns": []})
-
-
-def _load(path: Path) -> list[Turn]:
-    try:
-        data = json.loads(path.read_text())
-        return [Turn(**t) for t in data.get("turns", [])]
-    except (OSError, ValueError, TypeError):
-        return []
 
 
 def as_chat_prompt(bundle_dir: Path, text: str) -> str:

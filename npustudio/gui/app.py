@@ -86,6 +86,8 @@ class MainWindow(QMainWindow):
         self.profile_dock = self._dock("Genie profiles", scrolled(self.profiles),
                                        Qt.DockWidgetArea.BottomDockWidgetArea)
         self.splitDockWidget(self.device_dock, self.chat_dock, Qt.Orientation.Vertical)
+        # the chat's messages get the larger share: the device panel's tables are short
+        self.resizeDocks([self.device_dock, self.chat_dock], [2, 3], Qt.Orientation.Vertical)
         self.profile_dock.hide()
         self.profile_dock.visibilityChanged.connect(self._give_profiles_room)
         self.devices.selected.connect(self.set_device)

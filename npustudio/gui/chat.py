@@ -1,34 +1,173 @@
 """The chat panel: talk to the deployed model on the selected device, or to the bundle on this computer.
 
-Tokens stream in as they arrive; Stop always works (it sets the turn's stop event, which every runner
-honours); tokens/s and TTFT come from Genie's profile; history is saved per project by core.chat.
+Messages are bubbles (the model's answers drawn from Markdown, code blocks shaded); tokens stream into the
+last one as they arrive. Send and Stop stay in view; Stop always works (it sets the turn's stop event, which
+every runner honours). The last answer can be regenerated and the last message edited; a project keeps several
+chats, picked from the list at the top (core.chat keeps them). Tokens/s and TTFT come from Genie's profile.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime
 from typing import Any
 
-from PySide6.QtCore import QTimer, Signal
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtCore import QSizeF, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QGuiApplication, QTextCursor, QTextFormat, QWheelEvent
 from PySide6.QtWidgets import (
     QComboBox,
+    QFrame,
     QHBoxLayout,
+    QLabel,
     QLineEdit,
-    QPlainTextEdit,
     QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QTextBrowser,
     QVBoxLayout,
     QWidget,
 )
 
-from ..core import layout, pipeline
-from ..core.chat import ChatSession, Turn, clear_history, saved_turns
+from ..core import chat, layout, pipeline
+from ..core.chat import ChatSession, Turn
+from ..core.errors import UserError
 from . import worker
 from .widgets import show_error, status_label
 
 RUNNERS = (("device", "The selected device"), ("desktop", "This computer: Genie on the HTP simulator (slow)"),
            ("preview", "This computer: CPU preview (fast, not Genie)"))
+CODE_BACKGROUND = QColor("#eef0f3")
+BUBBLE = {"user": "background: #dbeafe", "model": "background: #ffffff; border: 1px solid #d8dce2"}
+
+
+class _Body(QTextBrowser):
+    """A message's text, as tall as its content: the transcript scrolls, not each bubble."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setOpenExternalLinks(True)
+        self.setStyleSheet("background: transparent")
+        self.document().setDocumentMargin(2)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+        self._fit(self.document().size())
+
+    def _fit(self, size: QSizeF) -> None:
+        self.setFixedHeight(int(size.height()) + 4)
+
+    def wheelEvent(self, e: QWheelEvent) -> None:  # the transcript scrolls, not the bubble
+        e.ignore()
+
+
+class Bubble(QFrame):
+    """One message: who said it (with the answer's rate), then its text."""
+
+    def __init__(self, role: str, header: str, text: str = "") -> None:
+        super().__init__()
+        self.role, self.text = role, text
+        self.setObjectName("bubble")
+        self.setStyleSheet(f"#bubble {{ {BUBBLE[role]}; border-radius: 8px }}")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 4, 8, 6)
+        lay.setSpacing(0)
+        self.header = QLabel(header)
+        self.header.setStyleSheet("color: #555; font-size: 8pt")
+        self.body = _Body()
+        lay.addWidget(self.header)
+        lay.addWidget(self.body)
+        self._render = QTimer(self)  # tokens come faster than a redraw is worth: at most every 50 ms
+        self._render.setSingleShot(True)
+        self._render.setInterval(50)
+        self._render.timeout.connect(self._draw)
+        self._draw()
+
+    def set_text(self, text: str) -> None:
+        self.text = text
+        self._render.stop()
+        self._draw()
+
+    def append(self, piece: str) -> None:
+        self.text += piece
+        if not self._render.isActive():
+            self._render.start()
+
+    def _draw(self) -> None:
+        if self.role == "user":
+            self.body.setPlainText(self.text)
+            return
+        self.body.setMarkdown(self.text)
+        shade_code(self.body)
+
+    def plain(self) -> str:
+        return f"{self.header.text()}: {self.text}"
+
+
+def shade_code(view: QTextBrowser) -> None:
+    """Code blocks of rendered Markdown on a grey ground, wrapped to the bubble (a narrow dock)."""
+    doc = view.document()
+    block = doc.begin()
+    cur = QTextCursor(doc)
+    while block.isValid():
+        fmt = block.blockFormat()
+        if fmt.hasProperty(QTextFormat.Property.BlockCodeFence) or fmt.nonBreakableLines():
+            fmt.setBackground(CODE_BACKGROUND)
+            fmt.setNonBreakableLines(False)
+            cur.setPosition(block.position())
+            cur.setBlockFormat(fmt)
+        block = block.next()
+
+
+class Transcript(QScrollArea):
+    """The chat's messages, newest at the bottom; follows a streaming answer while the view is at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        inner = QWidget()
+        self.lay = QVBoxLayout(inner)
+        self.lay.setContentsMargins(4, 4, 4, 4)
+        self.lay.setSpacing(6)
+        self.lay.addStretch(1)
+        self.setWidget(inner)
+        self.bubbles: list[Bubble] = []
+        self.verticalScrollBar().rangeChanged.connect(self._follow)
+        self._at_end = True
+        self.verticalScrollBar().valueChanged.connect(
+            lambda v: setattr(self, "_at_end", v >= self.verticalScrollBar().maximum() - 4))
+
+    def clear(self) -> None:
+        for b in self.bubbles:
+            self.lay.removeWidget(b)
+            b.deleteLater()
+        self.bubbles = []
+        self._at_end = True
+
+    def add(self, role: str, header: str, text: str = "") -> Bubble:
+        b = Bubble(role, header, text)
+        self.lay.addWidget(b)
+        self.bubbles.append(b)
+        return b
+
+    def show_turn(self, t: Turn) -> None:
+        self.add("user", "You", t.user)
+        self.add("model", answer_header(t), t.assistant)
+
+    def _follow(self, _lo: int, hi: int) -> None:
+        if self._at_end:
+            self.verticalScrollBar().setValue(hi)
+
+    def toPlainText(self) -> str:  # the name QPlainTextEdit had: every message
+        return "\n".join(b.plain() for b in self.bubbles)
+
+
+def answer_header(t: Turn) -> str:
+    rate = f" · {t.generation_tok_s:.1f} tok/s" if t.generation_tok_s else ""
+    return f"Model ({t.runner}){rate}" + (" · stopped" if t.stopped else "")
 
 
 class ChatPanel(QWidget):
@@ -41,22 +180,34 @@ class ChatPanel(QWidget):
         self._key: tuple[Any, ...] | None = None
         self.stop_event: threading.Event | None = None
         self.job: worker.Job | None = None
+        self.editing = False  # Send replaces the last message and its answer
         lay = QVBoxLayout(self)
+        top = QHBoxLayout()
+        self.chats = QComboBox()
+        self.chats.setToolTip("This project's chats, newest first")
+        self.chats.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.chats.setMinimumContentsLength(12)
+        self.new_btn = QPushButton("New chat")
+        top.addWidget(self.chats, 1)
+        top.addWidget(self.new_btn)
         self.runner = QComboBox()
         for k, label in RUNNERS:
             self.runner.addItem(label, k)
         self.system = QLineEdit()
         self.system.setPlaceholderText("system prompt (optional)")
-        self.transcript = QPlainTextEdit()
-        self.transcript.setReadOnly(True)
+        self.transcript = Transcript()
         self.input = QLineEdit()
         self.input.setPlaceholderText("Ask something…")
         self.send_btn = QPushButton("Send")
         self.stop_btn = QPushButton("Stop")
         self.stop_btn.setEnabled(False)
+        self.regen_btn = QPushButton("Regenerate")
+        self.regen_btn.setToolTip("Ask the last message again; the new answer replaces the last one")
+        self.edit_btn = QPushButton("Edit last")
+        self.edit_btn.setToolTip("Change the last message; Send replaces it and its answer")
         self.copy_btn = QPushButton("Copy answer")
-        self.new_btn = QPushButton("New chat")
         self.stats = status_label()
+        lay.addLayout(top)
         lay.addWidget(self.runner)
         lay.addWidget(self.system)
         lay.addWidget(self.transcript, 1)
@@ -66,9 +217,10 @@ class ChatPanel(QWidget):
         row.addWidget(self.stop_btn)
         lay.addLayout(row)
         row2 = QHBoxLayout()
+        row2.addWidget(self.regen_btn)
+        row2.addWidget(self.edit_btn)
         row2.addStretch(1)
         row2.addWidget(self.copy_btn)
-        row2.addWidget(self.new_btn)
         lay.addLayout(row2)
         lay.addWidget(self.stats)
         self.send_btn.clicked.connect(self.send)
@@ -76,13 +228,18 @@ class ChatPanel(QWidget):
         self.stop_btn.clicked.connect(self.stop)
         self.copy_btn.clicked.connect(self.copy)
         self.new_btn.clicked.connect(self.new_chat)
+        self.regen_btn.clicked.connect(self.regenerate)
+        self.edit_btn.clicked.connect(self.edit_last)
+        self.chats.activated.connect(lambda i: self.pick(self.chats.itemData(i)))
         self.runner.currentIndexChanged.connect(lambda _i: self.reload())
         self.last_answer = ""
+        self._answer: Bubble | None = None
         self._t0, self._pieces = 0.0, 0
         self._first: float | None = None  # when the first piece of the answer came
         self._tick = QTimer(self)  # the status line counts while Genie reads the prompt (minutes on the simulator)
         self._tick.setInterval(500)
         self._tick.timeout.connect(self._show_progress)
+        self._enable()
 
     @property
     def busy(self) -> bool:
@@ -102,30 +259,45 @@ class ChatPanel(QWidget):
             return None
         return (str(project.root), kind, dev.serial if kind == "device" and dev else None)
 
+    def _history(self) -> chat.ChatHistory | None:
+        project = self.window_.project
+        return chat.history(project.stage_dir("bundle")) if project is not None else None
+
     def reload(self) -> None:
-        """Show the saved history of this project (the session itself is made on the first message)."""
+        """Show this project's chats and the current one (the session itself is made on the first message)."""
         if self.busy:
             return
         key = self._runner_key()
         if key != self._key:
             self.session, self._key = None, key
-        self.transcript.clear()
-        project = self.window_.project
-        if project is None:
+        self._set_editing(False)
+        self.stats.setText(self._ready_text(key))
+        hist = self._history()
+        if hist is None:
+            self.transcript.clear()
+            self.chats.clear()
+            self._enable()
             return
-        for t in saved_turns(project.stage_dir("bundle")):
-            self._show_turn(t)
-        if key is None:
-            self.stats.setText("No bundle yet (Compile step)." if self.runner.currentData() != "device"
-                               or self.window_.device else "Pick a device in the device panel.")
-        else:
-            self.stats.setText(f"Ready: {self.runner.currentText()}"
-                               + (f" ({key[2]})" if key[2] else "") + ".")
+        self._show_chat(hist)
+        self.system.setText(hist.current.system or "")
+        self.last_answer = hist.current.turns[-1].assistant if hist.current.turns else ""
 
-    def _show_turn(self, t: Turn) -> None:
-        self.transcript.appendPlainText(f"You: {t.user}")
-        self.transcript.appendPlainText(f"Model ({t.runner}): {t.assistant}" + (" [stopped]" if t.stopped else ""))
-        self.transcript.appendPlainText("")
+    def _ready_text(self, key: tuple[Any, ...] | None) -> str:
+        if key is None:
+            return ("No bundle yet (Compile step)." if self.runner.currentData() != "device" or self.window_.device
+                    else "Pick a device in the device panel.")
+        return f"Ready: {self.runner.currentText()}" + (f" ({key[2]})" if key[2] else "") + "."
+
+    def _enable(self) -> None:
+        """Buttons follow what can be done now: nothing but Stop while an answer comes."""
+        busy = self.busy
+        has_turn = bool(self.transcript.bubbles)
+        self.send_btn.setEnabled(not busy)
+        self.stop_btn.setEnabled(busy)
+        for b in (self.new_btn, self.chats):
+            b.setEnabled(not busy and self.window_.project is not None)
+        self.regen_btn.setEnabled(not busy and has_turn)
+        self.edit_btn.setEnabled(not busy and has_turn)
 
     def ask(self, text: str) -> None:
         self.input.setText(text)
@@ -135,6 +307,39 @@ class ChatPanel(QWidget):
         text = self.input.text().strip()
         if not text or self.busy:
             return
+        self._start(text, replace_last=self.editing)
+
+    def regenerate(self) -> None:
+        """The last message asked again; its answer is replaced when the new one is in."""
+        turns = self._turns()
+        if turns and not self.busy:
+            self._start(turns[-1].user, replace_last=True)
+
+    def edit_last(self) -> None:
+        """The last message into the input box (again: back to a new message)."""
+        turns = self._turns()
+        if self.editing or not turns:
+            self._set_editing(False)
+            self.input.clear()
+            return
+        self.input.setText(turns[-1].user)
+        self.input.setFocus()
+        self._set_editing(True)
+
+    def _set_editing(self, on: bool) -> None:
+        self.editing = on
+        self.send_btn.setText("Resend" if on else "Send")
+        self.edit_btn.setText("Cancel edit" if on else "Edit last")
+        if on:
+            self.stats.setText("Editing your last message: Resend replaces it and its answer.")
+
+    def _turns(self) -> list[Turn]:
+        if self.session is not None:
+            return self.session.turns
+        hist = self._history()
+        return hist.current.turns if hist is not None else []
+
+    def _start(self, text: str, replace_last: bool) -> None:
         key = self._runner_key()
         if key is None:
             show_error(self, "There is nothing to chat with yet.",
@@ -147,10 +352,12 @@ class ChatPanel(QWidget):
         self.stop_event = threading.Event()
         stop = self.stop_event
         self.input.clear()
-        self.transcript.appendPlainText(f"You: {text}")
-        self.transcript.appendPlainText("Model: ")
-        self.send_btn.setEnabled(False)
-        self.stop_btn.setEnabled(True)
+        self._set_editing(False)
+        if replace_last:  # the last message and its answer give way to the new ones
+            for b in self.transcript.bubbles[-2:]:
+                b.hide()
+        self.transcript.add("user", "You", text)
+        self._answer = self.transcript.add("model", "Model: answering…")
         self._t0, self._pieces, self._first = time.monotonic(), 0, None
         self._tick.start()
         self._show_progress()
@@ -163,10 +370,12 @@ class ChatPanel(QWidget):
             if session is None:
                 session = pipeline.open_chat(bundle, kind, serial, system)
             session.system = system
-            turn = session.send(text, lambda s: state.partial("text", text=s), stop)
+            turn = session.send(text, lambda s: state.partial("text", text=s), stop, replace_last=replace_last)
             return session, turn
 
-        self.job = worker.start(work, "Chat", partial=self._piece, done=self._done, failed=self._failed)
+        self.job = worker.start(work, "Chat", partial=self._piece, done=self._done, failed=self._failed,
+                                cancelled=self._cancelled)
+        self._enable()
 
     def _show_progress(self) -> None:
         """While an answer comes: the seconds spent on the prompt, then the pieces so far and their rate."""
@@ -185,18 +394,12 @@ class ChatPanel(QWidget):
         if self._first is None:
             self._first = time.monotonic()
         self._show_progress()
-        cur = self.transcript.textCursor()
-        cur.movePosition(cur.MoveOperation.End)
-        cur.insertText(data["text"])
-        self.transcript.setTextCursor(cur)
-        self.transcript.ensureCursorVisible()
+        if self._answer is not None:
+            self._answer.append(data["text"])
         self.window_.devices.stream(data["text"])
 
     def _end_turn(self) -> None:
         self._tick.stop()
-        self.transcript.appendPlainText("")
-        self.send_btn.setEnabled(True)
-        self.stop_btn.setEnabled(False)
         self.window_.devices.stream("\n")
 
     def _done(self, result: tuple[ChatSession, Turn]) -> None:
@@ -208,31 +411,75 @@ class ChatPanel(QWidget):
         self.stats.setText(f"{turn.runner}: {rate} {ttft}" + (" (stopped)" if turn.stopped else ""))
         if self.session.last_profile:
             self.window_.profiles.add_json(f"chat {len(self.session.turns)} ({turn.runner})", self.session.last_profile)
+        self._show_chat(self.session.history)
         self.answered.emit(turn)
+
+    def _show_chat(self, hist: chat.ChatHistory) -> None:
+        """Redraw from the saved chat: what is on screen is what was kept (a replaced answer is gone)."""
+        self.transcript.clear()
+        self.chats.clear()
+        for c in hist.listed():
+            self.chats.addItem(c.title, c.id)
+            self.chats.setItemData(self.chats.count() - 1, f"{datetime.fromtimestamp(c.created):%d %b %Y %H:%M}, "
+                                   f"{len(c.turns)} message(s)", Qt.ItemDataRole.ToolTipRole)
+        self.chats.setCurrentIndex(self.chats.findData(hist.current_id))
+        for t in hist.current.turns:
+            self.transcript.show_turn(t)
+        self._answer = None
+        self._enable()
 
     def _failed(self, problem: str, fix: str) -> None:
         self._end_turn()
+        self._redraw()
         self.stats.setText(f"Failed: {problem}")
         show_error(self, problem, fix)
+
+    def _cancelled(self) -> None:
+        """Stopped before an answer began (while the bundle was being deployed, say)."""
+        self._end_turn()
+        self._redraw()
+        self.stats.setText("Stopped before the answer began.")
+
+    def _redraw(self) -> None:
+        hist = self.session.history if self.session is not None else self._history()
+        if hist is not None:
+            self._show_chat(hist)
+        else:
+            self._enable()
 
     def stop(self) -> None:
         if self.stop_event is not None:
             self.stop_event.set()
         if self.job is not None:
             self.job.cancel()
-        self.stats.setText("stopping…")
+        if self.busy:
+            self.stats.setText("stopping…")
 
     def copy(self) -> None:
         QGuiApplication.clipboard().setText(self.last_answer)
 
+    def pick(self, chat_id: str) -> None:
+        """Show another of this project's chats; the next message continues it."""
+        hist = self._history()
+        if self.busy or hist is None or chat_id is None:
+            return
+        try:
+            hist.pick(chat_id)
+            hist.save()
+        except UserError as e:
+            show_error(self, e.problem, e.fix)
+        self._after_history_change()
+
     def new_chat(self) -> None:
-        if self.busy:
+        """A new, empty chat; the one on screen stays in the list."""
+        hist = self._history()
+        if self.busy or hist is None:
             return
-        project = self.window_.project
-        if project is None:
-            return
-        clear_history(project.stage_dir("bundle"))
+        hist.new()
+        hist.save()
+        self._after_history_change()
+
+    def _after_history_change(self) -> None:
         if self.session is not None:
-            self.session.turns = []
-        self.transcript.clear()
-        self.last_answer = ""
+            self.session.reload()
+        self.reload()
