@@ -247,6 +247,21 @@ def test_chat_on_the_virtual_device_streams_an_answer_with_real_genie(vdev: Virt
     assert "old" not in prompt3 and "user\nHi" in prompt3
 
 
+def test_chat_on_the_virtual_device_passes_genies_log_apart_from_the_answer(vdev: VirtualDevice, bundle: Path,
+                                                                           tmp_path: Path) -> None:
+    """At log level info the device's genie-t2t-run logs Genie's loading steps: they reach `on_log` line by line,
+    and the answer streams without them."""
+    deploy.deploy(bundle, device.info(vdev.serial), State())
+    session = chat.ChatSession(bundle, chat.DeviceEngine(vdev.serial, bundle), history_file=tmp_path / "h.json")
+    pieces: list[str] = []
+    logs: list[str] = []
+    turn = session.send("Hello", pieces.append, on_log=logs.append, log_level="info")
+    assert any("GenieDialog_create" in line for line in logs), logs[:5]
+    assert not any(line.startswith("[PROMPT]") for line in logs)
+    streamed = "".join(pieces)
+    assert "GenieDialog" not in streamed and turn.assistant == streamed.strip()
+
+
 def test_watcher_follows_plug_and_unplug_and_stops(adb_server: list[str], tmp_path: Path) -> None:
     events: list[tuple[list[str], list[str]]] = []
     w = device.Watcher(lambda a, r: events.append((a, r)), interval=0.2).start()
@@ -312,3 +327,20 @@ def test_a_history_saved_before_several_chats_reads_as_one_chat_and_stays_readab
         back.pick("gone")
     f.write_text("not json")
     assert chat.ChatHistory.load(f).current.turns == []
+
+
+def test_genie_output_over_adb_splits_into_the_answer_and_genies_log_lines() -> None:
+    """genie-t2t-run's one stream (stdout and stderr together): the log lines before and after the answer go to
+    the console's log, the prompt's echo to neither, and the answer stays whole, whatever the chunking."""
+    out = ("Genie Logger created with level : 3\nEntering GenieDialog_create [GenieDialog.cpp:143]\n"
+           "[PROMPT]: <|im_start|>user\nHi\n\nthere<|im_end|>\n<|im_start|>assistant\n\n\n"
+           "[BEGIN]: Hello, **world**\n[END]\nGenieDialog_free done\n")
+    for size in (1, 3, 7, len(out)):
+        text: list[str] = []
+        logs: list[str] = []
+        feed = chat.answer_stream(text.append, logs.append)
+        for i in range(0, len(out), size):
+            feed(out[i:i + size])
+        assert "".join(text) == "Hello, **world**\n", size
+        assert logs == ["Genie Logger created with level : 3", "Entering GenieDialog_create [GenieDialog.cpp:143]",
+                        "GenieDialog_free done"], size

@@ -551,3 +551,25 @@ def test_chat_regenerates_edits_and_keeps_several_chats_per_project(qtbot: Any, 
     hist = saved()
     assert [t["user"] for t in hist["turns"]] == ["Hi there", "And then?"]
     assert [[t["user"] for t in o["turns"]] for o in hist["others"]] == [["Second chat"]]
+
+
+def test_the_device_console_shows_genies_log_at_the_level_picked_beside_the_answer(
+        qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    """Real Genie (HTP simulator) answers in the chat; at log level info the console holds Genie's own log lines
+    as well as the answer, and none of them gets into the answer."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    assert [w.devices.log_level.itemText(i) for i in range(w.devices.log_level.count())] == \
+        ["error", "warn", "info", "verbose"]
+    w.devices.log_level.setCurrentIndex(w.devices.log_level.findData("info"))
+    w.chat.runner.setCurrentIndex(w.chat.runner.findData("desktop"))
+    with qtbot.waitSignal(w.chat.answered, timeout=300_000) as got:
+        w.chat.ask("Hello")
+    turn = got.args[0]
+    console = w.devices.console.toPlainText()
+    assert "GenieDialog_create" in console and turn.assistant.split()[0] in console
+    assert "GenieDialog" not in turn.assistant and "GenieDialog" not in w.chat.transcript.bubbles[-1].text

@@ -54,22 +54,40 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
             err.file = real_err
         if a.preview:  # before [BEGIN]: over adb, stderr and stdout arrive as one stream
             err.print("[yellow]preview: the quantized graphs on the CPU, not Genie on the HTP[/]")
-        tokens_out.write(f"[PROMPT]: {prompt}\n\n[BEGIN]: ")
-        tokens_out.flush()
+        # Over adb the log and the answer are one stream: Genie's loading log comes before [PROMPT]/[BEGIN]
+        # (written at the first token), and what it logs while answering waits until [END], so a reader
+        # (the window's device console) can tell the answer from the log.
+        begun, held = False, list[str]()
+
+        def begin() -> None:
+            nonlocal begun
+            if not begun:
+                begun = True
+                tokens_out.write(f"[PROMPT]: {prompt}\n\n[BEGIN]: ")
+                tokens_out.flush()
 
         def text(s: str) -> None:
+            begin()
             tokens_out.write(s)
             tokens_out.flush()
+
+        def log(line: str) -> None:
+            if begun:
+                held.append(line)
+            else:
+                err.print(line, markup=False, highlight=False)
 
         try:
             res = until_done(lambda: host.run(
                 Path(a.config), prompt, text, Path(a.profile) if a.profile else None, log_level=a.log,
-                on_log=lambda line: err.print(line, markup=False, highlight=False), stop=stop,
-                max_tokens=a.max_tokens, preview=a.preview), stop)
+                on_log=log, stop=stop, max_tokens=a.max_tokens, preview=a.preview), stop)
         finally:
             ctypes.CDLL(None).fflush(None)  # native buffers to /dev/null before [END] ends the answer
+            begin()
             tokens_out.write("[END]\n")
             tokens_out.flush()
+            for line in held:
+                err.print(line, markup=False, highlight=False)
         if res.status == "aborted":
             err.print("aborted")
             return 130

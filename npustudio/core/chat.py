@@ -113,8 +113,10 @@ class ChatHistory:
 class Engine(Protocol):
     name: str
 
-    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, str | None]:
-        """Answer `prompt` (already templated); returns (text, stopped, Genie profile JSON or None)."""
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
+            log_level: str = "error") -> tuple[str, bool, str | None]:
+        """Answer `prompt` (already templated); returns (text, stopped, Genie profile JSON or None). Genie's own
+        log lines at `log_level` (error, warn, info, verbose) go to `on_log`, never into the answer."""
         ...
 
 
@@ -126,15 +128,17 @@ class DesktopEngine:
         self.name = "desktop preview (CPU)" if preview else "desktop Genie (HTP simulator)"
         self._preview: Any = None
 
-    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, str | None]:
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
+            log_level: str = "error") -> tuple[str, bool, str | None]:
         from .genie import host
 
-        if self.preview:
+        if self.preview:  # not Genie: it has no log of its own
             if self._preview is None:
                 self._preview = host.Preview(self.bundle_dir)
             text, event, aborted = self._preview.query(prompt, on_text, stop, self.max_tokens)
             return text, aborted, self._preview.profile([event])
-        res = host.run(self.bundle_dir / layout.GENIE_CONFIG, prompt, on_text, stop=stop, max_tokens=self.max_tokens)
+        res = host.run(self.bundle_dir / layout.GENIE_CONFIG, prompt, on_text, stop=stop, max_tokens=self.max_tokens,
+                       log_level=log_level, on_log=on_log)
         return res.text, res.status == "aborted", res.profile or None
 
 
@@ -147,34 +151,58 @@ class DeviceEngine:
         self.serial, self.remote = serial, remote_dir(Path(bundle_dir))
         self.name = f"device {serial}"
 
-    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None) -> tuple[str, bool, str | None]:
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
+            log_level: str = "error") -> tuple[str, bool, str | None]:
         from .device import remote_genie
 
         with tempfile.TemporaryDirectory() as tmp:
             prof = Path(tmp) / "profile.json"
-            res = remote_genie.run(self.serial, self.remote, prompt, answer_stream(on_text), stop, prof)
+            res = remote_genie.run(self.serial, self.remote, prompt, answer_stream(on_text, on_log), stop, prof,
+                                   log=log_level)
             return res.text, res.status == "stopped", prof.read_text(encoding="utf-8") if res.profile_path else None
 
 
-def answer_stream(on_text: OnText) -> OnText:
-    """genie-t2t-run prints `[PROMPT]: …` first: pass on only what comes after `[BEGIN]: `, up to `[END]`."""
-    buf, on, done = "", False, False
+def answer_stream(on_text: OnText, on_log: OnText | None = None) -> OnText:
+    """genie-t2t-run's output split: what comes after `[BEGIN]: ` up to `[END]` is the answer (to `on_text`);
+    the lines before and after it are Genie's log (to `on_log`, a line at a time), except the `[PROMPT]: …`
+    echo of the prompt, which the caller knows already."""
+    buf, where, echo = "", "before", False  # where: before | answer | after
+
+    def log_lines(text: str) -> str:
+        """Each whole line of `text` to on_log; returns the unfinished rest."""
+        nonlocal echo
+        *whole, rest = text.split("\n")
+        for line in whole:
+            echo = echo or line.startswith("[PROMPT]: ")
+            if on_log is not None and not echo and line.strip():
+                on_log(line.rstrip("\r"))
+        return rest
 
     def feed(s: str) -> None:
-        nonlocal buf, on, done
-        if done:
-            return
-        if not on:
-            buf += s
-            if "[BEGIN]: " not in buf:
+        nonlocal buf, where, echo
+        if where == "answer":
+            head, end, tail = (buf + s).partition("[END]")
+            buf = ""
+            if not end:  # the end of a chunk may be the start of the marker: held until the next one
+                keep = next((k for k in range(4, 0, -1) if head.endswith("[END]"[:k])), 0)
+                head, buf = (head[:-keep], head[-keep:]) if keep else (head, "")
+            if head:
+                on_text(head)
+            if not end:
                 return
-            on = True
-            s = buf.split("[BEGIN]: ", 1)[1]
-        if "[END]" in s:
-            s = s.split("[END]", 1)[0]
-            done = True
-        if s:
-            on_text(s)
+            where, s = "after", tail
+        buf += s
+        if where == "before":
+            pre, begin, rest = buf.partition("[BEGIN]: ")
+            if not begin:
+                buf = log_lines(pre)  # an unfinished line may yet hold the marker: kept
+                return
+            log_lines(pre + "\n")
+            where, buf, echo = "answer", "", False
+            if rest:
+                feed(rest)
+            return
+        buf = log_lines(buf)
 
     return feed
 
@@ -223,9 +251,9 @@ class ChatSession:
         return text
 
     def send(self, user: str, on_text: OnText, stop: threading.Event | None = None,
-             replace_last: bool = False) -> Turn:
+             replace_last: bool = False, on_log: OnText | None = None, log_level: str = "error") -> Turn:
         """One turn. With `replace_last`, `user` is asked in place of the last message: its answer replaces the
-        last turn (kept as it was should the new answer fail)."""
+        last turn (kept as it was should the new answer fail). Genie's log lines at `log_level` go to `on_log`."""
         from .genie import profile
         from .genie.config import check_prompt
 
@@ -238,7 +266,7 @@ class ChatSession:
             check_prompt(self.system)
 
         before = self.turns[:-1] if replace_last else self.turns
-        text, stopped, prof = self.engine.ask(self.prompt_for(user, before), on_text, stop)
+        text, stopped, prof = self.engine.ask(self.prompt_for(user, before), on_text, stop, on_log, log_level)
         self.last_profile = prof
         summary = profile.summarize(profile.parse(prof)).model_dump() if prof else {}
         turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.engine.name, stopped=stopped,
@@ -247,11 +275,12 @@ class ChatSession:
         self.save()
         return turn
 
-    def regenerate(self, on_text: OnText, stop: threading.Event | None = None) -> Turn:
+    def regenerate(self, on_text: OnText, stop: threading.Event | None = None, on_log: OnText | None = None,
+                   log_level: str = "error") -> Turn:
         """The last message asked again; the new answer takes the old one's place."""
         if not self.turns:
             raise UserError("There is no answer to regenerate yet.", "Send a message first.")
-        return self.send(self.turns[-1].user, on_text, stop, replace_last=True)
+        return self.send(self.turns[-1].user, on_text, stop, True, on_log, log_level)
 
     def clear(self) -> None:
         """Start a new chat (the earlier ones stay in the history)."""

@@ -364,13 +364,15 @@ class ChatPanel(QWidget):
         self.window_.devices.log(f"> {text}")
         self.window_.devices.log("")  # the answer streams into a line of its own
         session = self.session
+        level = self.window_.devices.log_level.currentData()
 
         def work(state: Any) -> tuple[ChatSession, Turn]:
             nonlocal session
             if session is None:
                 session = pipeline.open_chat(bundle, kind, serial, system)
             session.system = system
-            turn = session.send(text, lambda s: state.partial("text", text=s), stop, replace_last=replace_last)
+            turn = session.send(text, lambda s: state.partial("text", text=s), stop, replace_last=replace_last,
+                                on_log=lambda line: state.partial("log", line=line), log_level=level)
             return session, turn
 
         self.job = worker.start(work, "Chat", partial=self._piece, done=self._done, failed=self._failed,
@@ -388,6 +390,9 @@ class ChatPanel(QWidget):
                                f"{self._first - self._t0:.1f} s)")
 
     def _piece(self, kind: str, data: dict) -> None:
+        if kind == "log":  # Genie's own log: to the device console, never into the answer
+            self.window_.devices.genie_log(data["line"])
+            return
         if kind != "text":
             return
         self._pieces += 1

@@ -1,13 +1,16 @@
 """The device panel: hot-plugged adb devices (the virtual one marked), their details, push progress and a
-console where Genie's output streams as it arrives. All adb traffic runs off the GUI thread."""
+console where Genie's answer streams as it arrives, with Genie's own log lines (at the level picked above it)
+in grey beside it. All adb traffic runs off the GUI thread."""
 
 from __future__ import annotations
 
+from html import escape
 from typing import Any
 
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtGui import QColor, QFont
+from PySide6.QtGui import QColor, QFont, QTextCharFormat
 from PySide6.QtWidgets import (
+    QComboBox,
     QHBoxLayout,
     QLabel,
     QListWidget,
@@ -26,6 +29,8 @@ from . import worker
 from .widgets import fill, show_error, status_label, table
 
 VIRTUAL = QColor("#e8e0f8")
+LOG_LEVELS = ("error", "warn", "info", "verbose")  # Genie's, as genie-t2t-run --log takes them
+LOG_COLOUR = "#6b7280"
 
 
 class _Bridge(QObject):
@@ -66,13 +71,22 @@ class DevicePanel(QWidget):
         self.console.setReadOnly(True)
         self.console.setMaximumBlockCount(5000)
         self.console.setFont(QFont("monospace", 9))
+        self._after_log = False  # the next piece of an answer starts a line of its own
         lay.addWidget(self.list)
         lay.addLayout(row)
         lay.addWidget(self.status)
         lay.addWidget(self.details)
         lay.addWidget(QLabel("Push:"))
         lay.addWidget(self.push)
-        lay.addWidget(QLabel("Console (Genie output as it arrives):"))
+        self.log_level = QComboBox()
+        for level in LOG_LEVELS:
+            self.log_level.addItem(level, level)
+        self.log_level.setToolTip("How much of Genie's own log the console shows with each answer "
+                                  "(genie-t2t-run's --log)")
+        head = QHBoxLayout()
+        head.addWidget(QLabel("Console: answers, and Genie's log at"), 1)
+        head.addWidget(self.log_level)
+        lay.addLayout(head)
         lay.addWidget(self.console, 1)
         self.list.currentRowChanged.connect(self._select)
         self.refresh_btn.clicked.connect(self.refresh)
@@ -200,10 +214,20 @@ class DevicePanel(QWidget):
     def log(self, text: str) -> None:
         self.console.appendPlainText(text)
 
+    def genie_log(self, line: str) -> None:
+        """One of Genie's own log lines, in grey: the answer stands out from it."""
+        self.console.appendHtml(f'<span style="color:{LOG_COLOUR}; white-space:pre">{escape(line)}</span>')
+        self._after_log = True
+
     def stream(self, text: str) -> None:
-        """Genie's output, piece by piece, without forcing a new line per token."""
+        """Genie's answer, piece by piece, without forcing a new line per token (after a log line, the answer
+        goes on on a line of its own)."""
         cur = self.console.textCursor()
         cur.movePosition(cur.MoveOperation.End)
+        if self._after_log:
+            cur.insertBlock()
+            self._after_log = False
+        cur.setCharFormat(QTextCharFormat())  # not the grey of the log line before it
         cur.insertText(text)
         self.console.setTextCursor(cur)
         self.console.ensureCursorVisible()
