@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage, QPainter
@@ -573,3 +574,63 @@ def test_the_device_console_shows_genies_log_at_the_level_picked_beside_the_answ
     console = w.devices.console.toPlainText()
     assert "GenieDialog_create" in console and turn.assistant.split()[0] in console
     assert "GenieDialog" not in turn.assistant and "GenieDialog" not in w.chat.transcript.bubbles[-1].text
+
+
+def test_inspector_cell_click_graph_chooser_and_weight_histogram(qtbot: Any, genie_project: Project,
+                                                                tmp_path: Path) -> None:
+    """A click on a heatmap cell selects the tensor it shows (even one the filter hid); the selected weight's
+    float values are drawn against its clip range; the token graph's encodings can be picked; the scale plot
+    is tall enough to read."""
+    import shutil
+
+    from PySide6.QtCore import QPointF
+    from safetensors.numpy import load_file
+
+    from npustudio.core.graph import encodings
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.resize(1366, 768)
+    w.show()
+    w.go("Quantize")
+    q = w.quantize_page
+    q.tabs.setCurrentWidget(q.inspector)
+    ins = q.inspector
+    qtbot.waitUntil(lambda: ins.table_ is not None, timeout=60_000)
+    assert [ins.graph.itemText(i) for i in range(ins.graph.count())] == \
+        [f.stem for f in (root / "stages" / "quantize").glob("*.encodings") if f.stem.startswith("prompt")] + \
+        [f.stem for f in (root / "stages" / "quantize").glob("*.encodings") if f.stem.startswith("token")]
+    assert ins.table_.path.endswith(ins.graph.itemText(0) + ".encodings")
+    ins.graph.setCurrentIndex(1)  # the token graph, as a click on the list does
+    ins.graph.activated.emit(1)
+    qtbot.waitUntil(lambda: ins.table_.path.endswith(ins.graph.itemText(1) + ".encodings"), timeout=60_000)
+    assert ins.graph.currentIndex() == 1 and ins.graph.itemText(1) in ins.title.text()
+
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("spread"))
+    qtbot.wait(200)
+    assert ins.detail.height() >= 160 and ins.hist.height() >= 160
+    i, j = ins.heat_roles.index("down"), 1
+    want = ins.heat_names[i, j]
+    ins.search.setText("embed")  # hides the cell's tensor from the table
+    vb = ins.heatmap.getPlotItem().vb
+    at = ins.heatmap.mapFromScene(vb.mapViewToScene(QPointF(j + 0.5, i + 0.5)))
+    qtbot.mouseClick(ins.heatmap.viewport(), Qt.MouseButton.LeftButton, pos=at)
+    assert ins.selected() is not None and ins.selected().name == want and "layers.1.mlp.down" in want
+    assert ins.search.text() == "" and want in ins.detail_label.text()
+
+    qtbot.waitUntil(lambda: ins.hist_data is not None, timeout=30_000)
+    h = ins.hist_data
+    row = ins.selected()
+    stored = load_file(str(root / "stages" / "adapt" / "decoder.safetensors"))[want]
+    assert h.values == h.of == stored.size  # a tiny weight is read whole
+    assert list(np.histogram(stored.astype(np.float64), bins=np.asarray(h.edges))[0]) == h.counts
+    assert h.clip_low < 0 < h.clip_high and h.clipped < 0.01  # int8 per channel from min/max: next to no clipping
+    offsets = row.offsets if len(row.offsets) == len(row.scales) else [row.offset] * len(row.scales)
+    widest = max((255 + o) * s for s, o in zip(row.scales, offsets, strict=True))  # x' = (q + offset)·scale
+    assert row.bitwidth == 8 and abs(h.clip_high - widest) < 1e-6 * widest
+    assert "clip range" in ins.hist_label.text()
+    act = next(r.name for r in encodings.read(ins.table_.path).rows if r.kind == "activation")
+    ins.select_tensor(act)
+    assert ins.hist_data is None and "activation" in ins.hist_label.text()

@@ -1,15 +1,25 @@
-"""The per-layer encodings inspector: a layers × roles heatmap, a sortable/filterable table of every tensor,
-and the per-channel (or per-block) scales of the selected one. All numbers come from core.graph.encodings.
+"""The per-layer encodings inspector: a layers × roles heatmap (a click on a cell selects its tensor), a
+sortable/filterable table of every tensor, the per-channel (or per-block) scales of the selected one and a
+histogram of its float values against its quantization grid and clip range. A chooser switches between the
+graphs' .encodings (prompt, token). All numbers come from core.graph (encodings, sqnr).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, QSortFilterProxyModel, Qt
+from PySide6.QtCore import (
+    QAbstractTableModel,
+    QModelIndex,
+    QPersistentModelIndex,
+    QSortFilterProxyModel,
+    Qt,
+    Signal,
+)
 from PySide6.QtGui import QColor, QFontMetrics
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -23,7 +33,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core.graph import sqnr
 from ..core.graph.encodings import EncodingsTable, TensorRow
+from . import worker
 
 ROLES = ("embedding", "norm", "q", "k", "v", "o", "gate", "up", "down", "kv-cache", "activation", "lm_head")
 COLUMNS = (("name", "Tensor"), ("layer", "Layer"), ("role", "Role"), ("kind", "Kind"), ("bitwidth", "Bits"),
@@ -113,8 +125,9 @@ class TensorFilter(QSortFilterProxyModel):
                 and (not self.flagged_only or bool(r.flags)))
 
 
-def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], list[str]]:
-    """(roles × layers) values of `metric` over the roles the layers have, NaN where a layer lacks one."""
+def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], list[str], dict[tuple[int, int], str]]:
+    """(roles × layers) values of `metric` over the roles the layers have, NaN where a layer lacks one, and the
+    tensor each cell shows (its worst)."""
     def shown(r: TensorRow) -> bool:  # rows the metric reads: a role without any stays off the grid
         if r.layer is None or _KIND.get(metric, r.kind) != r.kind:
             return False
@@ -124,7 +137,8 @@ def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], lis
     roles = [x for x in ROLES if any(r.role == x and shown(r) for r in table.rows)]
     grid = np.full((len(roles), len(layers)), np.nan)
     col = {layer: i for i, layer in enumerate(layers)}
-    worst = min if metric == "sqnr" else max  # a cell shows its most damaged tensor
+    worse = (lambda a, b: a < b) if metric == "sqnr" else (lambda a, b: a > b)  # a cell shows its most damaged
+    names: dict[tuple[int, int], str] = {}
     for r in table.rows:
         if r.role not in roles or not shown(r):
             continue
@@ -132,16 +146,23 @@ def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], lis
              "spread": math.log10(max(r.scale_spread, 1.0)),
              "range": math.log10(max(r.range_max - r.range_min, 1e-12))}[metric]
         i, j = roles.index(r.role), col[r.layer]
-        grid[i, j] = v if np.isnan(grid[i, j]) else worst(grid[i, j], v)
-    return grid, layers, roles
+        if np.isnan(grid[i, j]) or worse(v, grid[i, j]):
+            grid[i, j], names[i, j] = v, r.name
+    return grid, layers, roles, names
 
 
 class Inspector(QWidget):
+    graph_chosen = Signal(object)  # Path of the .encodings picked in the graph chooser
+
     def __init__(self) -> None:
         super().__init__()
         self.table_: EncodingsTable | None = None
         lay = QVBoxLayout(self)
         bar = QHBoxLayout()
+        self.graph = QComboBox()
+        self.graph.setToolTip("Which graph's encodings: the prompt graph (AR-N) or the token graph (AR-1)")
+        self.graph.activated.connect(lambda i: self.graph_chosen.emit(self.graph.itemData(i)))
+        bar.addWidget(self.graph)
         self.colour_by = QComboBox()
         for k, label in METRICS.items():
             self.colour_by.addItem(label, k)
@@ -167,6 +188,8 @@ class Inspector(QWidget):
         self.heatmap.getAxis("left").setWidth(QFontMetrics(self.font()).horizontalAdvance("activation") + 16)
         self.colorbar: Any = None
         self.heat_grid, self.heat_roles = np.zeros((0, 0)), list[str]()
+        self.heat_names: dict[tuple[int, int], str] = {}
+        self.heatmap.scene().sigMouseClicked.connect(self._heat_clicked)
         split.addWidget(self.heatmap)
         self.view = QTableView()
         self.view.setSortingEnabled(True)
@@ -176,17 +199,32 @@ class Inspector(QWidget):
         self.view.horizontalHeader().setResizeContentsPrecision(60)  # column widths from the first rows only
         self.proxy = TensorFilter()
         self.view.setModel(self.proxy)
+        self.view.selectionModel().currentRowChanged.connect(self._select)  # once: the proxy stays, its source changes
         split.addWidget(self.view)
         self.detail = pg.PlotWidget()
         self.detail.setLabel("left", "scale")
+        self.detail.setMinimumHeight(160)  # the scales of 64 channels need that much to be told apart
+        self.hist = pg.PlotWidget()
+        self.hist.setLabel("left", "values")
+        self.hist.setLabel("bottom", "float value")
+        self.hist.setMinimumHeight(160)
+        self.hist_data: sqnr.WeightHistogram | None = None
+        self.hist_label = QLabel("")
+        self.hist_label.setWordWrap(True)
         self.detail_label = QLabel("Select a tensor to see its scales per channel or block.")
+        self.detail_label.setWordWrap(True)
         det = QWidget()
         dl = QVBoxLayout(det)
         dl.setContentsMargins(0, 0, 0, 0)
         dl.addWidget(self.detail_label)
-        dl.addWidget(self.detail, 1)
+        plots = QHBoxLayout()
+        plots.addWidget(self.detail, 1)
+        plots.addWidget(self.hist, 1)
+        dl.addLayout(plots, 1)
+        dl.addWidget(self.hist_label)
         split.addWidget(det)
-        split.setSizes([300, 280, 170])
+        split.setSizes([260, 220, 240])
+        split.setChildrenCollapsible(False)
         lay.addWidget(split, 1)
         self.colour_by.currentIndexChanged.connect(self._draw_heat)
         self.search.textChanged.connect(lambda t: self.proxy.set(text=t))
@@ -198,14 +236,26 @@ class Inspector(QWidget):
         self.table_ = None
         self.proxy.setSourceModel(TensorModel([]))
         self.image.clear()
-        self.heat_grid, self.heat_roles = np.zeros((0, 0)), []
+        self.heat_grid, self.heat_roles, self.heat_names = np.zeros((0, 0)), [], {}
         self.detail.clear()
+        self.hist.clear()
+        self.hist_data = None
+        self.hist_label.setText("")
+        self.graph.clear()
         self.title.setText("No encodings loaded.")
+
+    def set_graphs(self, files: list[Path]) -> None:
+        """The graphs whose encodings can be shown (prompt and token graph); the first is shown until another is
+        picked."""
+        current = self.graph.currentData()
+        self.graph.clear()
+        for f in files:
+            self.graph.addItem(f.stem, f)
+        self.graph.setCurrentIndex(max(0, self.graph.findData(current)))
 
     def load(self, table: EncodingsTable) -> None:
         self.table_ = table
         self.proxy.setSourceModel(TensorModel(table.rows))
-        self.view.selectionModel().currentRowChanged.connect(self._select)
         self.view.resizeColumnsToContents()
         flagged = sum(bool(r.flags) for r in table.rows)
         self.title.setText(f"{table.path.rsplit('/', 1)[-1]} (schema {table.version}): {len(table.rows)} tensors, "
@@ -225,9 +275,9 @@ class Inspector(QWidget):
         if self.table_ is None:
             return
         metric = self.colour_by.currentData()
-        grid, layers, roles = heat(self.table_, metric)
+        grid, layers, roles, names = heat(self.table_, metric)
         self.heatmap.getAxis("left").setTicks([[(i + 0.5, r) for i, r in enumerate(roles)]])
-        self.heat_grid, self.heat_roles = grid, roles
+        self.heat_grid, self.heat_roles, self.heat_names = grid, roles, names
         if not np.isfinite(grid).any():  # nothing to colour (no SQNR figures in this table)
             self.image.clear()
             return
@@ -243,6 +293,30 @@ class Inspector(QWidget):
         self.colorbar.setLevels((lo, hi if hi > lo else lo + 1))
         step = max(1, len(layers) // 15)
         self.heatmap.getAxis("bottom").setTicks([[(j + 0.5, str(layer)) for j, layer in enumerate(layers)][::step]])
+
+    def _heat_clicked(self, ev: Any) -> None:
+        """A click on a cell selects the tensor it shows in the table (filters that hide it are lifted)."""
+        vb = self.heatmap.getPlotItem().vb
+        if not vb.sceneBoundingRect().contains(ev.scenePos()):
+            return
+        pt = vb.mapSceneToView(ev.scenePos())
+        name = self.heat_names.get((math.floor(pt.y()), math.floor(pt.x())))
+        if name is not None:
+            self.select_tensor(name)
+
+    def select_tensor(self, name: str) -> None:
+        """Select `name`'s row in the table and show its detail."""
+        if name not in [r.name for r in self.visible_rows()]:
+            self.search.setText("")
+            self.role.setCurrentIndex(0)
+            self.flagged.setChecked(False)
+        row = next(i for i, r in enumerate(self.visible_rows()) if r.name == name)
+        self.view.selectRow(row)
+        self.view.scrollTo(self.proxy.index(row, 0))
+
+    def selected(self) -> TensorRow | None:
+        rows = self.view.selectionModel().selectedRows() if self.view.selectionModel() else []
+        return self.proxy.sourceModel().rows[self.proxy.mapToSource(rows[0]).row()] if rows else None
 
     def _select(self, current: QModelIndex, _prev: QModelIndex) -> None:
         if not current.isValid():
@@ -263,3 +337,46 @@ class Inspector(QWidget):
             f"{len(r.scales)} scale(s) {r.scale_min:.3g}…{r.scale_max:.3g} (×{r.scale_spread:.1f}), offset {r.offset}, "
             f"range [{r.range_min:.4g}, {r.range_max:.4g}]{flags}")
         self.detail_points = len(r.scales)
+        self._histogram(r)
+
+    def _histogram(self, r: TensorRow) -> None:
+        """The weight's float values against its grid, read off the GUI thread (a large weight is sampled)."""
+        self.hist.clear()
+        self.hist_data = None
+        if r.kind != "param" or self.table_ is None:
+            self.hist_label.setText("An activation: no stored values to draw (its range is in the table).")
+            return
+        self.hist_label.setText("Reading the float weights…")
+        path, name = Path(self.table_.path), r.name
+
+        def show(h: sqnr.WeightHistogram | None) -> None:
+            cur = self.selected()
+            if cur is None or cur.name != name:  # another tensor was picked meanwhile
+                return
+            if h is None:
+                self.hist_label.setText("The adapted model holds no float values for this tensor.")
+                return
+            self.draw_histogram(h)
+
+        def failed(problem: str, fix: str) -> None:
+            self.hist_label.setText(f"No histogram: {problem}")
+
+        worker.start(lambda _s: sqnr.histogram(path, r), "Reading weights", done=show, failed=failed)
+
+    def draw_histogram(self, h: sqnr.WeightHistogram) -> None:
+        self.hist_data = h
+        self.hist.clear()
+        self.hist.plot(h.edges, h.counts, stepMode="center", fillLevel=0, brush=pg.mkBrush("#1f77b455"),
+                       pen=pg.mkPen("#1f77b4"))
+        for x in (h.clip_low, h.clip_high):
+            self.hist.addItem(pg.InfiniteLine(x, angle=90, pen=pg.mkPen("#d62728", width=2)))
+        if h.grid:  # the representable values, as ticks along the bottom
+            top = max(h.counts) or 1
+            self.hist.addItem(pg.ScatterPlotItem(h.grid, [0.0] * len(h.grid), symbol="|", size=8,
+                                                 pen=pg.mkPen("#444"), brush=None))
+            self.hist.setYRange(0, top * 1.05)
+        sample = f"{h.values:,} of {h.of:,} values" if h.values < h.of else f"{h.values:,} values"
+        self.hist_label.setText(
+            f"Histogram: {sample}; red lines: the clip range [{h.clip_low:.4g}, {h.clip_high:.4g}]"
+            + (f", ticks: the {len(h.grid)} grid values" if h.grid else " (widest over channels)")
+            + f"; {h.clipped:.2%} beyond their own channel's range.")

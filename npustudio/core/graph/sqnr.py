@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from pydantic import BaseModel
 
 from .. import layout
 from ..errors import UserError
@@ -29,7 +30,22 @@ def weights(enc_file: Path, rows: list[TensorRow]) -> dict[str, float]:
     """SQNR (dB) per weight row of `rows` whose float values the adapted model holds (inf: no error at all)."""
     from safetensors import safe_open
 
+    floats = _floats(enc_file)
+    out: dict[str, float] = {}
+    with safe_open(str(floats), framework="np") as f:
+        names = set(f.keys())
+        for r in rows:
+            name = _stored_name(r, names)
+            if name is None:
+                continue
+            db = _sqnr(f.get_slice(name), r)
+            if db is not None:
+                out[r.name] = db
+    return out
 
+
+def _floats(enc_file: Path) -> Path:
+    """The adapted model's float weights for an .encodings file of a project's quantize stage."""
     quant_dir = Path(enc_file).resolve().parent
     floats = quant_dir.parent / "adapt" / layout.DECODER_WEIGHTS  # the project's adapt stage
     if not floats.is_file():
@@ -39,17 +55,30 @@ def weights(enc_file: Path, rows: list[TensorRow]) -> dict[str, float]:
     if result.is_file() and json.loads(result.read_text()).get("rotated"):
         raise UserError("These weights were rotated before quantizing: the adapted float weights are not what was "
                         "quantized, so an SQNR against them would mislead.", "Read the table without --sqnr.")
-    out: dict[str, float] = {}
-    with safe_open(str(floats), framework="np") as f:
-        names = set(f.keys())
-        for r in rows:
-            name = r.name if r.name in names else "embed.weight" if r.name == "lm_head.weight" else None
-            if r.kind != "param" or name not in names or any("scale" in x or "bitwidth" in x for x in r.flags):
-                continue
-            db = _sqnr(f.get_slice(name), r)
-            if db is not None:
-                out[r.name] = db
-    return out
+    return floats
+
+
+def _stored_name(r: TensorRow, names: set[str]) -> str | None:
+    """The float tensor an encodings row quantizes (the tied LM head is the embedding), if it is a weight."""
+    name = r.name if r.name in names else "embed.weight" if r.name == "lm_head.weight" else None
+    if r.kind != "param" or name not in names or any("scale" in x or "bitwidth" in x for x in r.flags):
+        return None
+    return name
+
+
+def _grid(r: TensorRow, n_rows: int, width: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Scales and offsets broadcastable over the tensor as (rows, width), or None when the encoding's shape does
+    not match the tensor (nothing sound to say then)."""
+    scales = np.asarray(r.scales, dtype=np.float64)
+    offsets = np.asarray(r.offsets or [r.offset], dtype=np.float64)
+    if r.granularity == "tensor":
+        return scales[:1].reshape(1, 1), offsets[:1].reshape(1, 1)
+    if r.granularity == "channel" and len(scales) == n_rows:
+        return scales.reshape(-1, 1), offsets.reshape(-1, 1) if len(offsets) == n_rows else offsets[:1].reshape(1, 1)
+    if r.granularity == "block" and len(scales) % n_rows == 0 and width % (len(scales) // n_rows) == 0:
+        blocks = len(scales) // n_rows
+        return np.repeat(scales.reshape(n_rows, blocks), width // blocks, axis=1), offsets[:1].reshape(1, 1)
+    return None
 
 
 def _sqnr(x: Any, r: TensorRow) -> float | None:
@@ -57,19 +86,10 @@ def _sqnr(x: Any, r: TensorRow) -> float | None:
     shape = tuple(x.get_shape())
     n_rows = shape[0] if len(shape) > 1 else 1
     width = math.prod(shape) // n_rows
-    scales = np.asarray(r.scales, dtype=np.float64)
-    offsets = np.asarray(r.offsets or [r.offset], dtype=np.float64)
-    if r.granularity == "tensor":
-        scales, offsets = scales[:1].reshape(1, 1), offsets[:1].reshape(1, 1)
-    elif r.granularity == "channel" and len(scales) == n_rows:
-        scales = scales.reshape(-1, 1)
-        offsets = offsets.reshape(-1, 1) if len(offsets) == n_rows else offsets[:1].reshape(1, 1)
-    elif r.granularity == "block" and len(scales) % n_rows == 0 and width % (len(scales) // n_rows) == 0:
-        blocks = len(scales) // n_rows
-        scales = np.repeat(scales.reshape(n_rows, blocks), width // blocks, axis=1)
-        offsets = offsets[:1].reshape(1, 1)
-    else:
-        return None  # an encoding whose shape does not match the tensor: nothing sound to say
+    grid = _grid(r, n_rows, width)
+    if grid is None:
+        return None
+    scales, offsets = grid
     top = 2.0**r.bitwidth - 1
     signal = noise = 0.0
     for a in range(0, n_rows, _ROWS):
@@ -82,3 +102,66 @@ def _sqnr(x: Any, r: TensorRow) -> float | None:
     if noise == 0:
         return math.inf
     return 10 * math.log10(signal / noise) if signal > 0 else None
+
+
+class WeightHistogram(BaseModel):
+    """A weight's float values against its quantization grid, for the inspector's histogram."""
+
+    counts: list[int]
+    edges: list[float]  # len(counts) + 1
+    clip_low: float  # the lowest and highest value any channel (block) of the encoding can represent
+    clip_high: float
+    grid: list[float]  # the representable values, when one grid serves the whole tensor and has few levels
+    clipped: float  # fraction of the values outside their own channel's (block's) clip range
+    values: int  # how many values were read (a sample of rows for a large tensor)
+    of: int  # how many the tensor has
+
+
+SAMPLE_VALUES = 2**20  # read at most about this many values of a large weight (evenly spread slabs of rows)
+
+
+def histogram(enc_file: Path, r: TensorRow, bins: int = 120) -> WeightHistogram | None:
+    """`r`'s float values (the adapted model's) binned, with its encoding's clip range and grid; None for an
+    activation or a weight the adapted model does not hold as such."""
+    from safetensors import safe_open
+
+    if r.kind != "param":
+        return None
+    with safe_open(str(_floats(enc_file)), framework="np") as f:
+        name = _stored_name(r, set(f.keys()))
+        if name is None:
+            return None
+        x = f.get_slice(name)
+        shape = tuple(x.get_shape())
+        n_rows = shape[0] if len(shape) > 1 else 1
+        width = math.prod(shape) // n_rows
+        grid = _grid(r, n_rows, width)
+        if grid is None:
+            return None
+        scales, offsets = grid
+        top = 2.0**r.bitwidth - 1
+        if n_rows * width <= SAMPLE_VALUES:
+            take, starts = n_rows, [0]
+        else:  # slabs of up to 64 rows, evenly spread over the tensor
+            take = max(1, min(64, SAMPLE_VALUES // width))
+            slabs = max(1, SAMPLE_VALUES // (take * width))
+            starts = sorted({int(v) for v in np.linspace(0, n_rows - take, num=slabs)})
+        parts, outside = [], 0
+        for a in starts:
+            w = np.asarray(x[a:a + take] if len(shape) > 1 else x[:], dtype=np.float64).reshape(-1, width)
+            s = scales[a:a + len(w)] if scales.shape[0] > 1 else scales
+            o = offsets[a:a + len(w)] if offsets.shape[0] > 1 else offsets
+            lo, hi = o * s, (top + o) * s
+            outside += int(np.sum((w < lo - s / 2) | (w > hi + s / 2)))  # beyond half a step: clipped
+            parts.append(w.ravel())
+    vals = np.concatenate(parts)
+    all_lo, all_hi = offsets * scales, (top + offsets) * scales
+    clip_low, clip_high = float(np.min(all_lo)), float(np.max(all_hi))
+    span = (min(float(vals.min()), clip_low), max(float(vals.max()), clip_high))
+    counts, edges = np.histogram(vals, bins=bins, range=span)
+    one = scales.size == 1 and offsets.size == 1
+    levels = ((np.arange(top + 1) + float(offsets.flat[0])) * float(scales.flat[0])).tolist() if one and top < 256 \
+        else []
+    return WeightHistogram(counts=counts.tolist(), edges=edges.tolist(), clip_low=clip_low, clip_high=clip_high,
+                           grid=levels, clipped=outside / max(vals.size, 1), values=int(vals.size),
+                           of=int(math.prod(shape)))

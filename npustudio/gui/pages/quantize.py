@@ -88,6 +88,7 @@ class QuantizePage(Page):
         ll.addWidget(self.chart, 3)
         ll.addWidget(self.results, 2)
         self.inspector = Inspector()
+        self.inspector.graph_chosen.connect(self.load_encodings)
         self.tabs.addTab(live, "Live perplexity")
         self.tabs.addTab(self.inspector, "Encodings inspector")
         self.lay.addWidget(self.tabs, 1)
@@ -151,7 +152,8 @@ class QuantizePage(Page):
                                   f"(×{s.ratio:.4f}).")
         graphs = r.graphs
         if graphs:
-            self.load_encodings(folder / f"{graphs[0]}.encodings")
+            self.inspector.set_graphs([folder / f"{g}.encodings" for g in graphs])
+            self.load_encodings(self.inspector.graph.currentData())
 
     def clear_results(self) -> None:
         super().clear_results()
