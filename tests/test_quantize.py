@@ -429,6 +429,10 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
     assert sorted(f.name for f in one.iterdir()) == sorted([f.name for f in two.iterdir()] + sides)
     a, b = (json.loads((d / f"{PROMPT}.encodings").read_text()) for d in (one, two))
     assert a == b
+    # the stage leaves aimet as it found it: an LPBQ weight stays LPBQ (int4 blocks under 8-bit per-channel scales)
+    # in the 1.0.0 file the QAIRT SDK reads, not a plain 4-bit per-block encoding
+    kinds = {e["enc_type"] for e in a["param_encodings"] if e["name"].endswith("down.weight")}
+    assert kinds == ({"LPBQ"} if precision == "w4a16" else {"PER_CHANNEL"})
     for suffix in ("", "_qdq"):
         assert _graph(one / f"{PROMPT}{suffix}.onnx") == _graph(two / f"{PROMPT}{suffix}.onnx")
 

@@ -59,7 +59,6 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
     """
     import onnx
     from aimet_torch import onnx as aonnx
-    from aimet_torch.quantization.affine.encoding import GroupedBlockEncoding
     from aimet_torch.utils import patch_attr
 
     trim_heap()  # what the evaluation freed goes back to the system before the export's peak
@@ -80,6 +79,7 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
         if biased:  # its extra forward pass holds ~1.4 GB on the default model: only where needed
             stack.enter_context(aonnx._concretize_int32_bias_quantizers(model, args, None))
         stack.enter_context(aonnx._temporarily_convert_activation_to(model, signed=False))
+        stack.enter_context(lean_lpbq_dicts())
         # aimet re-quantizes every parameter here, holding two extra copies of each (the 1 GB embedding table of
         # a 1B model: 2 GB more at the export's peak). The folded conv weights are already on their grid
         # (simulate.fold) and come out bit-identical; the embedding's asymmetric 16-bit grid and int32 biases do
@@ -88,11 +88,10 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
         stack.enter_context(aonnx._remove_fp16_quantizers(model))
         stack.enter_context(aonnx._remove_fp16_quantized_parameters(model))
         stack.enter_context(patch_attr(aonnx._onnx, "export", _weights_outside(aonnx._onnx.export)))
-        lpbq = GroupedBlockEncoding
-        stack.enter_context(patch_attr(lpbq, "to_qnn_encoding_dict", _lean_lpbq_dict(lpbq.to_qnn_encoding_dict)))
         graph, enc_map = aonnx._to_onnx(model, args, str(float_onnx), **kw, propagate_int32_encodings=False)
     onnx.save(graph, str(float_onnx))
-    data = sim.onnx._to_json(enc_map, "1.0.0", aonnx._get_all_constants(graph))
+    with lean_lpbq_dicts():
+        data = sim.onnx._to_json(enc_map, "1.0.0", aonnx._get_all_constants(graph))
     data["param_encodings"] = [e for e in data["param_encodings"] if not _int32(e)]
     _add_input_encodings(data, simulate.input_quantizers(sim.model))
     atomic_write_json(enc_file, data)
@@ -124,22 +123,48 @@ def write_qdq(t: Traced) -> list[Path]:
     return [t.float_onnx, t.enc_file, t.qdq_onnx]
 
 
-def _lean_lpbq_dict(to_dict: Any) -> Any:
-    """LPBQ's `to_qnn_encoding_dict` for aimet's trace (`_to_onnx`), without the block scales as Python lists.
+def lean_lpbq_dicts() -> contextlib.AbstractContextManager[Any]:
+    """`GroupedBlockEncoding.to_qnn_encoding_dict` replaced by `_lean_lpbq_dict` for the `with` block.
 
-    The trace asks every encoding for its 2.1.0 dict only to derive the per-tensor encodings of data-movement and
-    rescaling ops; an LPBQ weight's (it has an axis, its scale is no float) is never propagated there. aimet
-    still builds it as nested lists of every block scale, (out, blocks, 1, 1) deep: ~2.2 GB at the export's peak
-    for a 1B model's 15 million blocks. The stand-in has the same keys, and a token unique to the encoding where
-    the lists were, so two encodings stay unequal. The QDQ pass (`write_qdq`) gets aimet's real dicts."""
+    Not aimet's `patch_attr`: on leaving it deletes the class's own method and, finding the inherited
+    `AffineEncoding` one, never puts it back, so every later LPBQ encoding of the process (aimet's own exporters'
+    too) came out as a 4-bit PER_BLOCK one."""
+    from unittest import mock
+
+    from aimet_torch.quantization.affine.encoding import GroupedBlockEncoding
+
+    return mock.patch.object(GroupedBlockEncoding, "to_qnn_encoding_dict",
+                             _lean_lpbq_dict(GroupedBlockEncoding.to_qnn_encoding_dict))
+
+
+def _lean_lpbq_dict(to_dict: Any) -> Any:
+    """LPBQ's `to_qnn_encoding_dict` without its Python lists of every block's float scale.
+
+    - 2.1.0, asked by aimet's trace (`_to_onnx`) only to derive the per-tensor encodings of data-movement and
+      rescaling ops: an LPBQ weight's (it has an axis, its scale is no float) is never propagated there, yet
+      aimet builds it as (out, blocks, 1, 1)-deep nested lists of every block scale (~2.2 GB at the export's
+      peak for a 1B model's 15 million blocks). The stand-in has the same keys, and a token unique to the
+      encoding where the lists were, so two encodings stay unequal. The QDQ pass (`write_qdq`) gets aimet's.
+    - 1.0.0 (the .encodings file): aimet lists every block's float scale and offset first (the per-tensor
+      format), then replaces them by the per-channel ones (~650 MB of Python floats churned per graph). The
+      same dict is built directly.
+    tests/test_quantize.py checks both files against aimet's own exporters."""
     def lean(self: Any, encoding_version: str | None = None) -> Any:
-        if encoding_version != "2.1.0" or all(g == 1 for g in self.block_grouping):
+        if all(g == 1 for g in self.block_grouping) or self.zero_point_shift:
             return to_dict(self, encoding_version)
         channel_axis, block_axis = self._safe_get_channel_and_block_axis()
-        token = f"LPBQ encoding {id(self)}: block scales not listed for the trace"
-        return {"output_dtype": f"{'' if self.signed else 'u'}int{self.bitwidth}",
-                "y_scale": {"x": token, "x_scale": token, "axis": channel_axis},
-                "axis": block_axis, "block_size": self.block_size[block_axis]}
+        if encoding_version == "2.1.0":
+            token = f"LPBQ encoding {id(self)}: block scales not listed for the trace"
+            return {"output_dtype": f"{'' if self.signed else 'u'}int{self.bitwidth}",
+                    "y_scale": {"x": token, "x_scale": token, "axis": channel_axis},
+                    "axis": block_axis, "block_size": self.block_size[block_axis]}
+        if encoding_version == "1.0.0" and self.block_size[block_axis] != -1:
+            scale = self.per_channel_scale.flatten().tolist()
+            return {"dtype": "INT", "bw": self.decompressed_bw, "is_sym": self.symmetry, "scale": scale,
+                    "offset": [-(2 ** (self.decompressed_bw - 1))] * len(scale), "enc_type": "LPBQ",
+                    "block_size": self.block_size[block_axis], "compressed_bw": self.bitwidth,
+                    "per_block_int_scale": self.per_block_int_scale.to(torch.int32).flatten().tolist()}
+        return to_dict(self, encoding_version)
 
     return lean
 
