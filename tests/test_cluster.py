@@ -160,6 +160,7 @@ def test_cancel_mid_quantize_stops_the_worker_and_keeps_the_last_good_state(head
                                                                             tmp_path: Path) -> None:
     p = _copy(genie_project, tmp_path / "p")
     before = _hashes(p, "quantize")
+    cluster.release()  # the workers earlier tests left for a next stage: the stage's worker is then the only one
     err = _run_until(p, head, "ppl", lambda st: st.cancel())
     assert isinstance(err, Cancelled)
     assert _hashes(p, "quantize") == before and not p.changed("quantize")
@@ -182,6 +183,7 @@ def test_a_killed_worker_is_said_and_the_project_keeps_its_last_good_state(head:
                                                                           tmp_path: Path) -> None:
     p = _copy(genie_project, tmp_path / "p")
     before = _hashes(p, "quantize")
+    cluster.release()
 
     def kill(_st: State) -> None:
         for w in _workers():

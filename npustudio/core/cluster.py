@@ -17,6 +17,7 @@ import platform
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +34,7 @@ POLL_S = 0.2  # how often the stage's events are pulled
 REACH_S = 5.0  # an unreachable address is told within this (plus Ray's own connect)
 START_S = 120.0  # a worker that cannot be placed this long is reported, not waited for
 STOP_S = 60.0  # after a cancel, how long the stage has to reach its next safe point
+IDLE_S = 120.0  # a worker kept for a next stage ends itself after this long unused
 VERSIONED = ("npustudio", "torch", "aimet-torch", "onnxruntime-qnn", "transformers", "ray")
 
 StageFn = Callable[[dict[str, Path], Any, Path, StateLike], dict[str, Any]]
@@ -156,6 +158,27 @@ class Worker:
         self.events: list[tuple[Any, ...]] = []
         self.state = State()
         self.state.subscribe(self._keep)
+        self.used = time.monotonic()
+        # torch, aimet and onnxruntime load while the inputs arrive (seconds a stage would otherwise wait for)
+        self.warm = threading.Thread(target=_import_stages, daemon=True)
+        self.warm.start()
+        threading.Thread(target=self._end_when_idle, daemon=True).start()
+
+    def reset(self) -> None:
+        """Ready for the next stage: an empty folder, no events, a new State."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir()
+        self.events = []
+        self.state = State()
+        self.state.subscribe(self._keep)
+        self.used = time.monotonic()
+
+    def _end_when_idle(self) -> None:
+        """A worker kept for the next stage holds its CPUs (or GPU): it ends itself after `IDLE_S` unused."""
+        while time.monotonic() - self.used < IDLE_S:
+            time.sleep(5)
+        shutil.rmtree(self.root, ignore_errors=True)
+        os._exit(0)
 
     def _keep(self, ev: Any) -> None:
         self.events.append(("progress", ev.fraction, ev.message) if hasattr(ev, "fraction")
@@ -173,6 +196,7 @@ class Worker:
         return os.getpid()
 
     def write(self, rel: str, offset: int, data: bytes, digest: str) -> int:
+        self.used = time.monotonic()
         if hashlib.sha256(data).hexdigest() != digest:
             raise OSError(f"{rel} arrived damaged at byte {offset} (SHA-256 differs)")
         path = self._inside(rel)
@@ -186,6 +210,7 @@ class Worker:
 
     def run(self, fn: StageFn, names: list[str], args: Any, threads: int) -> None:
         """The stage, to its end; its outcome is the last event."""
+        self.warm.join()  # a library half-imported by that thread is not importable from this one
         import torch
 
         torch.set_num_threads(threads)
@@ -207,6 +232,7 @@ class Worker:
             self.events.append(("done", result, files))
 
     def pull(self, start: int) -> list[tuple[Any, ...]]:
+        self.used = time.monotonic()
         return self.events[start:]
 
     def cancel(self) -> None:
@@ -276,7 +302,8 @@ def run(target: Cluster, job: Job, out: Path, state: StateLike, cpus: int | None
     if target.install:
         options["runtime_env"] = {"pip": {"packages": pins(), "pip_check": False}}
         state.progress(0.0, f"{job.stage}: setting up the workers' packages (first time: minutes)")
-    worker: Any = ray.remote(Worker).options(**options).remote()
+    key = (address, cpus, options["num_gpus"], target.install)
+    worker: Any = _kept(key) or ray.remote(Worker).options(**options).remote()
     transfer = Transfer()
     with _failures(job.stage, address):
         try:
@@ -287,12 +314,55 @@ def run(target: Cluster, job: Job, out: Path, state: StateLike, cpus: int | None
             result, files = _follow(worker, job, cpus, state.sub(0.05, 0.95))
             state.progress(0.95, f"{job.stage}: bringing the results back from {node}")
             _receive(worker, files, out, state, transfer)
-        finally:
+        except BaseException:
             with contextlib.suppress(Exception):
                 ray.get(worker.close.remote(), timeout=30)
             ray.kill(worker)
+            raise
+    _KEPT[key] = worker  # the next stage (run: adapt, quantize, compile) finds its libraries loaded
     state.partial("transfer", **vars(transfer))
     return result
+
+
+_KEPT: dict[tuple[Any, ...], Any] = {}
+
+
+def _kept(key: tuple[Any, ...]) -> Any:
+    """The worker an earlier stage of this process left with these resources, emptied; None if there is none (or it
+    ended meanwhile). Any other kept worker is ended."""
+    import ray
+
+    worker = _KEPT.pop(key, None)
+    release()  # one kept worker at most: another one's CPUs or GPU may be what the new one needs
+    if worker is None:
+        return None
+    try:
+        ray.get(worker.reset.remote(), timeout=30)
+    except Exception:
+        with contextlib.suppress(Exception):
+            ray.kill(worker)
+        return None
+    return worker
+
+
+def release() -> None:
+    """End the workers kept for a next stage (they also end after `IDLE_S` unused, or with this process)."""
+    import ray
+
+    while _KEPT:
+        _, worker = _KEPT.popitem()
+        with contextlib.suppress(Exception):
+            ray.get(worker.close.remote(), timeout=30)
+            ray.kill(worker)
+
+
+def _import_stages() -> None:
+    """The libraries every heavy stage loads first (~3 s on 2 cores)."""
+    import importlib
+
+    for name in ("torch", "transformers", "onnx", "onnxruntime", "aimet_torch"):
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
 
 def _largest_node_cpus() -> int:
