@@ -27,6 +27,7 @@ from .genie.profile import Summary as ProfileSummary
 
 if TYPE_CHECKING:
     from .chat import ChatSession
+    from .targets import Soc
 from .progress import State, StateLike, free_big_blocks_at_once
 from .project import Manifest, Project, StageRecord
 from .results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult, Verification
@@ -261,6 +262,34 @@ def open_chat(bundle: Path, where: Literal["device", "desktop", "preview"], seri
     else:
         engine = chat.DesktopEngine(bundle, preview=where == "preview")
     return chat.ChatSession(bundle, engine, system=system)
+
+
+def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, float], str]]:
+    """The decode roofline on `target` per precision of the model's fit: (precision, roofline, basis). The
+    precision the project's bundle is current for is measured from that bundle (`profile.bundle_roofline`, the
+    figure the profiles show); the others are estimated from the fit at the chosen context length."""
+    from .genie import profile
+
+    rec = project.record("model")
+    if rec is None or rec.status != "done":
+        return []
+    intake, cl = rec.result_as(IntakeResult), int(rec.options.get("cl", 1024))
+    built = None
+    quant, bundle = project.record("quantize"), project.record("bundle")
+    if quant and bundle and bundle.status == "done" and "bundle" not in stale_reasons(project):
+        built = quant.result_as(QuantizeResult).precision
+    out = []
+    for f in intake.fit:
+        if f.precision == built:
+            try:
+                out.append((f.precision, profile.bundle_roofline(project.stage_dir("bundle"), target),
+                            "the bundle's binaries"))
+                continue
+            except UserError:  # a bundle folder damaged since: the estimate still holds
+                pass
+        out.append((f.precision, profile.roofline(target, f.weight_bytes, intake.card.kv_bytes_per_token, cl),
+                    "estimate"))
+    return out
 
 
 def project_of_bundle(folder: Path) -> Project | None:

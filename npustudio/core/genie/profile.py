@@ -123,16 +123,27 @@ def roofline(target: Soc, weight_bytes: int, kv_bytes_per_token: int, context: i
             "decode_tok_s_bound": round(bw / per_token, 1)}
 
 
-def bundle_roofline(bundle: Path) -> dict[str, float]:
-    """The decode roofline of a bundle: its target's bandwidth, its largest binary, its 8-bit KV cache."""
+def bundle_roofline(bundle: Path, target: Soc | None = None) -> dict[str, float]:
+    """The decode roofline of a bundle on `target` (default: the one it was built for): what one generated token
+    reads (`decode_bytes`) and its 8-bit KV cache over the bundle's context. The Target page and the profiles
+    both show this figure for a built bundle."""
     from .bundle import read_metadata
 
     meta = read_metadata(Path(bundle))
-    bins = [f.stat().st_size for f in Path(bundle).glob("*.bin") if f.is_file()]
+    return roofline(target or meta.target, decode_bytes(Path(bundle)), meta.decoder.kv_bytes_per_token,
+                    meta.context_length)
+
+
+def decode_bytes(bundle: Path) -> int:
+    """The context binaries one generated token goes through: every part of the token graph (AR-1), or with
+    weight sharing every part's one binary. (The largest binary alone undercounted a model cut in parts, and
+    the prompt graph's binaries are not run while generating.)"""
+    bins = {f.name: f.stat().st_size for f in Path(bundle).glob("*.bin") if f.is_file()}
     if not bins:
         raise UserError(f"{bundle} holds no context binary (*.bin), so it has no decode roofline.",
                         "Pass a whole bundle folder (`npustudio bundle` writes one), or leave out --bundle.")
-    return roofline(meta.target, max(bins), meta.decoder.kv_bytes_per_token, meta.context_length)
+    token = [n for n in bins if n.startswith("token_")] or [n for n in bins if n.startswith("shared")] or list(bins)
+    return sum(bins[n] for n in token)
 
 
 def _num(v: Any, kind: type) -> Any:

@@ -6,9 +6,7 @@ from typing import Any
 
 from PySide6.QtWidgets import QComboBox, QPushButton
 
-from ...core import device, models
-from ...core.genie.profile import roofline
-from ...core.results import IntakeResult
+from ...core import device, models, pipeline
 from ...core.targets import DEFAULT_SOC, KNOWN_SOCS, find_soc
 from ..widgets import Page, fill, table
 
@@ -76,11 +74,7 @@ class TargetPage(Page):
         s = find_soc(self.selected())
         rows: list[tuple[str, Any]] = [("SoC", s.soc), ("Product", s.product), ("Hexagon (dsp_arch)", s.dsp_arch),
                                        ("QNN soc_model", s.soc_model), ("Memory bandwidth", f"{s.memory_gb_s} GB/s")]
-        rec = self.project.record("model") if self.window_.project else None
-        if rec and rec.status == "done":
-            intake, cl = rec.result_as(IntakeResult), int(rec.options.get("cl", 1024))
-            for f in intake.fit:
-                r = roofline(s, f.weight_bytes, intake.card.kv_bytes_per_token, cl)
-                rows.append((f"Decode bound, {f.precision}", f"≤ {r['decode_tok_s_bound']} tok/s "
-                             f"({models.human_bytes(r['bytes_per_token'])} read per token)"))
+        for precision, r, basis in pipeline.decode_bounds(self.project, s) if self.window_.project else []:
+            rows.append((f"Decode bound, {precision}", f"≤ {r['decode_tok_s_bound']} tok/s "
+                         f"({models.human_bytes(r['bytes_per_token'])} read per token; {basis})"))
         fill(self.details, rows)
