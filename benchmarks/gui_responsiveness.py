@@ -4,10 +4,14 @@ Opens the main window (offscreen unless QT_QPA_PLATFORM says otherwise) on a fre
 then clicks Quantize and measures while it runs:
 - event-loop stalls: a 10 ms QTimer's late ticks (max, p99, count over 50 ms);
 - progress updates that reached the GUI per second, and the PPL points drawn;
-- the chart's own ceiling: points pushed into the live PPL chart as fast as it redraws (updates/s).
+- the chart's own ceiling: points pushed into the live PPL chart as fast as it redraws (updates/s);
+- switching projects (File → Recent): how long each open blocks the window, and the stalls while it settles;
+- closing the window during a stage (Quantize redone; "Stop and quit"): the seconds until it closes, the stalls
+  meanwhile, and whether the project kept its last good stage and no scratch folder.
 Prints JSON. `--model tiny` (default, ~1 min) uses a small random Llama; `--model default` the real SmolLM2.
+`--quick` skips the Adapt/Quantize timings: the project switch, then the window closed during Adapt.
 
-    python benchmarks/gui_responsiveness.py [--model tiny|default|PATH]
+    python benchmarks/gui_responsiveness.py [--model tiny|default|PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -100,9 +104,74 @@ def chart_ceiling(seconds: float = 2.0) -> float:
     return round(n / (time.perf_counter() - t0), 1)
 
 
+def settle(app: object, seconds: float) -> None:
+    """Let the event loop run (what the window does after an action) for `seconds`."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        app.processEvents()  # type: ignore[attr-defined]
+        time.sleep(0.002)
+
+
+def switch_projects(app: object, w: object, meter: StallMeter, other: Path) -> dict[str, object]:
+    """Open `other` and come back, as File → Recent does: each open runs on the GUI thread (its pages redraw
+    from the manifest; the inspector's read goes to a child), so its time is a stall."""
+    first = w.project.root  # type: ignore[attr-defined]
+    out: dict[str, object] = {}
+    for name, folder in (("to_other", other), ("back", first)):
+        meter.step = f"opening {Path(folder).name}"
+        meter.start()
+        t0 = time.perf_counter()
+        opened = w.open_project(folder)  # type: ignore[attr-defined]
+        blocked = (time.perf_counter() - t0) * 1000
+        settle(app, 1.5)
+        meter.stop()
+        if not opened:
+            raise SystemExit(f"could not open {folder}")
+        out[name] = {"open_blocked_ms": round(blocked, 1), **meter.summary()}
+    return out
+
+
+def close_during_stage(app: object, w: object, meter: StallMeter, page: object, name: str) -> dict[str, object]:
+    """Start `page`'s stage (Redo: it runs even when current), close the window once it reports progress,
+    answer "Stop and quit", and wait for the window to go: what a person quitting mid-stage sees."""
+    from npustudio.core import layout
+    from npustudio.core.project import Project
+
+    root = w.project.root  # type: ignore[attr-defined]
+    before = Project.open(root, create=False).record(name)
+    meter.step = f"{name} starting"
+    meter.start()
+    page.strip.redo.click()  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    while page.strip.bar.value() == 0 and time.perf_counter() - t0 < 600:  # type: ignore[attr-defined]
+        app.processEvents()  # type: ignore[attr-defined]
+        time.sleep(0.002)
+    started = time.perf_counter() - t0
+    meter.step = "closing"
+    t1 = time.perf_counter()
+    w.close()  # type: ignore[attr-defined]
+    box = w.quit_box  # type: ignore[attr-defined]
+    asked = box is not None and box.isVisible()
+    if asked:
+        next(b for b in box.buttons() if b.text() == "Stop and quit").click()
+    while w.isVisible() and time.perf_counter() - t1 < 600:  # type: ignore[attr-defined]
+        app.processEvents()  # type: ignore[attr-defined]
+        time.sleep(0.002)
+    closed = time.perf_counter() - t1
+    meter.stop()
+    after = Project.open(root, create=False).record(name)
+    stages = root / layout.STAGES_DIR
+    return {"stage": name, "seconds_until_progress": round(started, 1), "asked_before_quitting": asked,
+            "seconds_to_close": round(closed, 2), "closed": not w.isVisible(), **meter.summary(),  # type: ignore
+            "kept_last_good": (after is not None and after.status == "done") if before is not None else None,
+            "scratch_left": sorted(p.name for p in stages.iterdir() if p.name.endswith(".partial"))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--quick", action="store_true",
+                    help="no Adapt/Quantize timings: the project switch, then the window closed during Adapt")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="baseline: leave start-up objects to the cyclic GC, as before the app froze them")
     a = ap.parse_args()
@@ -171,13 +240,24 @@ def main() -> int:
             w.quantize_page.calib_samples.setValue(2)
             w.quantize_page.calib_len.setValue(64)
 
+    other = tmp / "other-project"
+    from npustudio.core.project import Project
+
+    Project.open(other)  # an empty project to switch to
+    if a.quick:
+        out["switch_project"] = switch_projects(app, w, meter, other)
+        adapt_setup()
+        out["close_during_stage"] = close_during_stage(app, w, meter, w.adapt_page, "adapt")
+        print(json.dumps(out, indent=2))
+        return 0
     run(w.adapt_page, "adapt", adapt_setup)
     run(w.quantize_page, "quantize", quant_setup)
     out["chart_max_updates_hz"] = chart_ceiling()
+    out["switch_project"] = switch_projects(app, w, meter, other)
     q = out["quantize"]
     out["targets"] = {"max_stall_ms<=50": q["max_stall_ms"] <= STALL_MS,  # type: ignore[index]
                       "chart_updates_hz>=10": out["chart_max_updates_hz"] >= 10}  # type: ignore[operator]
-    w.close()
+    out["close_during_stage"] = close_during_stage(app, w, meter, w.quantize_page, "quantize")
     print(json.dumps(out, indent=2))
     return 0
 

@@ -665,3 +665,23 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     expected = meta.target.memory_gb_s * 1e9 / (token_bins + meta.decoder.kv_bytes_per_token * meta.context_length)
     assert target_figure == round(expected, 1)
     assert "estimate" in table_dict(w.target_page.details)["Decode bound, w4a16"]  # no bundle of that precision
+
+
+def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid_stage(tmp_path: Path) -> None:
+    """`benchmarks/gui_responsiveness.py --quick` opens another project and back, then quits during Adapt: it
+    reports what it measured (no timing is judged here) and that the window asked, closed and left no scratch."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "gui_responsiveness.py"), "--quick"],
+                         capture_output=True, text=True, timeout=600, cwd=root,
+                         env={**os.environ, "QT_QPA_PLATFORM": "offscreen", "TMPDIR": str(tmp_path)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    for leg in ("to_other", "back"):
+        assert out["switch_project"][leg]["open_blocked_ms"] > 0 and out["switch_project"][leg]["ticks"] > 0
+    close = out["close_during_stage"]
+    assert close["stage"] == "adapt" and close["asked_before_quitting"] and close["closed"]
+    assert close["scratch_left"] == [] and close["kept_last_good"] is None  # a first run: nothing to keep
+    assert "Traceback" not in res.stderr
