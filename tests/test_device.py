@@ -115,22 +115,23 @@ def test_a_device_killed_mid_push_resumes_on_the_next_deploy(adb_server: list[st
     vd = VirtualDevice(root).start()
     _connect(vd)
     dev = device.info(vd.serial)
-    real_read = deploy._Progress.read
+    real_advance = deploy._Progress.advance
     sent = {"n": 0}
+    manifest = _remote(vd, bundle) / layout.DEVICE_MANIFEST
 
-    def read_then_unplug(self: deploy._Progress, n: int = -1) -> bytes:
-        data = real_read(self, n)
-        sent["n"] += len(data)
-        if sent["n"] > 700_000:  # inside the second binary: the phone goes away
+    def advance_then_unplug(self: deploy._Progress, n: int) -> None:
+        real_advance(self, n)
+        sent["n"] += n
+        if sent["n"] > 700_000 and not vd.stopping.is_set():  # the second binary is out: the phone goes away,
+            _wait(manifest.exists)  # once the files that landed before are recorded (that runs behind the stream)
             vd.stop()
-        return data
 
-    monkeypatch.setattr(deploy._Progress, "read", read_then_unplug)
+    monkeypatch.setattr(deploy._Progress, "advance", advance_then_unplug)
     monkeypatch.setattr(deploy, "_MANIFEST_EVERY", 0)  # record every file (by default: files >= 8 MB)
     with pytest.raises(UserError) as e:
         deploy.deploy(bundle, dev, State(), force=True)
     assert "broke off" in e.value.problem and "resumes" in e.value.fix
-    monkeypatch.setattr(deploy._Progress, "read", real_read)
+    monkeypatch.setattr(deploy._Progress, "advance", real_advance)
     device.client().disconnect(vd.serial)
     vd2 = VirtualDevice(root, port=vd.port).start()  # plugged back in
     _connect(vd2)

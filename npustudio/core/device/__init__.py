@@ -71,12 +71,15 @@ def adb_path() -> str:
     return path
 
 
-def client() -> Any:
-    """An adbutils client for the adb server, started first if none runs."""
+def client(ping: bool = True) -> Any:
+    """An adbutils client for the adb server, started first if none runs (`ping=False`: the caller has just
+    talked to it; the check costs a connection and adbutils' 10 ms close)."""
     port = server_port()
     import adbutils
 
     adb = adbutils.AdbClient(host="127.0.0.1", port=port, socket_timeout=30)
+    if not ping:
+        return adb
     try:
         adb.server_version()
         return adb

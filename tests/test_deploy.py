@@ -1,0 +1,146 @@
+"""Deploy's push as a user sees it, through the real adb server against the virtual device: exact bytes,
+the device-side manifest, a changed file re-sent, names the device shell must not misread, refusals."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from npustudio.core import device, layout
+from npustudio.core.device import deploy
+from npustudio.core.device.virtual import VirtualDevice
+from npustudio.core.errors import UserError
+from npustudio.core.progress import Cancelled, State
+from npustudio.core.shape import DecoderSpec
+from npustudio.core.targets import find_soc
+
+SPEC = DecoderSpec(family="Llama", model_type="llama", layers=2, heads=4, kv_heads=2, head_dim=16, hidden=64,
+                   intermediate=128, vocab=384, rms_norm_eps=1e-5, tied_embeddings=True, qkv_bias=False, qk_norm=False)
+
+
+@pytest.fixture(scope="module")
+def vdev(adb_server: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VirtualDevice]:
+    vd = VirtualDevice(tmp_path_factory.mktemp("phone")).start()
+    assert "connected" in str(device.client().connect(vd.serial, timeout=15))
+    yield vd
+    device.client().disconnect(vd.serial)
+    vd.stop()
+
+
+def _bundle(tmp_path: Path, files: dict[str, bytes]) -> Path:
+    """A folder deploy accepts: what its compatibility check reads, and `files`. Named after the test, so each
+    test has its own folder on the device."""
+    folder = tmp_path / tmp_path.name
+    folder.mkdir(parents=True)
+    (folder / layout.METADATA).write_text(json.dumps({
+        "target": find_soc("SM8750").model_dump(), "context_length": 128, "graphs": [{"name": "g", "ar": 1}],
+        "decoder": SPEC.model_dump(), "eos_ids": [2]}))
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def _on_device(vd: VirtualDevice, bundle: Path) -> Path:
+    return vd.host_path(deploy.remote_dir(bundle))
+
+
+def _check_landed(vd: VirtualDevice, bundle: Path) -> dict[str, dict[str, int | str]]:
+    """Every file of the bundle is on the device with its bytes, no temporary file is left, and the manifest
+    records each with its size, the mtime the device gave it and its sha256. Returns the manifest."""
+    remote = _on_device(vd, bundle)
+    manifest = json.loads((remote / layout.DEVICE_MANIFEST).read_text())
+    for p in deploy.local_files(bundle):
+        there = remote / p.name
+        assert there.read_bytes() == p.read_bytes(), p.name
+        assert manifest[p.name] == {"size": p.stat().st_size, "mtime": int(there.stat().st_mtime),
+                                    "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}, p.name
+    assert not [q.name for q in remote.iterdir() if q.name.endswith(".part")]
+    return manifest
+
+
+def test_files_of_every_size_land_exactly_and_the_manifest_records_them(vdev: VirtualDevice, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deploy, "_BLOCK", 3 * deploy.SYNC_CHUNK)  # several blocks per file without big files
+    monkeypatch.setattr(deploy, "_MANIFEST_EVERY", 4 * deploy.SYNC_CHUNK)  # and checkpoints during the push
+    chunk = deploy.SYNC_CHUNK
+    bundle = _bundle(tmp_path, {
+        "empty.txt": b"", "one.bin": b"x", "chunk.bin": os.urandom(chunk), "block.bin": os.urandom(3 * chunk),
+        "two_blocks.bin": os.urandom(6 * chunk), "odd.bin": os.urandom(10 * chunk + 123),
+        "tokenizer.json": os.urandom(5000)})
+    res = deploy.deploy(bundle, device.info(vdev.serial), State(), force=True)
+    assert res.bytes_sent == sum(p.stat().st_size for p in deploy.local_files(bundle))
+    assert {r["file"] for r in res.files if r["sent"]} == {p.name for p in deploy.local_files(bundle)}
+    _check_landed(vdev, bundle)
+
+
+def test_a_changed_file_is_sent_again_and_only_it(vdev: VirtualDevice, tmp_path: Path) -> None:
+    bundle = _bundle(tmp_path, {"a.bin": os.urandom(300_000), "b.bin": os.urandom(200_000)})
+    dev = device.info(vdev.serial)
+    deploy.deploy(bundle, dev, State(), force=True)
+    same_size = os.urandom(200_000)
+    (bundle / "b.bin").write_bytes(same_size)  # same size, new bytes, new mtime
+    again = deploy.deploy(bundle, dev, State())
+    assert [r["file"] for r in again.files if r["sent"]] == ["b.bin"] and again.bytes_sent == 200_000
+    assert (_on_device(vdev, bundle) / "b.bin").read_bytes() == same_size
+    _check_landed(vdev, bundle)
+    assert deploy.deploy(bundle, dev, State()).bytes_sent == 0
+
+
+def test_a_file_changed_on_the_device_is_sent_again(vdev: VirtualDevice, tmp_path: Path) -> None:
+    bundle = _bundle(tmp_path, {"a.bin": os.urandom(100_000)})
+    dev = device.info(vdev.serial)
+    deploy.deploy(bundle, dev, State(), force=True)
+    (_on_device(vdev, bundle) / "a.bin").write_bytes(b"truncated")
+    assert deploy.deploy(bundle, dev, State()).bytes_sent == 100_000
+    _check_landed(vdev, bundle)
+
+
+@pytest.mark.parametrize("name", ["it's a \"test\" file.bin", "$HOME;touch PWNED`x` && y.bin", "-rf.bin",
+                                  "tab\tand\\backslash.txt", "ünï cödé.json"])
+def test_names_the_device_shell_could_misread_are_renamed_as_they_are(vdev: VirtualDevice, tmp_path: Path,
+                                                                       name: str) -> None:
+    bundle = _bundle(tmp_path, {name: os.urandom(70_000), "z.bin": b"last"})
+    deploy.deploy(bundle, device.info(vdev.serial), State(), force=True)
+    _check_landed(vdev, bundle)
+    assert not list(vdev.root.rglob("PWNED"))
+
+
+def test_many_files_are_renamed_over_several_shell_lines(vdev: VirtualDevice, tmp_path: Path) -> None:
+    bundle = _bundle(tmp_path, {f"{i:03d}_{'n' * 120}.txt": os.urandom(100 + i) for i in range(60)})
+    deploy.deploy(bundle, device.info(vdev.serial), State(), force=True)
+    _check_landed(vdev, bundle)
+
+
+def test_a_file_the_device_refuses_is_named_and_nothing_is_recorded(vdev: VirtualDevice, tmp_path: Path) -> None:
+    bundle = _bundle(tmp_path, {"a.bin": os.urandom(50_000), "b.bin": os.urandom(50_000)})
+    (_on_device(vdev, bundle) / ".a.bin.part").mkdir(parents=True)  # its temporary name is taken by a folder
+    with pytest.raises(UserError) as e:
+        deploy.deploy(bundle, device.info(vdev.serial), State(), force=True)
+    assert "refused a.bin" in e.value.problem and "directory" in e.value.problem
+    assert not (_on_device(vdev, bundle) / layout.DEVICE_MANIFEST).exists()
+    (_on_device(vdev, bundle) / ".a.bin.part").rmdir()
+    deploy.deploy(bundle, device.info(vdev.serial), State())  # the next deploy sends it
+    _check_landed(vdev, bundle)
+
+
+class _CancelAtFirstProgress(State):
+    def progress(self, fraction: float, message: str | None = None) -> None:
+        super().progress(fraction, message)
+        self.cancel()
+
+
+def test_a_cancelled_push_says_so_leaves_no_half_file_and_the_next_one_finishes(
+        vdev: VirtualDevice, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deploy, "_BLOCK", 2 * deploy.SYNC_CHUNK)
+    bundle = _bundle(tmp_path, {"a.bin": os.urandom(20 * deploy.SYNC_CHUNK)})
+    with pytest.raises(Cancelled):
+        deploy.deploy(bundle, device.info(vdev.serial), _CancelAtFirstProgress(), force=True)
+    assert not (_on_device(vdev, bundle) / "a.bin").exists()
+    total = sum(p.stat().st_size for p in deploy.local_files(bundle))
+    assert deploy.deploy(bundle, device.info(vdev.serial), State()).bytes_sent == total
+    _check_landed(vdev, bundle)
