@@ -55,3 +55,14 @@ def test_cli_defaults_come_from_the_stage_options_and_the_windows_settings() -> 
     assert (a.precision, a.target, a.device) == ("w4a16", "SM8650", "cpu")
     a = build_parser().parse_args(["quantize", "--project", "p", "--precision", "w8a16"])
     assert a.precision == "w8a16"
+
+
+def test_bars_that_call_tqdm_directly_stay_out_of_a_pipe() -> None:
+    """transformers' GGUF loader (the default model) draws its own tqdm bar, one redraw per tensor."""
+    code = ("from npustudio.core import quiet; quiet.libraries()\n"
+            "from tqdm.auto import tqdm\n"
+            "for _ in tqdm(range(50), desc='Converting and de-quantizing GGUF tensors...'): pass\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_") and k != "NPUSTUDIO_DEBUG"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "GGUF" not in res.stderr + res.stdout

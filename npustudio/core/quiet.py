@@ -35,6 +35,8 @@ def libraries() -> None:
     # read by huggingface_hub and transformers (whose bars follow the hub's switch) when they are imported, also in
     # a spawned child
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # bars that call tqdm directly (transformers' GGUF loader: one redraw per tensor), read when tqdm is imported
+    os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if "transformers" in sys.modules:  # already imported: its switches, not the environment
