@@ -685,3 +685,44 @@ def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid
     assert close["stage"] == "adapt" and close["asked_before_quitting"] and close["closed"]
     assert close["scratch_left"] == [] and close["kept_last_good"] is None  # a first run: nothing to keep
     assert "Traceback" not in res.stderr
+
+
+def test_opening_a_project_remembers_it_in_recent_projects_written_off_the_gui_thread(
+        qtbot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings write is synced to disk: on the GUI thread it blocked a project switch while the disk was busy.
+    The project still comes first in File → Recent, on screen at once and in the settings file."""
+    import threading
+
+    from npustudio.core import settings
+
+    writes: list[tuple[bool, list[str]]] = []
+    real_save = settings.save
+
+    def save(s: settings.Settings, where: Path | None = None) -> None:
+        writes.append((threading.current_thread() is threading.main_thread(), list(s.recent_projects)))
+        real_save(s, where)
+
+    monkeypatch.setattr(settings, "save", save)
+    w = MainWindow(tmp_path / "a", watch_devices=False)
+    qtbot.addWidget(w)
+    assert w.open_project(tmp_path / "b")
+    b = str((tmp_path / "b").resolve())
+    assert w.recent_menu.actions()[0].text() == b  # the menu at once
+    qtbot.waitUntil(lambda: settings.load().recent_projects[:1] == [b], timeout=10_000)
+    assert writes and not any(on_gui for on_gui, _ in writes)
+    assert writes[-1][1][:2] == [b, str((tmp_path / "a").resolve())]
+
+
+def test_a_finished_stages_perplexity_windows_are_drawn_once(qtbot: Any) -> None:
+    """A record's windows go into the chart together (one redraw per window took ~0.3 s when a project opened)."""
+    from npustudio.gui.charts import PplChart
+
+    chart = PplChart()
+    qtbot.addWidget(chart)
+    chart.extend([{"window": i, "fp_ppl": 14.0 + i, "quant_ppl": 14.5 + i, "fp_ppl_running": 14.2,
+                   "quant_ppl_running": 14.6} for i in range(70)])
+    assert chart.redraws == 1
+    assert len(chart.series["fp"]) == len(chart.series["quant"]) == 70
+    xs, ys = chart.items["quant"].getData()
+    assert list(xs) == list(range(70)) and ys[-1] == 14.5 + 69
+    assert "ratio quant/fp" in chart.summary.text()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import platformdirs
@@ -69,10 +70,16 @@ def load() -> Settings:
         return Settings()
 
 
-def save(s: Settings) -> None:
+_WRITING = threading.Lock()
+
+
+def save(s: Settings, where: Path | None = None) -> None:
     """Written atomically, never through a link; a file that cannot be written is said (stderr), and the app
-    goes on with the settings in memory."""
+    goes on with the settings in memory. `where`: the settings file as `path()` gave it when the save was asked
+    for (the window writes in a thread, later). One write at a time, each of `s` as it is when its turn comes, so
+    the last write holds the newest settings."""
     try:
-        atomic_write_text(path(), s.model_dump_json(indent=2) + "\n")
+        with _WRITING:
+            atomic_write_text(where or path(), s.model_dump_json(indent=2) + "\n")
     except (OSError, UserError) as e:
         log.warning("Settings not saved: %s", e)

@@ -44,13 +44,20 @@ class PplChart(QWidget):
 
     def add(self, data: dict[str, Any]) -> None:
         """One `ppl` partial: {"window": i, "fp_ppl": …, "quant_ppl": …, "fp_ppl_running": …}."""
-        w = int(data.get("window", 0))
-        for key, v in data.items():
-            if key.endswith("_ppl_running"):
-                self.running[key.removesuffix("_ppl_running")] = float(v)
-            elif key.endswith("_ppl"):
-                self.series.setdefault(key.removesuffix("_ppl"), {})[w] = float(v)
-        self._draw()
+        self.extend([data])
+
+    def extend(self, points: list[dict[str, Any]]) -> None:
+        """Several `ppl` partials (a finished stage's windows), drawn once: drawing after each of a record's 70
+        windows took ~0.3 s of the GUI thread when a project was opened."""
+        for data in points:
+            w = int(data.get("window", 0))
+            for key, v in data.items():
+                if key.endswith("_ppl_running"):
+                    self.running[key.removesuffix("_ppl_running")] = float(v)
+                elif key.endswith("_ppl"):
+                    self.series.setdefault(key.removesuffix("_ppl"), {})[w] = float(v)
+        if points:
+            self._draw()
 
     def _draw(self) -> None:
         for label, pts in self.series.items():

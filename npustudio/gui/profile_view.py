@@ -89,6 +89,11 @@ class ProfileView(QWidget):
         self.runs.clear()
         self._draw()
 
+    def forget_runs(self) -> None:
+        """Another project is opened: no runs, and no drawing until its roofline is set (`clear` drew, then
+        `set_roofline` drew again)."""
+        self.runs.clear()
+
     def _open(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Genie profile", filter="JSON (*.json)",
                                               options=QFileDialog.Option.DontUseNativeDialog)

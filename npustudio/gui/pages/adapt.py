@@ -73,8 +73,7 @@ class AdaptPage(Page):
     def show_result(self, r: AdaptResult) -> None:
         s = pipeline.adapt_summary(r)
         if not self.chart.series:
-            for w in r.per_window:
-                self.chart.add(w)
+            self.chart.extend(list(r.per_window))
         accepted = s.gate == "failed, accepted"
         rows = [
             ("Equivalence gate", s.gate),

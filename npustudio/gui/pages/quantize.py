@@ -94,6 +94,7 @@ class QuantizePage(Page):
         self.lay.addWidget(self.tabs, 1)
         self.strip.run.clicked.connect(lambda: self.start())
         self._loaded: tuple[str, int] | None = None
+        self._reads = 0  # encodings reads started: a result is shown only if no later read started
 
     def options(self) -> QuantizeOptions:
         ch = self.project.choices()
@@ -140,8 +141,7 @@ class QuantizePage(Page):
         folder = self.project.stage_dir("quantize")
         s = pipeline.quantize_summary(r, folder)
         if not self.chart.series:
-            for w in r.per_window:
-                self.chart.add(w)
+            self.chart.extend(list(r.per_window))
         rows = [("Precision / target", f"{s.precision} / {s.target}{' + SeqMSE' if s.seq_mse else ''}"
                                       f"{' + rotation' if s.rotated else ''}"),
                 ("Perplexity FP", f"{s.ppl_fp:.3f}"), ("Perplexity quantized", f"{s.ppl_quant:.3f}"),
@@ -158,6 +158,7 @@ class QuantizePage(Page):
     def clear_results(self) -> None:
         super().clear_results()
         self._loaded = None
+        self._reads += 1  # a read still running for the previous project is not shown
 
     def load_encodings(self, path: Path) -> None:
         """Read the table in a child process (parsing 10 MB of JSON holds the GIL ~0.1 s), then show it; once per
@@ -166,14 +167,18 @@ class QuantizePage(Page):
         if key == self._loaded:
             return
         self._loaded = key
+        self._reads += 1
+        read = self._reads
         self.inspector.title.setText(f"Reading {path.name}…")
 
+        # only the latest read is shown: a read started before a switch to another project and back has the same
+        # key as the one started on coming back, and drawing both put the table on the GUI thread twice
         def show(table: Any) -> None:  # unless another project (or export) was opened meanwhile
-            if self._loaded == key:
+            if self._reads == read:
                 self.inspector.load(table)
 
         def failed(problem: str, fix: str) -> None:
-            if self._loaded == key:
+            if self._reads == read:
                 self.inspector.title.setText(f"{problem} {fix}")
 
         worker.start(lambda s: isolated.run(read_with_sqnr, path, state=s, pass_state=False), "Reading encodings",
