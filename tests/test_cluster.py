@@ -220,3 +220,33 @@ def test_an_unreachable_cluster_is_said_with_its_address(genie_project: Project,
     bad = subprocess.run([sys.executable, "-m", "npustudio.cli", "compile", "--project", str(p.root),
                           "--cluster", "my-cluster"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "is not a Ray cluster address" in bad.stderr
+
+
+def test_a_worker_kept_for_the_next_stage_never_ends_itself_while_a_stage_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle end is for a kept worker nobody uses; a stage that goes long without a call must run on."""
+    ended = threading.Event()
+
+    def end(_code: int) -> None:
+        ended.set()
+        threading.Event().wait()  # the idle thread (a daemon) stops here instead of ending this process
+
+    monkeypatch.setattr(cluster.os, "_exit", end)
+    worker = cluster.Worker()
+    started, release = threading.Event(), threading.Event()
+
+    def stage(_inputs: dict, _args: object, _out: Path, _state: object) -> dict:
+        started.set()
+        release.wait(60)
+        return {}
+
+    t = threading.Thread(target=worker.run, args=(stage, [], None, 1))
+    t.start()
+    assert started.wait(120)
+    monkeypatch.setattr(cluster, "IDLE_S", 0.0)  # every moment now counts as idle
+    time.sleep(7)  # longer than the idle check's 5 s
+    assert not ended.is_set()
+    release.set()
+    t.join(60)
+    assert worker.events[-1][0] == "done"
+    assert ended.wait(30)  # once the stage is over, the unused worker ends itself

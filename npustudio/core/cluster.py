@@ -159,6 +159,7 @@ class Worker:
         self.state = State()
         self.state.subscribe(self._keep)
         self.used = time.monotonic()
+        self.running = False  # a stage in progress: never idle, however long it goes without a call
         # torch, aimet and onnxruntime load while the inputs arrive (seconds a stage would otherwise wait for)
         self.warm = threading.Thread(target=_import_stages, daemon=True)
         self.warm.start()
@@ -174,8 +175,10 @@ class Worker:
         self.used = time.monotonic()
 
     def _end_when_idle(self) -> None:
-        """A worker kept for the next stage holds its CPUs (or GPU): it ends itself after `IDLE_S` unused."""
-        while time.monotonic() - self.used < IDLE_S:
+        """A worker kept for the next stage holds its CPUs (or GPU): it ends itself after `IDLE_S` unused. Never
+        while a stage runs, however long no call gets through (a driver on a slow link, a C++ pass of the export
+        holding the GIL on a loaded node): the stage's own end marks the worker used again."""
+        while self.running or time.monotonic() - self.used < IDLE_S:
             time.sleep(5)
         shutil.rmtree(self.root, ignore_errors=True)
         os._exit(0)
@@ -216,6 +219,7 @@ class Worker:
         torch.set_num_threads(threads)
         out = self.root / "out"
         out.mkdir()
+        self.running = True
         try:
             if self.state.cancelled:
                 raise Cancelled("stopped by the user")
@@ -230,6 +234,9 @@ class Worker:
             files = [(str(f.relative_to(out)), f.stat().st_size, _sha256(f)) for f in sorted(out.rglob("*"))
                      if f.is_file()]
             self.events.append(("done", result, files))
+        finally:
+            self.running = False
+            self.used = time.monotonic()
 
     def pull(self, start: int) -> list[tuple[Any, ...]]:
         self.used = time.monotonic()
