@@ -81,22 +81,40 @@ def _grid(r: TensorRow, n_rows: int, width: int) -> tuple[np.ndarray, np.ndarray
     return None
 
 
+class _Weight:
+    """A stored weight read as (rows, width) slabs beside its encoding's scales and offsets: what the SQNR and the
+    histogram both walk."""
+
+    def __init__(self, x: Any, scales: np.ndarray, offsets: np.ndarray, n_rows: int, width: int, top: float) -> None:
+        self.x, self.scales, self.offsets, self.n_rows, self.width, self.top = x, scales, offsets, n_rows, width, top
+
+    @classmethod
+    def of(cls, x: Any, r: TensorRow) -> _Weight | None:
+        """`x`: a safetensors slice; None when `r`'s encoding does not fit its shape."""
+        shape = tuple(x.get_shape())
+        n_rows = shape[0] if len(shape) > 1 else 1
+        width = math.prod(shape) // n_rows
+        grid = _grid(r, n_rows, width)
+        return None if grid is None else cls(x, *grid, n_rows, width, 2.0**r.bitwidth - 1)
+
+    def rows(self, a: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows a..a+n as float64 (rows, width), with their scales and offsets."""
+        src = self.x[a:min(a + n, self.n_rows)] if self.n_rows > 1 else self.x[:]
+        w = np.asarray(src, dtype=np.float64).reshape(-1, self.width)
+        s = self.scales[a:a + len(w)] if self.scales.shape[0] > 1 else self.scales
+        o = self.offsets[a:a + len(w)] if self.offsets.shape[0] > 1 else self.offsets
+        return w, s, o
+
+
 def _sqnr(x: Any, r: TensorRow) -> float | None:
     """`x`: a safetensors slice (shape and row slabs)."""
-    shape = tuple(x.get_shape())
-    n_rows = shape[0] if len(shape) > 1 else 1
-    width = math.prod(shape) // n_rows
-    grid = _grid(r, n_rows, width)
-    if grid is None:
+    weight = _Weight.of(x, r)
+    if weight is None:
         return None
-    scales, offsets = grid
-    top = 2.0**r.bitwidth - 1
     signal = noise = 0.0
-    for a in range(0, n_rows, _ROWS):
-        w = np.asarray(x[a:min(a + _ROWS, n_rows)] if len(shape) > 1 else x[:], dtype=np.float64).reshape(-1, width)
-        s = scales[a:a + _ROWS] if scales.shape[0] > 1 else scales
-        o = offsets[a:a + _ROWS] if offsets.shape[0] > 1 else offsets
-        q = np.clip(np.round(w / s) - o, 0, top)
+    for a in range(0, weight.n_rows, _ROWS):
+        w, s, o = weight.rows(a, _ROWS)
+        q = np.clip(np.round(w / s) - o, 0, weight.top)
         signal += float(np.sum(w * w))
         noise += float(np.sum((w - (q + o) * s) ** 2))
     if noise == 0:
@@ -131,15 +149,10 @@ def histogram(enc_file: Path, r: TensorRow, bins: int = 120) -> WeightHistogram 
         name = _stored_name(r, set(f.keys()))
         if name is None:
             return None
-        x = f.get_slice(name)
-        shape = tuple(x.get_shape())
-        n_rows = shape[0] if len(shape) > 1 else 1
-        width = math.prod(shape) // n_rows
-        grid = _grid(r, n_rows, width)
-        if grid is None:
+        weight = _Weight.of(f.get_slice(name), r)
+        if weight is None:
             return None
-        scales, offsets = grid
-        top = 2.0**r.bitwidth - 1
+        n_rows, width, scales, offsets, top = weight.n_rows, weight.width, weight.scales, weight.offsets, weight.top
         if n_rows * width <= SAMPLE_VALUES:
             take, starts = n_rows, [0]
         else:  # slabs of up to 64 rows, evenly spread over the tensor
@@ -148,9 +161,7 @@ def histogram(enc_file: Path, r: TensorRow, bins: int = 120) -> WeightHistogram 
             starts = sorted({int(v) for v in np.linspace(0, n_rows - take, num=slabs)})
         parts, outside = [], 0
         for a in starts:
-            w = np.asarray(x[a:a + take] if len(shape) > 1 else x[:], dtype=np.float64).reshape(-1, width)
-            s = scales[a:a + len(w)] if scales.shape[0] > 1 else scales
-            o = offsets[a:a + len(w)] if offsets.shape[0] > 1 else offsets
+            w, s, o = weight.rows(a, take)
             lo, hi = o * s, (top + o) * s
             outside += int(np.sum((w < lo - s / 2) | (w > hi + s / 2)))  # beyond half a step: clipped
             parts.append(w.ravel())
@@ -164,4 +175,4 @@ def histogram(enc_file: Path, r: TensorRow, bins: int = 120) -> WeightHistogram 
         else []
     return WeightHistogram(counts=counts.tolist(), edges=edges.tolist(), clip_low=clip_low, clip_high=clip_high,
                            grid=levels, clipped=outside / max(vals.size, 1), values=int(vals.size),
-                           of=int(math.prod(shape)))
+                           of=n_rows * width)
