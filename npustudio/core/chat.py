@@ -300,11 +300,6 @@ def default_history_file(bundle_dir: Path) -> Path:
     return b / layout.CHAT_HISTORY
 
 
-def saved_turns(bundle_dir: Path) -> list[Turn]:
-    """The current saved conversation of a bundle's project (what a chat window shows on open)."""
-    return ChatHistory.load(default_history_file(bundle_dir)).current.turns
-
-
 def history(bundle_dir: Path) -> ChatHistory:
     """Every saved chat of a bundle's project."""
     return ChatHistory.load(default_history_file(bundle_dir))

@@ -85,11 +85,6 @@ class Bubble(QFrame):
         self._render.timeout.connect(self._draw)
         self._draw()
 
-    def set_text(self, text: str) -> None:
-        self.text = text
-        self._render.stop()
-        self._draw()
-
     def append(self, piece: str) -> None:
         self.text += piece
         if not self._render.isActive():
