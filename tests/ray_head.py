@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Ray turns 127.0.0.1 into the machine's outward address unless clusters are off for this host: then every
-# server of the head (GCS, raylet, agents, Ray Client) binds to loopback
-ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# server of the head (GCS, raylet, agents, Ray Client) binds to loopback. Its workers run at niceness 15 by
+# default: on a machine shared with the local run they are compared with, that measures the scheduler, not Ray
+ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
+START_S = 90  # a head that is not ready by then is reported
+READY = "will now block forever"  # what `ray start --block` prints once the head's processes run
 
 
 def free_port() -> int:
@@ -21,22 +27,45 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ray_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    ray = Path(sys.executable).with_name("ray")
-    return subprocess.run([str(ray), *args], env=os.environ | ENV, capture_output=True, text=True, timeout=timeout,
-                          check=False)
-
-
 @contextlib.contextmanager
 def loopback_head(cpus: int, temp_dir: Path) -> Iterator[str]:
-    """Start a head (`cpus` CPUs, no GPU, no dashboard), yield its address, stop it."""
+    """Start a head (`cpus` CPUs, no GPU, no dashboard), yield its address, stop it and only it.
+
+    `ray stop` would stop every Ray process of this user on the machine (another test run's head, a developer's
+    own cluster): the head runs in the foreground (`--block`) in a process group of its own, which is ended."""
     port = free_port()
-    started = ray_cli("start", "--head", f"--port={port}", f"--num-cpus={cpus}", "--num-gpus=0",
-                      "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-                      f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}")
-    if started.returncode:
-        raise RuntimeError(f"ray start failed: {started.stderr[-2000:]}")
+    ray = Path(sys.executable).with_name("ray")
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    log = open(temp_dir / "head.log", "w+")  # closed below, after the head is gone
+    head = subprocess.Popen(
+        [str(ray), "start", "--head", "--block", f"--port={port}", f"--num-cpus={cpus}", "--num-gpus=0",
+         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"],
+        env=os.environ | ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        _wait_listening(head, port, log)
         yield f"127.0.0.1:{port}"
     finally:
-        ray_cli("stop", "--force")
+        _end_group(head)
+        log.close()
+
+
+def _wait_listening(head: subprocess.Popen[bytes], port: int, log: Any) -> None:
+    """Until `ray start` has started every process of the head (it says so, then blocks)."""
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        log.seek(0)
+        text = log.read()
+        if head.poll() is not None:
+            raise RuntimeError(f"ray start failed: {text[-2000:]}")
+        if READY in text:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the Ray head on 127.0.0.1:{port} was not ready within {START_S} s: {text[-2000:]}")
+
+
+def _end_group(head: subprocess.Popen[bytes]) -> None:
+    """Kill the head's process group at once, as `ray stop --force` would (a graceful stop drains for 30 s)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGKILL)
+    head.wait()

@@ -232,7 +232,7 @@ def test_a_worker_kept_for_the_next_stage_never_ends_itself_while_a_stage_runs(
         threading.Event().wait()  # the idle thread (a daemon) stops here instead of ending this process
 
     monkeypatch.setattr(cluster.os, "_exit", end)
-    worker = cluster.Worker()
+    worker = cluster.Worker(cluster.LIBRARIES["compile"])
     started, release = threading.Event(), threading.Event()
 
     def stage(_inputs: dict, _args: object, _out: Path, _state: object) -> dict:

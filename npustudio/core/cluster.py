@@ -153,20 +153,20 @@ def connect(address: str) -> None:
 class Worker:
     """The stage's side on the cluster: a scratch folder, the stage run in a thread, its events kept to be pulled."""
 
-    def __init__(self) -> None:
+    def __init__(self, libraries: tuple[str, ...]) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="npustudio-stage-"))
         self.events: list[tuple[Any, ...]] = []
         self.state = State()
         self.state.subscribe(self._keep)
         self.used = time.monotonic()
         self.running = False  # a stage in progress: never idle, however long it goes without a call
-        # torch, aimet and onnxruntime load while the inputs arrive (seconds a stage would otherwise wait for)
-        self.warm = threading.Thread(target=_import_stages, daemon=True)
-        self.warm.start()
+        self.warm = _importing(libraries)
         threading.Thread(target=self._end_when_idle, daemon=True).start()
 
-    def reset(self) -> None:
-        """Ready for the next stage: an empty folder, no events, a new State."""
+    def reset(self, libraries: tuple[str, ...]) -> None:
+        """Ready for the next stage: an empty folder, no events, a new State, the stage's libraries loading."""
+        self.warm.join()
+        self.warm = _importing(libraries)
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir()
         self.events = []
@@ -310,7 +310,8 @@ def run(target: Cluster, job: Job, out: Path, state: StateLike, cpus: int | None
         options["runtime_env"] = {"pip": {"packages": pins(), "pip_check": False}}
         state.progress(0.0, f"{job.stage}: setting up the workers' packages (first time: minutes)")
     key = (address, cpus, options["num_gpus"], target.install)
-    worker: Any = _kept(key) or ray.remote(Worker).options(**options).remote()
+    libraries = LIBRARIES.get(job.stage, LIBRARIES["quantize"])
+    worker: Any = _kept(key, libraries) or ray.remote(Worker).options(**options).remote(libraries)
     transfer = Transfer()
     with _failures(job.stage, address):
         try:
@@ -334,7 +335,7 @@ def run(target: Cluster, job: Job, out: Path, state: StateLike, cpus: int | None
 _KEPT: dict[tuple[Any, ...], Any] = {}
 
 
-def _kept(key: tuple[Any, ...]) -> Any:
+def _kept(key: tuple[Any, ...], libraries: tuple[str, ...]) -> Any:
     """The worker an earlier stage of this process left with these resources, emptied; None if there is none (or it
     ended meanwhile). Any other kept worker is ended."""
     import ray
@@ -344,7 +345,7 @@ def _kept(key: tuple[Any, ...]) -> Any:
     if worker is None:
         return None
     try:
-        ray.get(worker.reset.remote(), timeout=30)
+        ray.get(worker.reset.remote(libraries), timeout=30)
     except Exception:
         with contextlib.suppress(Exception):
             ray.kill(worker)
@@ -363,13 +364,24 @@ def release() -> None:
             ray.kill(worker)
 
 
-def _import_stages() -> None:
-    """The libraries every heavy stage loads first (~3 s on 2 cores)."""
-    import importlib
+# what each stage loads first, imported by a new worker while the inputs arrive (seconds a stage would otherwise
+# wait for: torch ~3 s, aimet ~4 s on 2 cores); compile never needs aimet
+LIBRARIES = {"adapt": ("torch", "transformers", "onnx"),
+             "quantize": ("torch", "transformers", "onnx", "onnxruntime", "aimet_torch"),
+             "compile": ("torch", "transformers", "onnx", "onnxruntime")}
 
-    for name in ("torch", "transformers", "onnx", "onnxruntime", "aimet_torch"):
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+
+def _importing(libraries: tuple[str, ...]) -> threading.Thread:
+    def load() -> None:
+        import importlib
+
+        for name in libraries:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    return t
 
 
 def _largest_node_cpus() -> int:
