@@ -291,14 +291,19 @@ def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_pro
     for metric in range(ins.colour_by.count()):  # every colouring draws a layers x roles grid
         ins.colour_by.setCurrentIndex(metric)
         assert ins.heat_grid.shape[1] == 2
-    grids = {}
-    for key in ("weight_bits", "activation_bits", "sqnr"):
+    grids, shows = {}, {}
+    for key in ("weight_bits", "activation_bits", "sqnr", "activation_sqnr"):
         ins.colour_by.setCurrentIndex(ins.colour_by.findData(key))
         grids[key] = {role: ins.heat_grid[i] for i, role in enumerate(ins.heat_roles)}
+        shows[key] = {table.by_name(n).kind for n in ins.heat_names.values()}
     assert list(grids["weight_bits"]["q"]) == [8, 8]  # the int8 weights, not the 16-bit activations around them
     assert "norm" not in grids["sqnr"] and "activation" not in grids["sqnr"]  # no weight there: no row
     assert list(grids["activation_bits"]["kv-cache"]) == [8, 8]
     assert all(30 < db < 60 for db in grids["sqnr"]["down"])  # int8 per channel: about 40 dB
+    # activations (a conv's output has its role): the 8-bit KV cache is where they lose the most; no weight mixed in
+    assert shows["activation_sqnr"] == {"activation"} and shows["sqnr"] == {"param"}
+    assert all(30 < db < 55 for db in grids["activation_sqnr"]["kv-cache"])
+    assert all(db > 60 for role in ("activation", "down") for db in grids["activation_sqnr"][role])
     ins.sort_by("sqnr_db", descending=False)  # the most damaged weight first
     assert ins.visible_rows()[0].sqnr_db == min(r.sqnr_db for r in table.rows if r.sqnr_db is not None)
     ins.colour_by.setCurrentIndex(ins.colour_by.findData("range"))  # every role has activations

@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("encodings", stages.cmd_encodings, "per-tensor table of an AIMET .encodings file")
     s.add_argument("file", type=given)
     s.add_argument("--flagged", action="store_true", help="only tensors with a flag")
-    s.add_argument("--sqnr", action="store_true", help="each weight's quantization error (SQNR, dB) against the "
-                                                       "float weights beside the file; the worst first")
+    s.add_argument("--sqnr", action="store_true", help="each tensor's quantization error (SQNR, dB): weights "
+                                                       "against the float weights of the file's project, "
+                                                       "activations over a short eval; the worst first")
     json_arg(s)
 
     s = add("run", stages.cmd_run, "the whole job on the embedded defaults")

@@ -42,10 +42,13 @@ COLUMNS = (("name", "Tensor"), ("layer", "Layer"), ("role", "Role"), ("kind", "K
            ("granularity", "Granularity"), ("channels", "Channels"), ("scale_min", "Scale min"),
            ("scale_max", "Scale max"), ("scale_spread", "Spread"), ("range_min", "Range min"),
            ("range_max", "Range max"), ("sqnr_db", "SQNR dB"), ("flags", "Flags"))
-METRICS = {"sqnr": "weight SQNR, dB (lowest: most damage)", "weight_bits": "weight bits",
+METRICS = {"sqnr": "weight SQNR, dB (lowest: most damage)",
+           "activation_sqnr": "activation SQNR, dB (lowest: most damage)", "weight_bits": "weight bits",
            "activation_bits": "activation bits", "spread": "scale spread (log10, max)",
            "range": "range width (log10, max)"}
-_KIND = {"weight_bits": "param", "sqnr": "param", "activation_bits": "activation"}  # rows a metric reads
+_KIND = {"weight_bits": "param", "sqnr": "param", "activation_bits": "activation",  # rows a metric reads
+         "activation_sqnr": "activation"}
+_DB = ("sqnr", "activation_sqnr")  # metrics in dB: the lowest is the worst
 FLAGGED = QColor("#f8d7da")
 Index = QModelIndex | QPersistentModelIndex
 
@@ -131,18 +134,19 @@ def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], lis
     def shown(r: TensorRow) -> bool:  # rows the metric reads: a role without any stays off the grid
         if r.layer is None or _KIND.get(metric, r.kind) != r.kind:
             return False
-        return metric != "sqnr" or (r.sqnr_db is not None and math.isfinite(r.sqnr_db))
+        return metric not in _DB or (r.sqnr_db is not None and math.isfinite(r.sqnr_db))
 
     layers = sorted({r.layer for r in table.rows if r.layer is not None})
     roles = [x for x in ROLES if any(r.role == x and shown(r) for r in table.rows)]
     grid = np.full((len(roles), len(layers)), np.nan)
     col = {layer: i for i, layer in enumerate(layers)}
-    worse = (lambda a, b: a < b) if metric == "sqnr" else (lambda a, b: a > b)  # a cell shows its most damaged
+    worse = (lambda a, b: a < b) if metric in _DB else (lambda a, b: a > b)  # a cell shows its most damaged
     names: dict[tuple[int, int], str] = {}
     for r in table.rows:
         if r.role not in roles or not shown(r):
             continue
         v = {"weight_bits": float(r.bitwidth), "activation_bits": float(r.bitwidth), "sqnr": r.sqnr_db or 0.0,
+             "activation_sqnr": r.sqnr_db or 0.0,
              "spread": math.log10(max(r.scale_spread, 1.0)),
              "range": math.log10(max(r.range_max - r.range_min, 1e-12))}[metric]
         i, j = roles.index(r.role), col[r.layer]
@@ -282,7 +286,7 @@ class Inspector(QWidget):
             self.image.clear()
             return
         # a layer without a role's tensor is painted as the harmless end of the scale, never as damage
-        empty = np.nanmax(grid) if metric == "sqnr" else np.nanmin(grid)
+        empty = np.nanmax(grid) if metric in _DB else np.nanmin(grid)
         img = np.nan_to_num(grid.T, nan=empty)
         self.image.setImage(img, autoLevels=True)
         self.image.setColorMap(pg.colormap.get("viridis"))

@@ -51,7 +51,8 @@ class TensorRow(BaseModel):
     range_min: float
     range_max: float
     flags: list[str] = []
-    sqnr_db: float | None = Field(None, description="weights: quantized vs float, dB (read(sqnr=True))")
+    sqnr_db: float | None = Field(None, description="quantized vs float, dB (read(sqnr=True)): a weight against "
+                                                   "the adapted weights, an activation over a short eval")
     # per channel (or block) scales and offsets, for a detail plot; left out of the JSON table
     scales: list[float] = Field(default_factory=list, exclude=True, repr=False)
     offsets: list[int] = Field(default_factory=list, exclude=True, repr=False)
@@ -80,7 +81,7 @@ class EncodingsTable(BaseModel):
 
 
 def read(path: str | Path, sqnr: bool = False) -> EncodingsTable:
-    """The table of `path`; with `sqnr`, each weight's SQNR from the float graph beside it (`sqnr.weights`)."""
+    """The table of `path`; with `sqnr`, each tensor's SQNR (`sqnr.weights`, `sqnr.activations`)."""
     p = Path(path).expanduser()
     fix = "Pass an .encodings file written by the quantize stage (AIMET schema 1.0.0 or 0.6.1)."
     if not p.is_file():
@@ -112,7 +113,7 @@ def read(path: str | Path, sqnr: bool = False) -> EncodingsTable:
     if sqnr:
         from . import sqnr as sq
 
-        db = sq.weights(p, rows)
+        db = sq.weights(p, rows) | sq.activations(p, rows)
         for r in rows:
             r.sqnr_db = db.get(r.name)
     return EncodingsTable(path=str(p), version=version, rows=rows, layers=_summaries(rows),

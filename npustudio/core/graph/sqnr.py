@@ -3,8 +3,14 @@
 The float weights are the adapted model's (`stages/adapt/decoder.safetensors` of the project the `.encodings` file
 belongs to: the exported graphs hold the weights already on their grid); the grid is the tensor's encoding as the
 file states it (AIMET 1.0.0: q = clamp(round(x/scale) - offset, 0, 2^bw - 1), x' = (q + offset)·scale, per tensor,
-per output channel or per block of input channels). Activations have no stored float values to compare with, so
-their rows carry no figure. Each weight is read a slab of rows at a time.
+per output channel or per block of input channels). Each weight is read a slab of rows at a time.
+
+An activation has no stored float values, so a short eval makes them: the graph's float ONNX (the exported
+weights, no activation quantizers) runs on onnxruntime's CPU over the stage's test-vector step (real text), and
+each tensor an activation encoding names is put through that encoding alone. The figure is the error that one
+quantizer adds to a float input, not the error accumulated from the quantizers before it: the one a person
+changes by giving that tensor more bits. A tensor that carried no signal in that step (the empty KV cache of a
+prompt step) has no figure.
 """
 
 from __future__ import annotations
@@ -42,6 +48,62 @@ def weights(enc_file: Path, rows: list[TensorRow]) -> dict[str, float]:
             if db is not None:
                 out[r.name] = db
     return out
+
+
+def activations(enc_file: Path, rows: list[TensorRow]) -> dict[str, float]:
+    """SQNR (dB) per activation row of `rows`, from a CPU run of the graph `enc_file` belongs to over its test
+    vectors (empty when the quantize stage wrote neither beside it: e.g. a copied .encodings file)."""
+    import onnx
+
+    enc_file = Path(enc_file).resolve()
+    graph, vectors = enc_file.with_suffix(".onnx"), enc_file.parent / layout.TEST_VECTORS / f"{enc_file.stem}.npz"
+    acts = [r for r in rows if r.kind == "activation" and not r.flags and r.granularity == "tensor"]
+    if not (graph.is_file() and vectors.is_file() and acts):
+        return {}
+    from .exported import read_test_vectors
+
+    model = onnx.load(str(graph), load_external_data=False)
+    inputs = {i.name for i in model.graph.input}
+    made = {o for n in model.graph.node for o in n.output}
+    listed = {o.name for o in model.graph.output}
+    for r in acts:
+        if r.name in made and r.name not in listed:
+            model.graph.output.append(onnx.ValueInfoProto(name=r.name))
+            listed.add(r.name)
+    feeds = read_test_vectors(vectors)["in"]
+    values = dict(feeds) | _run(model, graph.parent, {k: v for k, v in feeds.items() if k in inputs})
+    out: dict[str, float] = {}
+    for r in acts:
+        if r.name in values:
+            db = _activation_sqnr(values[r.name], r)
+            if db is not None:
+                out[r.name] = db
+    return out
+
+
+def _run(model: Any, folder: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of `model` (its external weights are in `folder`) on onnxruntime's CPU, unoptimised so each
+    named tensor is computed as the graph states it."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds), strict=True))
+
+
+def _activation_sqnr(x: np.ndarray, r: TensorRow) -> float | None:
+    """SQNR of `x` put through `r`'s per-tensor grid."""
+    v = np.asarray(x, dtype=np.float64)
+    s, o, top = float(r.scales[0]), float(r.offsets[0]), 2.0**r.bitwidth - 1
+    q = (np.clip(np.round(v / s) - o, 0, top) + o) * s
+    signal, noise = float(np.sum(v * v)), float(np.sum((v - q) ** 2))
+    if signal == 0:
+        return None
+    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
 
 
 def _floats(enc_file: Path) -> Path:
