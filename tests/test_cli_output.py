@@ -66,3 +66,22 @@ def test_bars_that_call_tqdm_directly_stay_out_of_a_pipe() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
     assert "GGUF" not in res.stderr + res.stdout
+
+
+def test_a_table_into_a_pipe_keeps_each_row_on_one_line(tmp_path: Path) -> None:
+    """Without a terminal rich assumed 80 columns and broke cells mid-word ("kv-c" / "ache") over several lines."""
+    import json
+
+    name = "/layers.0/attn/k_cat/Concat_output_0"
+    f = tmp_path / "m.encodings"
+    f.write_text(json.dumps({"version": "1.0.0", "activation_encodings": [
+        {"name": name, "dtype": "INT", "bw": 8, "is_sym": False, "scale": [0.0276], "offset": [-128],
+         "enc_type": "PER_TENSOR"},
+        {"name": "past_key_0_out", "dtype": "INT", "bw": 8, "is_sym": False, "scale": [0.0276], "offset": [-128],
+         "enc_type": "PER_TENSOR"}], "param_encodings": []}))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "NPUSTUDIO_DEBUG")}
+    res = subprocess.run([sys.executable, "-m", "npustudio.cli", "encodings", str(f)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    row = next(s for s in res.stdout.splitlines() if name in s)
+    assert "kv-cache" in row and "activation" in row and "[-3.533, 3.505]" in row, res.stdout

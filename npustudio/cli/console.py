@@ -14,8 +14,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from ..core.progress import Partial, State
 from ..core.progress import Progress as ProgressEvent
 
-err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
-out = Console(soft_wrap=not sys.stdout.isatty())
+# Without a terminal (a CI log, a pipe) rich assumes 80 columns and wraps a table's cells mid-word ("kv-c / ache"):
+# there a table takes the width its cells need, up to LOG_WIDTH, and a long line stays one line
+LOG_WIDTH = 240
+
+
+def _console(stream: Any, **kw: Any) -> Console:
+    tty = stream.isatty()
+    return Console(soft_wrap=not tty, width=None if tty else LOG_WIDTH, **kw)
+
+
+err = _console(sys.stderr, stderr=True)
+out = _console(sys.stdout)
 
 
 def until_done(work: Callable[[], Any], stop: Any) -> Any:
