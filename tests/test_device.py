@@ -326,8 +326,14 @@ def test_a_history_saved_before_several_chats_reads_as_one_chat_and_stays_readab
     assert chat.ChatHistory.load(f).current.turns[0].assistant == "Yo"
     with pytest.raises(UserError, match="no longer"):
         back.pick("gone")
-    f.write_text("not json")
-    assert chat.ChatHistory.load(f).current.turns == []
+    f.write_text('{"turns": [{"user": "Hi"')  # cut short (a disk filled, an editor crashed): nothing is lost
+    damaged = chat.ChatHistory.load(f)
+    assert damaged.current.turns == [] and not f.exists()
+    assert damaged.set_aside is not None and damaged.set_aside.read_text() == '{"turns": [{"user": "Hi"'
+    assert damaged.set_aside.name in (damaged.notice() or "")
+    damaged.current.turns.append(chat.Turn(user="New", assistant="A", runner="x"))
+    damaged.save()
+    assert damaged.set_aside.read_text() == '{"turns": [{"user": "Hi"' and chat.ChatHistory.load(f).notice() is None
 
 
 def test_genie_output_over_adb_splits_into_the_answer_and_genies_log_lines() -> None:

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from ..core import layout
@@ -126,6 +127,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
         session = pipeline.open_chat(bundle, "preview" if a.preview else "desktop" if a.desktop else "device",
                                      a.device, a.system, st)
     engine = session.engine
+    if note := session.history.notice():
+        err.print(f"[yellow]{escape(note)}[/]")
     if a.new:
         session.clear()
 

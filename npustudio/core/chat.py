@@ -63,22 +63,46 @@ class ChatHistory:
     (`system`, `turns`), so a history written before chats could be several reads as one chat, and a reader
     that knows only that shape still finds the current conversation; the others are under `others`."""
 
-    def __init__(self, path: Path, chats: list[Chat], current: str) -> None:
+    def __init__(self, path: Path, chats: list[Chat], current: str, set_aside: Path | None = None) -> None:
         self.path, self.chats, self.current_id = Path(path), chats, current
+        self.set_aside = set_aside  # where an unreadable history file was moved, so the next save loses nothing
 
     @classmethod
     def load(cls, path: Path) -> ChatHistory:
-        """The saved chats (a missing or unreadable file is one empty chat, as before)."""
+        """The saved chats; a missing file is one empty chat. An unreadable one (damaged, hand-edited) is one
+        empty chat too, its file moved aside first (`set_aside`): the next save must not overwrite it."""
+        path = Path(path)
+        if not path.exists():
+            return cls._empty(path)
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8"))
             top = Chat(**{k: data[k] for k in ("id", "system", "turns", "created") if k in data})
             if "id" not in data:  # written before chats had ids: the same one at every read, so it can be picked
                 top.id = "first"
                 top.created = top.turns[0].at if top.turns else top.created
             others = [Chat(**c) for c in data.get("others", [])]
-        except (OSError, ValueError, TypeError, AttributeError):
-            top, others = Chat(), []
+        except (OSError, ValueError, TypeError, AttributeError, KeyError):
+            aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+            try:
+                path.replace(aside)
+            except OSError:  # cannot move it (read-only folder): nothing will be saved over it either
+                aside = path
+            return cls._empty(path, aside)
         return cls(path, [top, *others], top.id)
+
+    def notice(self) -> str | None:
+        """What a view says about a history file that could not be read (None: nothing to say)."""
+        if self.set_aside is None:
+            return None
+        if self.set_aside == self.path:
+            return f"The chat history {self.path} could not be read; it is left as it is and nothing is saved."
+        return (f"The chat history could not be read: it was kept as {self.set_aside.name}, "
+                "and a new one was started.")
+
+    @classmethod
+    def _empty(cls, path: Path, set_aside: Path | None = None) -> ChatHistory:
+        chat = Chat()
+        return cls(path, [chat], chat.id, set_aside)
 
     @property
     def current(self) -> Chat:
@@ -103,6 +127,9 @@ class ChatHistory:
         return self.current
 
     def save(self) -> None:
+        if self.set_aside == self.path:
+            raise UserError(f"{self.path} could not be read nor moved aside: saving would overwrite it.",
+                            "Move or repair that file, then ask again.")
         cur = self.current
         others = [c.model_dump() for c in self.chats if c.id != cur.id and c.turns]
         self.path.parent.mkdir(parents=True, exist_ok=True)

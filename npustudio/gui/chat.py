@@ -427,6 +427,8 @@ class ChatPanel(QWidget):
             self.transcript.show_turn(t)
         self._answer = None
         self._enable()
+        if note := hist.notice():
+            self.stats.setText(note)
 
     def _failed(self, problem: str, fix: str) -> None:
         self._end_turn()
