@@ -59,6 +59,8 @@ def test_wizard_on_the_default_model_to_a_chat_answer(qtbot: Any, default_projec
     assert len(ins.table_.rows) > 30 * 19 and ins.heat_grid.shape[1] == 30
     shot(w, "4_quantize")
     w.quantize_page.tabs.setCurrentIndex(1)
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("activation_sqnr"))  # the real model's activations too
+    assert ins.heat_grid.shape[1] == 30 and "kv-cache" in ins.heat_roles
     ins.sort_by("scale_spread")
     ins.view.selectRow(0)
     shot(w, "5_inspector")
