@@ -225,6 +225,17 @@ def test_the_window_fits_a_1366x768_laptop_screen_with_both_docks(qtbot: Any, tm
         assert page.minimumSizeHint().width() <= 1366 - 360 - w.steps.width(), page.title
     longest = max(STEPS, key=w.fontMetrics().horizontalAdvance)
     assert w.fontMetrics().horizontalAdvance("↻ " + longest) < w.steps.width()  # step names shown whole
+    # on that screen the profiles get room for their charts (the side panels' minimum heights left them ~90 px),
+    # the device panel stays whole, and closing the profiles gives the chat its height back
+    w.resize(1366, 768)
+    w.profile_dock.hide()
+    w.profile_dock.show()
+    qtbot.waitUntil(lambda: w.profile_dock.height() >= 250)
+    assert w.device_dock.height() >= w.devices.minimumSizeHint().height()
+    chat_squeezed = w.chat_dock.height()
+    w.profile_dock.hide()
+    qtbot.waitUntil(lambda: w.chat_dock.height() > chat_squeezed + 200)
+    assert w.chat_dock.height() > w.device_dock.height() - 100
 
 
 def test_a_folder_that_is_not_a_project_is_refused_untouched(qtbot: Any, tmp_path: Path) -> None:

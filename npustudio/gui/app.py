@@ -81,8 +81,9 @@ class MainWindow(QMainWindow):
         self.devices = DevicePanel(self)
         self.chat = ChatPanel(self)
         self.profiles = ProfileView()
+        # the chat scrolls up and down when the profiles dock below it needs the height (1366x768)
         self.device_dock = self._dock("Devices", self.devices, Qt.DockWidgetArea.RightDockWidgetArea)
-        self.chat_dock = self._dock("Chat", self.chat, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.chat_dock = self._dock("Chat", scrolled(self.chat, across=False), Qt.DockWidgetArea.RightDockWidgetArea)
         # in a scroll area: its charts keep a readable height, the window its fit on a laptop screen
         self.profile_dock = self._dock("Genie profiles", scrolled(self.profiles),
                                        Qt.DockWidgetArea.BottomDockWidgetArea)
@@ -99,9 +100,13 @@ class MainWindow(QMainWindow):
             self.devices.refresh()
 
     def _give_profiles_room(self, visible: bool) -> None:
-        """Opened, the profiles dock takes 45% of the height: its charts readable without scrolling."""
+        """Opened, the profiles dock takes 45% of the height: its charts readable without scrolling (the chat
+        scrolls meanwhile). Either way the device panel keeps the height it needs and the chat gets the rest."""
         if visible:
             self.resizeDocks([self.profile_dock], [int(self.height() * 0.45)], Qt.Orientation.Vertical)
+        need = self.devices.minimumSizeHint().height()
+        self.resizeDocks([self.device_dock, self.chat_dock], [need, max(self.height() - need, need)],
+                         Qt.Orientation.Vertical)
 
     def _dock(self, title: str, w: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
         d = QDockWidget(title, self)

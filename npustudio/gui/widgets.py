@@ -61,12 +61,17 @@ def with_note(button: QWidget, note: str) -> QWidget:
     return box
 
 
-def scrolled(page: QWidget) -> QScrollArea:
-    """A page in a scroll area: its content sets no minimum width for the window (1366×768 screens)."""
+def scrolled(page: QWidget, across: bool = True) -> QScrollArea:
+    """A page in a scroll area: its content sets no minimum width for the window (1366×768 screens). With
+    `across` False it scrolls up and down only: it keeps its content's width and gives up only its height (a
+    side panel that must leave room for a dock below it)."""
     area = QScrollArea()
     area.setWidgetResizable(True)
     area.setFrameShape(QFrame.Shape.NoFrame)
     area.setWidget(page)
+    if not across:
+        area.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        area.setMinimumWidth(page.minimumSizeHint().width() + area.verticalScrollBar().sizeHint().width())
     return area
 
 
