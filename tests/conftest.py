@@ -155,17 +155,19 @@ def memory_keyring() -> object:
     keyring.set_keyring(old)
 
 
-PORT = 5311  # a private adb server: never the developer's
 
 
 @pytest.fixture(scope="module")
 def adb_server() -> Iterator[list[str]]:
-    """A private adb server for the module (never the developer's, on 5037)."""
+    """A private adb server for the module on a free port: never the developer's (5037), nor another test run's."""
     mp = pytest.MonkeyPatch()
     from npustudio.core import device
 
-    mp.setenv("ANDROID_ADB_SERVER_PORT", str(PORT))
-    adb = [device.adb_path(), "-P", str(PORT)]
+    from .ray_head import free_port
+
+    port = free_port()
+    mp.setenv("ANDROID_ADB_SERVER_PORT", str(port))
+    adb = [device.adb_path(), "-P", str(port)]
     subprocess.run([*adb, "start-server"], check=True, capture_output=True, timeout=60)
     yield adb
     subprocess.run([*adb, "kill-server"], capture_output=True, timeout=60)
