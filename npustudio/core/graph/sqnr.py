@@ -98,12 +98,21 @@ def _run(model: Any, folder: Path, feeds: dict[str, np.ndarray]) -> dict[str, np
 def _activation_sqnr(x: np.ndarray, r: TensorRow) -> float | None:
     """SQNR of `x` put through `r`'s per-tensor grid."""
     v = np.asarray(x, dtype=np.float64)
-    s, o, top = float(r.scales[0]), float(r.offsets[0]), 2.0**r.bitwidth - 1
-    q = (np.clip(np.round(v / s) - o, 0, top) + o) * s
-    signal, noise = float(np.sum(v * v)), float(np.sum((v - q) ** 2))
-    if signal == 0:
-        return None
-    return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+    signal = float(np.sum(v * v))
+    noise = float(np.sum((v - _on_grid(v, float(r.scales[0]), float(r.offsets[0]), 2.0**r.bitwidth - 1)) ** 2))
+    return None if signal == 0 else _db(signal, noise)
+
+
+def _on_grid(x: np.ndarray, s: Any, o: Any, top: float) -> np.ndarray:
+    """`x` quantized and dequantized as the file states it: q = clamp(round(x/s) - o, 0, top), x' = (q + o)·s."""
+    return (np.clip(np.round(x / s) - o, 0, top) + o) * s
+
+
+def _db(signal: float, noise: float) -> float | None:
+    """10·log10(signal/noise); inf without noise, None without signal to compare with."""
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else None
 
 
 def _floats(enc_file: Path) -> Path:
@@ -176,12 +185,9 @@ def _sqnr(x: Any, r: TensorRow) -> float | None:
     signal = noise = 0.0
     for a in range(0, weight.n_rows, _ROWS):
         w, s, o = weight.rows(a, _ROWS)
-        q = np.clip(np.round(w / s) - o, 0, weight.top)
         signal += float(np.sum(w * w))
-        noise += float(np.sum((w - (q + o) * s) ** 2))
-    if noise == 0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else None
+        noise += float(np.sum((w - _on_grid(w, s, o, weight.top)) ** 2))
+    return _db(signal, noise)
 
 
 class WeightHistogram(BaseModel):
