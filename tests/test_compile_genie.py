@@ -180,8 +180,11 @@ def test_ctrl_c_stops_a_desktop_chat_and_the_history_keeps_the_turn_as_stopped(p
     # the tiny model answers PROMPT in ~16 tokens (~1.2 s): on a loaded machine it had ended before the signal
     # came (exit 0); this prompt runs it to the end of its context (~100 tokens)
     prompt = "Once upon a time"
+    # Ctrl-C as a terminal delivers it: a run started in the background (`bash .ci/run &`) ignores SIGINT, and its
+    # children inherit that, so the chat would never see the signal (exit 0)
     proc = subprocess.Popen([sys.executable, "-m", "npustudio.cli", "chat", "--desktop", "--bundle", str(bundle),
-                             prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     first = proc.stdout.read(1)  # the answer has begun: Genie's query runs, its token callback is live
     proc.send_signal(signal.SIGINT)
