@@ -144,15 +144,18 @@ def _glibc() -> Any:
 
 
 def free_big_blocks_at_once() -> None:
-    """Make glibc give every block of 4 MB or more back to the system as soon as it is freed.
+    """Make glibc give every block of 1 MB or more back to the system as soon as it is freed.
 
     glibc's default threshold rises to 32 MB after the first large free, so a stage's 16-64 MB temporaries (a slab
     of the LM head being quantized, an AR-128 step's logits) went to the heap, where freed pages stay counted until
-    a trim: +730 MB at the fold's peak on a Llama-3.2-1B-shaped model (8,115 -> 7,386 MB), at no cost in speed
-    (an AR-128 eval: 7.3 s -> 6.5 s). A no-op where there is no glibc."""
+    a trim: +730 MB at the fold's peak on a Llama-3.2-1B-shaped model. At 4 MB the quantsim's 1-4 MB per-layer
+    temporaries (an AR-128 step's hidden states, KV rows and their quantized copies) still went to the heap and
+    fragmented it: one calibration step of a Llama-3.2-1B-width model left +55 MB per layer unreturned (+450 MB
+    with 4 layers, +810 MB with 8, the calibration's peak on the 16-layer model); at 1 MB the step's peak is
+    +280 MB whatever the depth (fp32 model +270). A no-op where there is no glibc."""
     libc = _glibc()
     if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, 4 * 2**20)
+        libc.mallopt(_M_MMAP_THRESHOLD, 2**20)
 
 
 def trim_heap() -> None:
