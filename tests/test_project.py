@@ -272,3 +272,20 @@ def test_a_json_write_that_fails_midway_keeps_the_old_file_and_leaves_no_tempora
         atomic_write_json(path, {"a": list(range(100_000)), "b": object()})  # fails after writing a lot
     assert json.loads(path.read_text()) == data
     assert [p.name for p in tmp_path.iterdir()] == ["x.encodings"]
+
+
+@pytest.mark.parametrize("command", ["adapt", "quantize", "compile"])
+def test_a_stage_run_from_the_window_is_not_redone_by_the_same_cli_command(command: str) -> None:
+    """The window sends the core's default options, the CLI builds its own from the flags: with no flags the two
+    must hash to the same stage key, or `npustudio compile` redoes a 10-minute compile the window just did."""
+    from npustudio.cli import args
+    from npustudio.cli.main import build_parser
+    from npustudio.core.adapt import AdaptOptions
+    from npustudio.core.compile import CompileOptions
+    from npustudio.core.fsutil import sha256_json
+    from npustudio.core.quantize import QuantizeOptions
+
+    build, model = {"adapt": (args.adapt_options, AdaptOptions), "quantize": (args.quantize_options, QuantizeOptions),
+                    "compile": (args.compile_options, CompileOptions)}[command]
+    a = build_parser().parse_args([command, "--project", "p"] + (["model"] if command == "adapt" else []))
+    assert sha256_json(build(a).model_dump()) == sha256_json(model().model_dump())

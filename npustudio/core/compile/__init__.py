@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import layout, parts
 from ..errors import UserError
@@ -43,6 +43,10 @@ KEEP_SESSIONS_BYTES = 2**30  # verification keeps a graph's sessions open below 
 
 
 class CompileOptions(BaseModel):
+    # defaults validated too: the int default of max_part_mb stayed an int, so the window's options (1843) and the
+    # CLI's (1843.0) hashed to different stage keys and `npustudio compile` redid a compile the window had done
+    model_config = ConfigDict(validate_default=True)
+
     backend: str = Field("ort-qnn", description="ort-qnn (embedded simulator) or qairt (QNN_SDK_ROOT)")
     target: str | None = Field(None, description="SoC; default: the quantize stage's target")
     verify_tokens: int = Field(128, description="eval tokens run through the compiled graphs (0: skip)")
