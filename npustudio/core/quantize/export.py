@@ -108,7 +108,7 @@ def write_qdq(t: Traced) -> list[Path]:
 
     out = t.qdq_onnx.parent
     utils = _aimet_onnx_utils()
-    with _SideFile(t.qdq_onnx) as side, \
+    with _SideFile(t.qdq_onnx) as side, lean_lpbq_dicts(arrays=True), \
             patch_attr(utils, "_quantize_const", partial(_lean_quantize_const, utils._quantize_const, side)):
         qdq = aonnx._to_onnx_qdq(t.graph, t.enc_map, prequantize_constants=True, base_dir=str(out))
     t.graph = None
@@ -123,8 +123,9 @@ def write_qdq(t: Traced) -> list[Path]:
     return [t.float_onnx, t.enc_file, t.qdq_onnx]
 
 
-def lean_lpbq_dicts() -> contextlib.AbstractContextManager[Any]:
-    """`GroupedBlockEncoding.to_qnn_encoding_dict` replaced by `_lean_lpbq_dict` for the `with` block.
+def lean_lpbq_dicts(arrays: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """`GroupedBlockEncoding.to_qnn_encoding_dict` replaced by `_lean_lpbq_dict` for the `with` block (`arrays`: the
+    block scales as numpy arrays, for the QDQ pass, instead of a stand-in token, for the trace).
 
     Not aimet's `patch_attr`: on leaving it deletes the class's own method and, finding the inherited
     `AffineEncoding` one, never puts it back, so every later LPBQ encoding of the process (aimet's own exporters'
@@ -134,29 +135,36 @@ def lean_lpbq_dicts() -> contextlib.AbstractContextManager[Any]:
     from aimet_torch.quantization.affine.encoding import GroupedBlockEncoding
 
     return mock.patch.object(GroupedBlockEncoding, "to_qnn_encoding_dict",
-                             _lean_lpbq_dict(GroupedBlockEncoding.to_qnn_encoding_dict))
+                             _lean_lpbq_dict(GroupedBlockEncoding.to_qnn_encoding_dict, arrays))
 
 
-def _lean_lpbq_dict(to_dict: Any) -> Any:
+def _lean_lpbq_dict(to_dict: Any, arrays: bool) -> Any:
     """LPBQ's `to_qnn_encoding_dict` without its Python lists of every block's float scale.
 
     - 2.1.0, asked by aimet's trace (`_to_onnx`) only to derive the per-tensor encodings of data-movement and
       rescaling ops: an LPBQ weight's (it has an axis, its scale is no float) is never propagated there, yet
       aimet builds it as (out, blocks, 1, 1)-deep nested lists of every block scale (~2.2 GB at the export's
       peak for a 1B model's 15 million blocks). The stand-in has the same keys, and a token unique to the
-      encoding where the lists were, so two encodings stay unequal. The QDQ pass (`write_qdq`) gets aimet's.
+      encoding where the lists were, so two encodings stay unequal.
+    - 2.1.0 for the QDQ pass (`arrays`), which builds each weight's DequantizeLinear scales from them with
+      `np.array`: the same values as numpy arrays of the dtypes `np.array` gives aimet's lists (int64 block
+      scales, float32 channel scales). aimet first lists every block's float scale as well, then its integer one;
+      all of a graph's are held at once (the export's peak on a Llama-3.2-1B-shaped model at w4a16).
     - 1.0.0 (the .encodings file): aimet lists every block's float scale and offset first (the per-tensor
       format), then replaces them by the per-channel ones (~650 MB of Python floats churned per graph). The
       same dict is built directly.
-    tests/test_quantize.py checks both files against aimet's own exporters."""
+    tests/test_quantize.py checks all three against aimet's own exporters."""
     def lean(self: Any, encoding_version: str | None = None) -> Any:
         if all(g == 1 for g in self.block_grouping) or self.zero_point_shift:
             return to_dict(self, encoding_version)
         channel_axis, block_axis = self._safe_get_channel_and_block_axis()
         if encoding_version == "2.1.0":
             token = f"LPBQ encoding {id(self)}: block scales not listed for the trace"
+            x, x_scale = ((self.per_block_int_scale.to(torch.int64).numpy(),
+                           self.per_channel_scale.detach().flatten().to(torch.float32).numpy())
+                          if arrays else (token, token))
             return {"output_dtype": f"{'' if self.signed else 'u'}int{self.bitwidth}",
-                    "y_scale": {"x": token, "x_scale": token, "axis": channel_axis},
+                    "y_scale": {"x": x, "x_scale": x_scale, "axis": channel_axis},
                     "axis": block_axis, "block_size": self.block_size[block_axis]}
         if encoding_version == "1.0.0" and self.block_size[block_axis] != -1:
             scale = self.per_channel_scale.flatten().tolist()
