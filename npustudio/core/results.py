@@ -23,6 +23,14 @@ from .models import ArchCard, FitEstimate, ModelSource
 from .shape import DecoderSpec
 
 
+class StageOptions(BaseModel):
+    """A stage's options. Defaults are validated like given values: the stage key hashes the dumped options, and an
+    int default of a float field (compile's max_part_mb: 1843) hashed unlike the CLI's parsed 1843.0, so
+    `npustudio compile` redid a compile the window had done."""
+
+    model_config = ConfigDict(validate_default=True)
+
+
 class IntakeResult(BaseModel):
     """The model stage: where the model came from, its architecture card, the phone fit and the host cost."""
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from .. import compute, layout
 from ..compute import Device
@@ -37,7 +37,7 @@ from ..graph.decoder import StaticDecoder, adapt_weights, graph_names, io_names,
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..models import LoadedModel
 from ..progress import StateLike
-from ..results import AdaptResult, Equivalence, Gate, GraphSpec, TensorSpec, load_adapt
+from ..results import AdaptResult, Equivalence, Gate, GraphSpec, StageOptions, TensorSpec, load_adapt
 from ..shape import DecoderSpec
 
 __all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "Equivalence", "Gate", "GraphSpec", "KVCacheRunner",
@@ -45,7 +45,7 @@ __all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "Equivalence", "Gate", 
            "equivalence_gate", "load_result", "run"]
 
 
-class AdaptOptions(BaseModel):
+class AdaptOptions(StageOptions):
     ar: int = Field(128, description="tokens per prompt-processing step (AR-N graph)")
     cl: int = Field(1024, description="context length: KV-cache entries")
     eval_corpus: str = "default"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from .. import layout, parts
 from ..errors import UserError
@@ -33,7 +33,7 @@ from ..graph.kv_cache import KVCacheRunner
 from ..graph.ort_graph import OrtGraph, cpu_session
 from ..parts import DEFAULT_MAX_PART_MB
 from ..progress import Laps, StateLike, peak_rss_mb
-from ..results import CompileResult, Verification, load_compile, load_graphs, load_quantize
+from ..results import CompileResult, StageOptions, Verification, load_compile, load_graphs, load_quantize
 from ..targets import find_soc
 from . import split
 
@@ -42,11 +42,7 @@ PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and 
 KEEP_SESSIONS_BYTES = 2**30  # verification keeps a graph's sessions open below this much weight
 
 
-class CompileOptions(BaseModel):
-    # defaults validated too: the int default of max_part_mb stayed an int, so the window's options (1843) and the
-    # CLI's (1843.0) hashed to different stage keys and `npustudio compile` redid a compile the window had done
-    model_config = ConfigDict(validate_default=True)
-
+class CompileOptions(StageOptions):
     backend: str = Field("ort-qnn", description="ort-qnn (embedded simulator) or qairt (QNN_SDK_ROOT)")
     target: str | None = Field(None, description="SoC; default: the quantize stage's target")
     verify_tokens: int = Field(128, description="eval tokens run through the compiled graphs (0: skip)")

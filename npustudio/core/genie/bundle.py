@@ -24,7 +24,16 @@ from ..errors import UserError
 from ..fsutil import atomic_write_json, link_or_copy, read_json
 from ..graph.graph_io import IOEncoding
 from ..progress import StateLike
-from ..results import BundleResult, GraphSpec, load_bundle, load_card, load_compile, load_graphs, validated
+from ..results import (
+    BundleResult,
+    GraphSpec,
+    StageOptions,
+    load_bundle,
+    load_card,
+    load_compile,
+    load_graphs,
+    validated,
+)
 from ..shape import DecoderSpec
 from ..targets import Soc, find_soc
 from . import config as genie_config
@@ -35,7 +44,7 @@ FORMAT = 1  # bumped when the bundle's contents change meaning
 DEFAULT_QUESTION = "What is the capital of France?"
 
 
-class BundleOptions(BaseModel):
+class BundleOptions(StageOptions):
     sampler: genie_config.Sampler = Field(default_factory=genie_config.Sampler)
     question: str = DEFAULT_QUESTION
     n_threads: int = 2

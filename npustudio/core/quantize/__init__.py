@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from .. import compute, layout
 from ..compute import Device
@@ -38,7 +38,7 @@ from ..graph.decoder import io_names
 from ..graph.exported import write_test_vectors
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
-from ..results import QuantizeResult, load_card, load_graphs, load_quantize
+from ..results import QuantizeResult, StageOptions, load_card, load_graphs, load_quantize
 from ..targets import DEFAULT_SOC, find_soc
 from . import export, rotate, simulate
 from .presets import Overrides, check_overrides, preset
@@ -50,7 +50,7 @@ COPIED_FILES = (layout.TOKENIZER, "tokenizer_config.json", "chat_template.jinja"
                 layout.GRAPHS)
 
 
-class QuantizeOptions(BaseModel):
+class QuantizeOptions(StageOptions):
     precision: str = "w8a16"
     target: str = DEFAULT_SOC
     seq_mse: bool = False
