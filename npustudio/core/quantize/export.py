@@ -96,7 +96,7 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
     _add_input_encodings(data, simulate.input_quantizers(sim.model))
     atomic_write_json(enc_file, data)
     del data
-    return Traced(graph, enc_map, float_onnx, enc_file, qdq_onnx)
+    return Traced(graph, _compact(enc_map), float_onnx, enc_file, qdq_onnx)
 
 
 def write_qdq(t: Traced) -> list[Path]:
@@ -155,17 +155,14 @@ def _lean_lpbq_dict(to_dict: Any, arrays: bool) -> Any:
       same dict is built directly.
     tests/test_quantize.py checks all three against aimet's own exporters."""
     def lean(self: Any, encoding_version: str | None = None) -> Any:
-        if all(g == 1 for g in self.block_grouping) or self.zero_point_shift:
+        if not _grouped(self):
             return to_dict(self, encoding_version)
         channel_axis, block_axis = self._safe_get_channel_and_block_axis()
         if encoding_version == "2.1.0":
+            if arrays:
+                return LeanLPBQ.of(self).to_qnn_encoding_dict(encoding_version)
             token = f"LPBQ encoding {id(self)}: block scales not listed for the trace"
-            x, x_scale = ((self.per_block_int_scale.to(torch.int64).numpy(),
-                           self.per_channel_scale.detach().flatten().to(torch.float32).numpy())
-                          if arrays else (token, token))
-            return {"output_dtype": f"{'' if self.signed else 'u'}int{self.bitwidth}",
-                    "y_scale": {"x": x, "x_scale": x_scale, "axis": channel_axis},
-                    "axis": block_axis, "block_size": self.block_size[block_axis]}
+            return _lpbq_dict(self, channel_axis, block_axis, token, token)
         if encoding_version == "1.0.0" and self.block_size[block_axis] != -1:
             scale = self.per_channel_scale.flatten().tolist()
             return {"dtype": "INT", "bw": self.decompressed_bw, "is_sym": self.symmetry, "scale": scale,
@@ -175,6 +172,62 @@ def _lean_lpbq_dict(to_dict: Any, arrays: bool) -> Any:
         return to_dict(self, encoding_version)
 
     return lean
+
+
+def _lpbq_dict(enc: Any, channel_axis: int, block_axis: int, x: Any, x_scale: Any) -> dict[str, Any]:
+    """The 2.1.0 dict of an LPBQ encoding `enc` (or a `LeanLPBQ`) with block scales `x` under channel scales
+    `x_scale`."""
+    return {"output_dtype": f"{'' if enc.signed else 'u'}int{enc.bitwidth}",
+            "y_scale": {"x": x, "x_scale": x_scale, "axis": channel_axis},
+            "axis": block_axis, "block_size": enc.block_size[block_axis]}
+
+
+@dataclass
+class LeanLPBQ:
+    """An LPBQ weight's encoding as the QDQ pass reads it, kept from a graph's trace to its QDQ pass with its
+    block scales as the small integers they are (one byte a block where they fit).
+
+    aimet's encoding object, and the quantizer the trace made for it, hold four float tensors of every block:
+    ~240 MB per graph of a Llama-3.2-1B-shaped model at w4a16, and the first graph's were still held during the
+    second graph's trace, the export's peak. `to_qnn_encoding_dict("2.1.0")` gives what `_lean_lpbq_dict` gives
+    the QDQ pass (int64 block scales, float32 channel scales)."""
+
+    signed: bool
+    bitwidth: int
+    block_size: tuple[int, ...]
+    channel_axis: int
+    block_axis: int
+    block_scales: torch.Tensor
+    channel_scales: torch.Tensor
+
+    @classmethod
+    def of(cls, enc: Any) -> LeanLPBQ:
+        channel_axis, block_axis = enc._safe_get_channel_and_block_axis()
+        ints = enc.per_block_int_scale
+        small = torch.uint8 if 2 ** (enc.decompressed_bw - enc.bitwidth) <= torch.iinfo(torch.uint8).max else None
+        return cls(bool(enc.signed), int(enc.bitwidth), tuple(enc.block_size), channel_axis, block_axis,
+                   ints.to(small or torch.int64), enc.per_channel_scale.detach().flatten().to(torch.float32).clone())
+
+    def to_qnn_encoding_dict(self, encoding_version: str | None = None) -> dict[str, Any]:
+        if encoding_version != "2.1.0":
+            raise ValueError(f"a traced LPBQ encoding is kept for the QDQ pass (2.1.0) only, not {encoding_version}")
+        return _lpbq_dict(self, self.channel_axis, self.block_axis, self.block_scales.to(torch.int64).numpy(),
+                          self.channel_scales.numpy())
+
+
+def _compact(enc_map: dict[str, Any]) -> dict[str, Any]:
+    """A trace's tensor -> (encoding, is_param) map with its LPBQ encodings as `LeanLPBQ` (those `_lean_lpbq_dict`
+    writes itself; the others stay aimet's)."""
+    from aimet_torch.quantization.affine.encoding import GroupedBlockEncoding
+
+    return {name: (LeanLPBQ.of(e) if isinstance(e, GroupedBlockEncoding) and _grouped(e) else e, is_param)
+            for name, (e, is_param) in enc_map.items()}
+
+
+def _grouped(enc: Any) -> bool:
+    """Whether an LPBQ encoding really groups blocks under channel scales (the ones `_lean_lpbq_dict` writes itself;
+    aimet writes the others as plain affine encodings)."""
+    return not all(g == 1 for g in enc.block_grouping) and not enc.zero_point_shift
 
 
 @torch.no_grad()
