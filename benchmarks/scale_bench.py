@@ -124,11 +124,13 @@ def run_stage(cmd: list[str], log: Path) -> dict[str, Any]:
     return row
 
 
-def genie_vs_preview(bundle: str) -> dict[str, Any]:
+def genie_vs_preview(bundle: str, tolerance: float | None) -> dict[str, Any]:
     """Child process: the same prompt answered greedily by Genie (HTP simulator) and by the CPU preview, then the
     preview fed Genie's own tokens (teacher-forced): at each step, is Genie's token the preview's greedy choice,
     and where not, by how many logits does the preview prefer its own (a near tie flips on fp16 rounding: the HTP
-    computes the float parts in fp16, the preview in fp32; after one flip the free-running answers part)."""
+    computes the float parts in fp16, the preview in fp32; after one flip the free-running answers part).
+    `tolerance`: the largest |logit difference| the compile stage measured between these binaries on the simulator
+    and the CPU quantsim; a step whose margin is within it is a tie the two back-ends may break either way."""
     from npustudio.core.genie import host
 
     out: dict[str, Any] = {}
@@ -146,12 +148,15 @@ def genie_vs_preview(bundle: str) -> dict[str, Any]:
                       "status": "aborted" if aborted else "complete"}
     a, b = out["genie"]["tokens"], out["preview"]["tokens"]
     same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    return out | {"agreeing_prefix": same, "compared": max(len(a), len(b)), "teacher_forced": teacher_forced(pv, a)}
+    return out | {"agreeing_prefix": same, "compared": max(len(a), len(b)),
+                  "teacher_forced": teacher_forced(pv, a, tolerance)}
 
 
-def teacher_forced(pv: Any, pieces: list[str]) -> dict[str, Any]:
+def teacher_forced(pv: Any, pieces: list[str], tolerance: float | None) -> dict[str, Any]:
     """The preview's logits along Genie's answer: per step, whether Genie's token is its top-1, the margin of its
-    top-1 over Genie's token, and the gap between its own first and second choice (how close a tie it was)."""
+    top-1 over Genie's token, and the gap between its own first and second choice (how close a tie it was);
+    `agree_within_tolerance`: the share of steps where Genie's token is the preview's top-1 or trails it by no
+    more than `tolerance` (see genie_vs_preview)."""
     vocab = pv.tok.get_vocab()
     genie: list[int] = []
     for piece in pieces:  # Genie hands out decoded text, one piece per token: a vocabulary entry, or plain text
@@ -165,8 +170,12 @@ def teacher_forced(pv: Any, pieces: list[str]) -> dict[str, Any]:
         steps.append({"top1": int(top2.indices[0]) == g, "margin": round(float(top2.values[0] - row[g]), 4),
                       "top1_top2_gap": round(float(top2.values[0] - top2.values[1]), 4)})
     agree = sum(s["top1"] for s in steps)
-    return {"top1_agreement": round(agree / max(1, len(steps)), 4), "steps": steps,
-            "max_margin": max((s["margin"] for s in steps), default=0.0)}
+    out = {"top1_agreement": round(agree / max(1, len(steps)), 4), "steps": steps,
+           "max_margin": max((s["margin"] for s in steps), default=0.0)}
+    if tolerance is not None:
+        tied = sum(s["top1"] or s["margin"] <= tolerance for s in steps)
+        out |= {"tolerance": tolerance, "agree_within_tolerance": round(tied / max(1, len(steps)), 4)}
+    return out
 
 
 def compile_summary(r: dict[str, Any]) -> dict[str, Any]:
@@ -192,6 +201,27 @@ def seed_adapted(work: Path, model: str, project: Path) -> None:
     for stage in m.stages:
         shutil.copytree(src.stage_dir(stage), project / "stages" / stage, copy_function=os.link)
     Project(project).save(m)
+
+
+def simulator_tolerance(project: Path) -> float | None:
+    """The largest |logit difference| compile measured between the binaries on the simulator and the quantsim."""
+    comp = project / "stages" / "compile" / "compile.json"
+    if not comp.is_file():
+        return None
+    v = json.loads(comp.read_text()).get("verification") or {}
+    return v.get("max_abs_logit_diff")
+
+
+def recorded(project: Path, stage: str, since: float) -> dict[str, Any] | None:
+    """The project's record of `stage` when the command just run did not run it (its inputs and options were
+    unchanged, or its output was seeded from another precision's project): the figures of the run that made it."""
+    from npustudio.core import layout
+    from npustudio.core.project import Project
+
+    rec = Project(project).record(stage) if (project / layout.MANIFEST).is_file() else None
+    if rec is None or rec.started.timestamp() >= since:
+        return None
+    return {"seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)}
 
 
 def over_one_domain(project: Path) -> bool:
@@ -223,7 +253,14 @@ def bench(model: str, precision: str, stages: list[str], work: Path, force: bool
     for stage in [s for s in STAGES if s in stages]:
         if stage == "bundle" and over_one_domain(project):  # the simulator's Genie loads the AR-1 contexts only
             cmds[stage].append("--token-graphs-only")
+        if stage == "genie" and (tol := simulator_tolerance(project)) is not None:
+            cmds[stage] += ["--tolerance", str(tol)]
+        since = time.time()
         row = run_stage(cmds[stage], log)
+        if stage != "genie" and not row["exit"] and (rec := recorded(project, stage, since)):
+            # skipped: the command only checked the stage; report the run that made its output
+            row = rec | {"skipped": True, "check_seconds": row["seconds"], **{k: v for k, v in row.items()
+                                                                             if k not in ("seconds", "peak_rss_mb")}}
         res = row.pop("result", None)
         if res is not None:
             row |= {"adapt": lambda r: {k: r[k] for k in ("top1_agreement", "max_abs_logit_diff", "positions")},
@@ -249,10 +286,11 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="rerun stages the project would skip")
     ap.add_argument("--json", action="store_true", help="print only the JSON")
     ap.add_argument("--child-genie", help=argparse.SUPPRESS)
+    ap.add_argument("--tolerance", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-build", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child_genie:
-        print(json.dumps(genie_vs_preview(a.child_genie)))
+        print(json.dumps(genie_vs_preview(a.child_genie, a.tolerance)))
         return
     if a.child_build:
         _build(a.child_build[0], Path(a.child_build[1]))
