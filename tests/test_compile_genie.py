@@ -144,6 +144,22 @@ def test_genie_and_the_cpu_preview_give_the_same_greedy_tokens(project: Project)
     assert real.text and real.text == fast.text
 
 
+def test_the_preview_after_genie_in_one_new_process_answers(project: Project) -> None:
+    """As a chat that switches from Genie to the CPU preview does: onnxruntime first loaded after libGenie's QNN
+    libraries crashed the process (SIGSEGV) before the preview said a word."""
+    script = ("import sys; from pathlib import Path; from npustudio.core.genie import host\n"
+              "cfg = Path(sys.argv[1])\n"
+              "for preview in (False, True):\n"
+              "    r = host.run(cfg, sys.argv[2], lambda _s: None, max_tokens=4, preview=preview)\n"
+              "    print(r.runner.split()[0], repr(r.text))\n")
+    cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
+    res = subprocess.run([sys.executable, "-c", script, str(cfg), PROMPT], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (genie, g_text), (preview, p_text) = (line.split(" ", 1) for line in res.stdout.splitlines()[-2:])
+    assert (genie, preview) == ("genie", "preview") and g_text == p_text != "''"
+
+
 def test_speed_benchmark_reports_the_preview_and_the_phone_roofline(project: Project) -> None:
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "genie_bench.py"
     res = subprocess.run([sys.executable, str(bench), str(project.stage_dir("bundle")), "--tokens", "3", "--no-genie"],

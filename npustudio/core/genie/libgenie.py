@@ -57,6 +57,11 @@ def load() -> ctypes.CDLL:
         if not (folder / "libGenie.so").is_file():
             raise UserError(f"libGenie.so is not in {folder}.", "Reinstall onnxruntime-qnn (bootstrap.sh) or "
                             "point QNN_SDK_ROOT at a QAIRT SDK.")
+        # onnxruntime first: the QNN libraries come with their own C++ unwinder (libunwind, libc++abi), which global
+        # loading puts before the system's; an onnxruntime imported after them (the CPU preview, a compile, in the
+        # same process) crashed on the first C++ exception of its own start-up (SIGSEGV in unw_get_proc_info)
+        import onnxruntime  # noqa: F401
+
         from ..native_io import fd_redirected
 
         with fd_redirected(1):  # their load-time banner would land in the answer on stdout
