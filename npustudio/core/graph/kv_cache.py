@@ -66,6 +66,10 @@ class KVCacheRunner:
         self.k = [torch.zeros(s.kv_heads, 1, s.head_dim, self.cl, device=self.device) for _ in range(s.layers)]
         self.v = [torch.zeros(s.kv_heads, 1, self.cl, s.head_dim, device=self.device) for _ in range(s.layers)]
 
+    def release(self) -> None:
+        """Let the cache go (a stage's memory peak may come after the runner's last use); `reset` makes a new one."""
+        self.n_past, self.k, self.v = 0, [], []
+
     def feeds(self, tokens: Sequence[int], ar: int) -> dict[str, torch.Tensor]:
         """Inputs of one step: `tokens` (≤ ar) padded to ar, mask and RoPE for positions n_past.."""
         n, cl, p = len(tokens), self.cl, self.n_past
