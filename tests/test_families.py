@@ -63,8 +63,9 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Project:
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Project:
-    return _project(tmp_path_factory, "qwen3", attention_bias=True, hidden_act="gelu", max_position_embeddings=128,
-                    rope_parameters=rope("dynamic", factor=4.0))
+    # head_dim 128, as Qwen3, Qwen2.5-1.5B and Llama-3.2-3B have: Genie's cos/sin tables and its KV cache at that width
+    return _project(tmp_path_factory, "qwen3", head_dim=128, attention_bias=True, hidden_act="gelu",
+                    max_position_embeddings=128, rope_parameters=rope("dynamic", factor=4.0))
 
 
 @pytest.fixture(scope="module")
