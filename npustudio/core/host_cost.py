@@ -20,16 +20,14 @@ from .errors import UserError
 REFERENCE_CPUS = 2
 MB = 2**20
 # stage -> (MiB of libraries and buffers, bytes per parameter, seconds, seconds per million parameters) on 2 cores
-# (memory per parameter from the Llama-3.2-1B-shaped runs, 1.24 B parameters: adapt 6,722 MB, quantize 7,963 MB
-# at w8a16 and 8,728 MB at w4a16, compile 5,785 MB peak RSS)
+# (memory per parameter from the Llama-3.2-1B-shaped runs, 1.24 B parameters: adapt 6,782 MB, quantize 8,014 MB
+# at w8a16 and 8,031 MB at w4a16 -- one rate serves both since w4a16's export keeps its LPBQ block scales as
+# bytes --, compile 5,883 MB peak RSS; the Qwen3-1.7B shape, 1.72 B: adapt 8,820, quantize 10,913, compile 7,078)
 RATES: dict[str, tuple[float, float, float, float]] = {
     "adapt": (1400, 4.6, 50, 0.05),
     "quantize": (1600, 5.5, 150, 0.35),
     "compile": (2200, 3.2, 150, 0.45),
 }
-# the quantize stage's bytes per parameter where a precision needs more than RATES says: w4a16's export (the
-# trace with LPBQ encodings) peaks ~0.8 GB higher on the 1B shape (8,728 MB, against 7,963 MB at w8a16)
-QUANTIZE_BYTES_PER_PARAM = {"w4a16": 6.1}
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
 
 
@@ -40,8 +38,7 @@ class StageCost(BaseModel):
 
 
 class HostEstimate(BaseModel):
-    """For the hungriest precision: the stages hold float weights whatever the target bitwidth, and w4a16's
-    quantize stage holds its per-block scales too."""
+    """For any precision: the stages hold float weights whatever the target bitwidth."""
 
     stages: list[StageCost]
     peak_ram_bytes: int
@@ -60,13 +57,9 @@ def machine_ram() -> int | None:
         return None
 
 
-def stage_cost(stage: str, params: int, gguf: bool = False, cpus: int | None = None,
-               precision: str | None = None) -> StageCost:
-    """One stage's estimate; the quantize stage's at `precision` (None: the hungriest precision)."""
+def stage_cost(stage: str, params: int, gguf: bool = False, cpus: int | None = None) -> StageCost:
+    """One stage's estimate (the same at w8a16 and w4a16: the float weights dominate either way)."""
     base, per_param, secs, per_mparam = RATES[stage]
-    if stage == "quantize":
-        per_param = QUANTIZE_BYTES_PER_PARAM.get(precision, per_param) if precision else max(
-            per_param, *QUANTIZE_BYTES_PER_PARAM.values())
     ram = base * MB + per_param * params + (GGUF_EXTRA_BYTES_PER_PARAM * params if gguf and stage == "adapt" else 0)
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
     return StageCost(stage=stage, peak_ram_bytes=int(ram), seconds=round((secs + per_mparam * params / 1e6) * scale))
@@ -82,10 +75,10 @@ def estimate(card: Any, gguf: bool = False) -> HostEstimate:
                         fits=ram is None or peak <= ram)
 
 
-def check_fits(card: Any, stage: str, gguf: bool = False, precision: str | None = None) -> None:
+def check_fits(card: Any, stage: str, gguf: bool = False) -> None:
     """Refuse a stage whose estimated peak memory is over this computer's RAM (before loading anything)."""
     ram = machine_ram()
-    need = stage_cost(stage, card.params, gguf, precision=precision).peak_ram_bytes
+    need = stage_cost(stage, card.params, gguf).peak_ram_bytes
     if ram is not None and need > ram:
         raise UserError(f"The {stage} stage of this {card.params / 1e9:.1f} B-parameter model needs about "
                         f"{need / 2**30:.1f} GiB of memory (an estimate); this computer has {ram / 2**30:.1f} GiB.",

@@ -65,13 +65,6 @@ def _discard_if_unused(project: Project, existed: bool) -> None:
         pass  # the original error matters more than this tidying up
 
 
-def _check_fits(project: Project, stage: str, precision: str | None = None) -> None:
-    """Refuse a stage this computer's memory cannot hold, from the model's card (before anything loads)."""
-    rec = project.record("model")
-    if rec is not None and rec.status == "done":
-        host_cost.check_fits(rec.result_as(IntakeResult).card, stage, precision=precision)
-
-
 def resolve(model: str) -> models.ModelSource:
     return models.download(models.resolve_source(model))
 
@@ -148,7 +141,7 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
 def _quantize_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
     card, options = args
     if card is not None:
-        host_cost.check_fits(card, "quantize", precision=options.precision)
+        host_cost.check_fits(card, "quantize")
     free_big_blocks_at_once()
     return quantize_stage.run(inputs["adapt"], options, out, state).model_dump()
 
