@@ -108,7 +108,8 @@ def write_qdq(t: Traced) -> list[Path]:
 
     out = t.qdq_onnx.parent
     utils = _aimet_onnx_utils()
-    with _SideFile(t.qdq_onnx) as side, lean_lpbq_dicts(arrays=True), \
+    # its LPBQ encodings are `LeanLPBQ`s already (`_compact`): aimet's own dicts would list every block's scale
+    with _SideFile(t.qdq_onnx) as side, \
             patch_attr(utils, "_quantize_const", partial(_lean_quantize_const, utils._quantize_const, side)):
         qdq = aonnx._to_onnx_qdq(t.graph, t.enc_map, prequantize_constants=True, base_dir=str(out))
     t.graph = None
@@ -123,9 +124,9 @@ def write_qdq(t: Traced) -> list[Path]:
     return [t.float_onnx, t.enc_file, t.qdq_onnx]
 
 
-def lean_lpbq_dicts(arrays: bool = False) -> contextlib.AbstractContextManager[Any]:
-    """`GroupedBlockEncoding.to_qnn_encoding_dict` replaced by `_lean_lpbq_dict` for the `with` block (`arrays`: the
-    block scales as numpy arrays, for the QDQ pass, instead of a stand-in token, for the trace).
+def lean_lpbq_dicts() -> contextlib.AbstractContextManager[Any]:
+    """`GroupedBlockEncoding.to_qnn_encoding_dict` replaced by `_lean_lpbq_dict` for the `with` block (the trace and
+    the .encodings file; the QDQ pass reads `LeanLPBQ`s).
 
     Not aimet's `patch_attr`: on leaving it deletes the class's own method and, finding the inherited
     `AffineEncoding` one, never puts it back, so every later LPBQ encoding of the process (aimet's own exporters'
@@ -135,10 +136,10 @@ def lean_lpbq_dicts(arrays: bool = False) -> contextlib.AbstractContextManager[A
     from aimet_torch.quantization.affine.encoding import GroupedBlockEncoding
 
     return mock.patch.object(GroupedBlockEncoding, "to_qnn_encoding_dict",
-                             _lean_lpbq_dict(GroupedBlockEncoding.to_qnn_encoding_dict, arrays))
+                             _lean_lpbq_dict(GroupedBlockEncoding.to_qnn_encoding_dict))
 
 
-def _lean_lpbq_dict(to_dict: Any, arrays: bool) -> Any:
+def _lean_lpbq_dict(to_dict: Any) -> Any:
     """LPBQ's `to_qnn_encoding_dict` without its Python lists of every block's float scale.
 
     - 2.1.0, asked by aimet's trace (`_to_onnx`) only to derive the per-tensor encodings of data-movement and
@@ -146,10 +147,7 @@ def _lean_lpbq_dict(to_dict: Any, arrays: bool) -> Any:
       aimet builds it as (out, blocks, 1, 1)-deep nested lists of every block scale (~2.2 GB at the export's
       peak for a 1B model's 15 million blocks). The stand-in has the same keys, and a token unique to the
       encoding where the lists were, so two encodings stay unequal.
-    - 2.1.0 for the QDQ pass (`arrays`), which builds each weight's DequantizeLinear scales from them with
-      `np.array`: the same values as numpy arrays of the dtypes `np.array` gives aimet's lists (int64 block
-      scales, float32 channel scales). aimet first lists every block's float scale as well, then its integer one;
-      all of a graph's are held at once (the export's peak on a Llama-3.2-1B-shaped model at w4a16).
+    - 2.1.0 for the QDQ pass: see `LeanLPBQ`, which the traced graph keeps instead of aimet's encoding.
     - 1.0.0 (the .encodings file): aimet lists every block's float scale and offset first (the per-tensor
       format), then replaces them by the per-channel ones (~650 MB of Python floats churned per graph). The
       same dict is built directly.
@@ -159,8 +157,6 @@ def _lean_lpbq_dict(to_dict: Any, arrays: bool) -> Any:
             return to_dict(self, encoding_version)
         channel_axis, block_axis = self._safe_get_channel_and_block_axis()
         if encoding_version == "2.1.0":
-            if arrays:
-                return LeanLPBQ.of(self).to_qnn_encoding_dict(encoding_version)
             token = f"LPBQ encoding {id(self)}: block scales not listed for the trace"
             return _lpbq_dict(self, channel_axis, block_axis, token, token)
         if encoding_version == "1.0.0" and self.block_size[block_axis] != -1:
@@ -187,10 +183,12 @@ class LeanLPBQ:
     """An LPBQ weight's encoding as the QDQ pass reads it, kept from a graph's trace to its QDQ pass with its
     block scales as the small integers they are (one byte a block where they fit).
 
-    aimet's encoding object, and the quantizer the trace made for it, hold four float tensors of every block:
+    The QDQ pass builds each weight's DequantizeLinear scales from the 2.1.0 dict with `np.array`: here the same
+    values as numpy arrays of the dtypes `np.array` gives aimet's lists (int64 block scales, float32 channel
+    scales), where aimet lists every block's float scale, then its integer one, for all of a graph's weights at
+    once. aimet's encoding object, and the quantizer the trace made for it, hold four float tensors of every block:
     ~240 MB per graph of a Llama-3.2-1B-shaped model at w4a16, and the first graph's were still held during the
-    second graph's trace, the export's peak. `to_qnn_encoding_dict("2.1.0")` gives what `_lean_lpbq_dict` gives
-    the QDQ pass (int64 block scales, float32 channel scales)."""
+    second graph's trace, the export's peak."""
 
     signed: bool
     bitwidth: int
@@ -203,10 +201,10 @@ class LeanLPBQ:
     @classmethod
     def of(cls, enc: Any) -> LeanLPBQ:
         channel_axis, block_axis = enc._safe_get_channel_and_block_axis()
-        ints = enc.per_block_int_scale
-        small = torch.uint8 if 2 ** (enc.decompressed_bw - enc.bitwidth) <= torch.iinfo(torch.uint8).max else None
+        fits_a_byte = 2 ** (enc.decompressed_bw - enc.bitwidth) <= torch.iinfo(torch.uint8).max
         return cls(bool(enc.signed), int(enc.bitwidth), tuple(enc.block_size), channel_axis, block_axis,
-                   ints.to(small or torch.int64), enc.per_channel_scale.detach().flatten().to(torch.float32).clone())
+                   enc.per_block_int_scale.to(torch.uint8 if fits_a_byte else torch.int64),
+                   enc.per_channel_scale.detach().flatten().to(torch.float32).clone())
 
     def to_qnn_encoding_dict(self, encoding_version: str | None = None) -> dict[str, Any]:
         if encoding_version != "2.1.0":
@@ -225,8 +223,8 @@ def _compact(enc_map: dict[str, Any]) -> dict[str, Any]:
 
 
 def _grouped(enc: Any) -> bool:
-    """Whether an LPBQ encoding really groups blocks under channel scales (the ones `_lean_lpbq_dict` writes itself;
-    aimet writes the others as plain affine encodings)."""
+    """Whether an LPBQ encoding really groups blocks under channel scales (the ones `_lean_lpbq_dict` and `LeanLPBQ`
+    write themselves; aimet writes the others as plain affine encodings)."""
     return not all(g == 1 for g in enc.block_grouping) and not enc.zero_point_shift
 
 
