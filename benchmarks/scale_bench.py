@@ -203,13 +203,16 @@ def seed_adapted(work: Path, model: str, project: Path) -> None:
     Project(project).save(m)
 
 
+def compile_record(project: Path) -> dict[str, Any] | None:
+    """The project's compile stage record (compile.json), when it has one."""
+    comp = project / "stages" / "compile" / "compile.json"
+    return json.loads(comp.read_text()) if comp.is_file() else None
+
+
 def simulator_tolerance(project: Path) -> float | None:
     """The largest |logit difference| compile measured between the binaries on the simulator and the quantsim."""
-    comp = project / "stages" / "compile" / "compile.json"
-    if not comp.is_file():
-        return None
-    v = json.loads(comp.read_text()).get("verification") or {}
-    return v.get("max_abs_logit_diff")
+    rec = compile_record(project) or {}
+    return (rec.get("verification") or {}).get("max_abs_logit_diff")
 
 
 def recorded(project: Path, stage: str, since: float) -> dict[str, Any] | None:
@@ -228,10 +231,10 @@ def over_one_domain(project: Path) -> bool:
     """Whether the compiled contexts (one per graph and part) exceed what Genie loads into one protection domain."""
     from npustudio.core.genie.bundle import PD_BUDGET_BYTES
 
-    comp = project / "stages" / "compile" / "compile.json"
-    if not comp.is_file():
+    rec = compile_record(project)
+    if rec is None:
         return False
-    graphs = json.loads(comp.read_text())["graphs"]
+    graphs = rec["graphs"]
     return sum(g["bin_bytes"] for g in graphs) > PD_BUDGET_BYTES
 
 
