@@ -21,11 +21,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from scale_bench import run_stage  # noqa: E402  (one way to time a command and read its peak RSS)
 
 
 def job(code: Path, model: str, project: Path, log: Path) -> dict[str, Any]:
@@ -34,19 +35,12 @@ def job(code: Path, model: str, project: Path, log: Path) -> dict[str, Any]:
     env = os.environ | {"PYTHONPATH": str(code)}  # the package in `code` first, before the installed one
     cmd = [sys.executable, "-m", "npustudio.cli", "run", "--model", model, "--project", str(project), "--no-ask",
            "--json"]
-    t0 = time.perf_counter()
-    with open(log, "ab") as err:
-        proc = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.PIPE, stderr=err)
-        out = proc.stdout.read() if proc.stdout else b""
-        _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - t0
-    code_ = os.waitstatus_to_exitcode(status)
-    row: dict[str, Any] = {"seconds_to_verified_bundle": round(seconds, 1),
-                           "peak_rss_mb": round(usage.ru_maxrss / 1024), "exit": code_}
-    if code_:
-        row["error"] = log.read_text(errors="replace").strip().splitlines()[-3:]
-        return row
-    s = json.loads(out)
+    r = run_stage(cmd, log, cwd=code, env=env)
+    row: dict[str, Any] = {"seconds_to_verified_bundle": r["seconds"], "peak_rss_mb": r["peak_rss_mb"],
+                           "exit": r["exit"]}
+    if "error" in r:
+        return row | {"error": r["error"]}
+    s = r["result"]
     row["stages"] = {name: f["seconds"] for name, f in s["stages"].items()}
     row["stage_peak_rss_mb"] = {name: f["peak_rss_mb"] for name, f in s["stages"].items()}
     row["steps"] = {"quantize": s["quantize"]["steps"], "compile": s["compile"]["steps"]}

@@ -104,11 +104,11 @@ def write_tokenizer(folder: Path, vocab: int) -> None:
     fast.save_pretrained(str(folder))
 
 
-def run_stage(cmd: list[str], log: Path) -> dict[str, Any]:
+def run_stage(cmd: list[str], log: Path, cwd: Path = ROOT, env: dict[str, str] | None = None) -> dict[str, Any]:
     """One command in its own process: its JSON output, wall seconds and peak RSS (that process tree's)."""
     t0 = time.perf_counter()
     with open(log, "ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, cwd=cwd, env=env)
         out = proc.stdout.read() if proc.stdout else b""
         _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
