@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..graph.decoder import StaticDecoder
-from ..progress import trim_heap
+from ..progress import heap_blocks_reused, trim_heap
 from ..targets import Soc
 from .presets import Overrides, Preset
 
@@ -198,7 +198,8 @@ def fold(sim: Any) -> None:
     """
     from aimet_torch.nn import BaseQuantizationMixin
 
-    param_encodings(sim.model)
+    with heap_blocks_reused():
+        param_encodings(sim.model)
     todo = [(module, name, quantizer) for module in sim.model.modules() if isinstance(module, BaseQuantizationMixin)
             for name, quantizer in list(module.param_quantizers.items()) if quantizer is not None]
     readers = Counter(getattr(m, n).untyped_storage().data_ptr() for m, n, _ in todo)
