@@ -27,7 +27,11 @@ EVAL_TOPICS = ("naming", "exceptions", "execmodel", "bltin-type-objects", "truth
 CALIB_TOPICS = ("compound", "function", "class", "import", "raise", "with", "lambda", "yield")
 DEFAULT_EVAL_CHARS = 8000
 DEFAULT_WINDOW = 512
-DEFAULT_DECODE = 64  # AR-1 steps at the end of each eval window
+# AR-1 steps at the end of each eval window: the token graph proven at 16 cache positions per window. It is the
+# prompt graph's module at another shape, so more steps add time (an AR-1 step of the quantsim costs ~0.25 s on the
+# default model, a sixth of an AR-128 chunk) rather than evidence: at 64, 256 of the default eval's 1862 positions
+# were AR-1 steps, 61 s of the quantize stage's 78-s eval.
+DEFAULT_DECODE = 16
 # Parameters x tokens of one float evaluation: the default model keeps its whole eval slice (1862 tokens), a
 # 1B-class model is evaluated on MIN_EVAL_TOKENS (its AR-1 steps alone read 5 GB of weights each).
 EVAL_BUDGET = 3e11
