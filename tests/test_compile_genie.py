@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -325,7 +326,7 @@ def test_info_counts_the_parts_compile_cuts_and_a_refused_cut_is_redone(project:
     from npustudio.core import models
     from npustudio.core.graph import ort_qnn
 
-    for d in "abc":
+    for d in ("a", "b", "b2", "c"):
         (tmp_path / d).mkdir()
     card = models.ArchCard(**project.record("model").result["card"])
     limit = 0.5  # MiB: the tiny model's graph is about 0.7
@@ -334,22 +335,37 @@ def test_info_counts_the_parts_compile_cuts_and_a_refused_cut_is_redone(project:
                           CompileOptions(max_part_mb=limit, verify_tokens=0), tmp_path / "a", State())
     assert fit.parts == r.parts == 2 and not r.recut
     assert all(0 < g.estimated_alloc_kb <= limit * 1024 for g in r.graphs)
-    # QNN's own estimate says no to a cut: one more part, and the record says why
-    real = ort_qnn.compile_graph
+    # QNN's own estimate says no to a cut: one more part, and the record says why; whether the graphs compile one
+    # after the other in this process (a large model) or side by side, each in a process of its own (a small one)
+    from npustudio.core.graph import compile_process
+
     refused: list[str] = []
+    too_large = "QNN estimates 2347229 KB for it, over the HTP's limit"
+    real, real_result = ort_qnn.compile_graph, compile_process.Running.result
 
     def refuse_whole(src: Path, graph: str, *a: object, **kw: object) -> ort_qnn.Compiled:
         if graph.endswith("_1_of_1"):
             refused.append(graph)
-            raise ort_qnn.GraphTooLarge(graph, "QNN estimates 2347229 KB for it, over the HTP's limit")
+            raise ort_qnn.GraphTooLarge(graph, too_large)
         return real(src, graph, *a, **kw)  # type: ignore[arg-type]
 
+    def refused_in_its_process(self: compile_process.Running, state: State) -> ort_qnn.Compiled:
+        c = real_result(self, state)
+        if self.graph.endswith("_1_of_1"):
+            refused.append(self.graph)
+            raise ort_qnn.GraphTooLarge(self.graph, too_large)
+        return c
+
     monkeypatch.setattr(ort_qnn, "compile_graph", refuse_whole)
-    again = compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
-                              CompileOptions(verify_tokens=0), tmp_path / "b", State())
-    assert refused == ["prompt_ar32_cl128_1_of_1"] and again.parts == 2
-    assert "2347229 KB" in again.recut[0] and "cut into 2 parts" in again.recut[0]
-    assert sorted(f.name for f in (tmp_path / "b").glob("*_1_of_1*")) == []  # the refused cut is gone
+    monkeypatch.setattr(compile_process.Running, "result", refused_in_its_process)
+    for folder, side_by_side_below in (("b", 0), ("b2", 2**62)):
+        monkeypatch.setattr(compile_stage, "SIDE_BY_SIDE_BYTES", side_by_side_below)
+        refused.clear()
+        again = compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
+                                  CompileOptions(verify_tokens=0), tmp_path / folder, State())
+        assert refused == ["prompt_ar32_cl128_1_of_1"] and again.parts == 2
+        assert "2347229 KB" in again.recut[0] and "cut into 2 parts" in again.recut[0]
+        assert sorted(f.name for f in (tmp_path / folder).glob("*_1_of_1*")) == []  # the refused cut is gone
     with pytest.raises(UserError, match="only 2 layers"):
         compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
                           CompileOptions(parts=3, verify_tokens=0), tmp_path / "c", State())
@@ -441,3 +457,18 @@ def test_a_bundle_over_one_protection_domain_says_so_before_it_is_run(project: P
                            tmp_path, State())
     assert any("protection domain" in n and "--token-graphs-only" in n and "--weight-sharing" in n
                for n in res.notes)
+
+
+def test_a_compile_in_its_own_process_brings_back_qnns_refusal_as_the_user_error(tmp_path: Path) -> None:
+    """Graphs compile side by side in processes of their own: what goes wrong there reaches the user as it would
+    in this process (the problem and its fix), and no file of the child's is left behind."""
+    from npustudio.core.graph import compile_process
+    from npustudio.core.targets import find_soc
+
+    (tmp_path / "g.onnx").write_bytes(b"not an onnx graph")
+    before = set(Path(tempfile.gettempdir()).glob("npustudio-compile-*"))
+    run = compile_process.Running(tmp_path / "g.onnx", "g", tmp_path, find_soc("SM8750"), "quick")
+    with pytest.raises(UserError, match="QNN could not compile g") as e:
+        run.result(State())
+    assert "this version's quantize stage" in e.value.fix
+    assert set(Path(tempfile.gettempdir()).glob("npustudio-compile-*")) == before

@@ -144,3 +144,20 @@ def test_a_cancelled_push_says_so_leaves_no_half_file_and_the_next_one_finishes(
     total = sum(p.stat().st_size for p in deploy.local_files(bundle))
     assert deploy.deploy(bundle, device.info(vdev.serial), State()).bytes_sent == total
     _check_landed(vdev, bundle)
+
+
+def test_a_bundle_compiled_quickly_for_the_simulator_is_kept_off_a_phone_with_the_fix(tmp_path: Path) -> None:
+    """`npustudio run` without a phone compiles with QNN's quicker finalization: fine on the virtual device, but a
+    phone is told to get graphs compiled for it (they run faster there) rather than silently given the others."""
+    folder = _bundle(tmp_path, {"a.bin": b"x"})
+    meta = json.loads((folder / layout.METADATA).read_text())
+    (folder / layout.METADATA).write_text(json.dumps(meta | {"optimize": "quick"}))
+    sm8750 = {"soc": "SM8750", "soc_model": 69, "dsp_arch": "v79", "ram_bytes": 16 * 2**30, "free_bytes": 2**40}
+    phone = device.DeviceInfo(serial="p", state="device", **sm8750)
+    virtual = device.DeviceInfo(serial="v", state="device", virtual=True, **sm8750)
+    problems = device.compatibility(phone, folder)
+    assert [p for p, _ in problems if "quick check on the simulator" in p]
+    assert any("--optimize phone" in fix for _, fix in problems)
+    assert device.compatibility(virtual, folder) == []
+    (folder / layout.METADATA).write_text(json.dumps(meta))  # an earlier bundle, or one compiled for a phone
+    assert not [p for p, _ in device.compatibility(phone, folder) if "simulator" in p]

@@ -67,6 +67,7 @@ def test_wizard_on_the_default_model_to_a_chat_answer(qtbot: Any, default_projec
 
     w.go("Compile")
     w.compile_page.verify.setValue(0)  # the simulator check of the default model has its own test (~3 min)
+    w.compile_page.quick.setChecked(True)  # what `npustudio run` picks with no phone: its test reuses this compile
     run_page(qtbot, w.compile_page, timeout=1_200_000)
     c = table_dict(w.compile_page.results)
     assert c["Ops left on the CPU"] == "0" and c["Validated by libGenie"] == "yes"

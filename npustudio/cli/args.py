@@ -102,7 +102,8 @@ def quantize_args(s: argparse.ArgumentParser) -> None:
     option(s, O, "eval_chars", type=int_in(1, 2**31 - 1), help="evaluate on the first N characters only")
 
 
-def compile_args(s: argparse.ArgumentParser) -> None:
+def compile_args(s: argparse.ArgumentParser, job: bool = False) -> None:
+    """The compile stage's options; `job`: for `run`, which picks what the graphs are for unless told."""
     from ..core.compile import CompileOptions as O
 
     option(s, O, "backend", choices=["ort-qnn", "qairt"],
@@ -111,6 +112,12 @@ def compile_args(s: argparse.ArgumentParser) -> None:
     option(s, O, "parts", type=int_in(0, 1024),
            help="split the model into N contexts `…_i_of_N` (0: as many as keep each under --max-part-mb)")
     max_part_arg(s)
+    if job:
+        option(s, O, "optimize", choices=["phone", "quick"], default=None,
+               help="what QNN finalizes the graphs for (default: phone when the job deploys to a phone attached "
+                    "now, else quick: for the simulator)")
+    else:
+        option(s, O, "optimize", choices=["phone", "quick"])
     option(s, O, "weight_sharing")
 
 
@@ -178,5 +185,6 @@ def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
 def compile_options(a: argparse.Namespace) -> CompileOptions:
     from ..core.compile import CompileOptions
 
+    chosen = {"optimize": a.optimize} if a.optimize else {}  # `run` decides when it is not given
     return CompileOptions(backend=a.backend, verify_tokens=a.verify_tokens, parts=a.parts,
-                          max_part_mb=a.max_part_mb, weight_sharing=a.weight_sharing)
+                          max_part_mb=a.max_part_mb, weight_sharing=a.weight_sharing, **chosen)

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="project folder (default: the per-user default project)")
     adapt_args(s)
     quantize_args(s)
-    compile_args(s)
+    compile_args(s, job=True)
     device_arg(s)
     cluster_arg(s, "adapt, quantize and compile")
     force_arg(s, "redo every stage even when its inputs and options are unchanged")

@@ -73,6 +73,9 @@ def print_compile(c: CompileSummary) -> None:
     out.print(f"Compiled with {c.backend} for {c.target} ({c.dsp_arch}, soc_model {c.soc_model}): "
               f"{c.nodes_on_cpu} nodes on the CPU" + (f", split into {c.parts} parts" if c.parts > 1 else "")
               + (", weight-shared binaries (for a phone)" if c.weight_shared else ""))
+    if c.optimize == "quick":
+        out.print("  graphs finalized quickly, for the simulator: compile with --optimize phone before deploying "
+                  "to a phone")
     for b in c.binaries:
         out.print(f"  {b.file}: {human_bytes(b.bytes)}, {b.nodes_on_qnn} nodes on QNN, "
                   f"compiled in {b.compile_seconds:.1f} s")

@@ -501,6 +501,7 @@ class CompileSummary(BaseModel):
     target: str
     dsp_arch: str
     soc_model: int | None
+    optimize: str
     nodes_on_cpu: int
     parts: int
     weight_shared: bool
@@ -547,6 +548,8 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     options = options or adapt_stage.AdaptOptions()
     qoptions = qoptions or quantize_stage.QuantizeOptions()
     coptions = coptions or compile_stage.CompileOptions()
+    if "optimize" not in coptions.model_fields_set:
+        coptions = coptions.model_copy(update={"optimize": graphs_for(ask)})
     state = state or State()
     with opened(project_dir) as project:
         rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force, cluster=cluster)
@@ -570,6 +573,19 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     )
 
 
+def graphs_for(ask: bool) -> Literal["phone", "quick"]:
+    """What the main job compiles for: the phone it deploys to when one is attached, else the simulator check
+    (QNN's quicker finalization: the same logits; deploy refuses such a bundle for a phone, with the fix)."""
+    if not ask:
+        return "quick"
+    from . import device
+
+    try:
+        return "quick" if device.pick(None).virtual else "phone"
+    except UserError:
+        return "quick"  # no device: the job deploys to the virtual one
+
+
 def adapt_summary(r: AdaptResult) -> AdaptSummary:
     eq, gate = r.equivalence, r.gate
     verdict: Literal["passed", "failed, accepted", "not run"] = (
@@ -589,7 +605,8 @@ def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:
 def compile_summary(r: CompileResult) -> CompileSummary:
     return CompileSummary(
         backend=r.backend, target=r.target, dsp_arch=r.dsp_arch, soc_model=r.soc_model,
-        nodes_on_cpu=r.nodes_on_cpu, parts=r.parts, weight_shared=r.weight_shared or r.backend == "qairt",
+        optimize=r.optimize, nodes_on_cpu=r.nodes_on_cpu, parts=r.parts,
+        weight_shared=r.weight_shared or r.backend == "qairt",
         binaries=[BinarySummary(graph=g.graph, file=g.context_bin, bytes=g.bin_bytes, nodes_on_qnn=g.nodes_on_qnn,
                                 compile_seconds=g.seconds, estimated_alloc_kb=g.estimated_alloc_kb)
                   for g in r.graphs],

@@ -133,6 +133,7 @@ class CompileResult(BaseModel):
     target: str
     soc_model: int | None
     dsp_arch: str
+    optimize: str = Field("phone", description="what QNN finalized the graphs for: phone, or quick (the simulator)")
     graphs: list[Compiled]
     parts: int = 1
     weight_shared: bool = False

@@ -14,10 +14,12 @@ eval text and compares them with the same graphs on the CPU, which reproduce the
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -26,7 +28,7 @@ from .. import layout, parts
 from ..errors import UserError
 from ..evaluate import load_corpus, max_abs_diff, nll
 from ..fsutil import atomic_write_json, link_or_copy
-from ..graph import graph_io, ort_qnn, store
+from ..graph import compile_process, graph_io, ort_qnn, store
 from ..graph.exported import read_test_vectors
 from ..graph.graph_io import IOEncoding
 from ..graph.kv_cache import KVCacheRunner
@@ -40,6 +42,10 @@ from . import split
 FORMAT = 1  # bumped when the compiled output changes meaning
 PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and the verification reference
 KEEP_SESSIONS_BYTES = 2**30  # verification keeps a graph's sessions open below this much weight
+# below this much weight the graphs compile side by side, each in a process of its own, while the CPU checks run:
+# QNN's compile of a graph uses one core (the default model: AR-128 65 s, AR-1 22 s, one after the other); a 1B
+# model's compile holds ~6 GB per graph, so those stay one at a time
+SIDE_BY_SIDE_BYTES = 2**30
 
 
 class CompileOptions(StageOptions):
@@ -51,6 +57,10 @@ class CompileOptions(StageOptions):
     max_part_mb: float = Field(DEFAULT_MAX_PART_MB, gt=0,
                              description="largest estimated HTP allocation of one part's graph, MiB (the HTP refuses "
                                          "graphs over 2 GiB)")
+    optimize: Literal["phone", "quick"] = Field(
+        "phone", description="phone: QNN's longest graph finalization, the fastest graphs on the NPU; quick: its "
+                             "default, about twice as fast to compile, the same results: for a check on the "
+                             "simulator (deploy refuses such a bundle for a phone; qairt always builds for one)")
     weight_sharing: bool = Field(False, description="one binary per part holding the prompt and token graphs, "
                                                     "weights once: for a phone (the x86 simulator cannot load it)")
     eval_corpus: str = "default"
@@ -97,11 +107,22 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     limit = int(options.max_part_mb * 2**20)
     ranges = parts.plan(sizes, limit, options.parts)
     lap("prepare")
+    shared = options.weight_sharing
+    side_by_side = not shared and (os.cpu_count() or 1) > 1 and (prep / layout.WEIGHTS).stat().st_size < \
+        SIDE_BY_SIDE_BYTES
     recut: list[str] = []
+    checked: dict[str, Any] = {}
     while True:
         names, cut = _cut(prep, graphs, ranges, spec.hidden, ars, state)
+        cut_io = io | {name: IOEncoding(dtype="float32") for name in cut}
         try:
-            compiled = _compile_parts(prep, out_dir, graphs, names, target, options.weight_sharing, state, lap)
+            if side_by_side:
+                checks = partial(_cpu_checks, quant_dir, adapt_dir, prep, graphs, cut_io, options, names)
+                compiled, checked = _compile_side_by_side(prep, out_dir, names, target, options.optimize, state,
+                                                          checks)
+                lap("compile_side_by_side")
+            else:
+                compiled = _compile_parts(prep, out_dir, graphs, names, target, shared, options.optimize, state, lap)
             break
         except ort_qnn.GraphTooLarge as e:  # QNN's own estimate is over the HTP's limit: one more part
             if options.parts or len(ranges) == spec.layers:
@@ -112,27 +133,29 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
             _clear(prep, out_dir, names)
             ranges = parts.plan(sizes, limit, len(ranges) + 1)
     n_parts = len(ranges)
-    io |= {name: IOEncoding(dtype="float32") for name in cut}
+    io = cut_io
     estimate = {p: parts.kb(sizes.estimate(r)) for ps in names.values() for p, r in zip(ps, ranges, strict=True)}
     for c in compiled:
         c.estimated_alloc_kb = estimate[c.graph]
-    shared = options.weight_sharing
 
     verification = Verification()
     if options.verify_tokens > 0:
-        state.progress(0.45, "checking the prepared graphs against the quantsim's test vectors")
-        verification.vs_quantsim_test_vectors = _check_vectors(quant_dir, prep, graphs, io)
-        lap("verify_vectors")
+        if "vectors" not in checked:
+            state.progress(0.45, "checking the prepared graphs against the quantsim's test vectors")
+            checked["vectors"] = _check_vectors(quant_dir, prep, graphs, io)
+            lap("verify_vectors")
+        verification.vs_quantsim_test_vectors = checked["vectors"]
         if shared:
             verification.simulator = ("not run: weight-shared binaries do not load on the x86 HTP simulator "
                                       "(they are for a phone)")
         else:
             on_sim = verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
-                                         state.sub(0.5, 1.0), names)
+                                         state.sub(0.5, 1.0), names, cpu=checked.get("cpu"))
             verification = Verification.model_validate(verification.model_dump() | on_sim)
             lap("verify_simulator")
     res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
-                        dsp_arch=target.dsp_arch, graphs=compiled, parts=n_parts, weight_shared=shared, recut=recut,
+                        dsp_arch=target.dsp_arch, optimize=options.optimize,
+                        graphs=compiled, parts=n_parts, weight_shared=shared, recut=recut,
                         nodes_on_cpu=sum(len(c.nodes_on_cpu) for c in compiled), io=io,
                         verification=verification, steps=steps, peak_rss_mb=round(peak_rss_mb()),
                         step_peak_rss_mb=lap.peaks)
@@ -164,7 +187,7 @@ def _clear(prep: Path, out_dir: Path, names: dict[str, list[str]]) -> None:
 
 
 def _compile_parts(prep: Path, out_dir: Path, graphs: list[str], names: dict[str, list[str]], target: Any,
-                   shared: bool, state: StateLike, lap: Laps) -> list[ort_qnn.Compiled]:
+                   shared: bool, optimize: str, state: StateLike, lap: Laps) -> list[ort_qnn.Compiled]:
     """Compile every part of every graph, part by part (the prompt and token graph of a part together, so a
     weight-shared binary holds both); name the QNN graphs inside the binaries when there are several parts."""
     n_parts = len(names[graphs[0]])
@@ -175,12 +198,8 @@ def _compile_parts(prep: Path, out_dir: Path, graphs: list[str], names: dict[str
     for i, (g, share) in enumerate(todo):
         state.check()
         state.progress(0.1 + 0.3 * i / len(todo), f"compiling {g} for {target.soc} ({target.dsp_arch})")
-        c = ort_qnn.compile_graph(prep / f"{g}.onnx", g, out_dir, target, share, hold)
-        if c.nodes_on_cpu:
-            listing = "; ".join(f"{n.op_type} {n.name}" + (f" ({n.reason})" if n.reason else "")
-                                for n in c.nodes_on_cpu[:10])
-            raise UserError(f"{len(c.nodes_on_cpu)} nodes of {g} would run on the CPU, not the NPU: {listing}.",
-                            "These ops have no quantized HTP implementation as exported; report this model.")
+        c = ort_qnn.compile_graph(prep / f"{g}.onnx", g, out_dir, target, share, hold, optimize)
+        _refuse_cpu_nodes(g, c)
         compiled.append(c)
         lap(f"compile_{g}")
         if share == "on":
@@ -191,6 +210,46 @@ def _compile_parts(prep: Path, out_dir: Path, graphs: list[str], names: dict[str
             if n_parts > 1:  # Genie orders the parts by the QNN graph names inside the binaries
                 split.name_graph(out_dir / m.context_onnx, m.graph)
     return compiled
+
+
+def _compile_side_by_side(prep: Path, out_dir: Path, names: dict[str, list[str]], target: Any, optimize: str,
+                          state: StateLike, checks: Callable[[], dict[str, Any]] | None
+                          ) -> tuple[list[ort_qnn.Compiled], dict[str, Any]]:
+    """Every part of every graph compiled at once, each in a process of its own, while `checks` (the CPU-side
+    verification, which needs no binary) runs here; the compiled graphs in part order, and what `checks` found."""
+    n_parts = len(next(iter(names.values())))
+    todo = [names[g][i] for i in range(n_parts) for g in names]
+    state.progress(0.1, f"compiling {', '.join(todo)} side by side for {target.soc} ({target.dsp_arch})")
+    running = [compile_process.Running(prep / f"{g}.onnx", g, out_dir, target, optimize) for g in todo]
+    try:
+        found = checks() if checks else {}
+        compiled = [r.result(state) for r in running]
+    finally:
+        for r in running:
+            r.stop()
+    for g, c in zip(todo, compiled, strict=True):
+        _refuse_cpu_nodes(g, c)
+        if n_parts > 1:  # Genie orders the parts by the QNN graph names inside the binaries
+            split.name_graph(out_dir / c.context_onnx, c.graph)
+    return compiled, found
+
+
+def _cpu_checks(quant_dir: Path, adapt_dir: Path, prep: Path, graphs: list[str], io: dict[str, IOEncoding],
+                o: CompileOptions, names: dict[str, list[str]]) -> dict[str, Any]:
+    """The verification's CPU half: the prepared graphs against the quantsim's test vectors, and the simulator
+    check's reference run."""
+    if o.verify_tokens <= 0:
+        return {}
+    return {"vectors": _check_vectors(quant_dir, prep, graphs, io),
+            "cpu": run_on_cpu(quant_dir, adapt_dir, prep, graphs, io, o, names)}
+
+
+def _refuse_cpu_nodes(g: str, c: ort_qnn.Compiled) -> None:
+    if c.nodes_on_cpu:
+        listing = "; ".join(f"{n.op_type} {n.name}" + (f" ({n.reason})" if n.reason else "")
+                            for n in c.nodes_on_cpu[:10])
+        raise UserError(f"{len(c.nodes_on_cpu)} nodes of {g} would run on the CPU, not the NPU: {listing}.",
+                        "These ops have no quantized HTP implementation as exported; report this model.")
 
 
 def _refuse_lpbq(quant_dir: Path, graph: str, precision: str) -> None:
@@ -236,52 +295,79 @@ def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str,
     return out
 
 
+class _VerifyText:
+    """The start of the eval text and what the host KV-cache runner needs to score it through compiled graphs."""
+
+    def __init__(self, quant_dir: Path, adapt_dir: Path, o: CompileOptions) -> None:
+        from transformers import AutoTokenizer
+
+        self.spec, self.inv_freq = store.load_spec(adapt_dir)
+        prompt_spec = load_graphs(quant_dir)[0]
+        self.ar_n, self.cl = prompt_spec.ar, prompt_spec.cl
+        tok = AutoTokenizer.from_pretrained(str(quant_dir), trust_remote_code=False)
+        n = min(o.verify_tokens + o.verify_decode, self.cl - self.ar_n)
+        self.ids: list[int] = tok(load_corpus(o.eval_corpus, "eval"))["input_ids"][:n]
+        if len(self.ids) < 2:
+            raise UserError("The verification text is shorter than two tokens.", "Use a longer eval corpus.")
+        self.decode = min(o.verify_decode, len(self.ids) - 1)
+
+    def score(self, graphs: list[str], make: Callable[[str], Any]) -> dict[str, Any]:
+        """Teacher-forced logits of the text through the (prompt, token) graphs `make` builds, timed per call."""
+        fns = split.OneAtATime({ar: partial(make, g) for ar, g in zip((self.ar_n, 1), graphs, strict=True)})
+        runner = KVCacheRunner(self.spec, self.cl, fns.graphs(), self.inv_freq)
+        t0 = time.perf_counter()
+        logits = runner.score(self.ids, self.decode)
+        fns.release()
+        return {"logits": logits, "seconds": round(time.perf_counter() - t0, 2), "per_call": fns.per_call()}
+
+
+def _chains(folder: Path, names: dict[str, list[str]], keep: bool, open_part: Callable[[Path], OrtGraph]
+            ) -> Callable[[str], split.Chain]:
+    """A graph as the chain of its parts' sessions (opened when first called)."""
+    return lambda g: split.Chain([partial(open_part, folder / f"{p}.onnx") for p in names[g]], keep)
+
+
+def _graph_names(graphs: list[str], parts: dict[str, list[str]] | None) -> dict[str, list[str]]:
+    return {g: (parts or {}).get(g, [g]) for g in graphs}
+
+
+def _keep_sessions(prep: Path) -> bool:
+    """A large model's parts are opened one at a time, per call (the CPU session of a 1B graph alone holds several
+    GB); a small one keeps its sessions open between calls."""
+    return (prep / layout.WEIGHTS).stat().st_size < KEEP_SESSIONS_BYTES
+
+
+def run_on_cpu(quant_dir: Path, adapt_dir: Path, prep: Path, graphs: list[str], io: dict[str, IOEncoding],
+               o: CompileOptions, parts: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """The verification text through the prepared graphs on the CPU (= the quantsim): the simulator's reference,
+    which needs no binary (so it can run while the graphs compile)."""
+    text = _VerifyText(quant_dir, adapt_dir, o)
+    return text.score(graphs, _chains(prep, _graph_names(graphs, parts), _keep_sessions(prep),
+                                      lambda f: OrtGraph(cpu_session(f), io)))
+
+
 def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: Path, graphs: list[str],
                         io: dict[str, IOEncoding], target: Any, o: CompileOptions, state: StateLike,
-                        parts: dict[str, list[str]] | None = None) -> dict[str, Any]:
+                        parts: dict[str, list[str]] | None = None, cpu: dict[str, Any] | None = None
+                        ) -> dict[str, Any]:
     """The compiled graphs (each as its `parts`, run in turn) on the HTP simulator against the prepared
-    graphs on the CPU (= the quantsim), through the host KV-cache runner over the start of the eval text:
-    NLL, top-1, max |Δlogit|."""
-    from transformers import AutoTokenizer
-
-    spec, inv_freq = store.load_spec(adapt_dir)
-    prompt_spec = load_graphs(quant_dir)[0]
-    ar_n, cl = prompt_spec.ar, prompt_spec.cl
-    tok = AutoTokenizer.from_pretrained(str(quant_dir), trust_remote_code=False)
-    ids = tok(load_corpus(o.eval_corpus, "eval"))["input_ids"][: min(o.verify_tokens + o.verify_decode, cl - ar_n)]
-    if len(ids) < 2:
-        raise UserError("The verification text is shorter than two tokens.", "Use a longer eval corpus.")
-    decode = min(o.verify_decode, len(ids) - 1)
-    runs: dict[str, Any] = {}
-    # a large model's parts are opened one at a time, per call (the CPU session of a 1B graph alone holds
-    # several GB); a small one keeps its sessions open between calls
-    keep = (prep / layout.WEIGHTS).stat().st_size < KEEP_SESSIONS_BYTES
-    names = {g: (parts or {}).get(g, [g]) for g in graphs}
-
-    def on_cpu(p: str) -> OrtGraph:
-        return OrtGraph(cpu_session(prep / f"{p}.onnx"), io)
-
-    def on_htp(p: str) -> OrtGraph:
-        return OrtGraph(ort_qnn.context_session(out_dir / f"{p}.onnx", target), io)
-
-    for i, (label, make) in enumerate((
-            ("cpu", lambda g: split.Chain([partial(on_cpu, p) for p in names[g]], keep)),
-            ("htp", lambda g: split.Chain([partial(on_htp, p) for p in names[g]], keep)))):
-        state.progress(0.5 * i, f"running {len(ids)} tokens through the graphs on the "
-                                + ("CPU" if label == "cpu" else "HTP simulator (slow)"))
-        fns = split.OneAtATime({ar: partial(make, g) for ar, g in zip((ar_n, 1), graphs, strict=True)})
-        runner = KVCacheRunner(spec, cl, fns.graphs(), inv_freq)
-        t0 = time.perf_counter()
-        logits = runner.score(ids, decode)
-        fns.release()
-        runs[label] = {"logits": logits, "seconds": round(time.perf_counter() - t0, 2), "per_call": fns.per_call()}
-        del fns, runner
+    graphs on the CPU (= the quantsim; `cpu`: that run when done already), through the host KV-cache runner over
+    the start of the eval text: NLL, top-1, max |Δlogit|."""
+    text = _VerifyText(quant_dir, adapt_dir, o)
+    if cpu is None:
+        state.progress(0.0, f"running {len(text.ids)} tokens through the graphs on the CPU")
+        cpu = run_on_cpu(quant_dir, adapt_dir, prep, graphs, io, o, parts)
         state.check()
-    cpu, htp = runs["cpu"]["logits"], runs["htp"]["logits"]
-    nll_cpu, nll_htp = nll(cpu, ids) / (len(ids) - 1), nll(htp, ids) / (len(ids) - 1)
-    return {"tokens": len(ids), "prefill_ar": ar_n, "decode_steps": decode,
+    state.progress(0.5, f"running {len(text.ids)} tokens through the graphs on the HTP simulator (slow)")
+    htp = text.score(graphs, _chains(out_dir, _graph_names(graphs, parts), _keep_sessions(prep),
+                                     lambda f: OrtGraph(ort_qnn.context_session(f, target), io)))
+    state.check()
+    ids = text.ids
+    c, h = cpu["logits"], htp["logits"]
+    nll_cpu, nll_htp = nll(c, ids) / (len(ids) - 1), nll(h, ids) / (len(ids) - 1)
+    return {"tokens": len(ids), "prefill_ar": text.ar_n, "decode_steps": text.decode,
             "nll_quantsim_cpu": round(nll_cpu, 5), "nll_htp": round(nll_htp, 5),
             "nll_diff": round(nll_htp - nll_cpu, 5),
-            "top1_agreement": round(float((cpu.argmax(-1) == htp.argmax(-1)).float().mean()), 4),
-            "max_abs_logit_diff": round(max_abs_diff(cpu, htp), 4),
-            "seconds_per_call_htp": runs["htp"]["per_call"], "seconds_per_call_cpu": runs["cpu"]["per_call"]}
+            "top1_agreement": round(float((c.argmax(-1) == h.argmax(-1)).float().mean()), 4),
+            "max_abs_logit_diff": round(max_abs_diff(c, h), 4),
+            "seconds_per_call_htp": htp["per_call"], "seconds_per_call_cpu": cpu["per_call"]}

@@ -201,6 +201,10 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
         problems.append((f"{dev.serial} has {dev.ram_bytes / 1e9:.1f} GB RAM; this model needs about "
                          f"{(2 * bins + 512 * 1024**2) / 1e9:.1f} GB.", "Use a smaller model or w4a16, or a "
                          "phone with more memory."))
+    if not dev.virtual and meta.optimize != "phone":
+        problems.append(("The bundle's graphs were compiled for a quick check on the simulator, not optimized for a "
+                         "phone's NPU.", "Compile them for the phone, then bundle and deploy again: `npustudio "
+                         "compile --project P --optimize phone`, `npustudio bundle --project P`."))
     if not dev.virtual and meta.runtime_missing:
         problems.append(("The bundle has no QNN runtime for a phone (genie-t2t-run, libGenie.so, ...).",
                          "Set QNN_SDK_ROOT to a QAIRT SDK and run `npustudio bundle` again."))

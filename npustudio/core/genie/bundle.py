@@ -79,6 +79,7 @@ class BundleMeta(BaseModel):
     io_encodings: dict[str, IOEncoding] = Field(default_factory=dict)
     backend: str = "ort-qnn"
     weight_shared: bool = False
+    optimize: str = "phone"  # quick: graphs compiled for a check on the simulator, which deploy keeps off phones
     versions: dict[str, Any] = Field(default_factory=dict)
     decoder: DecoderSpec
     rope_inv_freq: list[float] = Field(default_factory=list)
@@ -162,7 +163,8 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     meta = BundleMeta(
         model=card.source, family=card.family, target=target, context_length=cl,
         graphs=[GraphMeta(name=g.name, ar=g.ar, cl=g.cl) for g in graphs if g.name in kept],
-        io_encodings=comp.io, backend=comp.backend, weight_shared=shared, versions=_versions(), decoder=spec,
+        io_encodings=comp.io, backend=comp.backend, weight_shared=shared, optimize=comp.optimize,
+        versions=_versions(), decoder=spec,
         rope_inv_freq=inv_freq.tolist(), eos_ids=card.eos_ids, bos_id=card.bos_id, question=options.question,
         chat_template=card.chat_template, runtime_files=copied, runtime_missing=missing,
         project_compile_dir=str(compile_dir.resolve()))

@@ -48,6 +48,9 @@ class CompilePage(Page):
         self.form.addRow("Verify on the simulator (tokens):", self.verify)
         self.form.addRow("", with_note(self.share, "One binary per part holding the prompt and token graphs, weights "
                                                    "once. The simulator and the virtual device cannot load it."))
+        self.quick = QCheckBox("Quick compile (for the simulator)")
+        self.form.addRow("", with_note(self.quick, "QNN's default graph finalization: about twice as fast, the same "
+                                                   "answers; deploy to a phone asks for a compile for the phone."))
         self.add_strip("Compile and bundle", redo=True)
         self.binaries = table(["Graph", "Context binary", "Size", "Ops on the NPU", "Compile time"])
         self.results = table(["Result", "Value"])
@@ -67,7 +70,8 @@ class CompilePage(Page):
 
     def options(self) -> CompileOptions:
         return CompileOptions(backend="qairt" if self.sdk.isChecked() else "ort-qnn", verify_tokens=self.verify.value(),
-                              weight_sharing=self.share.isChecked())
+                              weight_sharing=self.share.isChecked(),
+                              optimize="quick" if self.quick.isChecked() else "phone")
 
     def start(self, force: bool = False) -> None:
         project, opts = self.project, self.options()

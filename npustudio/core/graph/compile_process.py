@@ -1,0 +1,97 @@
+"""One graph compiled by QNN in a process of its own, so that several compile at once.
+
+QNN's compile of a graph runs on one core, and its log (where the estimate of a graph too large for the HTP is
+read) goes to the process's stderr, which `ort_qnn.compile_graph` captures: two compiles cannot share one process.
+The child is started with an argument list (no shell) and writes its outcome as JSON to a file the caller names;
+on Linux it dies with the thread that started it, so a killed stage leaves no compile running.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from ..progress import Cancelled, StateLike
+from ..targets import Soc
+from .ort_qnn import Compiled, GraphTooLarge, compile_graph
+
+_POLL_S = 0.1
+
+
+class Running:
+    """A compile started in its own process; `result` waits for it."""
+
+    def __init__(self, onnx: Path, graph: str, out_dir: Path, target: Soc, optimize: str) -> None:
+        self.graph = graph
+        self._out = tempfile.NamedTemporaryFile(prefix="npustudio-compile-", suffix=".json", delete=False)
+        self._out.close()
+        self._err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(onnx), graph, str(out_dir), target.model_dump_json(), optimize,
+             self._out.name],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err)
+
+    def result(self, state: StateLike) -> Compiled:
+        """The compiled graph; QNN's refusal (GraphTooLarge), a UserError or the child's crash raised here."""
+        try:
+            while self.proc.poll() is None:
+                if state.cancelled:
+                    raise Cancelled("stopped by the user")
+                time.sleep(_POLL_S)
+            out = Path(self._out.name).read_text()
+            if self.proc.returncode != 0 or not out:
+                self._err.seek(0)
+                tail = self._err.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"the compile of {self.graph} ended with exit {self.proc.returncode}: "
+                                   + " | ".join(tail))
+            r = json.loads(out)
+        finally:
+            self.stop()
+        if "too_large" in r:
+            raise GraphTooLarge(*r["too_large"])
+        if "user_error" in r:
+            raise UserError(*r["user_error"])
+        return Compiled.model_validate(r["compiled"])
+
+    def stop(self) -> None:
+        """Kill the compile if it still runs, and let its files go."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+        Path(self._out.name).unlink(missing_ok=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the thread that started it ends (a stage killed mid-compile)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the compile ends on its own
+
+
+def main(argv: list[str]) -> None:
+    onnx, graph, out_dir, target, optimize, result = argv
+    _die_with_parent()
+    out: dict[str, Any]
+    try:
+        out = {"compiled": compile_graph(Path(onnx), graph, Path(out_dir), Soc.model_validate_json(target),
+                                         optimize=optimize).model_dump()}
+    except GraphTooLarge as e:
+        out = {"too_large": [e.graph, e.reason]}
+    except UserError as e:
+        out = {"user_error": [e.problem, e.fix]}
+    Path(result).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
