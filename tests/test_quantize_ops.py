@@ -59,3 +59,26 @@ def test_quantsim_wraps_the_adapted_decoder_and_w8a16_keeps_perplexity(tiny_llam
     res = compare(ids, partial(fp.score, decode_tokens=8), partial(q.score, decode_tokens=8), window=128)
     assert res.test_ppl / res.ref_ppl == pytest.approx(1.0, abs=0.05)
     assert res.top1_agreement > 0.8
+
+    # the quantize stage runs aimet's per-tensor fake quantization as plain tensor ops: the same logits, bit for bit
+    from npustudio.core.quantize.fast_qdq import fast_per_tensor_qdq
+
+    aimet_logits = q.score(ids[:100], decode_tokens=4)
+    with fast_per_tensor_qdq():
+        fast_logits = q.score(ids[:100], decode_tokens=4)
+    assert torch.equal(aimet_logits, fast_logits)
+
+
+def test_plain_op_fake_quantization_equals_torchs_kernel_ties_included() -> None:
+    from npustudio.core.quantize.fast_qdq import per_tensor_qdq
+
+    g = torch.Generator().manual_seed(0)
+    for qmin, qmax in ((0, 65535), (0, 255), (-128, 127), (0, 15)):
+        for scale in (3.1e-6, 0.00731, 0.5, 7.0):
+            s = torch.tensor(scale)
+            zp = torch.tensor((qmin + qmax) // 3, dtype=torch.int32)
+            k = torch.arange(qmin - 4, qmax + 5, max(1, (qmax - qmin) // 4000)).float() - zp
+            x = torch.cat([torch.randn(50_000, generator=g) * scale * (qmax - qmin) / 4,
+                           (k + 0.5) * s, k * s, torch.tensor([0.0, 1e30, -1e30])])  # ties, the grid, far out
+            want = torch.fake_quantize_per_tensor_affine(x, s, zp, qmin, qmax)
+            assert torch.equal(per_tensor_qdq(x, s, zp, qmin, qmax), want), (qmin, qmax, scale)

@@ -41,6 +41,7 @@ from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
 from ..results import QuantizeResult, StageOptions, load_card, load_graphs, load_quantize
 from ..targets import DEFAULT_SOC, find_soc
 from . import export, rotate, simulate
+from .fast_qdq import fast_per_tensor_qdq
 from .presets import Overrides, check_overrides, preset
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
@@ -79,6 +80,7 @@ def load_result(stage_dir: Path) -> QuantizeResult:
 
 
 @compute.plain_convolutions
+@fast_per_tensor_qdq()
 def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLike) -> QuantizeResult:
     pre, target = preset(options.precision), find_soc(options.target)
     lap = Laps()
