@@ -9,6 +9,7 @@ on Linux it dies with the thread that started it, so a killed stage leaves no co
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,10 +33,13 @@ class Running:
         self._out = tempfile.NamedTemporaryFile(prefix="npustudio-compile-", suffix=".json", delete=False)
         self._out.close()
         self._err = tempfile.TemporaryFile()
+        # the child imports this very package (a cluster worker may hold it only on its own sys.path)
+        root = str(Path(__file__).resolve().parents[3])
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(onnx), graph, str(out_dir), target.model_dump_json(), optimize,
              self._out.name],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err, env=env)
 
     def result(self, state: StateLike) -> Compiled:
         """The compiled graph; QNN's refusal (GraphTooLarge), a UserError or the child's crash raised here."""
