@@ -28,7 +28,9 @@ _POLL_S = 0.1
 class Running:
     """A compile started in its own process; `result` waits for it."""
 
-    def __init__(self, onnx: Path, graph: str, out_dir: Path, target: Soc, optimize: str) -> None:
+    def __init__(self, onnx: Path, graph: str, out_dir: Path, target: Soc, optimize: str, nice: int = 0) -> None:
+        """`nice`: how much lower the compile's CPU priority is (the compiles off the critical path yield to the
+        one on it)."""
         self.graph = graph
         self._out = tempfile.NamedTemporaryFile(prefix="npustudio-compile-", suffix=".json", delete=False)
         self._out.close()
@@ -38,7 +40,7 @@ class Running:
         env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(onnx), graph, str(out_dir), target.model_dump_json(), optimize,
-             self._out.name],
+             str(nice), self._out.name],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err, env=env)
 
     def result(self, state: StateLike) -> Compiled:
@@ -84,8 +86,10 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> None:
-    onnx, graph, out_dir, target, optimize, result = argv
+    onnx, graph, out_dir, target, optimize, nice, result = argv
     _die_with_parent()
+    if int(nice) and hasattr(os, "nice"):
+        os.nice(int(nice))
     out: dict[str, Any]
     try:
         out = {"compiled": compile_graph(Path(onnx), graph, Path(out_dir), Soc.model_validate_json(target),
