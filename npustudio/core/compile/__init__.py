@@ -345,7 +345,11 @@ def run_on_cpu(quant_dir: Path, adapt_dir: Path, prep: Path, graphs: list[str], 
                o: CompileOptions, parts: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """The verification text through the prepared graphs on the CPU (= the quantsim): the simulator's reference,
     which needs no binary (so it can run while the graphs compile)."""
-    text = _VerifyText(quant_dir, adapt_dir, o)
+    return _on_cpu(_VerifyText(quant_dir, adapt_dir, o), prep, graphs, io, parts)
+
+
+def _on_cpu(text: _VerifyText, prep: Path, graphs: list[str], io: dict[str, IOEncoding],
+            parts: dict[str, list[str]] | None) -> dict[str, Any]:
     return text.score(graphs, _chains(prep, _graph_names(graphs, parts), _keep_sessions(prep),
                                       lambda f: OrtGraph(cpu_session(f), io)))
 
@@ -360,7 +364,7 @@ def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: P
     text = _VerifyText(quant_dir, adapt_dir, o)
     if cpu is None:
         state.progress(0.0, f"running {len(text.ids)} tokens through the graphs on the CPU")
-        cpu = run_on_cpu(quant_dir, adapt_dir, prep, graphs, io, o, parts)
+        cpu = _on_cpu(text, prep, graphs, io, parts)
         state.check()
     state.progress(0.5, f"running {len(text.ids)} tokens through the graphs on the HTP simulator (slow)")
     htp = text.score(graphs, _chains(out_dir, _graph_names(graphs, parts), _keep_sessions(prep),

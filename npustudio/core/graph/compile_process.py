@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..progress import Cancelled, StateLike
+from ..progress import StateLike
 from ..targets import Soc
 from .ort_qnn import Compiled, GraphTooLarge, compile_graph
 
@@ -47,8 +47,7 @@ class Running:
         """The compiled graph; QNN's refusal (GraphTooLarge), a UserError or the child's crash raised here."""
         try:
             while self.proc.poll() is None:
-                if state.cancelled:
-                    raise Cancelled("stopped by the user")
+                state.check()  # the user's stop: the compile is killed below
                 time.sleep(_POLL_S)
             out = Path(self._out.name).read_text()
             if self.proc.returncode != 0 or not out:
