@@ -58,8 +58,10 @@ def test_cli_defaults_come_from_the_stage_options_and_the_windows_settings() -> 
 
 
 def test_bars_that_call_tqdm_directly_stay_out_of_a_pipe() -> None:
-    """transformers' GGUF loader (the default model) draws its own tqdm bar, one redraw per tensor."""
-    code = ("from npustudio.core import quiet; quiet.libraries()\n"
+    """transformers' GGUF loader (the default model) draws its own tqdm bar, one redraw per tensor; the CLI imports
+    torch (which imports tqdm) before it silences anything, so tqdm has read its environment by then."""
+    code = ("import npustudio.cli.main, torch\n"
+            "from npustudio.core import quiet; quiet.libraries()\n"
             "from tqdm.auto import tqdm\n"
             "for _ in tqdm(range(50), desc='Converting and de-quantizing GGUF tensors...'): pass\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_") and k != "NPUSTUDIO_DEBUG"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Any
 
 DEBUG_ENV = "NPUSTUDIO_DEBUG"
 
@@ -39,8 +40,27 @@ def libraries() -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if "tqdm" in sys.modules:  # imported already (torch imports it), so its environment was read before
+        _tqdm_off_by_default()
     if "transformers" in sys.modules:  # already imported: its switches, not the environment
         from transformers.utils import logging as tlog
 
         tlog.set_verbosity_error()
         tlog.disable_progress_bar()
+
+
+def _tqdm_off_by_default() -> None:
+    """Every tqdm bar made from now on is off unless its caller turns it on (what TQDM_DISABLE does when it is
+    set before tqdm is imported)."""
+    from tqdm import std
+
+    init = std.tqdm.__init__
+    if getattr(init, "off_by_default", False):
+        return
+
+    def off(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("disable", True)
+        init(self, *args, **kwargs)
+
+    off.off_by_default = True  # type: ignore[attr-defined]
+    std.tqdm.__init__ = off
