@@ -80,8 +80,9 @@ class EncodingsTable(BaseModel):
         return next(r for r in self.rows if r.name == name)
 
 
-def read(path: str | Path, sqnr: bool = False) -> EncodingsTable:
-    """The table of `path`; with `sqnr`, each tensor's SQNR (`sqnr.weights`, `sqnr.activations`)."""
+def read(path: str | Path, sqnr: bool = False, kinds: tuple[str, ...] = ("activation", "param")) -> EncodingsTable:
+    """The table of `path` (its rows of `kinds`); with `sqnr`, each tensor's SQNR (`sqnr.weights`,
+    `sqnr.activations`)."""
     p = Path(path).expanduser()
     fix = "Pass an .encodings file written by the quantize stage (AIMET schema 1.0.0 or 0.6.1)."
     if not p.is_file():
@@ -93,6 +94,8 @@ def read(path: str | Path, sqnr: bool = False) -> EncodingsTable:
     version = str(data.get("version", "0.6.1"))
     rows: list[TensorRow] = []
     for kind, key in (("activation", "activation_encodings"), ("param", "param_encodings")):
+        if kind not in kinds:
+            continue
         section = data.get(key, [] if version.startswith("1.") else {})
         try:
             entries = list(_entries(section, version))
