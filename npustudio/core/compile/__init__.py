@@ -13,6 +13,7 @@ eval text and compares them with the same graphs on the CPU, which reproduce the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -241,11 +242,13 @@ def _compile_side_by_side(prep: Path, out_dir: Path, names: dict[str, list[str]]
 def _cpu_checks(quant_dir: Path, adapt_dir: Path, prep: Path, graphs: list[str], io: dict[str, IOEncoding],
                 o: CompileOptions, names: dict[str, list[str]]) -> dict[str, Any]:
     """The verification's CPU half: the prepared graphs against the quantsim's test vectors, and the simulator
-    check's reference run."""
+    check's reference run, over the same CPU sessions (opening one takes ~2.5 s on the default model; below
+    SIDE_BY_SIDE_BYTES, which this runs under, the sessions are kept open anyway)."""
     if o.verify_tokens <= 0:
         return {}
-    return {"vectors": _check_vectors(quant_dir, prep, graphs, io),
-            "cpu": run_on_cpu(quant_dir, adapt_dir, prep, graphs, io, o, names)}
+    session = functools.cache(cpu_session)
+    return {"vectors": _check_vectors(quant_dir, prep, graphs, io, session),
+            "cpu": _on_cpu(_VerifyText(quant_dir, adapt_dir, o), prep, graphs, io, names, session)}
 
 
 def _refuse_cpu_nodes(g: str, c: ort_qnn.Compiled) -> None:
@@ -287,12 +290,13 @@ def _check_kv_tied(io: dict[str, IOEncoding]) -> None:
                                 "Re-run the quantize stage: the KV cache needs tied encodings.")
 
 
-def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str, IOEncoding]) -> dict[str, float]:
+def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str, IOEncoding],
+                   session: Callable[[Path], Any] = cpu_session) -> dict[str, float]:
     """The prepared graph on the CPU, fed the test-vector inputs, against the quantsim's outputs."""
     out = {}
     for g in graphs:
         tv = read_test_vectors(quant_dir / layout.TEST_VECTORS / f"{g}.npz")
-        got = OrtGraph(cpu_session(prep / f"{g}.onnx"), io)({k: torch.from_numpy(v) for k, v in tv["in"].items()})
+        got = OrtGraph(session(prep / f"{g}.onnx"), io)({k: torch.from_numpy(v) for k, v in tv["in"].items()})
         ref = torch.from_numpy(tv["quant"]["logits"])
         out[f"{g}_max_abs_logit_diff"] = round(max_abs_diff(got["logits"][0], ref[0]), 5)
         out[f"{g}_top1_agreement"] = round(float((got["logits"].argmax(-1) == ref.argmax(-1)).float().mean()), 4)
@@ -341,17 +345,10 @@ def _keep_sessions(prep: Path) -> bool:
     return (prep / layout.WEIGHTS).stat().st_size < KEEP_SESSIONS_BYTES
 
 
-def run_on_cpu(quant_dir: Path, adapt_dir: Path, prep: Path, graphs: list[str], io: dict[str, IOEncoding],
-               o: CompileOptions, parts: dict[str, list[str]] | None = None) -> dict[str, Any]:
-    """The verification text through the prepared graphs on the CPU (= the quantsim): the simulator's reference,
-    which needs no binary (so it can run while the graphs compile)."""
-    return _on_cpu(_VerifyText(quant_dir, adapt_dir, o), prep, graphs, io, parts)
-
-
 def _on_cpu(text: _VerifyText, prep: Path, graphs: list[str], io: dict[str, IOEncoding],
-            parts: dict[str, list[str]] | None) -> dict[str, Any]:
+            parts: dict[str, list[str]] | None, session: Callable[[Path], Any] = cpu_session) -> dict[str, Any]:
     return text.score(graphs, _chains(prep, _graph_names(graphs, parts), _keep_sessions(prep),
-                                      lambda f: OrtGraph(cpu_session(f), io)))
+                                      lambda f: OrtGraph(session(f), io)))
 
 
 def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: Path, graphs: list[str],
