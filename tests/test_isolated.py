@@ -63,3 +63,51 @@ def test_the_stage_runs_at_a_lower_priority_than_the_window() -> None:
 
     assert isolated.run(niceness, state=State()) == min(19, os.nice(0) + 10)
     assert isolated.run(niceness, state=State(), nice=0) == os.nice(0)
+
+
+def test_a_forked_child_works_on_the_parents_objects_beside_it() -> None:
+    """The quantize stage exports each graph in a forked copy of itself while it evaluates: the child sees the
+    parent's objects, runs torch after the parent's thread pool ran (GNU OpenMP's pool hung a forked child's first
+    parallel op), and its result, its UserError and its crash come back."""
+    import os
+
+    import torch
+
+    from npustudio.core.forked import Forked
+
+    held = torch.randn(256, 512)
+    (held @ held.T).sum()  # the parent's OpenMP pool has run
+
+    deadline = State()
+    watchdog = __import__("threading").Timer(120, deadline.cancel)  # a hung child fails the test, not CI
+    watchdog.start()
+    try:
+        child = Forked(lambda: [float((held @ held.T).trace()), os.getpid()], "a product")
+        here = float((held @ held.T).trace())  # the parent goes on meanwhile
+        value, pid = child.result(deadline)
+        assert value == pytest.approx(here, rel=1e-5) and pid != os.getpid()
+
+        with pytest.raises(UserError) as e:
+            Forked(lambda: failing(State()), "a failing step").result(deadline)
+        assert e.value.fix == "Copy tokenizer.json into it."
+
+        with pytest.raises(RuntimeError, match="a crash ended with exit 3"):
+            Forked(lambda: os._exit(3), "a crash").result(deadline)
+    finally:
+        watchdog.cancel()
+
+
+def test_stopping_kills_the_forked_child() -> None:
+    import os
+
+    from npustudio.core.forked import Forked
+
+    st = State()
+    child = Forked(lambda: time.sleep(600), "a long step")
+    pid = child.pid
+    assert pid is not None
+    st.cancel()
+    with pytest.raises(Cancelled):
+        child.result(st)
+    with pytest.raises(ChildProcessError):  # killed and reaped
+        os.waitpid(pid, os.WNOHANG)

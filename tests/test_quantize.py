@@ -188,6 +188,27 @@ def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, 
     assert "weights.bin" in listed and f"test_vectors/{PROMPT}.npz" in listed
 
 
+def test_exporting_beside_the_eval_writes_what_one_process_writes(w8: tuple[Project, list[Partial]],
+                                                                  tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model's graphs are exported in forked processes while the stage evaluates; a large one's in the
+    stage's own process, one after the other: the same files, byte for byte, and the same perplexity."""
+    from npustudio.core import quantize
+
+    p = w8[0]
+    beside = p.record("quantize").result
+    assert "export_after_eval" in beside["steps"]  # the tiny model took the forked path
+    monkeypatch.setattr(quantize, "EXPORT_BESIDE_EVAL_BYTES", 0)
+    alone = quantize.run(p.stage_dir("adapt"), QuantizeOptions(precision="w8a16", **FAST), tmp_path, State())
+    assert "export_after_eval" not in alone.steps
+    assert alone.ppl_quant == beside["ppl_quant"]
+    d = p.stage_dir("quantize")
+    made = sorted(f.relative_to(tmp_path) for f in tmp_path.rglob("*") if f.is_file())
+    assert made == sorted(f.relative_to(d) for f in d.rglob("*") if f.is_file())
+    differ = [f for f in made if f.name != "quantize.json" and (tmp_path / f).read_bytes() != (d / f).read_bytes()]
+    assert differ == []
+
+
 def test_quantize_leaves_the_adapted_weights_untouched(w8: tuple[Project, list[Partial]]) -> None:
     """The stage maps the adapt stage's weights copy-on-write and folds them in place: the file must not change."""
     from npustudio.core.fsutil import sha256_file

@@ -68,6 +68,18 @@ def test_quantsim_wraps_the_adapted_decoder_and_w8a16_keeps_perplexity(tiny_llam
         fast_logits = q.score(ids[:100], decode_tokens=4)
     assert torch.equal(aimet_logits, fast_logits)
 
+    # and evaluates the calibrated quantsim with each encoding computed once (aimet's fast path): the same logits,
+    # and the quantsim as it was afterwards
+    from npustudio.core.quantize import simulate
+
+    params = {k: v.clone() for k, v in sim.model.named_parameters()}
+    with simulate.frozen(sim.model):
+        frozen_logits = q.score(ids[:100], decode_tokens=4)
+    assert torch.equal(aimet_logits, frozen_logits)
+    assert torch.equal(q.score(ids[:100], decode_tokens=4), aimet_logits)
+    after = dict(sim.model.named_parameters())
+    assert after.keys() == params.keys() and all(torch.equal(after[k], v) for k, v in params.items())
+
 
 def test_plain_op_fake_quantization_equals_torchs_kernel_ties_included() -> None:
     from npustudio.core.quantize.fast_qdq import per_tensor_qdq

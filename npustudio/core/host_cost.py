@@ -57,6 +57,18 @@ def machine_ram() -> int | None:
         return None
 
 
+def available_ram() -> int | None:
+    """Memory the system can give out now without swapping (Linux's MemAvailable; None where it does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def stage_cost(stage: str, params: int, gguf: bool = False, cpus: int | None = None) -> StageCost:
     """One stage's estimate (the same at w8a16 and w4a16: the float weights dominate either way)."""
     base, per_param, secs, per_mparam = RATES[stage]

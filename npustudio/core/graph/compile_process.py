@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..forked import die_with_parent
 from ..progress import StateLike
 from ..targets import Soc
 from .ort_qnn import Compiled, GraphTooLarge, compile_graph
@@ -73,20 +74,9 @@ class Running:
         Path(self._out.name).unlink(missing_ok=True)
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the thread that started it ends (a stage killed mid-compile)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the compile ends on its own
-
-
 def main(argv: list[str]) -> None:
     onnx, graph, out_dir, target, optimize, nice, result = argv
-    _die_with_parent()
+    die_with_parent()
     if int(nice) and hasattr(os, "nice"):
         os.nice(int(nice))
     out: dict[str, Any]

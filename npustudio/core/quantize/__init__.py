@@ -9,6 +9,7 @@ mirrors (AR-N prefill + AR-1 steps), quantized evaluation (points labelled "quan
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 from collections.abc import Sequence
 from functools import partial
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from .. import compute, layout
+from .. import compute, forked, host_cost, layout
 from ..compute import Device
 from ..errors import UserError
 from ..evaluate import (
@@ -32,6 +33,7 @@ from ..evaluate import (
     load_corpus,
     read_plan,
 )
+from ..forked import Forked
 from ..fsutil import atomic_write_json
 from ..graph import store
 from ..graph.decoder import io_names
@@ -46,6 +48,9 @@ from .presets import Overrides, check_overrides, preset
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
 FORMAT = 6
+# below this much float weight the graphs are exported beside the evaluation, each in a forked process (the default
+# model: 0.5 GB; a 1B model's 5 GB stays one export at a time, its peak tuned for one process)
+EXPORT_BESIDE_EVAL_BYTES = 2**30
 # the tokenizer, and the graphs' names and I/O (the exported graphs are the adapted ones, quantized)
 COPIED_FILES = (layout.TOKENIZER, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                 layout.GRAPHS)
@@ -153,33 +158,49 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     lap("calibrate")
 
     label = "quant+seqmse" if options.seq_mse else "quant"
-    cmp = compare(ids, fp_ref, partial(q_run.score, decode_tokens=plan.decode_tokens),
-                  window=plan.window, state=state.sub(0.6, 0.8), labels=("fp", label))
-    # the FP logits of the whole eval text, in memory or mapped from the adapt stage's file (each page read stays
-    # in this process's memory while mapped: 131 MB on a 1B model): let go before the export peaks
-    ref.clear()
-    del fp_ref
-    fp_run.release()  # and the runners' KV caches (67 MB each on a 1B model)
-    q_run.release()
-    gc.collect()
-    lap("quant_eval")
-
-    files: list[Path] = []
+    vec_dir = out_dir / layout.TEST_VECTORS
+    beside: list[Forked] = []
+    if options.export and _export_beside_eval(sim.model, device):
+        # each graph exported in a forked copy of this process while this one evaluates: the traces are
+        # single-threaded (default model, 2 cores: the evaluation then the export took 62 s, side by side 40 s)
+        state.progress(0.6, "exporting the graphs beside the evaluation")
+        vec_dir.mkdir(exist_ok=True)
+        beside = [Forked(partial(_export_graph, sim, f, fo, name, out_dir), f"the export of {name}")
+                  for f, fo, name in zip(vectors, fp_out, graph_list, strict=True)]
+    threads = torch.get_num_threads()
+    if beside:  # three busy processes on the cores: OpenMP's waiting threads spin, so the eval gets one (default
+        torch.set_num_threads(1)  # model, 2 cores: eval and both exports 57 s with its two threads, 37 s so)
+    try:
+        with simulate.frozen(sim.model):  # calibrated: its encodings stay as they are from here on
+            cmp = compare(ids, fp_ref, partial(q_run.score, decode_tokens=plan.decode_tokens),
+                          window=plan.window, state=state.sub(0.6, 0.8), labels=("fp", label))
+        # the FP logits of the whole eval text, in memory or mapped from the adapt stage's file (each page read
+        # stays in this process's memory while mapped: 131 MB on a 1B model): let go before the export peaks
+        ref.clear()
+        del fp_ref
+        fp_run.release()  # and the runners' KV caches (67 MB each on a 1B model)
+        q_run.release()
+        gc.collect()
+        lap("quant_eval")
+        files: list[Path] = []
+        if beside:
+            state.progress(0.8, "exporting ONNX + encodings")
+            files = [Path(f) for b in beside for f in b.result(state)]
+            lap("export_after_eval")
+    finally:
+        torch.set_num_threads(threads)
+        for b in beside:
+            b.stop()
     sim.model.cpu()  # the export (and its bit-for-bit checks) run where CI runs them
-    if options.export:
+    if options.export and not beside:
         state.progress(0.8, "exporting ONNX + encodings")
-        vec_dir = out_dir / layout.TEST_VECTORS
         vec_dir.mkdir(exist_ok=True)
         traced: list[export.Traced] = []
         for name in graph_list:
             state.check()
             # each graph's feeds and float outputs are let go once written: the next graph's trace is the export's
             # peak, and the prompt graph's (its logits and the whole KV cache, twice) held ~0.3 GB of it on a 1B model
-            feeds, fo = vectors.pop(0), fp_out.pop(0)
-            traced.append(export.trace_graph(sim, feeds, name, out_dir))
-            qo = TorchGraph(sim.model)(feeds)
-            write_test_vectors(vec_dir / f"{name}.npz", feeds, fo, qo)
-            del feeds, fo, qo
+            traced.append(_trace_with_vectors(sim, vectors.pop(0), fp_out.pop(0), name, out_dir))
             gc.collect()
         # the QDQ pass reads the traced graphs and the weights on disk: the model goes first (its float weights
         # are 5 GB on a 1B model; the pass adds the largest table and its integers to whatever is still held).
@@ -191,6 +212,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         for t, name in zip(traced, graph_list, strict=True):
             state.check()
             files += [*export.write_qdq(t), vec_dir / f"{name}.npz"]
+    if files:
         export.share_weights([f for f in files if f.suffix == ".onnx"], out_dir)
         files.append(out_dir / layout.WEIGHTS)
         for f in COPIED_FILES:
@@ -209,6 +231,34 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     atomic_write_json(out_dir / layout.QUANTIZE_RESULT, res.model_dump())
     state.progress(1.0, f"{pre.name}: PPL {res.ppl_quant:.3f} vs FP {res.ppl_fp:.3f} (×{res.ratio:.4f})")
     return res
+
+
+def _export_beside_eval(model: torch.nn.Module, device: str) -> bool:
+    """Whether the graphs are exported in forked copies of this process while it evaluates: on a CPU with a core
+    to spare, for a small model, with memory for the copies (they share the weights until written, but the
+    traces and the QDQ pass allocate their own: 1.3 GB more in all on the default model's 0.54 GB)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = host_cost.available_ram()
+    return (device == "cpu" and forked.available() and (os.cpu_count() or 1) > 1
+            and weights < EXPORT_BESIDE_EVAL_BYTES and free is not None and free > 4 * weights)
+
+
+def _trace_with_vectors(sim: Any, feeds: dict[str, torch.Tensor], fp_out: dict[str, torch.Tensor], name: str,
+                        out_dir: Path) -> export.Traced:
+    """One graph traced (its float ONNX and encodings written) and its test vectors: the feeds, the float model's
+    outputs and the quantsim's."""
+    traced = export.trace_graph(sim, feeds, name, out_dir)
+    with simulate.frozen(sim.model):
+        qo = TorchGraph(sim.model)(feeds)
+    write_test_vectors(out_dir / layout.TEST_VECTORS / f"{name}.npz", feeds, fp_out, qo)
+    return traced
+
+
+def _export_graph(sim: Any, feeds: dict[str, torch.Tensor], fp_out: dict[str, torch.Tensor], name: str,
+                  out_dir: Path) -> list[str]:
+    """All of one graph's exported files (in a forked child: their paths, as JSON)."""
+    t = _trace_with_vectors(sim, feeds, fp_out, name, out_dir)
+    return [str(f) for f in [*export.write_qdq(t), out_dir / layout.TEST_VECTORS / f"{name}.npz"]]
 
 
 def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:

@@ -1,0 +1,111 @@
+"""A function run in a forked copy of this process, beside work this process goes on with.
+
+For work that needs objects only this process holds (a calibrated quantsim cannot be handed to a fresh
+interpreter) and a core of its own. The child runs torch on one thread: GNU OpenMP's thread pool does not
+survive a fork (the child's first parallel op hung). It never returns into its caller's code: its outcome
+goes to a JSON file and it ends with `os._exit`; on Linux it is killed when the thread that forked it ends, so
+a killed stage leaves no child running. Only where `os.fork` exists (`available`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+from .progress import StateLike
+
+_POLL_S = 0.05
+
+
+def available() -> bool:
+    return hasattr(os, "fork") and sys.platform == "linux"
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the thread that started it ends (a stage killed mid-way)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the child ends on its own
+
+
+class Forked:
+    """`fn()` (its result JSON-serializable) started in a forked child; `result` waits for it."""
+
+    def __init__(self, fn: Callable[[], Any], name: str) -> None:
+        self.name = name
+        fd, out = tempfile.mkstemp(prefix="npustudio-forked-", suffix=".json")
+        os.close(fd)
+        self._out = Path(out)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 1
+            try:
+                die_with_parent()
+                import torch
+
+                torch.set_num_threads(1)
+                self._out.write_text(json.dumps(_outcome(fn)))
+                code = 0
+            finally:
+                os._exit(code)
+        self.pid: int | None = pid
+
+    def result(self, state: StateLike) -> Any:
+        """What `fn` returned; its UserError, or its failure as a RuntimeError, raised here. The user's stop
+        (`state.check`) kills the child."""
+        try:
+            while True:
+                assert self.pid is not None
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.pid = None
+                    break
+                state.check()
+                time.sleep(_POLL_S)
+            code = os.waitstatus_to_exitcode(status)
+            text = self._out.read_text() if code == 0 else ""
+            if not text:
+                raise RuntimeError(f"{self.name} ended with exit {code} and no result")
+            out = json.loads(text)
+        finally:
+            self.stop()
+        if "user_error" in out:
+            raise UserError(*out["user_error"])
+        if "error" in out:
+            sys.stderr.write(out["traceback"])  # the child's traceback, for a bug report
+            raise RuntimeError(f"{self.name} failed: {out['error']}")
+        return out["result"]
+
+    def stop(self) -> None:
+        """Kill the child if it still runs, and let its file go."""
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            self.pid = None
+        self._out.unlink(missing_ok=True)
+
+
+def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    try:
+        return {"result": fn()}
+    except UserError as e:
+        return {"user_error": [e.problem, e.fix]}
+    except BaseException as e:
+        return {"error": f"{e.__class__.__name__}: {e}", "traceback": traceback.format_exc()}
