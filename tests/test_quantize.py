@@ -312,7 +312,9 @@ def test_unknown_precision_and_target_are_refused(w8: tuple[Project, list[Partia
 def test_cancel_keeps_the_last_good_result(w8: tuple[Project, list[Partial]]) -> None:
     p = w8[0]
     before = p.record("quantize")
+    children = _child_processes()
     st = State()
+    # the user stops during the evaluation, while the graphs are being exported beside it in forked processes
     st.subscribe(lambda e: st.cancel() if isinstance(e, Partial) and "quant_ppl" in e.data else None)
     from npustudio.core.progress import Cancelled
 
@@ -323,6 +325,23 @@ def test_cancel_keeps_the_last_good_result(w8: tuple[Project, list[Partial]]) ->
     assert p.load().attempts["quantize"].status == "cancelled"
     assert not (p.root / "stages" / ".quantize.partial").exists()
     assert p.changed("quantize") == []
+    assert _child_processes() <= children  # the exports were stopped with the stage
+
+
+def _child_processes() -> set[int]:
+    """This process's live children (Linux)."""
+    import os
+
+    out = set()
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text() if d.name.isdigit() else ""
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        if fields and int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out.add(int(d.name))
+    return out
 
 
 def test_quantize_cli_json_lists_ratio_and_files(w8: tuple[Project, list[Partial]],
