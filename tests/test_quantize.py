@@ -188,25 +188,34 @@ def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, 
     assert "weights.bin" in listed and f"test_vectors/{PROMPT}.npz" in listed
 
 
-def test_exporting_beside_the_eval_writes_what_one_process_writes(w8: tuple[Project, list[Partial]],
-                                                                  tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small model's graphs are exported in forked processes while the stage evaluates; a large one's in the
-    stage's own process, one after the other: the same files, byte for byte, and the same perplexity."""
+def test_work_beside_the_stage_writes_what_one_process_writes(w8: tuple[Project, list[Partial]], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model is calibrated half in a forked copy of the stage (its observed ranges merged back) and its
+    graphs exported in forked copies while the stage evaluates; a large one does all of it in the stage's own
+    process: the same files, byte for byte (encodings and test vectors included), and the same perplexity."""
     from npustudio.core import quantize
+    from npustudio.core.quantize import simulate
 
     p = w8[0]
     beside = p.record("quantize").result
     assert "export_after_eval" in beside["steps"]  # the tiny model took the forked path
-    monkeypatch.setattr(quantize, "EXPORT_BESIDE_EVAL_BYTES", 0)
-    alone = quantize.run(p.stage_dir("adapt"), QuantizeOptions(precision="w8a16", **FAST), tmp_path, State())
-    assert "export_after_eval" not in alone.steps
+    merged: list[str] = []
+    real_merge = simulate.merge_observed
+    monkeypatch.setattr(simulate, "merge_observed", lambda o, path: merged.append(path) or real_merge(o, path))
+    (tmp_path / "forked").mkdir()
+    (tmp_path / "alone").mkdir()
+    quantize.run(p.stage_dir("adapt"), QuantizeOptions(precision="w8a16", **FAST), tmp_path / "forked", State())
+    assert len(merged) == 1  # half of the calibration came from the forked copy
+    monkeypatch.setattr(quantize, "BESIDE_BYTES", 0)
+    alone = quantize.run(p.stage_dir("adapt"), QuantizeOptions(precision="w8a16", **FAST), tmp_path / "alone",
+                         State())
+    assert len(merged) == 1 and "export_after_eval" not in alone.steps
     assert alone.ppl_quant == beside["ppl_quant"]
-    d = p.stage_dir("quantize")
-    made = sorted(f.relative_to(tmp_path) for f in tmp_path.rglob("*") if f.is_file())
-    assert made == sorted(f.relative_to(d) for f in d.rglob("*") if f.is_file())
-    differ = [f for f in made if f.name != "quantize.json" and (tmp_path / f).read_bytes() != (d / f).read_bytes()]
-    assert differ == []
+    for d in (p.stage_dir("quantize"), tmp_path / "forked"):
+        made = sorted(f.relative_to(tmp_path / "alone") for f in (tmp_path / "alone").rglob("*") if f.is_file())
+        assert made == sorted(f.relative_to(d) for f in d.rglob("*") if f.is_file())
+        assert [f for f in made if f.name != "quantize.json"
+                and (tmp_path / "alone" / f).read_bytes() != (d / f).read_bytes()] == []
 
 
 def test_quantize_leaves_the_adapted_weights_untouched(w8: tuple[Project, list[Partial]]) -> None:

@@ -8,9 +8,11 @@ mirrors (AR-N prefill + AR-1 steps), quantized evaluation (points labelled "quan
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -48,9 +50,9 @@ from .presets import Overrides, check_overrides, preset
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
 FORMAT = 6
-# below this much float weight the graphs are exported beside the evaluation, each in a forked process (the default
-# model: 0.5 GB; a 1B model's 5 GB stays one export at a time, its peak tuned for one process)
-EXPORT_BESIDE_EVAL_BYTES = 2**30
+# below this much float weight half of the calibration, and each graph's export, run in forked copies of the stage's
+# process beside its own work (the default model: 0.5 GB; a 1B model's 5 GB stays in one process, its peak tuned)
+BESIDE_BYTES = 2**30
 # the tokenizer, and the graphs' names and I/O (the exported graphs are the adapted ones, quantized)
 COPIED_FILES = (layout.TOKENIZER, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                 layout.GRAPHS)
@@ -148,30 +150,45 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     state.progress(0.5, f"calibrating activations on {sum(map(len, calib))} tokens")
     q_run = runner(sim.model)
 
+    beside = _beside(sim.model, device)
+
     def calibrate(_m: torch.nn.Module, _a: object) -> None:
-        for i, seq in enumerate(calib):
-            state.check()
-            q_run.score(seq, options.calib_decode)
-            state.progress(0.5 + 0.1 * (i + 1) / len(calib))
+        observers = simulate.min_max_observers(sim.model) if beside and len(calib) > 1 else None
+        if observers is None:
+            _calibrate_on(q_run, calib, options.calib_decode, state, 0.5, 0.6)
+            return
+        # the second half of the sequences in a forked copy of this process, the first here, each on one core; the
+        # copy's observed minima and maxima are then merged into these (the same encodings: min/max merge exactly)
+        half = (len(calib) + 1) // 2
+        with tempfile.TemporaryDirectory(prefix="npustudio-calibration-") as tmp:
+            seen = str(Path(tmp) / "observed.safetensors")
+            child = Forked(partial(_calibrate_part, q_run, calib[half:], options.calib_decode, observers, seen),
+                           "the calibration of the second half")
+            try:
+                with forked.one_thread():
+                    _calibrate_on(q_run, calib[:half], options.calib_decode, state, 0.5, 0.6)
+                child.result(state)
+            finally:
+                child.stop()
+            simulate.merge_observed(observers, seen)
 
     sim.compute_encodings(calibrate, None)
     lap("calibrate")
 
     label = "quant+seqmse" if options.seq_mse else "quant"
     vec_dir = out_dir / layout.TEST_VECTORS
-    beside: list[Forked] = []
-    if options.export and _export_beside_eval(sim.model, device):
+    exports: list[Forked] = []
+    if options.export and beside:
         # each graph exported in a forked copy of this process while this one evaluates: the traces are
         # single-threaded (default model, 2 cores: the evaluation then the export took 62 s, side by side 40 s)
         state.progress(0.6, "exporting the graphs beside the evaluation")
         vec_dir.mkdir(exist_ok=True)
-        beside = [Forked(partial(_export_graph, sim, f, fo, name, out_dir), f"the export of {name}")
-                  for f, fo, name in zip(vectors, fp_out, graph_list, strict=True)]
-    threads = torch.get_num_threads()
-    if beside:  # three busy processes on the cores: OpenMP's waiting threads spin, so the eval gets one (default
-        torch.set_num_threads(1)  # model, 2 cores: eval and both exports 57 s with its two threads, 37 s so)
+        exports = [Forked(partial(_export_graph, sim, f, fo, name, out_dir), f"the export of {name}")
+                   for f, fo, name in zip(vectors, fp_out, graph_list, strict=True)]
     try:
-        with simulate.frozen(sim.model):  # calibrated: its encodings stay as they are from here on
+        # calibrated: its encodings stay as they are from here on. Beside the exports the evaluation gets one
+        # thread: OpenMP's waiting threads spin (default model, 2 cores: 57 s with two threads, 37 s with one)
+        with simulate.frozen(sim.model), (forked.one_thread() if exports else contextlib.nullcontext()):
             cmp = compare(ids, fp_ref, partial(q_run.score, decode_tokens=plan.decode_tokens),
                           window=plan.window, state=state.sub(0.6, 0.8), labels=("fp", label))
         # the FP logits of the whole eval text, in memory or mapped from the adapt stage's file (each page read
@@ -183,16 +200,15 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         gc.collect()
         lap("quant_eval")
         files: list[Path] = []
-        if beside:
+        if exports:
             state.progress(0.8, "exporting ONNX + encodings")
-            files = [Path(f) for b in beside for f in b.result(state)]
+            files = [Path(f) for b in exports for f in b.result(state)]
             lap("export_after_eval")
     finally:
-        torch.set_num_threads(threads)
-        for b in beside:
+        for b in exports:
             b.stop()
     sim.model.cpu()  # the export (and its bit-for-bit checks) run where CI runs them
-    if options.export and not beside:
+    if options.export and not exports:
         state.progress(0.8, "exporting ONNX + encodings")
         vec_dir.mkdir(exist_ok=True)
         traced: list[export.Traced] = []
@@ -233,14 +249,33 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     return res
 
 
-def _export_beside_eval(model: torch.nn.Module, device: str) -> bool:
-    """Whether the graphs are exported in forked copies of this process while it evaluates: on a CPU with a core
-    to spare, for a small model, with memory for the copies (they share the weights until written, but the
-    traces and the QDQ pass allocate their own: 1.3 GB more in all on the default model's 0.54 GB)."""
+def _beside(model: torch.nn.Module, device: str) -> bool:
+    """Whether half of the calibration, and the export, run in forked copies of this process beside its own work:
+    on a CPU with a core to spare, for a small model, with memory for the copies (they share the weights until
+    written, but the traces and the QDQ pass allocate their own: 1.3 GB more in all on the default model's
+    0.54 GB)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     free = host_cost.available_ram()
     return (device == "cpu" and forked.available() and (os.cpu_count() or 1) > 1
-            and weights < EXPORT_BESIDE_EVAL_BYTES and free is not None and free > 4 * weights)
+            and weights < BESIDE_BYTES and free is not None and free > 4 * weights)
+
+
+def _calibrate_on(q_run: KVCacheRunner, seqs: list[list[int]], decode: int, state: StateLike, start: float,
+                  end: float) -> None:
+    for i, seq in enumerate(seqs):
+        state.check()
+        q_run.score(seq, decode)
+        state.progress(start + (end - start) * (i + 1) / len(seqs))
+
+
+def _calibrate_part(q_run: KVCacheRunner, seqs: list[list[int]], decode: int, observers: dict[str, Any],
+                    path: str) -> int:
+    """In a forked child: calibrate on `seqs`, then write what the observers saw to `path`."""
+    from ..progress import State
+
+    _calibrate_on(q_run, seqs, decode, State(), 0.0, 1.0)
+    simulate.save_observed(observers, path)
+    return len(seqs)
 
 
 def _trace_with_vectors(sim: Any, feeds: dict[str, torch.Tensor], fp_out: dict[str, torch.Tensor], name: str,

@@ -227,6 +227,42 @@ def frozen(model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
     return cast(contextlib.AbstractContextManager[Any], _inference_mode(model, prequantize_parameters=False))
 
 
+def min_max_observers(model: torch.nn.Module) -> dict[str, Any] | None:
+    """Each activation quantizer's min/max observer by module name; None when some quantizer observes otherwise
+    (a histogram: its statistics do not merge exactly)."""
+    from aimet_torch.quantization.base import QuantizerBase
+    from aimet_torch.quantization.encoding_analyzer import MinMaxEncodingAnalyzer
+
+    out = {}
+    for name, q in model.named_modules():
+        if isinstance(q, QuantizerBase) and hasattr(q, "encoding_analyzer"):
+            if type(q.encoding_analyzer) is not MinMaxEncodingAnalyzer:
+                return None
+            out[name] = q.encoding_analyzer.observer
+    return out
+
+
+def save_observed(observers: dict[str, Any], path: str) -> None:
+    """What the min/max observers have seen so far, as a safetensors file (`merge_observed` reads it)."""
+    from safetensors.torch import save_file
+
+    save_file({f"{name}.{end}": getattr(o.stats, end).detach().clone().contiguous()
+               for name, o in observers.items() for end in ("min", "max") if getattr(o.stats, end) is not None},
+              path)
+
+
+def merge_observed(observers: dict[str, Any], path: str) -> None:
+    """Merge what another process's observers saw (`save_observed`) into these, as aimet merges each batch: the
+    running minimum and maximum, so the encodings are those of one process seeing every batch."""
+    from aimet_torch.quantization.encoding_analyzer import _MinMaxRange
+    from safetensors.torch import load_file
+
+    seen = load_file(path)
+    for name, o in observers.items():
+        if f"{name}.min" in seen or f"{name}.max" in seen:
+            o.merge_stats(_MinMaxRange(seen.get(f"{name}.min"), seen.get(f"{name}.max")))
+
+
 def param_encodings(model: torch.nn.Module) -> None:
     """aimet's `compute_param_encodings`, without the copy of each weight it makes and drops.
 
