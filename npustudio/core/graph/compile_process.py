@@ -44,6 +44,9 @@ class Running:
              str(nice), self._out.name],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err, env=env)
 
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
     def result(self, state: StateLike) -> Compiled:
         """The compiled graph; QNN's refusal (GraphTooLarge), a UserError or the child's crash raised here."""
         try:
