@@ -98,12 +98,7 @@ class Forked:
             out = json.loads(text)
         finally:
             self.stop()
-        if "user_error" in out:
-            raise UserError(*out["user_error"])
-        if "error" in out:
-            sys.stderr.write(out["traceback"])  # the child's traceback, for a bug report
-            raise RuntimeError(f"{self.name} failed: {out['error']}")
-        return out["result"]
+        return unpack(out, self.name)
 
     def stop(self) -> None:
         """Kill the child if it still runs, and let its file go."""
@@ -115,6 +110,17 @@ class Forked:
                 pass
             self.pid = None
         self._out.unlink(missing_ok=True)
+
+
+def unpack(out: dict[str, Any], name: str) -> Any:
+    """The result in a child's outcome (as `_outcome` writes it); its UserError, or its failure as a RuntimeError,
+    raised here."""
+    if "user_error" in out:
+        raise UserError(*out["user_error"])
+    if "error" in out:
+        sys.stderr.write(out.get("traceback", ""))  # the child's traceback, for a bug report
+        raise RuntimeError(f"{name} failed: {out['error']}")
+    return out["result"]
 
 
 def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:

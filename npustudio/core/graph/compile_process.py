@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..forked import die_with_parent
+from ..forked import die_with_parent, unpack
 from ..progress import StateLike
 from ..targets import Soc
 from .ort_qnn import Compiled, GraphTooLarge, compile_graph
@@ -64,9 +64,7 @@ class Running:
             self.stop()
         if "too_large" in r:
             raise GraphTooLarge(*r["too_large"])
-        if "user_error" in r:
-            raise UserError(*r["user_error"])
-        return Compiled.model_validate(r["compiled"])
+        return Compiled.model_validate(unpack(r, f"the compile of {self.graph}"))
 
     def stop(self) -> None:
         """Kill the compile if it still runs, and let its files go."""
@@ -84,8 +82,8 @@ def main(argv: list[str]) -> None:
         os.nice(int(nice))
     out: dict[str, Any]
     try:
-        out = {"compiled": compile_graph(Path(onnx), graph, Path(out_dir), Soc.model_validate_json(target),
-                                         optimize=optimize).model_dump()}
+        out = {"result": compile_graph(Path(onnx), graph, Path(out_dir), Soc.model_validate_json(target),
+                                       optimize=optimize).model_dump()}
     except GraphTooLarge as e:
         out = {"too_large": [e.graph, e.reason]}
     except UserError as e:
