@@ -50,7 +50,7 @@ class Running:
     def result(self, state: StateLike) -> Compiled:
         """The compiled graph; QNN's refusal (GraphTooLarge), a UserError or the child's crash raised here."""
         try:
-            while self.proc.poll() is None:
+            while self.running():
                 state.check()  # the user's stop: the compile is killed below
                 time.sleep(_POLL_S)
             out = Path(self._out.name).read_text()

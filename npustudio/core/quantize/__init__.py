@@ -176,13 +176,13 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     lap("calibrate")
 
     label = "quant+seqmse" if options.seq_mse else "quant"
-    vec_dir = out_dir / layout.TEST_VECTORS
+    if options.export:
+        (out_dir / layout.TEST_VECTORS).mkdir(exist_ok=True)
     exports: list[Forked] = []
     if options.export and beside:
         # each graph exported in a forked copy of this process while this one evaluates: the traces are
         # single-threaded (default model, 2 cores: the evaluation then the export took 62 s, side by side 40 s)
         state.progress(0.6, "exporting the graphs beside the evaluation")
-        vec_dir.mkdir(exist_ok=True)
         exports = [Forked(partial(_export_graph, sim, f, fo, name, out_dir), f"the export of {name}")
                    for f, fo, name in zip(vectors, fp_out, graph_list, strict=True)]
     try:
@@ -210,7 +210,6 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     sim.model.cpu()  # the export (and its bit-for-bit checks) run where CI runs them
     if options.export and not exports:
         state.progress(0.8, "exporting ONNX + encodings")
-        vec_dir.mkdir(exist_ok=True)
         traced: list[export.Traced] = []
         for name in graph_list:
             state.check()
@@ -227,7 +226,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         state.progress(0.9, "writing the quantized (QDQ) graphs")
         for t, name in zip(traced, graph_list, strict=True):
             state.check()
-            files += [*export.write_qdq(t), vec_dir / f"{name}.npz"]
+            files += [*export.write_qdq(t), _vector_file(out_dir, name)]
     if files:
         export.share_weights([f for f in files if f.suffix == ".onnx"], out_dir)
         files.append(out_dir / layout.WEIGHTS)
@@ -269,13 +268,12 @@ def _calibrate_on(q_run: KVCacheRunner, seqs: list[list[int]], decode: int, stat
 
 
 def _calibrate_part(q_run: KVCacheRunner, seqs: list[list[int]], decode: int, observers: dict[str, Any],
-                    path: str) -> int:
+                    path: str) -> None:
     """In a forked child: calibrate on `seqs`, then write what the observers saw to `path`."""
     from ..progress import State
 
     _calibrate_on(q_run, seqs, decode, State(), 0.0, 1.0)
     simulate.save_observed(observers, path)
-    return len(seqs)
 
 
 def _trace_with_vectors(sim: Any, feeds: dict[str, torch.Tensor], fp_out: dict[str, torch.Tensor], name: str,
@@ -285,7 +283,7 @@ def _trace_with_vectors(sim: Any, feeds: dict[str, torch.Tensor], fp_out: dict[s
     traced = export.trace_graph(sim, feeds, name, out_dir)
     with simulate.frozen(sim.model):
         qo = TorchGraph(sim.model)(feeds)
-    write_test_vectors(out_dir / layout.TEST_VECTORS / f"{name}.npz", feeds, fp_out, qo)
+    write_test_vectors(_vector_file(out_dir, name), feeds, fp_out, qo)
     return traced
 
 
@@ -293,7 +291,11 @@ def _export_graph(sim: Any, feeds: dict[str, torch.Tensor], fp_out: dict[str, to
                   out_dir: Path) -> list[str]:
     """All of one graph's exported files (in a forked child: their paths, as JSON)."""
     t = _trace_with_vectors(sim, feeds, fp_out, name, out_dir)
-    return [str(f) for f in [*export.write_qdq(t), out_dir / layout.TEST_VECTORS / f"{name}.npz"]]
+    return [str(f) for f in [*export.write_qdq(t), _vector_file(out_dir, name)]]
+
+
+def _vector_file(out_dir: Path, graph: str) -> Path:
+    return out_dir / layout.TEST_VECTORS / f"{graph}.npz"
 
 
 def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
