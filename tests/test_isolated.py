@@ -111,3 +111,47 @@ def test_stopping_kills_the_forked_child() -> None:
         child.result(st)
     with pytest.raises(ChildProcessError):  # killed and reaped
         os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_spawned_child_works_beside_its_parent_and_reports_back() -> None:
+    """The compile stage runs the token graph's simulator steps in a fresh interpreter beside the prompt graph's:
+    the result (tensors too), the UserError and the crash (with its last words) come back."""
+    import os
+    from functools import partial
+
+    import torch
+
+    from npustudio.core.spawned import Spawned
+    from npustudio.core.targets import find_soc
+
+    deadline = State()
+    watchdog = __import__("threading").Timer(120, deadline.cancel)  # a hung child fails the test, not CI
+    watchdog.start()
+    try:
+        pid = Spawned(os.getpid, "a pid")
+        values = Spawned(partial(torch.arange, 5), "a range")
+        assert torch.equal(values.result(deadline), torch.arange(5)) and pid.result(deadline) != os.getpid()
+
+        with pytest.raises(UserError) as e:
+            Spawned(partial(find_soc, "SM0000"), "a lookup").result(deadline)
+        assert "SM0000" in e.value.problem
+
+        with pytest.raises(RuntimeError, match="a crash ended with exit 3"):
+            Spawned(partial(os._exit, 3), "a crash").result(deadline)
+    finally:
+        watchdog.cancel()
+
+
+def test_stopping_kills_the_spawned_child_and_its_files() -> None:
+    from functools import partial
+
+    from npustudio.core.spawned import Spawned
+
+    st = State()
+    child = Spawned(partial(time.sleep, 600), "a long step")
+    proc, folder = child.proc, child._dir
+    assert proc is not None and folder.is_dir()
+    st.cancel()
+    with pytest.raises(Cancelled):
+        child.result(st)
+    assert proc.poll() is not None and not folder.exists()

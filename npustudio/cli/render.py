@@ -85,3 +85,6 @@ def print_compile(c: CompileSummary) -> None:
     if v.nll_htp is not None:
         out.print(f"  on the HTP simulator over {v.tokens} tokens: NLL {v.nll_htp:.4f} vs quantsim (CPU) "
                   f"{v.nll_quantsim_cpu:.4f} (Δ {v.nll_diff:+.4f}), top-1 agreement {v.top1_agreement:.3f}")
+    if v.kv_cache_max_diff_steps is not None:
+        out.print(f"  the prompt graph's KV cache on the HTP simulator: within {v.kv_cache_max_diff_steps:g} "
+                  "quantization steps of the quantsim's")

@@ -73,7 +73,7 @@ class Forked:
                 import torch
 
                 torch.set_num_threads(1)
-                self._out.write_text(json.dumps(_outcome(fn)))
+                self._out.write_text(json.dumps(outcome(fn)))
                 code = 0
             finally:
                 os._exit(code)
@@ -113,7 +113,7 @@ class Forked:
 
 
 def unpack(out: dict[str, Any], name: str) -> Any:
-    """The result in a child's outcome (as `_outcome` writes it); its UserError, or its failure as a RuntimeError,
+    """The result in a child's outcome (as `outcome` writes it); its UserError, or its failure as a RuntimeError,
     raised here."""
     if "user_error" in out:
         raise UserError(*out["user_error"])
@@ -123,7 +123,7 @@ def unpack(out: dict[str, Any], name: str) -> Any:
     return out["result"]
 
 
-def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
     try:
         return {"result": fn()}
     except UserError as e:

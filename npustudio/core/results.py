@@ -124,6 +124,9 @@ class Verification(BaseModel):
     nll_diff: float | None = None
     top1_agreement: float | None = None
     max_abs_logit_diff: float | None = None
+    kv_cache_max_diff_steps: float | None = Field(
+        None, description="the prompt graph's KV cache on the simulator against the quantsim's, largest difference "
+                          "in quantization steps (the token graph's steps go on from the quantsim's cache)")
     seconds_per_call_htp: dict[int, float] = Field(default_factory=dict, description="per graph, by its AR")
     seconds_per_call_cpu: dict[int, float] = Field(default_factory=dict, description="per graph, by its AR")
 

@@ -8,7 +8,8 @@ AIMET encodings, never from a calibration of its own.
 For the simulator each graph gets its own binary (a weight-shared binary crashes Genie and ORT on x86).
 Verification runs the compiled AR-N and AR-1 graphs with the host KV-cache runner over the start of the
 eval text and compares them with the same graphs on the CPU, which reproduce the quantsim exactly
-(checked on the quantize stage's test vectors here too).
+(checked on the quantize stage's test vectors here too): the AR-1 steps from the CPU's prompt cache, and the
+simulator's prompt cache against that cache.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -32,11 +33,12 @@ from ..fsutil import atomic_write_json, link_or_copy
 from ..graph import compile_process, graph_io, ort_qnn, store
 from ..graph.exported import read_test_vectors
 from ..graph.graph_io import IOEncoding
-from ..graph.kv_cache import KVCacheRunner
+from ..graph.kv_cache import Cache, KVCacheRunner
 from ..graph.ort_graph import OrtGraph, cpu_session
 from ..parts import DEFAULT_MAX_PART_MB
 from ..progress import Laps, StateLike, peak_rss_mb
 from ..results import CompileResult, StageOptions, Verification, load_compile, load_graphs, load_quantize
+from ..spawned import Spawned
 from ..targets import find_soc
 from . import split
 
@@ -151,8 +153,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
                                       "(they are for a phone)")
         else:
             on_sim = verify_on_simulator(quant_dir, adapt_dir, prep, out_dir, graphs, io, target, options,
-                                         state.sub(0.5, 1.0), names, cpu=checked.get("cpu"),
-                                         sessions=checked.pop("sessions", {}))
+                                         state.sub(0.5, 1.0), names, cpu=checked.get("cpu"))
             verification = Verification.model_validate(verification.model_dump() | on_sim)
             lap("verify_simulator")
     res = CompileResult(backend="ort-qnn", target=target.soc, soc_model=target.soc_model,
@@ -229,13 +230,7 @@ def _compile_side_by_side(prep: Path, out_dir: Path, names: dict[str, list[str]]
                for g in todo]
     try:
         found = checks() if checks else {}
-        done: dict[str, ort_qnn.Compiled] = {}
-        for r in sorted(running, key=lambda r: r.graph in prompts):  # the token graphs' compiles end first
-            done[r.graph] = r.result(state)
-            if n_parts == 1 and r.graph not in prompts and any(x.running() for x in running):
-                # the prompt graph still compiles: the token graph's binary is loaded for the simulator check
-                # meanwhile, on the core its compile left (2.8 s on the default model, off the critical path)
-                found["sessions"] = _preloaded(out_dir / f"{r.graph}.onnx", target)
+        done = {r.graph: r.result(state) for r in running}
         compiled = [done[g] for g in todo]
     finally:
         for r in running:
@@ -245,15 +240,6 @@ def _compile_side_by_side(prep: Path, out_dir: Path, names: dict[str, list[str]]
         if n_parts > 1:  # Genie orders the parts by the QNN graph names inside the binaries
             split.name_graph(out_dir / c.context_onnx, c.graph)
     return compiled, found
-
-
-def _preloaded(ctx_onnx: Path, target: Any) -> dict[Path, Any]:
-    """The HTP simulator's session over a compiled graph, by its file; none when it does not load (the simulator
-    check then opens it itself and says why)."""
-    try:
-        return {ctx_onnx: ort_qnn.context_session(ctx_onnx, target)}
-    except Exception:
-        return {}
 
 
 def _cpu_checks(quant_dir: Path, adapt_dir: Path, prep: Path, graphs: list[str], io: dict[str, IOEncoding],
@@ -336,14 +322,50 @@ class _VerifyText:
             raise UserError("The verification text is shorter than two tokens.", "Use a longer eval corpus.")
         self.decode = min(o.verify_decode, len(self.ids) - 1)
 
-    def score(self, graphs: list[str], make: Callable[[str], Any]) -> dict[str, Any]:
-        """Teacher-forced logits of the text through the (prompt, token) graphs `make` builds, timed per call."""
-        fns = split.OneAtATime({ar: partial(make, g) for ar, g in zip((self.ar_n, 1), graphs, strict=True)})
+    def prefill(self, graph: str, make: Callable[[str], Any]) -> _Scored:
+        """The prompt graph over the text but its last `decode` tokens, in AR-N chunks from an empty cache: the
+        logits, seconds per call and the cache it leaves."""
+        fns = split.OneAtATime({self.ar_n: partial(make, graph)})
         runner = KVCacheRunner(self.spec, self.cl, fns.graphs(), self.inv_freq)
-        t0 = time.perf_counter()
-        logits = runner.score(self.ids, self.decode)
+        logits = runner.prefill(self.ids[:len(self.ids) - self.decode])
+        cache = runner.snapshot()
         fns.release()
-        return {"logits": logits, "seconds": round(time.perf_counter() - t0, 2), "per_call": fns.per_call()}
+        return _Scored(self.ar_n, logits, fns.per_call()[self.ar_n], cache)
+
+    def steps(self, graph: str, make: Callable[[str], Any], cache: Cache) -> _Scored:
+        """The token graph's AR-1 steps over the last `decode` tokens, going on from `cache`."""
+        fns = split.OneAtATime({1: partial(make, graph)})
+        runner = KVCacheRunner(self.spec, self.cl, fns.graphs(), self.inv_freq)
+        runner.resume(cache)
+        logits = torch.cat([runner.step([t], 1) for t in self.ids[len(self.ids) - self.decode:]])
+        fns.release()
+        return _Scored(1, logits, fns.per_call()[1])
+
+
+@dataclass
+class _Scored:
+    """One graph's part of a verification run."""
+
+    ar: int
+    logits: torch.Tensor
+    seconds_per_call: float
+    cache: Cache | None = None
+
+
+@dataclass
+class _Run:
+    """The verification text through both graphs: the prompt graph's chunks, then the token graph's steps."""
+
+    prompt: _Scored
+    steps: _Scored | None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return torch.cat([self.prompt.logits] + ([self.steps.logits] if self.steps else []))
+
+    def per_call(self) -> dict[int, float]:
+        """Seconds per call of each graph, by its AR."""
+        return {s.ar: s.seconds_per_call for s in (self.prompt, self.steps) if s}
 
 
 def _chains(folder: Path, names: dict[str, list[str]], keep: bool, open_part: Callable[[Path], OrtGraph]
@@ -363,35 +385,77 @@ def _keep_sessions(prep: Path) -> bool:
 
 
 def _on_cpu(text: _VerifyText, prep: Path, graphs: list[str], io: dict[str, IOEncoding],
-            parts: dict[str, list[str]] | None, session: Callable[[Path], Any] = cpu_session) -> dict[str, Any]:
-    return text.score(graphs, _chains(prep, _graph_names(graphs, parts), _keep_sessions(prep),
-                                      lambda f: OrtGraph(session(f), io)))
+            parts: dict[str, list[str]] | None, session: Callable[[Path], Any] = cpu_session) -> _Run:
+    """The verification text through the prepared graphs on the CPU (= the quantsim), the token graph's steps
+    going on from the prompt graph's cache."""
+    make = _chains(prep, _graph_names(graphs, parts), _keep_sessions(prep), lambda f: OrtGraph(session(f), io))
+    prompt = text.prefill(graphs[0], make)
+    assert prompt.cache is not None
+    return _Run(prompt, text.steps(graphs[1], make, prompt.cache) if text.decode else None)
+
+
+def _simulator(out_dir: Path, names: dict[str, list[str]], keep: bool, io: dict[str, IOEncoding], target: Any
+               ) -> Callable[[str], split.Chain]:
+    return _chains(out_dir, names, keep, lambda f: OrtGraph(ort_qnn.context_session(f, target), io))
+
+
+def _steps_on_simulator(text: _VerifyText, graph: str, out_dir: Path, names: dict[str, list[str]], keep: bool,
+                        io: dict[str, IOEncoding], target: Any, cache: Cache) -> _Scored:
+    """The token graph's steps on the HTP simulator (in a process of its own: see `verify_on_simulator`)."""
+    return text.steps(graph, _simulator(out_dir, names, keep, io, target), cache)
 
 
 def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: Path, graphs: list[str],
                         io: dict[str, IOEncoding], target: Any, o: CompileOptions, state: StateLike,
-                        parts: dict[str, list[str]] | None = None, cpu: dict[str, Any] | None = None,
-                        sessions: dict[Path, Any] | None = None) -> dict[str, Any]:
-    """The compiled graphs (each as its `parts`, run in turn) on the HTP simulator against the prepared
-    graphs on the CPU (= the quantsim; `cpu`: that run when done already), through the host KV-cache runner over
-    the start of the eval text: NLL, top-1, max |Δlogit|. `sessions`: simulator sessions opened already, by file."""
+                        parts: dict[str, list[str]] | None = None, cpu: _Run | None = None) -> dict[str, Any]:
+    """The compiled graphs (each as its `parts`, run in turn) on the HTP simulator against the prepared graphs on
+    the CPU (= the quantsim; `cpu`: that run when done already), through the host KV-cache runner over the start
+    of the eval text: NLL, top-1, max |Δlogit|, and the prompt graph's KV cache against the quantsim's.
+
+    Each graph is checked from the quantsim's inputs: the token graph's steps go on from the CPU's prompt cache,
+    and the simulator's prompt cache is compared with that cache directly (in quantization steps), which checks
+    the hand-over between the graphs. So the token graph's steps need not wait for the prompt graph's: below
+    KEEP_SESSIONS_BYTES, on more than one core, they run in a process of their own at the same time (the
+    simulator runs one call at a time per process; default model: 56 -> ~40 s)."""
     text = _VerifyText(quant_dir, adapt_dir, o)
     if cpu is None:
         state.progress(0.0, f"running {len(text.ids)} tokens through the graphs on the CPU")
         cpu = _on_cpu(text, prep, graphs, io, parts)
         state.check()
+    assert cpu.prompt.cache is not None
+    names, keep = _graph_names(graphs, parts), _keep_sessions(prep)
     state.progress(0.5, f"running {len(text.ids)} tokens through the graphs on the HTP simulator (slow)")
-    opened = dict(sessions or {})
-    htp = text.score(graphs, _chains(out_dir, _graph_names(graphs, parts), _keep_sessions(prep),
-                                     lambda f: OrtGraph(opened.pop(f, None) or ort_qnn.context_session(f, target),
-                                                        io)))
-    state.check()
+    beside = text.decode and keep and (os.cpu_count() or 1) > 1
+    child = Spawned(partial(_steps_on_simulator, text, graphs[1], out_dir, names, keep, io, target,
+                            cpu.prompt.cache), f"the simulator run of {graphs[1]}") if beside else None
+    try:
+        sim = _simulator(out_dir, names, keep, io, target)
+        prompt = text.prefill(graphs[0], sim)
+        state.check()
+        steps = child.result(state) if child else \
+            text.steps(graphs[1], sim, cpu.prompt.cache) if text.decode else None
+        state.check()
+    finally:
+        if child:
+            child.stop()
+    htp = _Run(prompt, steps)
     ids = text.ids
-    c, h = cpu["logits"], htp["logits"]
+    c, h = cpu.logits, htp.logits
     nll_cpu, nll_htp = nll(c, ids) / (len(ids) - 1), nll(h, ids) / (len(ids) - 1)
+    assert prompt.cache is not None
     return {"tokens": len(ids), "prefill_ar": text.ar_n, "decode_steps": text.decode,
             "nll_quantsim_cpu": round(nll_cpu, 5), "nll_htp": round(nll_htp, 5),
             "nll_diff": round(nll_htp - nll_cpu, 5),
             "top1_agreement": round(float((c.argmax(-1) == h.argmax(-1)).float().mean()), 4),
             "max_abs_logit_diff": round(max_abs_diff(c, h), 4),
-            "seconds_per_call_htp": htp["per_call"], "seconds_per_call_cpu": cpu["per_call"]}
+            "kv_cache_max_diff_steps": _cache_diff_steps(prompt.cache, cpu.prompt.cache, io),
+            "seconds_per_call_htp": htp.per_call(), "seconds_per_call_cpu": cpu.per_call()}
+
+
+def _cache_diff_steps(got: Cache, ref: Cache, io: dict[str, IOEncoding]) -> float:
+    """The largest difference between two caches' entries, in quantization steps of the graph's KV outputs."""
+    worst = 0.0
+    for kind, tensors in (("key", zip(got.k, ref.k, strict=True)), ("value", zip(got.v, ref.v, strict=True))):
+        for i, (a, b) in enumerate(tensors):
+            worst = max(worst, float((a - b).abs().max()) / io[f"past_{kind}_{i}_out"].scale)
+    return round(worst, 2)

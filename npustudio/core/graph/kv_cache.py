@@ -9,6 +9,7 @@ works (torch module, onnxruntime session, quantsim) through `GraphFn`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,15 @@ def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+@dataclass
+class Cache:
+    """The filled entries of a runner's cache: where one graph hands over to the next."""
+
+    n_past: int
+    k: list[torch.Tensor]  # per layer (kv_heads, 1, head_dim, n_past)
+    v: list[torch.Tensor]  # per layer (kv_heads, 1, n_past, head_dim)
+
+
 class KVCacheRunner:
     def __init__(self, spec: DecoderSpec, cl: int, graphs: dict[int, GraphFn], inv_freq: torch.Tensor,
                  device: torch.device | str = "cpu") -> None:
@@ -65,6 +75,19 @@ class KVCacheRunner:
         self.n_past = 0
         self.k = [torch.zeros(s.kv_heads, 1, s.head_dim, self.cl, device=self.device) for _ in range(s.layers)]
         self.v = [torch.zeros(s.kv_heads, 1, self.cl, s.head_dim, device=self.device) for _ in range(s.layers)]
+
+    def snapshot(self) -> Cache:
+        """A copy of the cache's filled entries."""
+        n = self.n_past
+        return Cache(n, [k[:, :, :, :n].cpu().clone() for k in self.k], [v[:, :, :n, :].cpu().clone() for v in self.v])
+
+    def resume(self, cache: Cache) -> None:
+        """Go on from `cache` (another runner's snapshot, over other graphs of the same model)."""
+        self.reset()
+        n = self.n_past = cache.n_past
+        for i in range(self.spec.layers):
+            self.k[i][:, :, :, :n] = cache.k[i]
+            self.v[i][:, :, :n, :] = cache.v[i]
 
     def release(self) -> None:
         """Let the cache go (a stage's memory peak may come after the runner's last use); `reset` makes a new one."""

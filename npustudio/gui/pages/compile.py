@@ -118,6 +118,9 @@ class CompilePage(Page):
             rows += [("HTP simulator vs quantsim", f"NLL {v.nll_htp:.3f} vs {v.nll_quantsim_cpu:.3f} "
                       f"(Δ {v.nll_diff:+.3f}) over {v.tokens} tokens"),
                      ("Top-1 agreement on the simulator", f"{v.top1_agreement:.3f}")]
+            if v.kv_cache_max_diff_steps is not None:
+                rows.append(("Prompt graph's KV cache on the simulator",
+                             f"within {v.kv_cache_max_diff_steps:g} quantization steps of the quantsim's"))
         else:
             rows.append(("HTP simulator check", "skipped (0 tokens)"))
         if b:

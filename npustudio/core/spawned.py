@@ -1,0 +1,88 @@
+"""A function run in a fresh interpreter, beside work this process goes on with.
+
+For work that must not share this process's native state: two HTP simulator sessions in one process run one
+call at a time (the default model's AR-128 call and four AR-1 steps: 56 s in one process, 39 s in two). Started
+with `subprocess`, not multiprocessing: a stage may itself run in a daemonic multiprocessing child, which may
+not start children of its own. The function and its arguments go to the child as a pickle in a private
+folder this process made, and the outcome comes back the same way: only this package's processes write or
+read those files, never a user's. The child dies with the thread that started it (Linux), so a killed stage
+leaves none running.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .forked import die_with_parent, outcome, unpack
+from .progress import StateLike
+
+_POLL_S = 0.05
+
+
+class Spawned:
+    """`fn()` (a module-level function or a partial of one; its result picklable) started in a fresh interpreter;
+    `result` waits for it."""
+
+    def __init__(self, fn: Callable[[], Any], name: str) -> None:
+        self.name = name
+        self._dir = Path(tempfile.mkdtemp(prefix="npustudio-spawned-"))  # mode 0700: this user's only
+        (self._dir / "fn.pickle").write_bytes(pickle.dumps(fn))
+        self._err = tempfile.TemporaryFile()
+        root = str(Path(__file__).resolve().parents[2])  # the child imports this very package
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+        self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(self._dir)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=self._err, env=env)
+
+    def result(self, state: StateLike) -> Any:
+        """What `fn` returned; its UserError, or its failure as a RuntimeError, raised here. The user's stop
+        (`state.check`) kills the child."""
+        try:
+            assert self.proc is not None, "result() was called twice"
+            while self.proc.poll() is None:
+                state.check()
+                time.sleep(_POLL_S)
+            done = self._dir / "outcome.pickle"
+            if self.proc.returncode != 0 or not done.is_file():
+                self._err.seek(0)
+                tail = self._err.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"{self.name} ended with exit {self.proc.returncode} and no result: "
+                                   + " | ".join(tail))
+            out = pickle.loads(done.read_bytes())
+        finally:
+            self.stop()
+        return unpack(out, self.name)
+
+    def stop(self) -> None:
+        """Kill the child if it still runs, and let its files go."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        self._err.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def main(folder: str) -> None:
+    die_with_parent()
+    import torch
+
+    torch.set_num_threads(1)  # the work beside the caller's: one core
+    d = Path(folder)
+    out = outcome(pickle.loads((d / "fn.pickle").read_bytes()))
+    tmp = d / "outcome.pickle.part"
+    tmp.write_bytes(pickle.dumps(out))
+    tmp.replace(d / "outcome.pickle")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
