@@ -32,7 +32,9 @@ from .progress import Cancelled, peak_rss_mb
 SCHEMA_VERSION = 1
 Record = TypeVar("Record", bound=BaseModel)
 STAGE_NOTE = "NPU Studio stage: "  # added to an unexpected exception, so the CLI can say where it happened
-_hashes: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, for this process
+# (device, inode, size, mtime_ns) -> sha256, for this process: a file hard-linked into a later stage (compile's
+# copy of the quantize weights, the bundle's binaries) is hashed once, and a stage's outputs once as it ends
+_hashes: dict[tuple[int, int, int, int], str] = {}
 
 
 class FileRecord(BaseModel):
@@ -184,10 +186,7 @@ class Project:
             return False
         if fr.mtime_ns is not None and st.st_mtime_ns == fr.mtime_ns:
             return True
-        key = (str(f), st.st_size, st.st_mtime_ns)
-        if key not in _hashes:
-            _hashes[key] = sha256_file(f)
-        return _hashes[key] == fr.sha256
+        return _content_hash(f, st) == fr.sha256
 
     def _remember_mtimes(self, name: str) -> None:
         """After a check found every output intact: record the mtimes of those that were re-hashed (touched, or
@@ -239,8 +238,8 @@ class Project:
             final = self.stage_dir(name)
             outputs = [
                 FileRecord(path=str((final / f.relative_to(scratch)).relative_to(self.root)),
-                           bytes=f.stat().st_size, sha256=sha256_file(f), mtime_ns=f.stat().st_mtime_ns)
-                for f in sorted(scratch.rglob("*")) if f.is_file()
+                           bytes=st.st_size, sha256=_content_hash(f, st), mtime_ns=st.st_mtime_ns)
+                for f, st in ((f, f.stat()) for f in sorted(scratch.rglob("*")) if f.is_file())
             ]
             rec = StageRecord(name=name, status="done", key=key, inputs=inputs, options=options,
                               outputs=outputs, result=result, started=started,
@@ -283,3 +282,11 @@ def _disk_error(root: Path, e: OSError) -> UserError:
     return UserError(f"NPU Studio cannot use the project folder {root}: {e.strerror or e} ({where}).",
                      "Pick a project folder on a disk that is mounted and writable (--project DIR), or free "
                      "space / fix the permissions there.")
+
+
+def _content_hash(f: Path, st: os.stat_result) -> str:
+    """`f`'s sha256, from the cache while its inode, size and mtime (`st`) are those it was hashed at."""
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _hashes:
+        _hashes[key] = sha256_file(f)
+    return _hashes[key]
