@@ -44,6 +44,34 @@ def test_adapted_graphs_reproduce_the_original_logits(adapted: dict[str, Project
     assert res["ppl_adapted"] == pytest.approx(res["ppl_fp"], rel=1e-5)
 
 
+def test_the_eval_split_across_a_forked_copy_writes_what_one_process_writes(
+        tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model's second half of the equivalence windows runs in a forked copy of the stage: the same files
+    (reference logits included) and the same figures, byte for byte, as one process doing every window."""
+    from npustudio.core import evaluate, forked
+
+    split: list[int] = []
+    real = evaluate._Ahead.__init__
+
+    def spy(self: evaluate._Ahead, ws: list[list[int]], *a: object) -> None:
+        split.append(len(ws))
+        real(self, ws, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(evaluate._Ahead, "__init__", spy)
+    runs = {}
+    for name in ("beside", "alone"):
+        if name == "alone":
+            monkeypatch.setattr(forked, "BESIDE_BYTES", 0)
+        runs[name] = Project.open(tmp_path / name)
+        pipeline.adapt(runs[name], str(tiny_llama), FAST, State())
+    assert len(split) == 1 and split[0] > 2  # only the first run split its windows
+    folders = {name: p.stage_dir("adapt") for name, p in runs.items()}
+    made = sorted(f.relative_to(folders["alone"]) for f in folders["alone"].rglob("*") if f.is_file())
+    assert made == sorted(f.relative_to(folders["beside"]) for f in folders["beside"].rglob("*") if f.is_file())
+    assert layout.REFERENCE_LOGITS in {str(f) for f in made}
+    assert [f for f in made if (folders["alone"] / f).read_bytes() != (folders["beside"] / f).read_bytes()] == []
+
+
 def test_graph_io_is_exactly_what_genie_binds(adapted: dict[str, Project]) -> None:
     p = adapted["llama"]
     graphs = json.loads((p.stage_dir("adapt") / "graphs.json").read_text())

@@ -193,7 +193,7 @@ def test_work_beside_the_stage_writes_what_one_process_writes(w8: tuple[Project,
     """A small model is calibrated half in a forked copy of the stage (its observed ranges merged back) and its
     graphs exported in forked copies while the stage evaluates; a large one does all of it in the stage's own
     process: the same files, byte for byte (encodings and test vectors included), and the same perplexity."""
-    from npustudio.core import quantize
+    from npustudio.core import forked, quantize
     from npustudio.core.quantize import simulate
 
     p = w8[0]
@@ -206,7 +206,7 @@ def test_work_beside_the_stage_writes_what_one_process_writes(w8: tuple[Project,
     (tmp_path / "alone").mkdir()
     quantize.run(p.stage_dir("adapt"), QuantizeOptions(precision="w8a16", **FAST), tmp_path / "forked", State())
     assert len(merged) == 1  # half of the calibration came from the forked copy
-    monkeypatch.setattr(quantize, "BESIDE_BYTES", 0)
+    monkeypatch.setattr(forked, "BESIDE_BYTES", 0)
     alone = quantize.run(p.stage_dir("adapt"), QuantizeOptions(precision="w8a16", **FAST), tmp_path / "alone",
                          State())
     assert len(merged) == 1 and "export_after_eval" not in alone.steps

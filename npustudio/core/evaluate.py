@@ -7,18 +7,21 @@ done, so a chart can draw them live. Corpora: the offline default (Python's own 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, Field
 
-from . import layout
+from . import forked, layout
 from .errors import UserError
-from .progress import StateLike
+from .progress import State, StateLike
 
 # The eval and calibration slices are disjoint sets of topics (the eval slice is the one the
 # reference measurements used: 8000 chars -> 1862 SmolLM2 tokens, FP32 PPL 14.659).
@@ -153,6 +156,26 @@ class Comparison:
     def top1_agreement(self) -> float:
         return self.top1_agree / max(self.positions, 1)
 
+    def add(self, i: int, w: list[int], lr: torch.Tensor, lt: torch.Tensor | None, labels: tuple[str, str]
+            ) -> dict[str, float]:
+        """Window `i` (its tokens `w`, the reference's logits `lr` and the test's `lt`); returns its row."""
+        self.ref_logit_range = max(self.ref_logit_range, float((lr.amax(-1) - lr.amin(-1)).max()))
+        nr = nll(lr, w)
+        self.ref_nll += nr
+        self.tokens += len(w) - 1
+        self.windows += 1
+        row = {"window": i, "tokens": len(w) - 1, f"{labels[0]}_ppl": math.exp(nr / (len(w) - 1))}
+        if lt is not None:
+            nt = nll(lt, w)
+            self.test_nll += nt
+            self.top1_agree += int((lr.argmax(-1) == lt.argmax(-1)).sum())
+            self.positions += len(w)
+            d = max_abs_diff(lr, lt)
+            self.max_abs_logit_diff = max(self.max_abs_logit_diff, d)
+            row.update({f"{labels[1]}_ppl": math.exp(nt / (len(w) - 1)), "max_abs_logit_diff": d})
+        self.per_window.append(row)
+        return row
+
 
 _ROWS = 16  # logit rows done at once: a 128k vocabulary in float64 is 1 MB a row
 
@@ -173,35 +196,70 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(ids: Sequence[int], ref: LogitsFn, test: LogitsFn | None = None, window: int = DEFAULT_WINDOW,
-            state: StateLike | None = None, labels: tuple[str, str] = ("fp", "test")) -> Comparison:
-    """Perplexity of `ref` (and `test`), and how closely `test` follows `ref`, over non-overlapping windows."""
+            state: StateLike | None = None, labels: tuple[str, str] = ("fp", "test"),
+            kept: list[torch.Tensor] | None = None, beside: bool = False) -> Comparison:
+    """Perplexity of `ref` (and `test`), and how closely `test` follows `ref`, over non-overlapping windows.
+    `kept` receives `test`'s logits of each window, in order. `beside`: the second half of the windows runs in a
+    forked copy of this process while this one does the first, each on one thread (`ref` and `test` must then
+    compute the same in a copy: no state of their own that the windows change)."""
     res = Comparison()
     ws = windows(ids, window)
     if not ws:
         raise UserError("The evaluation text is shorter than two tokens.", "Use a longer text.")
-    for i, w in enumerate(ws):
-        lr = ref(w)
-        res.ref_logit_range = max(res.ref_logit_range, float((lr.amax(-1) - lr.amin(-1)).max()))
-        nr = nll(lr, w)
-        res.ref_nll += nr
-        res.tokens += len(w) - 1
-        res.windows += 1
-        row = {"window": i, "tokens": len(w) - 1, f"{labels[0]}_ppl": math.exp(nr / (len(w) - 1))}
-        if test is not None:
-            lt = test(w)
-            nt = nll(lt, w)
-            res.test_nll += nt
-            res.top1_agree += int((lr.argmax(-1) == lt.argmax(-1)).sum())
-            res.positions += len(w)
-            d = max_abs_diff(lr, lt)
-            res.max_abs_logit_diff = max(res.max_abs_logit_diff, d)
-            row.update({f"{labels[1]}_ppl": math.exp(nt / (len(w) - 1)), "max_abs_logit_diff": d})
-        res.per_window.append(row)
-        if state is not None:
-            state.partial("ppl", **row, **{f"{labels[0]}_ppl_running": res.ref_ppl},
-                          **({f"{labels[1]}_ppl_running": res.test_ppl} if test is not None else {}))
-            state.progress((i + 1) / len(ws), f"window {i + 1}/{len(ws)}")
+    ahead = _Ahead(ws, ref, test) if beside and len(ws) > 1 else None
+    try:
+        with forked.one_thread() if ahead else contextlib.nullcontext():
+            for i, w in enumerate(ws):
+                lr, lt = ahead.logits(i, state) if ahead and i >= ahead.first else \
+                    (ref(w), test(w) if test is not None else None)
+                row = res.add(i, w, lr, lt, labels)
+                if kept is not None and lt is not None:
+                    kept.append(lt)
+                if state is not None:
+                    state.partial("ppl", **row, **{f"{labels[0]}_ppl_running": res.ref_ppl},
+                                  **({f"{labels[1]}_ppl_running": res.test_ppl} if lt is not None else {}))
+                    state.progress((i + 1) / len(ws), f"window {i + 1}/{len(ws)}")
+    finally:
+        if ahead:
+            ahead.stop()
     return res
+
+
+class _Ahead:
+    """The logits of the second half of an evaluation's windows, computed in a forked copy of this process."""
+
+    def __init__(self, ws: list[list[int]], ref: LogitsFn, test: LogitsFn | None) -> None:
+        self.first = (len(ws) + 1) // 2
+        self._dir = tempfile.TemporaryDirectory(prefix="npustudio-eval-")
+        self._file = Path(self._dir.name) / "logits.safetensors"
+        self._child = forked.Forked(partial(_logits_of, ws[self.first:], ref, test, self._file),
+                                    "the evaluation's second half")
+        self._seen: dict[str, torch.Tensor] | None = None
+
+    def logits(self, i: int, state: StateLike | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Window `i`'s reference and test logits (the first call waits for the copy)."""
+        if self._seen is None:
+            self._child.result(state or State())
+            from safetensors.torch import load_file
+
+            self._seen = load_file(self._file)
+        j = i - self.first
+        return self._seen.pop(f"ref.{j}"), self._seen.pop(f"test.{j}", None)
+
+    def stop(self) -> None:
+        self._child.stop()
+        self._dir.cleanup()
+
+
+def _logits_of(ws: list[list[int]], ref: LogitsFn, test: LogitsFn | None, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    out = {}
+    for j, w in enumerate(ws):
+        out[f"ref.{j}"] = ref(w).contiguous()
+        if test is not None:
+            out[f"test.{j}"] = test(w).contiguous()
+    save_file(out, str(path))
 
 
 def hf_logits_fn(model: object) -> LogitsFn:

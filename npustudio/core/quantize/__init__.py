@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from .. import compute, forked, host_cost, layout
+from .. import compute, forked, layout
 from ..compute import Device
 from ..errors import UserError
 from ..evaluate import (
@@ -50,9 +49,6 @@ from .presets import Overrides, check_overrides, preset
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
 FORMAT = 6
-# below this much float weight half of the calibration, and each graph's export, run in forked copies of the stage's
-# process beside its own work (the default model: 0.5 GB; a 1B model's 5 GB stays in one process, its peak tuned)
-BESIDE_BYTES = 2**30
 # the tokenizer, and the graphs' names and I/O (the exported graphs are the adapted ones, quantized)
 COPIED_FILES = (layout.TOKENIZER, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                 layout.GRAPHS)
@@ -150,7 +146,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     state.progress(0.5, f"calibrating activations on {sum(map(len, calib))} tokens")
     q_run = runner(sim.model)
 
-    beside = _beside(sim.model, device)
+    beside = forked.worth_forking(sim.model, device)
 
     def calibrate(_m: torch.nn.Module, _a: object) -> None:
         observers = simulate.min_max_observers(sim.model) if beside and len(calib) > 1 else None
@@ -246,17 +242,6 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     atomic_write_json(out_dir / layout.QUANTIZE_RESULT, res.model_dump())
     state.progress(1.0, f"{pre.name}: PPL {res.ppl_quant:.3f} vs FP {res.ppl_fp:.3f} (×{res.ratio:.4f})")
     return res
-
-
-def _beside(model: torch.nn.Module, device: str) -> bool:
-    """Whether half of the calibration, and the export, run in forked copies of this process beside its own work:
-    on a CPU with a core to spare, for a small model, with memory for the copies (they share the weights until
-    written, but the traces and the QDQ pass allocate their own: 1.3 GB more in all on the default model's
-    0.54 GB)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    free = host_cost.available_ram()
-    return (device == "cpu" and forked.available() and (os.cpu_count() or 1) > 1
-            and weights < BESIDE_BYTES and free is not None and free > 4 * weights)
 
 
 def _calibrate_on(q_run: KVCacheRunner, seqs: list[list[int]], decode: int, state: StateLike, start: float,
