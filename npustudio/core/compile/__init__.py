@@ -322,15 +322,15 @@ class _VerifyText:
             raise UserError("The verification text is shorter than two tokens.", "Use a longer eval corpus.")
         self.decode = min(o.verify_decode, len(self.ids) - 1)
 
-    def prefill(self, graph: str, make: Callable[[str], Any]) -> _Scored:
-        """The prompt graph over the text but its last `decode` tokens, in AR-N chunks from an empty cache: the
-        logits, seconds per call and the cache it leaves."""
+    def prefill(self, graph: str, make: Callable[[str], Any]) -> tuple[_Scored, Cache]:
+        """The prompt graph over the text but its last `decode` tokens, in AR-N chunks from an empty cache, and the
+        cache it leaves."""
         fns = split.OneAtATime({self.ar_n: partial(make, graph)})
         runner = KVCacheRunner(self.spec, self.cl, fns.graphs(), self.inv_freq)
         logits = runner.prefill(self.ids[:len(self.ids) - self.decode])
         cache = runner.snapshot()
         fns.release()
-        return _Scored(self.ar_n, logits, fns.per_call()[self.ar_n], cache)
+        return _Scored(self.ar_n, logits, fns.per_call()[self.ar_n]), cache
 
     def steps(self, graph: str, make: Callable[[str], Any], cache: Cache) -> _Scored:
         """The token graph's AR-1 steps over the last `decode` tokens, going on from `cache`."""
@@ -349,7 +349,6 @@ class _Scored:
     ar: int
     logits: torch.Tensor
     seconds_per_call: float
-    cache: Cache | None = None
 
 
 @dataclass
@@ -357,6 +356,7 @@ class _Run:
     """The verification text through both graphs: the prompt graph's chunks, then the token graph's steps."""
 
     prompt: _Scored
+    cache: Cache  # what the prompt graph left: where the token graph's steps go on from
     steps: _Scored | None
 
     @property
@@ -389,9 +389,8 @@ def _on_cpu(text: _VerifyText, prep: Path, graphs: list[str], io: dict[str, IOEn
     """The verification text through the prepared graphs on the CPU (= the quantsim), the token graph's steps
     going on from the prompt graph's cache."""
     make = _chains(prep, _graph_names(graphs, parts), _keep_sessions(prep), lambda f: OrtGraph(session(f), io))
-    prompt = text.prefill(graphs[0], make)
-    assert prompt.cache is not None
-    return _Run(prompt, text.steps(graphs[1], make, prompt.cache) if text.decode else None)
+    prompt, cache = text.prefill(graphs[0], make)
+    return _Run(prompt, cache, text.steps(graphs[1], make, cache) if text.decode else None)
 
 
 def _simulator(out_dir: Path, names: dict[str, list[str]], keep: bool, io: dict[str, IOEncoding], target: Any
@@ -416,39 +415,36 @@ def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: P
     and the simulator's prompt cache is compared with that cache directly (in quantization steps), which checks
     the hand-over between the graphs. So the token graph's steps need not wait for the prompt graph's: below
     KEEP_SESSIONS_BYTES, on more than one core, they run in a process of their own at the same time (the
-    simulator runs one call at a time per process; default model: 56 -> ~40 s)."""
+    simulator runs one call at a time per process; default model: 56 -> 39-46 s)."""
     text = _VerifyText(quant_dir, adapt_dir, o)
     if cpu is None:
         state.progress(0.0, f"running {len(text.ids)} tokens through the graphs on the CPU")
         cpu = _on_cpu(text, prep, graphs, io, parts)
         state.check()
-    assert cpu.prompt.cache is not None
     names, keep = _graph_names(graphs, parts), _keep_sessions(prep)
     state.progress(0.5, f"running {len(text.ids)} tokens through the graphs on the HTP simulator (slow)")
-    beside = text.decode and keep and (os.cpu_count() or 1) > 1
-    child = Spawned(partial(_steps_on_simulator, text, graphs[1], out_dir, names, keep, io, target,
-                            cpu.prompt.cache), f"the simulator run of {graphs[1]}") if beside else None
+    beside = text.decode > 0 and keep and (os.cpu_count() or 1) > 1
+    child = Spawned(partial(_steps_on_simulator, text, graphs[1], out_dir, names, keep, io, target, cpu.cache),
+                    f"the simulator run of {graphs[1]}") if beside else None
     try:
         sim = _simulator(out_dir, names, keep, io, target)
-        prompt = text.prefill(graphs[0], sim)
+        prompt, cache = text.prefill(graphs[0], sim)
         state.check()
-        steps = child.result(state) if child else \
-            text.steps(graphs[1], sim, cpu.prompt.cache) if text.decode else None
+        steps = child.result(state) if child else text.steps(graphs[1], sim, cpu.cache) if text.decode else None
         state.check()
     finally:
         if child:
             child.stop()
-    htp = _Run(prompt, steps)
+    htp = _Run(prompt, cache, steps)
     ids = text.ids
     c, h = cpu.logits, htp.logits
     nll_cpu, nll_htp = nll(c, ids) / (len(ids) - 1), nll(h, ids) / (len(ids) - 1)
-    assert prompt.cache is not None
     return {"tokens": len(ids), "prefill_ar": text.ar_n, "decode_steps": text.decode,
             "nll_quantsim_cpu": round(nll_cpu, 5), "nll_htp": round(nll_htp, 5),
             "nll_diff": round(nll_htp - nll_cpu, 5),
             "top1_agreement": round(float((c.argmax(-1) == h.argmax(-1)).float().mean()), 4),
             "max_abs_logit_diff": round(max_abs_diff(c, h), 4),
-            "kv_cache_max_diff_steps": _cache_diff_steps(prompt.cache, cpu.prompt.cache, io),
+            "kv_cache_max_diff_steps": _cache_diff_steps(htp.cache, cpu.cache, io),
             "seconds_per_call_htp": htp.per_call(), "seconds_per_call_cpu": cpu.per_call()}
 
 
