@@ -742,3 +742,33 @@ def test_a_finished_stages_perplexity_windows_are_drawn_once(qtbot: Any) -> None
     xs, ys = chart.items["quant"].getData()
     assert list(xs) == list(range(70)) and ys[-1] == 14.5 + 69
     assert "ratio quant/fp" in chart.summary.text()
+
+
+def test_a_job_is_no_longer_running_when_its_outcome_arrives(qtbot: Any) -> None:
+    """The chat's Send button asks, as an answer arrives, whether the answer's job still runs: it must hear no
+    (on a loaded machine the window once kept Send disabled after an answer)."""
+    import threading
+
+    from npustudio.gui import worker
+
+    go = threading.Event()  # the job ends once a slot listens
+
+    def answering(state: Any) -> int:
+        go.wait(10)
+        return 42
+
+    def failing(state: Any) -> None:
+        go.wait(10)
+        raise UserError("The bundle is gone.", "Bundle again.")
+
+    for fn, signal, expect in ((answering, "done", (42,)),
+                               (failing, "failed", ("The bundle is gone.", "Bundle again."))):
+        go.clear()
+        seen: list[tuple[tuple[Any, ...], bool]] = []
+        job = worker.start(fn)
+        # heard in the worker thread at the moment of the emit, as a slow GUI thread could hear it
+        getattr(job, signal).connect(lambda *a, job=job, seen=seen: seen.append((a, job.running)),
+                                     Qt.ConnectionType.DirectConnection)
+        with qtbot.waitSignal(job.finished, timeout=10_000):
+            go.set()
+        assert seen == [(expect, False)]

@@ -61,23 +61,25 @@ class Job(QObject):
             pass
 
     def run(self) -> None:  # worker thread
+        outcome: tuple[Any, ...] = ("cancelled",)
         try:
-            result = self.fn(self.state)
+            outcome = ("done", self.fn(self.state))
         except Cancelled:
-            self._emit("cancelled")
+            pass
         except Exception as e:  # shown as a dialog, never a crash of the window
             if self.state.cancelled:  # whatever stopped a cancelled job (the app quitting kills its child)
-                self._emit("cancelled")
+                pass
             elif isinstance(e, UserError):
-                self._emit("failed", e.problem, e.fix)
+                outcome = ("failed", e.problem, e.fix)
             else:
                 traceback.print_exc()
-                self._emit("failed", f"{self.name or 'The task'} failed: {e.__class__.__name__}: {e}",
+                outcome = ("failed", f"{self.name or 'The task'} failed: {e.__class__.__name__}: {e}",
                            "This is a bug in NPU Studio; the project keeps its last good state.")
-        else:
-            self._emit("done", result)
         finally:
+            # not running any more before anyone hears the outcome: the GUI thread handles `done` at once, and a
+            # slot that asks whether the job still runs (the chat's Send button) must hear no
             self.running = False
+            self._emit(*outcome)
             self._emit("finished")
 
 
