@@ -46,6 +46,19 @@ def worth_forking(model: Any, device: str) -> bool:
             and weights < BESIDE_BYTES and free is not None and free > 4 * weights)
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a fresh interpreter started beside this one: it imports this very package first (a
+    cluster worker may hold it only on its own sys.path)."""
+    root = str(Path(__file__).resolve().parents[2])
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+
+
+def last_words(err: Any) -> str:
+    """The last lines a child wrote to `err` (a file it had as stderr), for the error that says it failed."""
+    err.seek(0)
+    return " | ".join(err.read().decode(errors="replace").strip().splitlines()[-3:])
+
+
 def die_with_parent() -> None:
     """Linux: this process gets SIGKILL when the thread that started it ends (a stage killed mid-way)."""
     import ctypes

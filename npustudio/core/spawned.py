@@ -11,7 +11,6 @@ leaves none running.
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .forked import die_with_parent, outcome, unpack
+from .forked import child_env, die_with_parent, last_words, outcome, unpack
 from .progress import StateLike
 
 _POLL_S = 0.05
@@ -37,11 +36,9 @@ class Spawned:
         self._dir = Path(tempfile.mkdtemp(prefix="npustudio-spawned-"))  # mode 0700: this user's only
         (self._dir / "fn.pickle").write_bytes(pickle.dumps(fn))
         self._err = tempfile.TemporaryFile()
-        root = str(Path(__file__).resolve().parents[2])  # the child imports this very package
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             [sys.executable, "-m", __name__, str(self._dir)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=self._err, env=env)
+            stderr=self._err, env=child_env())
 
     def result(self, state: StateLike) -> Any:
         """What `fn` returned; its UserError, or its failure as a RuntimeError, raised here. The user's stop
@@ -53,10 +50,8 @@ class Spawned:
                 time.sleep(_POLL_S)
             done = self._dir / "outcome.pickle"
             if self.proc.returncode != 0 or not done.is_file():
-                self._err.seek(0)
-                tail = self._err.read().decode(errors="replace").strip().splitlines()[-3:]
                 raise RuntimeError(f"{self.name} ended with exit {self.proc.returncode} and no result: "
-                                   + " | ".join(tail))
+                                   + last_words(self._err))
             out = pickle.loads(done.read_bytes())
         finally:
             self.stop()

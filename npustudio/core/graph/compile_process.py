@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..forked import die_with_parent, unpack
+from ..forked import child_env, die_with_parent, last_words, unpack
 from ..progress import StateLike
 from ..targets import Soc
 from .ort_qnn import Compiled, GraphTooLarge, compile_graph
@@ -36,13 +36,10 @@ class Running:
         self._out = tempfile.NamedTemporaryFile(prefix="npustudio-compile-", suffix=".json", delete=False)
         self._out.close()
         self._err = tempfile.TemporaryFile()
-        # the child imports this very package (a cluster worker may hold it only on its own sys.path)
-        root = str(Path(__file__).resolve().parents[3])
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(onnx), graph, str(out_dir), target.model_dump_json(), optimize,
              str(nice), self._out.name],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err, env=env)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err, env=child_env())
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -55,10 +52,8 @@ class Running:
                 time.sleep(_POLL_S)
             out = Path(self._out.name).read_text()
             if self.proc.returncode != 0 or not out:
-                self._err.seek(0)
-                tail = self._err.read().decode(errors="replace").strip().splitlines()[-3:]
                 raise RuntimeError(f"the compile of {self.graph} ended with exit {self.proc.returncode}: "
-                                   + " | ".join(tail))
+                                   + last_words(self._err))
             r = json.loads(out)
         finally:
             self.stop()
