@@ -161,3 +161,25 @@ def test_a_bundle_compiled_quickly_for_the_simulator_is_kept_off_a_phone_with_th
     assert device.compatibility(virtual, folder) == []
     (folder / layout.METADATA).write_text(json.dumps(meta))  # an earlier bundle, or one compiled for a phone
     assert not [p for p, _ in device.compatibility(phone, folder) if "simulator" in p]
+
+
+def test_a_file_changed_while_it_is_pushed_is_refused_and_not_recorded(vdev: VirtualDevice, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deploy, "_BLOCK", 2 * deploy.SYNC_CHUNK)
+    bundle = _bundle(tmp_path, {"a.bin": os.urandom(10 * deploy.SYNC_CHUNK)})
+    real_advance = deploy._Progress.advance
+
+    def advance_then_rewrite(self: deploy._Progress, n: int) -> None:
+        real_advance(self, n)
+        if self.done == n:  # the first block is out: the file is rebuilt under the push
+            (bundle / "a.bin").write_bytes(os.urandom(11 * deploy.SYNC_CHUNK))
+
+    monkeypatch.setattr(deploy._Progress, "advance", advance_then_rewrite)
+    with pytest.raises(UserError) as e:
+        deploy.deploy(bundle, device.info(vdev.serial), State(), force=True)
+    assert "a.bin changed while it was pushed" in e.value.problem
+    assert not (_on_device(vdev, bundle) / "a.bin").exists()
+    assert not (_on_device(vdev, bundle) / layout.DEVICE_MANIFEST).exists()
+    monkeypatch.setattr(deploy._Progress, "advance", real_advance)
+    deploy.deploy(bundle, device.info(vdev.serial), State())  # the next deploy sends what the file is now
+    _check_landed(vdev, bundle)

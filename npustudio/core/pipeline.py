@@ -228,7 +228,10 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
     from .device import deploy as device_deploy
 
     brec = _require(project, "bundle", "bundle", "Genie bundle")
-    res = device_deploy.deploy(project.stage_dir("bundle"), dev, state, force=force)
+    folder = project.stage_dir("bundle")
+    recorded = {f.name: (fr.bytes, fr.mtime_ns, fr.sha256) for fr in brec.outputs
+                if fr.mtime_ns is not None and (f := project.root / fr.path).parent == folder}
+    res = device_deploy.deploy(folder, dev, state, force=force, recorded=recorded)
     project.choose(deployed={"device": res.device, "remote_dir": res.remote_dir, "bundle": brec.key,
                              "at": time.time()})
     return res

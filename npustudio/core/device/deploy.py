@@ -9,10 +9,12 @@ was not recorded (files of 8 MB or more are recorded as soon as they land, while
 
 Built to keep up with stock `adb push` over the same adb server (benchmarks/push_bench.py): one `sync:`
 connection for the manifest read, the listing and every file; TCP_NODELAY and TCP_QUICKACK (a small
-write or reply otherwise waits out a 40 ms delayed ACK); a thread reads each file ahead in 4 MiB blocks
-(one syscall each) and hashes the same bytes, so a file is read once; a block leaves in one `sendmsg`
-of 64 KiB DATA packets laid out once per buffer; and, as stock adb does, the device's answer to a file
-is read behind the stream by a second thread, so no file waits for a round trip.
+write or reply otherwise waits out a 40 ms delayed ACK); each file is read in 256 KiB blocks that leave
+in one `sendmsg` of 64 KiB DATA packets laid out once per buffer, while the block is still in the CPU's
+cache (4 MiB blocks, read ahead by a thread, were ~10% slower); a file whose sha256 is not known yet
+(the deploy cache, or the project's record of its bundle) is hashed from the blocks already sent, on a
+thread of its own, so it is still read once; and, as stock adb does, the device's answer to a file is
+read behind the stream by a second thread, so no file waits for a round trip.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +45,8 @@ from . import REMOTE_ROOT, DeviceInfo, client, compatibility
 
 _MANIFEST_EVERY = 8 * 1024 * 1024  # files at least this large are recorded as soon as they are on the device
 SYNC_CHUNK = 64 * 1024  # the sync protocol's largest DATA packet (stock adb sends these too)
-_BLOCK = 64 * SYNC_CHUNK  # read, hashed and sent at a time: one read syscall and one sendmsg per 4 MiB
-_BUFFERS = 4  # blocks in flight between the reader thread and the socket
+_BLOCK = 4 * SYNC_CHUNK  # read and sent at a time: 256 KiB stays in the CPU's cache from the read to the send
+_HASH_AHEAD = 16  # blocks sent and not hashed yet, at most
 _DATA_FULL = b"DATA" + struct.pack("<I", SYNC_CHUNK)
 _RENAMED = "npustudio-renamed"  # the rename line's last word: its absence means a mv failed
 
@@ -299,74 +302,55 @@ class _Buffer:
         return out
 
 
-@dataclass
-class _Block:
-    """What the reader hands the sender: `n` bytes of file `index` in `buf`, or the error that stopped it."""
+class _Hasher:
+    """sha256 of the blocks already sent, on a thread of its own: a file pushed for the first time is still read
+    once, and its hashing (2 GB/s on one core) does not hold up the socket. The sender takes its buffers from
+    here while it hashes; each comes back once hashed, so the hasher lags the socket by `_HASH_AHEAD` at most."""
 
-    index: int
-    buf: _Buffer | None
-    n: int
-    last: bool
-    digest: str | None = None
-    changed: bool = False
-    error: BaseException | None = None
-
-
-class _Reader:
-    """Reads the files ahead of the socket in 4 MiB blocks (one syscall each, into reused buffers), hashing the
-    bytes it reads where the digest is not known yet: each file is read once, while the last block is sent."""
-
-    def __init__(self, items: list[_Item]) -> None:
-        self.items = items
+    def __init__(self) -> None:
         self.free: queue.Queue[_Buffer] = queue.Queue()
-        self.made = 0  # buffers are made as needed: a small bundle needs one (each is 4 MiB to zero)
-        self.full: queue.Queue[_Block] = queue.Queue()
-        self.stop = threading.Event()
-        threading.Thread(target=self._run, name="deploy-read", daemon=True).start()
+        self.made = 0  # made as needed: a small file needs one (each is a block to zero)
+        self.jobs: queue.Queue[tuple[Any, _Buffer | None, int] | None] = queue.Queue()
+        self.digests: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._run, name="deploy-hash", daemon=True).start()
 
-    def _buffer(self) -> _Buffer | None:
-        if self.free.empty() and self.made < _BUFFERS:
+    def buffer(self) -> _Buffer:
+        if self.free.empty() and self.made < _HASH_AHEAD:
             self.made += 1
             return _Buffer()
-        while not self.stop.is_set():
-            try:
-                return self.free.get(timeout=0.2)
-            except queue.Empty:
-                continue
-        return None
+        return self.free.get()
+
+    def add(self, h: Any, buf: _Buffer, n: int) -> None:
+        """Hash the first `n` bytes of `buf` into `h`, then give the buffer back."""
+        self.jobs.put((h, buf, n))
+
+    def digest(self, h: Any) -> str:
+        """`h`'s digest, once the blocks handed over before are in it."""
+        self.jobs.put((h, None, 0))
+        return self.digests.get()
+
+    def close(self) -> None:
+        self.jobs.put(None)
 
     def _run(self) -> None:
-        try:
-            for i, it in enumerate(self.items):
-                if not self._read_file(i, it):
-                    return
-        except Exception as e:  # handed to the sender, which raises it
-            self.full.put(_Block(-1, None, 0, True, error=e))
-
-    def _read_file(self, i: int, it: _Item) -> bool:
-        fd = os.open(it.path, os.O_RDONLY | os.O_NOFOLLOW)  # a link swapped in is refused
-        with open(fd, "rb", buffering=0) as f:
-            h = hashlib.sha256() if it.digest is None else None
-            total = 0
-            while True:
-                buf = self._buffer()
-                if buf is None:
-                    return False
-                view, n = memoryview(buf.data), 0
-                while n < _BLOCK and (got := f.readinto(view[n:])):
-                    n += got
-                total += n
-                if h is not None and n:
-                    h.update(view[:n])
-                if n < _BLOCK:
-                    st = os.fstat(fd)
-                    changed = total != it.size or st.st_size != it.size or st.st_mtime_ns != it.mtime_ns
-                    self.full.put(_Block(i, buf, n, True, h.hexdigest() if h is not None else it.digest, changed))
-                    return True
-                self.full.put(_Block(i, buf, n, False))
+        while (job := self.jobs.get()) is not None:
+            h, buf, n = job
+            if buf is None:
+                self.digests.put(h.hexdigest())
+            else:
+                h.update(memoryview(buf.data)[:n])
+                self.free.put(buf)
 
 
-def _sendmsg_all(sock: socket.socket, pieces: list[bytes | memoryview]) -> None:
+def _fill(f: Any, buf: _Buffer) -> int:
+    """Read up to a block into `buf` (fewer bytes only at the end of the file)."""
+    view, n = memoryview(buf.data), 0
+    while n < _BLOCK and (got := f.readinto(view[n:])):
+        n += got
+    return n
+
+
+def _sendmsg_all(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> None:
     """Every piece, in as few syscalls as the socket takes (one, usually): a block's 64 DATA packets and their
     headers go out without being copied into one buffer."""
     if not hasattr(sock, "sendmsg"):  # Windows
@@ -467,47 +451,53 @@ def _push(sync: _Sync, items: list[_Item], finisher: _Finisher, progress: _Progr
           manifest: dict[str, Any], rdir: str) -> int:
     """Stream every file over `sync`, then the manifest that records them all (under a temporary name: it is
     renamed with the files); returns the bytes of the files. The device's answers are read by `finisher`."""
-    reader = _Reader(items)
     manifest = dict(manifest)
-    sent, started, finished = 0, -1, 0
+    own = _Buffer()  # a file whose digest is known is read into this one block after block
+    hasher = _Hasher() if any(it.digest is None for it in items) else None
+    sent = 0
     try:
-        while finished < len(items):
-            b = reader.full.get()
-            if b.error is not None or b.buf is None:
-                raise b.error or RuntimeError("no block")
-            it = items[b.index]
-            pieces = b.buf.packets(b.n)
-            if b.index != started:
-                pieces = [_send_header(it.tmp, it.mode), *pieces]
-                started = b.index
-            mtime = int(time.time())
-            jobs = []
-            if b.last:
-                if b.changed:
-                    raise UserError(f"{it.name} changed while it was pushed.", "Deploy again.")
-                assert b.digest is not None
-                pieces = [*pieces, b"DONE" + struct.pack("<I", mtime)]
-                manifest[it.name] = {"size": it.size, "mtime": mtime, "sha256": b.digest}
-                jobs.append(_Sent(it.name, it.tmp, manifest[it.name], it.record))
-                if b.index == len(items) - 1:  # everything is out: the manifest follows in the same write
-                    tmp = _manifest_tmp(rdir, "end")
-                    pieces = [*pieces, *_small_file(_manifest_bytes(manifest), tmp, 0o644)]
-                    jobs.append(_Sent(layout.DEVICE_MANIFEST, tmp, None))
-            finisher.check()
-            _sendmsg_all(sync.sock, pieces)
-            reader.free.put(b.buf)
-            sent += b.n
-            for job in jobs:
-                finisher.expect(job)
-            if b.last:
-                if it.digest is None:
-                    assert b.digest is not None
-                    hashes.put(it.path, it.path.stat(), b.digest)
-                finished += 1
-            progress.advance(b.n)
+        for it in items:
+            fd = os.open(it.path, os.O_RDONLY | os.O_NOFOLLOW)  # a link swapped in is refused
+            with open(fd, "rb", buffering=0) as f:
+                h = hashlib.sha256() if it.digest is None else None
+                head: list[bytes | memoryview] = [_send_header(it.tmp, it.mode)]
+                total = 0
+                while True:
+                    buf = hasher.buffer() if hasher is not None and h is not None else own
+                    n = _fill(f, buf)
+                    total += n
+                    pieces = [*head, *buf.packets(n)]
+                    head = []
+                    last = n < _BLOCK
+                    if last:
+                        st = os.fstat(fd)
+                        if total != it.size or st.st_size != it.size or st.st_mtime_ns != it.mtime_ns:
+                            raise UserError(f"{it.name} changed while it was pushed.", "Deploy again.")
+                        mtime = int(time.time())
+                        pieces.append(b"DONE" + struct.pack("<I", mtime))
+                    finisher.check()
+                    _sendmsg_all(sync.sock, pieces)
+                    if hasher is not None and h is not None:
+                        hasher.add(h, buf, n)
+                    sent += n
+                    progress.advance(n)
+                    if last:
+                        break
+            if hasher is not None and h is not None:
+                digest = hasher.digest(h)
+                hashes.put(it.path, st, digest)
+            else:
+                assert it.digest is not None
+                digest = it.digest
+            manifest[it.name] = {"size": it.size, "mtime": mtime, "sha256": digest}
+            finisher.expect(_Sent(it.name, it.tmp, manifest[it.name], it.record))
+        tmp = _manifest_tmp(rdir, "end")  # everything is out: the manifest that records it follows
+        _sendmsg_all(sync.sock, _small_file(_manifest_bytes(manifest), tmp, 0o644))
+        finisher.expect(_Sent(layout.DEVICE_MANIFEST, tmp, None))
         return sent
     finally:
-        reader.stop.set()
+        if hasher is not None:
+            hasher.close()
 
 
 def _send_header(dst: str, mode: int) -> bytes:
@@ -534,7 +524,10 @@ def _manifest_tmp(rdir: str, which: str) -> str:
     return posixpath.join(rdir, f"{layout.DEVICE_MANIFEST}.{which}.part")
 
 
-def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = False) -> DeployResult:
+def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = False,
+           recorded: dict[str, tuple[int, int, str]] | None = None) -> DeployResult:
+    """Push the bundle's files that the device lacks. `recorded`: name -> (size, mtime_ns, sha256) as a project
+    recorded its bundle's files; a file still at that size and mtime is not hashed again."""
     bundle_dir = Path(bundle_dir)
     files = local_files(bundle_dir)  # refused before any byte moves, as are:
     problems = compatibility(dev, bundle_dir)
@@ -563,6 +556,9 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
     rows, skipped = [], 0
     for p in files:
         st, name = p.stat(), p.name
+        known = (recorded or {}).get(name)
+        if known is not None and known[:2] == (st.st_size, st.st_mtime_ns) and hashes.cached(p, st) != known[2]:
+            hashes.put(p, st, known[2])
         have, there = remote_manifest.get(name), on_device.get(name)
         same = (not force and have is not None and there is not None and there[1] == st.st_size == have["size"]
                 and there[2] == have["mtime"] and have.get("sha256") == hashes.get(p, st))  # hashed only then
