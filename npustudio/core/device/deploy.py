@@ -312,6 +312,7 @@ class _Hasher:
         self.made = 0  # made as needed: a small file needs one (each is a block to zero)
         self.jobs: queue.Queue[tuple[Any, _Buffer | None, int] | None] = queue.Queue()
         self.digests: queue.Queue[str] = queue.Queue()
+        self.h = hashlib.sha256()
         threading.Thread(target=self._run, name="deploy-hash", daemon=True).start()
 
     def buffer(self) -> _Buffer:
@@ -320,13 +321,17 @@ class _Hasher:
             return _Buffer()
         return self.free.get()
 
-    def add(self, h: Any, buf: _Buffer, n: int) -> None:
-        """Hash the first `n` bytes of `buf` into `h`, then give the buffer back."""
-        self.jobs.put((h, buf, n))
+    def begin(self) -> None:
+        """A new file: the blocks added from now on are its."""
+        self.h = hashlib.sha256()
 
-    def digest(self, h: Any) -> str:
-        """`h`'s digest, once the blocks handed over before are in it."""
-        self.jobs.put((h, None, 0))
+    def add(self, buf: _Buffer, n: int) -> None:
+        """Hash the first `n` bytes of `buf` into the file's digest, then give the buffer back."""
+        self.jobs.put((self.h, buf, n))
+
+    def digest(self) -> str:
+        """The file's sha256, once every block added is in it."""
+        self.jobs.put((self.h, None, 0))
         return self.digests.get()
 
     def close(self) -> None:
@@ -459,11 +464,13 @@ def _push(sync: _Sync, items: list[_Item], finisher: _Finisher, progress: _Progr
         for it in items:
             fd = os.open(it.path, os.O_RDONLY | os.O_NOFOLLOW)  # a link swapped in is refused
             with open(fd, "rb", buffering=0) as f:
-                h = hashlib.sha256() if it.digest is None else None
+                hashing = hasher if it.digest is None else None
+                if hashing is not None:
+                    hashing.begin()
                 head: list[bytes | memoryview] = [_send_header(it.tmp, it.mode)]
                 total = 0
                 while True:
-                    buf = hasher.buffer() if hasher is not None and h is not None else own
+                    buf = hashing.buffer() if hashing is not None else own
                     n = _fill(f, buf)
                     total += n
                     pieces = [*head, *buf.packets(n)]
@@ -477,18 +484,16 @@ def _push(sync: _Sync, items: list[_Item], finisher: _Finisher, progress: _Progr
                         pieces.append(b"DONE" + struct.pack("<I", mtime))
                     finisher.check()
                     _sendmsg_all(sync.sock, pieces)
-                    if hasher is not None and h is not None:
-                        hasher.add(h, buf, n)
+                    if hashing is not None:
+                        hashing.add(buf, n)
                     sent += n
                     progress.advance(n)
                     if last:
                         break
-            if hasher is not None and h is not None:
-                digest = hasher.digest(h)
+            digest = hashing.digest() if hashing is not None else it.digest
+            assert digest is not None
+            if hashing is not None:
                 hashes.put(it.path, st, digest)
-            else:
-                assert it.digest is not None
-                digest = it.digest
             manifest[it.name] = {"size": it.size, "mtime": mtime, "sha256": digest}
             finisher.expect(_Sent(it.name, it.tmp, manifest[it.name], it.record))
         tmp = _manifest_tmp(rdir, "end")  # everything is out: the manifest that records it follows
