@@ -471,9 +471,9 @@ def test_a_compile_in_its_own_process_brings_back_qnns_refusal_as_the_user_error
     from npustudio.core.targets import find_soc
 
     (tmp_path / "g.onnx").write_bytes(b"not an onnx graph")
-    before = set(Path(tempfile.gettempdir()).glob("npustudio-compile-*"))
+    before = set(Path(tempfile.gettempdir()).glob("npustudio-*"))
     run = compile_process.Running(tmp_path / "g.onnx", "g", tmp_path, find_soc("SM8750"), "quick")
     with pytest.raises(UserError, match="QNN could not compile g") as e:
         run.result(State())
     assert "this version's quantize stage" in e.value.fix
-    assert set(Path(tempfile.gettempdir()).glob("npustudio-compile-*")) == before
+    assert set(Path(tempfile.gettempdir()).glob("npustudio-*")) == before

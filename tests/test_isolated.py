@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -142,16 +144,66 @@ def test_a_spawned_child_works_beside_its_parent_and_reports_back() -> None:
         watchdog.cancel()
 
 
-def test_stopping_kills_the_spawned_child_and_its_files() -> None:
+def test_stopping_kills_the_spawned_child() -> None:
     from functools import partial
 
     from npustudio.core.spawned import Spawned
 
     st = State()
     child = Spawned(partial(time.sleep, 600), "a long step")
-    proc, folder = child.proc, child._dir
-    assert proc is not None and folder.is_dir()
+    proc = child.proc
+    assert proc is not None
     st.cancel()
     with pytest.raises(Cancelled):
         child.result(st)
-    assert proc.poll() is not None and not folder.exists()
+    assert proc.poll() is not None
+
+
+_KILLED_PARENT = """
+import sys, time
+from functools import partial
+from npustudio.core.forked import Forked
+from npustudio.core.spawned import Spawned
+children = [Forked(partial(time.sleep, 600), "forked"), Spawned(partial(time.sleep, 600), "spawned")]
+print(children[0].pid, children[1].proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stage_killed_outright_leaves_no_child_and_no_file_behind(tmp_path: Path) -> None:
+    """A stage process killed with SIGKILL (an out-of-memory kill, `kill -9`) cannot clean up: its forked and
+    spawned helpers die with it, and what they would have handed back had no name in the temporary folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT], stdout=subprocess.PIPE, text=True,
+                              env=os.environ | {"TMPDIR": str(tmp)})
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(pids) == 2
+        for pid in pids:  # each child is in its step (asleep), so it has asked to die with its parent
+            _until(lambda pid=pid: Path(f"/proc/{pid}/wchan").read_text().endswith("nanosleep"))
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    for pid in pids:
+        _until(lambda pid=pid: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid))
+    assert list(tmp.iterdir()) == []
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _until(cond: Callable[[], bool], timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)

@@ -3,8 +3,9 @@
 For work that needs objects only this process holds (a calibrated quantsim cannot be handed to a fresh
 interpreter) and a core of its own. The child runs torch on one thread: GNU OpenMP's thread pool does not
 survive a fork (the child's first parallel op hung). It never returns into its caller's code: its outcome
-goes to a JSON file and it ends with `os._exit`; on Linux it is killed when the thread that forked it ends, so
-a killed stage leaves no child running. Only where `os.fork` exists (`available`).
+goes as JSON to an anonymous file (`Outcome`) and it ends with `os._exit`; on Linux it is killed when the
+thread that forked it ends, so a killed stage leaves no child running and no file behind. Only where
+`os.fork` exists (`available`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,29 @@ def child_env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
 
 
+class Outcome:
+    """Where a child leaves its outcome: an anonymous temporary file, inherited by the child (forked, or started
+    with `pass_fds`) and read back here once it has ended. It has no name on disk, so nothing of it is left
+    behind whichever process is killed, and no other process can put something else in its place."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile()
+        self.fd = self.file.fileno()
+
+    def read(self) -> bytes:
+        self.file.seek(0)
+        return self.file.read()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def leave(fd: int, data: bytes) -> None:
+    """The child's side of an `Outcome`: write it to the inherited file."""
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 def last_words(err: Any) -> str:
     """The last lines a child wrote to `err` (a file it had as stderr), for the error that says it failed."""
     err.seek(0)
@@ -88,9 +112,7 @@ class Forked:
 
     def __init__(self, fn: Callable[[], Any], name: str) -> None:
         self.name = name
-        fd, out = tempfile.mkstemp(prefix="npustudio-forked-", suffix=".json")
-        os.close(fd)
-        self._out = Path(out)
+        self._out = Outcome()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -101,7 +123,7 @@ class Forked:
                 import torch
 
                 torch.set_num_threads(1)
-                self._out.write_text(json.dumps(outcome(fn)))
+                leave(self._out.fd, json.dumps(outcome(fn)).encode())
                 code = 0
             finally:
                 os._exit(code)
@@ -120,7 +142,7 @@ class Forked:
                 state.check()
                 time.sleep(_POLL_S)
             code = os.waitstatus_to_exitcode(status)
-            text = self._out.read_text() if code == 0 else ""
+            text = self._out.read() if code == 0 else b""
             if not text:
                 raise RuntimeError(f"{self.name} ended with exit {code} and no result")
             out = json.loads(text)
@@ -137,7 +159,7 @@ class Forked:
             except (ProcessLookupError, ChildProcessError):
                 pass
             self.pid = None
-        self._out.unlink(missing_ok=True)
+        self._out.close()
 
 
 def unpack(out: dict[str, Any], name: str) -> Any:

@@ -3,25 +3,23 @@
 For work that must not share this process's native state: two HTP simulator sessions in one process run one
 call at a time (the default model's AR-128 call and four AR-1 steps: 56 s in one process, 39 s in two). Started
 with `subprocess`, not multiprocessing: a stage may itself run in a daemonic multiprocessing child, which may
-not start children of its own. The function and its arguments go to the child as a pickle in a private
-folder this process made, and the outcome comes back the same way: only this package's processes write or
-read those files, never a user's. The child dies with the thread that started it (Linux), so a killed stage
-leaves none running.
+not start children of its own. The function and its arguments go to the child as a pickle on its stdin (an
+anonymous file), and the outcome comes back as one in an `Outcome`: only this package's processes write or
+read them, never a user's, and neither has a name on disk. The child dies with the thread that started it
+(Linux), so a killed stage leaves none running and no file behind.
 """
 
 from __future__ import annotations
 
 import pickle
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from .forked import child_env, die_with_parent, last_words, outcome, unpack
+from .forked import Outcome, child_env, die_with_parent, last_words, leave, outcome, unpack
 from .progress import StateLike
 
 _POLL_S = 0.05
@@ -33,12 +31,14 @@ class Spawned:
 
     def __init__(self, fn: Callable[[], Any], name: str) -> None:
         self.name = name
-        self._dir = Path(tempfile.mkdtemp(prefix="npustudio-spawned-"))  # mode 0700: this user's only
-        (self._dir / "fn.pickle").write_bytes(pickle.dumps(fn))
+        self._out = Outcome()
         self._err = tempfile.TemporaryFile()
-        self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(self._dir)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=self._err, env=child_env())
+        with tempfile.TemporaryFile() as given:
+            given.write(pickle.dumps(fn))
+            given.seek(0)
+            self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(self._out.fd)], stdin=given, stdout=subprocess.DEVNULL,
+                stderr=self._err, pass_fds=(self._out.fd,), env=child_env())
 
     def result(self, state: StateLike) -> Any:
         """What `fn` returned; its UserError, or its failure as a RuntimeError, raised here. The user's stop
@@ -48,11 +48,11 @@ class Spawned:
             while self.proc.poll() is None:
                 state.check()
                 time.sleep(_POLL_S)
-            done = self._dir / "outcome.pickle"
-            if self.proc.returncode != 0 or not done.is_file():
+            done = self._out.read() if self.proc.returncode == 0 else b""
+            if not done:
                 raise RuntimeError(f"{self.name} ended with exit {self.proc.returncode} and no result: "
                                    + last_words(self._err))
-            out = pickle.loads(done.read_bytes())
+            out = pickle.loads(done)
         finally:
             self.stop()
         return unpack(out, self.name)
@@ -64,19 +64,15 @@ class Spawned:
             self.proc.wait()
         self.proc = None
         self._err.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._out.close()
 
 
-def main(folder: str) -> None:
+def main(fd: str) -> None:
     die_with_parent()
     import torch
 
     torch.set_num_threads(1)  # the work beside the caller's: one core
-    d = Path(folder)
-    out = outcome(pickle.loads((d / "fn.pickle").read_bytes()))
-    tmp = d / "outcome.pickle.part"
-    tmp.write_bytes(pickle.dumps(out))
-    tmp.replace(d / "outcome.pickle")
+    leave(int(fd), pickle.dumps(outcome(pickle.loads(sys.stdin.buffer.read()))))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 QNN's compile of a graph runs on one core, and its log (where the estimate of a graph too large for the HTP is
 read) goes to the process's stderr, which `ort_qnn.compile_graph` captures: two compiles cannot share one process.
-The child is started with an argument list (no shell) and writes its outcome as JSON to a file the caller names;
-on Linux it dies with the thread that started it, so a killed stage leaves no compile running.
+The child is started with an argument list (no shell) and writes its outcome as JSON to an anonymous file it
+inherits (`forked.Outcome`); on Linux it dies with the thread that started it, so a killed stage leaves no
+compile running and no file behind.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..forked import child_env, die_with_parent, last_words, unpack
+from ..forked import Outcome, child_env, die_with_parent, last_words, leave, unpack
 from ..progress import StateLike
 from ..targets import Soc
 from .ort_qnn import Compiled, GraphTooLarge, compile_graph
@@ -33,13 +34,13 @@ class Running:
         """`nice`: how much lower the compile's CPU priority is (the compiles off the critical path yield to the
         one on it)."""
         self.graph = graph
-        self._out = tempfile.NamedTemporaryFile(prefix="npustudio-compile-", suffix=".json", delete=False)
-        self._out.close()
+        self._out = Outcome()
         self._err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(onnx), graph, str(out_dir), target.model_dump_json(), optimize,
-             str(nice), self._out.name],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err, env=child_env())
+             str(nice), str(self._out.fd)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err, pass_fds=(self._out.fd,),
+            env=child_env())
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -50,8 +51,8 @@ class Running:
             while self.running():
                 state.check()  # the user's stop: the compile is killed below
                 time.sleep(_POLL_S)
-            out = Path(self._out.name).read_text()
-            if self.proc.returncode != 0 or not out:
+            out = self._out.read() if self.proc.returncode == 0 else b""
+            if not out:
                 raise RuntimeError(f"the compile of {self.graph} ended with exit {self.proc.returncode}: "
                                    + last_words(self._err))
             r = json.loads(out)
@@ -67,7 +68,7 @@ class Running:
             self.proc.kill()
             self.proc.wait()
         self._err.close()
-        Path(self._out.name).unlink(missing_ok=True)
+        self._out.close()
 
 
 def main(argv: list[str]) -> None:
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> None:
         out = {"too_large": [e.graph, e.reason]}
     except UserError as e:
         out = {"user_error": [e.problem, e.fix]}
-    Path(result).write_text(json.dumps(out))
+    leave(int(result), json.dumps(out).encode())
 
 
 if __name__ == "__main__":
