@@ -175,6 +175,37 @@ def test_qwen3_biases_erf_gelu_and_dynamic_rope_run_in_genie_as_adapted(qwen3: P
     prove_in_genie(qwen3, None)
 
 
+def test_qwen3_read_one_token_at_a_time_answers_as_our_runner_over_the_token_graph(qwen3: Project,
+                                                                                  tmp_path: Path) -> None:
+    """A bundle without its prompt graphs (`--token-graphs-only`: how a 1.7B model's contexts fit one protection
+    domain) makes Genie read the prompt through the AR-1 graph, one token at a time: its answer is our runner's
+    over that graph alone, token for token, at head_dim 128 as Qwen3's."""
+    from transformers import PreTrainedTokenizerFast
+
+    from npustudio.core.genie import bundle as bundle_stage
+
+    folder = tmp_path / "bundle"
+    folder.mkdir()
+    res = bundle_stage.run(qwen3.stage_dir("compile"), qwen3.stage_dir("adapt"),
+                           bundle_stage.BundleOptions(prompt_graphs=False), folder, State())
+    assert any("one token at a time" in n for n in res.notes)
+    assert [f.name for f in folder.glob("*.bin")] == ["token_ar1_cl128_1_of_1.bin"]
+    cfg = genie_config.absolute(genie_config.read(folder / layout.GENIE_CONFIG), folder)
+    dialog = libgenie.Dialog(json.dumps(cfg))
+    pieces: list[str] = []
+    try:
+        dialog.set_max_tokens(TOKENS)
+        dialog.query(prompt_text(), lambda s, _c: pieces.append(s))
+    finally:
+        dialog.close()
+        dialog.free_profile()
+    both = htp_runner(qwen3)
+    runner = KVCacheRunner(both.spec, both.cl, {1: both.graphs[1]}, both.inv_freq)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / layout.TOKENIZER))
+    ids = [1] + tok(prompt_text(), add_special_tokens=False)["input_ids"]  # Genie prepends BOS (1)
+    assert "".join(pieces) == tok.decode(runner.generate(ids, TOKENS))
+
+
 def test_mistral_window_and_yarn_rope_run_in_genie_as_adapted(mistral: Project) -> None:
     card = mistral.record("model").result["card"]
     assert (card["family"], card["sliding_window"]) == ("Mistral", 128)
