@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -183,3 +184,18 @@ def test_a_file_changed_while_it_is_pushed_is_refused_and_not_recorded(vdev: Vir
     monkeypatch.setattr(deploy._Progress, "advance", real_advance)
     deploy.deploy(bundle, device.info(vdev.serial), State())  # the next deploy sends what the file is now
     _check_landed(vdev, bundle)
+
+
+def test_the_hash_cache_forgets_files_that_are_gone_and_shrugs_off_damage(vdev: VirtualDevice,
+                                                                          tmp_path: Path) -> None:
+    cache = Path(os.environ["XDG_CACHE_HOME"]) / "npustudio" / "sha256.json"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text('{"x": 1, "/nowhere/at/all.bin": [1, 2, "ab"]}')  # a damaged entry and a file long gone
+    dev = device.info(vdev.serial)
+    old = _bundle(tmp_path / "old", {"a.bin": os.urandom(1000)})
+    deploy.deploy(old, dev, State(), force=True)
+    assert sorted(json.loads(cache.read_text())) == sorted(str(p.resolve()) for p in deploy.local_files(old))
+    shutil.rmtree(old)
+    new = _bundle(tmp_path / "new", {"b.bin": os.urandom(1000)})
+    deploy.deploy(new, dev, State(), force=True)
+    assert sorted(json.loads(cache.read_text())) == sorted(str(p.resolve()) for p in deploy.local_files(new))

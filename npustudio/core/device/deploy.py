@@ -105,9 +105,11 @@ class _HashCache:
         self.path = platformdirs.user_cache_path("npustudio") / "sha256.json"
         self.changed = False
         try:
-            self.data: dict[str, list[Any]] = json.loads(self.path.read_text())
+            data = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            self.data = {}
+            data = {}
+        self.data: dict[str, list[Any]] = {  # a damaged cache only costs hashing again
+            k: v for k, v in (data.items() if isinstance(data, dict) else ()) if isinstance(v, list) and len(v) == 3}
 
     def cached(self, p: Path, st: os.stat_result) -> str | None:
         """The digest if this file (same size and mtime) was hashed before, else None."""
@@ -128,10 +130,20 @@ class _HashCache:
         self.changed = True
 
     def save(self) -> None:
+        """Write it back without the files gone or changed since they were hashed (it would grow forever)."""
         if not self.changed:
             return
+        self.data = {k: v for k, v in self.data.items() if _unchanged(k, v)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.path, self.data)
+
+
+def _unchanged(path: str, entry: list[Any]) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return entry[:2] == [st.st_size, st.st_mtime_ns]
 
 
 class _Progress:
