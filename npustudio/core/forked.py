@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,10 +78,43 @@ def leave(fd: int, data: bytes) -> None:
         f.write(data)
 
 
-def last_words(err: Any) -> str:
-    """The last lines a child wrote to `err` (a file it had as stderr), for the error that says it failed."""
-    err.seek(0)
-    return " | ".join(err.read().decode(errors="replace").strip().splitlines()[-3:])
+class Started:
+    """`python -m module *args FD` in a fresh interpreter (an argument list, no shell) that imports this very
+    package (`child_env`) and leaves its outcome in the `Outcome` whose descriptor FD it inherits; its stderr is
+    kept for the error that says it failed."""
+
+    def __init__(self, module: str, args: list[str], what: str, stdin: Any = subprocess.DEVNULL) -> None:
+        self.what = what
+        self._out = Outcome()
+        self._err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args, str(self._out.fd)], stdin=stdin,
+                                     stdout=subprocess.DEVNULL, stderr=self._err, pass_fds=(self._out.fd,),
+                                     env=child_env())
+
+    def outcome(self, state: StateLike) -> bytes:
+        """What the child left once it ended; its crash raised here as a RuntimeError with its last stderr lines.
+        The user's stop (`state.check`) kills it. The child's files go either way."""
+        try:
+            while self.proc.poll() is None:
+                state.check()
+                time.sleep(_POLL_S)
+            out = self._out.read() if self.proc.returncode == 0 else b""
+            if not out:
+                self._err.seek(0)
+                last = self._err.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"{self.what} ended with exit {self.proc.returncode} and no result: "
+                                   + " | ".join(last))
+            return out
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Kill the child if it still runs, and let its files go."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+        self._out.close()
 
 
 def die_with_parent() -> None:

@@ -12,59 +12,29 @@ read them, never a user's, and neither has a name on disk. The child dies with t
 from __future__ import annotations
 
 import pickle
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
-from .forked import Outcome, child_env, die_with_parent, last_words, leave, outcome, unpack
+from .forked import Started, die_with_parent, leave, outcome, unpack
 from .progress import StateLike
 
-_POLL_S = 0.05
 
-
-class Spawned:
+class Spawned(Started):
     """`fn()` (a module-level function or a partial of one; its result picklable) started in a fresh interpreter;
     `result` waits for it."""
 
     def __init__(self, fn: Callable[[], Any], name: str) -> None:
-        self.name = name
-        self._out = Outcome()
-        self._err = tempfile.TemporaryFile()
         with tempfile.TemporaryFile() as given:
             given.write(pickle.dumps(fn))
             given.seek(0)
-            self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(self._out.fd)], stdin=given, stdout=subprocess.DEVNULL,
-                stderr=self._err, pass_fds=(self._out.fd,), env=child_env())
+            super().__init__(__name__, [], name, stdin=given)
 
     def result(self, state: StateLike) -> Any:
         """What `fn` returned; its UserError, or its failure as a RuntimeError, raised here. The user's stop
         (`state.check`) kills the child."""
-        try:
-            assert self.proc is not None, "result() was called twice"
-            while self.proc.poll() is None:
-                state.check()
-                time.sleep(_POLL_S)
-            done = self._out.read() if self.proc.returncode == 0 else b""
-            if not done:
-                raise RuntimeError(f"{self.name} ended with exit {self.proc.returncode} and no result: "
-                                   + last_words(self._err))
-            out = pickle.loads(done)
-        finally:
-            self.stop()
-        return unpack(out, self.name)
-
-    def stop(self) -> None:
-        """Kill the child if it still runs, and let its files go."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-        self._err.close()
-        self._out.close()
+        return unpack(pickle.loads(self.outcome(state)), self.what)
 
 
 def main(fd: str) -> None:

@@ -230,8 +230,7 @@ def _compile_side_by_side(prep: Path, out_dir: Path, names: dict[str, list[str]]
                for g in todo]
     try:
         found = checks() if checks else {}
-        done = {r.graph: r.result(state) for r in running}
-        compiled = [done[g] for g in todo]
+        compiled = [r.result(state) for r in running]
     finally:
         for r in running:
             r.stop()

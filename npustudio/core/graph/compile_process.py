@@ -11,64 +11,34 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from ..forked import Outcome, child_env, die_with_parent, last_words, leave, unpack
+from ..forked import Started, die_with_parent, leave, unpack
 from ..progress import StateLike
 from ..targets import Soc
 from .ort_qnn import Compiled, GraphTooLarge, compile_graph
 
-_POLL_S = 0.1
 
-
-class Running:
+class Running(Started):
     """A compile started in its own process; `result` waits for it."""
 
     def __init__(self, onnx: Path, graph: str, out_dir: Path, target: Soc, optimize: str, nice: int = 0) -> None:
         """`nice`: how much lower the compile's CPU priority is (the compiles off the critical path yield to the
         one on it)."""
         self.graph = graph
-        self._out = Outcome()
-        self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(onnx), graph, str(out_dir), target.model_dump_json(), optimize,
-             str(nice), str(self._out.fd)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._err, pass_fds=(self._out.fd,),
-            env=child_env())
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
+        super().__init__(__name__, [str(onnx), graph, str(out_dir), target.model_dump_json(), optimize, str(nice)],
+                         f"the compile of {graph}")
 
     def result(self, state: StateLike) -> Compiled:
-        """The compiled graph; QNN's refusal (GraphTooLarge), a UserError or the child's crash raised here."""
-        try:
-            while self.running():
-                state.check()  # the user's stop: the compile is killed below
-                time.sleep(_POLL_S)
-            out = self._out.read() if self.proc.returncode == 0 else b""
-            if not out:
-                raise RuntimeError(f"the compile of {self.graph} ended with exit {self.proc.returncode}: "
-                                   + last_words(self._err))
-            r = json.loads(out)
-        finally:
-            self.stop()
+        """The compiled graph; QNN's refusal (GraphTooLarge), a UserError or the child's crash raised here. The
+        user's stop (`state.check`) kills the compile."""
+        r = json.loads(self.outcome(state))
         if "too_large" in r:
             raise GraphTooLarge(*r["too_large"])
-        return Compiled.model_validate(unpack(r, f"the compile of {self.graph}"))
-
-    def stop(self) -> None:
-        """Kill the compile if it still runs, and let its files go."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._err.close()
-        self._out.close()
+        return Compiled.model_validate(unpack(r, self.what))
 
 
 def main(argv: list[str]) -> None:
