@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import keyring
@@ -31,6 +32,14 @@ def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: p
     monkeypatch.setenv("HF_HOME", str(home / "hf"))
     monkeypatch.setenv("PYTHON_KEYRING_BACKEND", "keyring.backends.null.Keyring")
     monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+def wait_until(cond: Callable[[], object], timeout: float) -> None:
+    """Poll `cond` until it holds; fail the test after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
 
 
 def make_tokenizer(folder: Path, vocab: int = 384) -> None:

@@ -24,6 +24,7 @@ from npustudio.core.device.virtual import VirtualDevice
 from npustudio.core.errors import UserError
 from npustudio.core.progress import State
 from npustudio.core.project import Project
+from tests.conftest import wait_until
 
 
 def _connect(vd: VirtualDevice) -> None:
@@ -149,7 +150,7 @@ def test_a_device_killed_mid_push_resumes_on_the_next_deploy(adb_server: list[st
         real_advance(self, n)
         sent["n"] += n
         if sent["n"] > 700_000 and not vd.stopping.is_set():  # the second binary is out: the phone goes away,
-            _wait(manifest.exists)  # once the files that landed before are recorded (that runs behind the stream)
+            wait_until(manifest.exists, 10)  # once the files that landed before are recorded (behind the stream)
             vd.stop()
 
     monkeypatch.setattr(deploy._Progress, "advance", advance_then_unplug)
@@ -295,21 +296,14 @@ def test_watcher_follows_plug_and_unplug_and_stops(adb_server: list[str], tmp_pa
     vd = VirtualDevice(tmp_path / "w").start()
     try:
         _connect(vd)
-        _wait(lambda: any(vd.serial in a for a, _ in events))
+        wait_until(lambda: any(vd.serial in a for a, _ in events), 10)
         device.client().disconnect(vd.serial)
-        _wait(lambda: any(vd.serial in r for _, r in events))
+        wait_until(lambda: any(vd.serial in r for _, r in events), 10)
     finally:
         vd.stop()
         t0 = time.monotonic()
         w.stop()
         assert time.monotonic() - t0 < 2
-
-
-def _wait(cond: object, timeout: float = 10) -> None:
-    t0 = time.monotonic()
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() - t0 < timeout
-        time.sleep(0.1)
 
 
 def test_a_missing_adb_is_said_plainly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from npustudio.core import isolated
 from npustudio.core.errors import UserError
 from npustudio.core.progress import Cancelled, Partial, Progress, State
+from tests.conftest import wait_until
 
 
 def counting(n: int, state: State) -> int:
@@ -186,12 +186,12 @@ def test_a_stage_killed_outright_leaves_no_child_and_no_file_behind(tmp_path: Pa
         pids = [int(p) for p in parent.stdout.readline().split()]  # type: ignore[union-attr]
         assert len(pids) == 2
         for pid in pids:  # each child is in its step (asleep), so it has asked to die with its parent
-            _until(lambda pid=pid: Path(f"/proc/{pid}/wchan").read_text().endswith("nanosleep"))
+            wait_until(lambda pid=pid: Path(f"/proc/{pid}/wchan").read_text().endswith("nanosleep"), 120)
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     for pid in pids:
-        _until(lambda pid=pid: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid))
+        wait_until(lambda pid=pid: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), 120)
     assert list(tmp.iterdir()) == []
 
 
@@ -200,10 +200,3 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
-
-
-def _until(cond: Callable[[], bool], timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
