@@ -31,6 +31,6 @@ def cmd_token(a: argparse.Namespace) -> int:
 
 
 def cmd_gui(a: argparse.Namespace) -> int:
-    from .gui.app import main as gui_main
+    from ..gui.app import main as gui_main
 
     return gui_main([a.project] if getattr(a, "project", None) else [])

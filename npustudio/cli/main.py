@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.markup import escape
 
+from .. import __version__
 from ..core import layout, quiet
 from ..core.errors import UserError
 from ..core.progress import Cancelled
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd")
 
     p.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help, description=help)
@@ -230,7 +232,6 @@ def _write_log(a: argparse.Namespace, argv: list[str], tb: str) -> Path | None:
 
     import platformdirs
 
-    from .. import __version__
     from ..core.fsutil import atomic_write_text, refuse_link
 
     folders = []

@@ -1,0 +1,89 @@
+"""What a user runs, run as they run it: the installed console script and the desktop file's command, each as a
+process. The window tests read the main window back from inside that process (tests/launch_observer) and close it
+as a person would; the process must then end on its own."""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npustudio import __version__
+from npustudio.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SCRIPT = BIN / "npustudio"
+OBSERVER = Path(__file__).resolve().parent / "launch_observer"
+COMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("NPUSTUDIO_DEBUG", None)
+    return env | extra
+
+
+@pytest.fixture
+def window_env(adb_server: list[str]) -> None:
+    """The window's device panel starts an adb server: the module's private one, never the developer's."""
+
+
+def _open_window(argv: list[str], tmp_path: Path) -> dict[str, object]:
+    """Start `argv` as a process, wait for its main window, close it; the window's title."""
+    report = tmp_path / "window.json"
+    env = _env(NPUSTUDIO_TEST_WINDOW_REPORT=str(report),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(OBSERVER), os.environ.get("PYTHONPATH")])))
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert report.is_file(), f"no main window was shown\n{res.stdout}\n{res.stderr}"
+    assert "Traceback" not in res.stderr, res.stderr
+    return json.loads(report.read_text())
+
+
+def test_the_console_script_is_installed() -> None:
+    assert SCRIPT.is_file(), f"{SCRIPT} missing: the package's console script is not installed"
+
+
+def test_npustudio_with_no_arguments_opens_the_window(tmp_path: Path, window_env: None) -> None:
+    win = _open_window([str(SCRIPT)], tmp_path)
+    assert win["class"] == "MainWindow" and str(win["title"]).startswith("NPU Studio")
+
+
+def test_npustudio_gui_opens_the_given_project(tmp_path: Path, window_env: None) -> None:
+    from npustudio.core.project import Project
+
+    project = Project.open(tmp_path / "my project").root
+    win = _open_window([str(SCRIPT), "gui", "--project", str(project)], tmp_path)
+    assert str(project) in str(win["title"]), win
+
+
+def test_the_desktop_files_command_opens_the_window(tmp_path: Path, window_env: None) -> None:
+    entry = configparser.ConfigParser(interpolation=None)
+    entry.read(ROOT / "packaging" / "npustudio.desktop", encoding="utf-8")
+    argv = shlex.split(entry["Desktop Entry"]["Exec"])
+    argv = [a for a in argv if not (a.startswith("%") and len(a) == 2)]  # %f %u …: what a launcher fills in
+    assert argv[0] == "npustudio", "the desktop file must start the installed command (found on PATH)"
+    win = _open_window([str(BIN / argv[0]), *argv[1:]], tmp_path)
+    assert str(win["title"]).startswith("NPU Studio")
+
+
+def test_version_is_printed() -> None:
+    res = subprocess.run([str(SCRIPT), "--version"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"npustudio {__version__}"
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_every_commands_help_runs_as_a_process(command: str) -> None:
+    argv = [str(SCRIPT), *([command] if command else []), "--help"]
+    res = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"usage: npustudio{' ' + command if command else ''}"), res.stdout
+    assert "Traceback" not in res.stderr, res.stderr
