@@ -111,8 +111,8 @@ def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
 
 
-def genie_pipeline(root: Path, model: Path) -> object:
-    """`model` taken through adapt, quantize (w8a16), compile and bundle at CL 128, AR-32, with small eval sizes."""
+def genie_pipeline(root: Path, model: Path, precision: str = "w8a16") -> object:
+    """`model` taken through adapt, quantize, compile and bundle at CL 128, AR-32, with small eval sizes."""
     from npustudio.core import pipeline
     from npustudio.core.adapt import AdaptOptions
     from npustudio.core.compile import CompileOptions
@@ -123,7 +123,7 @@ def genie_pipeline(root: Path, model: Path) -> object:
 
     p = Project.open(root)
     pipeline.adapt(p, str(model), AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128, decode_tokens=8), State())
-    pipeline.quantize(p, QuantizeOptions(precision="w8a16", calib_samples=2, calib_len=64, calib_decode=4,
+    pipeline.quantize(p, QuantizeOptions(precision=precision, calib_samples=2, calib_len=64, calib_decode=4,
                                          eval_chars=1500, window=128, decode_tokens=8), State())
     pipeline.compile_graphs(p, CompileOptions(verify_tokens=64), State())
     pipeline.bundle(p, BundleOptions(), State())
@@ -135,6 +135,13 @@ def genie_project(tmp_path_factory: pytest.TempPathFactory) -> object:
     """A tiny Llama (head_dim 64, CL 128, AR-32) taken through adapt, quantize, compile and bundle once."""
     root = tmp_path_factory.mktemp("cg")
     return genie_pipeline(root / "p", make_tiny_model(root / "m", "llama64"))
+
+
+@pytest.fixture(scope="session")
+def genie_project_w4(tmp_path_factory: pytest.TempPathFactory) -> object:
+    """`genie_project`'s model at w4a16 (int4 LPBQ blocks, LM head int8), taken to a bundle the same way."""
+    root = tmp_path_factory.mktemp("cg4")
+    return genie_pipeline(root / "p", make_tiny_model(root / "m", "llama64"), precision="w4a16")
 
 
 class MemoryKeyring(KeyringBackend):

@@ -276,12 +276,13 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
     assert params["layers.1.mlp.gate.weight"].bitwidth == 8
     assert params["lm_head.weight"].bitwidth == 8
     assert all(r.bitwidth == 8 for r in t.rows if r.role == "kv-cache")
-    # onnxruntime-qnn's HTP cannot compile LPBQ convolutions: refused up front, naming the way out
+    # a mixed model (int4 LPBQ blocks beside the override's int8 layers, rotated) compiles with every node on the
+    # HTP: the blocked layers as MatMuls, the int8 per-channel ones as convolutions
     from npustudio.core.compile import CompileOptions
 
-    with pytest.raises(UserError, match=r"block-quantized \(LPBQ\) weights") as e:
-        pipeline.compile_graphs(p, CompileOptions(verify_tokens=0), State())
-    assert "--precision w8a16" in e.value.fix and "qairt" in e.value.fix
+    pipeline.compile_graphs(p, CompileOptions(verify_tokens=0), State())
+    c = p.record("compile").result
+    assert c["nodes_on_cpu"] == 0 and all(g["nodes_on_qnn"] > 100 for g in c["graphs"])
 
 
 def test_quantize_before_adapt_says_what_to_do(tmp_path: Path) -> None:

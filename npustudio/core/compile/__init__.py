@@ -15,7 +15,6 @@ simulator's prompt cache against that cache.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from .. import layout, parts
 from ..errors import UserError
 from ..evaluate import load_corpus, max_abs_diff, nll
 from ..fsutil import atomic_write_json, link_or_copy
-from ..graph import compile_process, graph_io, ort_qnn, store
+from ..graph import compile_process, graph_io, lpbq_matmul, ort_qnn, store
 from ..graph.exported import read_test_vectors
 from ..graph.graph_io import IOEncoding
 from ..graph.kv_cache import Cache, KVCacheRunner
@@ -88,7 +87,6 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     qres = load_quantize(quant_dir)
     target = find_soc(options.target or qres.target)
     graphs = qres.graphs
-    _refuse_lpbq(quant_dir, graphs[0], qres.precision)
     lap = Laps()
     steps = lap.steps
 
@@ -97,11 +95,15 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     prep.mkdir(exist_ok=True)
     link_or_copy(weights, prep / layout.WEIGHTS)  # the prepared graphs read the quantize stage's weights
     io: dict[str, IOEncoding] = {}
-    for i, g in enumerate(graphs):
-        state.progress(0.05 * i, f"preparing {g}: uint16 I/O from the AIMET encodings")
-        enc = graph_io.prepare(quant_dir / f"{g}_qdq.onnx", quant_dir / f"{g}.encodings", prep / f"{g}.onnx")
-        _check_same_io(io, enc, g)
-        io.update(enc)
+    with lpbq_matmul.Store(prep).open() as lpbq:  # w4a16's block-quantized layers as the MatMuls QNN takes
+        for i, g in enumerate(graphs):
+            state.progress(0.05 * i, f"preparing {g}: uint16 I/O from the AIMET encodings")
+            enc = graph_io.prepare(quant_dir / f"{g}_qdq.onnx", quant_dir / f"{g}.encodings", prep / f"{g}.onnx",
+                                   lpbq)
+            _check_same_io(io, enc, g)
+            io.update(enc)
+    if not lpbq.tensors:
+        lpbq.path.unlink()
     _check_kv_tied(io)
     spec, _ = store.load_spec(adapt_dir)
     shapes = load_graphs(quant_dir)
@@ -259,20 +261,6 @@ def _refuse_cpu_nodes(g: str, c: ort_qnn.Compiled) -> None:
                             for n in c.nodes_on_cpu[:10])
         raise UserError(f"{len(c.nodes_on_cpu)} nodes of {g} would run on the CPU, not the NPU: {listing}.",
                         "These ops have no quantized HTP implementation as exported; report this model.")
-
-
-def _refuse_lpbq(quant_dir: Path, graph: str, precision: str) -> None:
-    """onnxruntime-qnn 2.7 does not place LPBQ convolutions (int4 blocks of 64 input channels under int8
-    per-channel scales: w4a16 on any model whose layers are wider than one block) on the HTP: QNN rejects each
-    one after its layout pass ("… was inserted using the NHWC format … but was not selected by that EP"), with
-    or without its block-quantization option. Refused before the preparation, not after minutes of it."""
-    enc = json.loads((quant_dir / f"{graph}.encodings").read_text())
-    lpbq = [e["name"] for e in enc.get("param_encodings", []) if e.get("enc_type") == "LPBQ"]
-    if lpbq:
-        raise UserError(f"This {precision} model has {len(lpbq)} block-quantized (LPBQ) weights, e.g. {lpbq[0]}; "
-                        "the ort-qnn back-end (onnxruntime-qnn's HTP) cannot compile LPBQ convolutions.",
-                        "Quantize with --precision w8a16 for this back-end, or compile with --backend qairt and "
-                        "the QAIRT SDK (QNN_SDK_ROOT).")
 
 
 def _check_same_io(seen: dict[str, IOEncoding], new: dict[str, IOEncoding], graph: str) -> None:

@@ -21,6 +21,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..errors import UserError
+from . import lpbq_matmul
+from .lpbq_matmul import Store
 
 # ops that only move data: ORT's QDQ selectors accept them with any (equal) in/out types
 _DATA_MOVEMENT = {"Reshape", "Transpose", "Concat", "Split", "Gather", "Squeeze", "Unsqueeze", "Slice", "Tile",
@@ -35,8 +37,9 @@ class IOEncoding(BaseModel):
     zero_point: int = 0
 
 
-def prepare(src: Path, encodings_file: Path, dst: Path) -> dict[str, IOEncoding]:
-    """Write the Genie-ready graph of `src` to `dst` (same folder as the weights); return the I/O encodings."""
+def prepare(src: Path, encodings_file: Path, dst: Path, lpbq: Store | None = None) -> dict[str, IOEncoding]:
+    """Write the Genie-ready graph of `src` to `dst` (same folder as the weights); return the I/O encodings.
+    Block-quantized (LPBQ) convolutions become MatMuls (`lpbq_matmul`) when `lpbq` takes their weights."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper
@@ -155,6 +158,8 @@ def prepare(src: Path, encodings_file: Path, dst: Path) -> dict[str, IOEncoding]
         result[y] = IOEncoding(dtype=_np_name(elem), scale=scale, zero_point=zp)
 
     _widen_narrowing_ops(g, arr, qparams, add_params)
+    if lpbq is not None:
+        lpbq_matmul.rewrite(g, src.parent, lpbq)
     tmp = dst.with_name(dst.name + ".tmp")
     onnx.save(model, str(tmp))
     tmp.replace(dst)

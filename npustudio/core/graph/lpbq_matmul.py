@@ -1,0 +1,224 @@
+"""Block-quantized (LPBQ) 1×1 convolutions rewritten as the MatMul form onnxruntime-qnn compiles.
+
+w4a16's weights are int4 in blocks of 64 input channels, each block's scale an integer (uint8) times a float
+per-output-channel scale: aimet exports `DQ(w_q INT4 [N, K, 1, 1], DQ(block_scales, channel_scale, axis 0),
+axis 1, block_size 64) -> Conv`. onnxruntime-qnn 2.7 refuses every such Conv after its NHWC layout pass, but
+fuses the same encoding into QNN's BLOCKWISE_EXPANSION when the layer is a MatMul with a prequantized int4
+weight `[K, N]` blocked along axis 0 (measured: all nodes on the HTP, ~4 bits per weight in the binary, the
+simulator within 1 LSB of a numpy reference). So each LPBQ Conv over `x [1, K, A, B]` becomes
+
+    DQ(x) -> Transpose(0,2,3,1) -> Q/DQ(x's encoding) -> MatMul(w [K, N]) -> Q/DQ(y's encoding)
+          -> Transpose(0,3,1,2) -> the Conv's old output (read by y's own Q)
+
+The two transposes move quantized values only and the Q/DQ pairs around them carry the very encodings of `x`
+and `y`, so the graph computes exactly what the Conv computed: same integers, same scales, same rounding.
+The transposed int4 weights, block scales and zero points go to a weights file of their own beside the
+prepared graphs (`LPBQ_WEIGHTS`), written once for the prompt and token graphs that share them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from ..errors import UserError
+
+LPBQ_WEIGHTS = "weights_lpbq.bin"
+_ALIGN = 64
+
+
+def _unpack4(raw: bytes, count: int, signed: bool) -> np.ndarray:
+    """ONNX 4-bit storage (two values a byte, the first in the low nibble) -> one value a byte."""
+    b = np.frombuffer(raw, np.uint8)
+    v = np.empty(b.size * 2, np.uint8)
+    v[0::2], v[1::2] = b & 0x0F, b >> 4
+    v = v[:count]
+    return ((v.astype(np.int8) << 4) >> 4) if signed else v
+
+
+def _pack4(a: np.ndarray) -> bytes:
+    flat = (a.reshape(-1).astype(np.int16) & 0x0F).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8).tobytes()
+
+
+class Store:
+    """The transposed LPBQ tensors of one compile run: one file, each source tensor written once."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / LPBQ_WEIGHTS
+        self._file: IO[bytes] | None = None
+        self._written: dict[tuple[str, str, int], tuple[int, int, int]] = {}  # source -> offset, length, dtype
+        self.tensors = 0
+
+    @contextmanager
+    def open(self) -> Iterator[Store]:
+        with open(self.path, "wb") as f:
+            self._file = f
+            try:
+                yield self
+            finally:
+                self._file = None
+
+    def put(self, key: tuple[str, str, int], dims: list[int], dtype: int, data: bytes) -> Any:
+        """An initializer of `dims`/`dtype` whose bytes are `data`, stored in the file (once per `key`)."""
+        from onnx import TensorProto
+
+        assert self._file is not None, "Store.open() first"
+        if key not in self._written:
+            pos = self._file.tell()
+            pad = (-pos) % _ALIGN
+            self._file.write(b"\0" * pad)
+            self._file.write(data)
+            self._written[key] = (pos + pad, len(data), dtype)
+            self.tensors += 1
+        offset, length, dt = self._written[key]
+        t = TensorProto()
+        t.name, t.data_type = key[0], dt
+        t.dims.extend(dims)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", LPBQ_WEIGHTS), ("offset", str(offset)), ("length", str(length))):
+            entry = t.external_data.add()
+            entry.key, entry.value = k, v
+        return t
+
+
+def _raw(t: Any, folder: Path) -> tuple[bytes, tuple[str, int]]:
+    """An initializer's stored bytes (inline or external) and where they come from."""
+    from onnx import TensorProto
+
+    if t.data_location != TensorProto.EXTERNAL:
+        if not t.raw_data:
+            from onnx import numpy_helper
+
+            return numpy_helper.to_array(t).tobytes(), ("inline:" + t.name, 0)
+        return bytes(t.raw_data), ("inline:" + t.name, 0)
+    info = {e.key: e.value for e in t.external_data}
+    offset, length = int(info.get("offset", 0)), int(info["length"])
+    with open(folder / info["location"], "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise UserError(f"The weights file {info['location']} is shorter than the graph says.",
+                        "Re-run the quantize stage.")
+    return data, (info["location"], offset)
+
+
+def _matrix(t: Any, folder: Path) -> tuple[np.ndarray, tuple[str, int]]:
+    """A [N, X, 1, 1] weight-side tensor as an [N, X] array of its stored values (4-bit ones unpacked)."""
+    from onnx import TensorProto, helper
+
+    data, where = _raw(t, folder)
+    dims = [int(d) for d in t.dims]
+    count = math.prod(dims)
+    if t.data_type in (TensorProto.INT4, TensorProto.UINT4):
+        a = _unpack4(data, count, signed=t.data_type == TensorProto.INT4)
+    else:
+        a = np.frombuffer(data, helper.tensor_dtype_to_np_dtype(t.data_type), count)
+    return a.reshape(dims[0], -1), where
+
+
+def _transposed(store: Store, t: Any, folder: Path, name: str) -> Any:
+    """Initializer `t` ([N, X, 1, 1]) as `name` [X, N], same dtype and values, in the store."""
+    from onnx import TensorProto
+
+    a, (loc, off) = _matrix(t, folder)
+    at = np.ascontiguousarray(a.T)
+    four = t.data_type in (TensorProto.INT4, TensorProto.UINT4)
+    return store.put((name, loc, off), list(at.shape), t.data_type, _pack4(at) if four else at.tobytes())
+
+
+def _attr(node: Any, name: str, default: Any = None) -> Any:
+    from onnx import helper
+
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def rewrite(g: Any, folder: Path, store: Store) -> int:
+    """Rewrite every LPBQ 1×1 Conv of graph `g` (weights read from `folder`) as the MatMul form; return how many.
+    A Conv that is block-quantized in a form this rewrite does not know is refused by name."""
+    from onnx import TensorProto, helper
+
+    inits = {t.name: t for t in g.initializer}
+    prod = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list[Any]] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    done = 0
+    dropped: set[str] = set()
+    for conv in [n for n in g.node if n.op_type == "Conv"]:
+        w_dq = prod.get(conv.input[1])
+        if w_dq is None or w_dq.op_type != "DequantizeLinear" or _attr(w_dq, "block_size") is None:
+            continue  # per-channel int8 (the LM head at w4a16): HTP takes it as a Conv
+        where = f"{conv.name} in {g.name}"
+        s_dq = prod.get(w_dq.input[1])
+        x_dq = prod.get(conv.input[0])
+        ys = readers.get(conv.output[0], [])
+        if (s_dq is None or s_dq.op_type != "DequantizeLinear" or len(w_dq.input) < 3
+                or w_dq.input[0] not in inits or s_dq.input[0] not in inits or w_dq.input[2] not in inits):
+            raise UserError(f"The block-quantized weight of {where} is not in the LPBQ form (int4 blocks under "
+                            "integer block scales and a float per-channel scale).", "Re-run the quantize stage.")
+        if len(conv.input) > 2 and conv.input[2]:
+            raise UserError(f"{where} has a bias; the ort-qnn back-end compiles block-quantized (w4a16) layers as "
+                            "MatMul, which has none.", "Quantize this model with --precision w8a16, or compile "
+                            "with --backend qairt and the QAIRT SDK (QNN_SDK_ROOT).")
+        if (x_dq is None or x_dq.op_type != "DequantizeLinear" or len(ys) != 1 or ys[0].op_type != "QuantizeLinear"
+                or _attr(conv, "group", 1) != 1 or list(_attr(conv, "kernel_shape", [1, 1])) != [1, 1]
+                or any(_attr(conv, k) and set(_attr(conv, k)) != {v} for k, v in (("strides", 1), ("dilations", 1),
+                                                                                    ("pads", 0)))
+                or _attr(w_dq, "axis") != 1 or _attr(s_dq, "axis", 1) != 0):
+            raise UserError(f"{where} is block-quantized but not a plain quantized 1×1 convolution.",
+                            "Quantize this model with --precision w8a16 (report the model: its adapted graph is "
+                            "not of the expected form).")
+        w = inits[w_dq.input[0]]
+        if w.data_type != TensorProto.INT4 or len(w.dims) != 4 or list(w.dims[2:]) != [1, 1]:
+            raise UserError(f"The block-quantized weight of {where} is not int4 [out, in, 1, 1].",
+                            "Re-run the quantize stage.")
+        block = int(_attr(w_dq, "block_size"))
+        base = conv.output[0]
+        w_t = _transposed(store, w, folder, w.name + "_kn")
+        sc_t = _transposed(store, inits[s_dq.input[0]], folder, s_dq.input[0] + "_kn")
+        zp_t = _transposed(store, inits[w_dq.input[2]], folder, w_dq.input[2] + "_kn")
+        for t in (w_t, sc_t, zp_t):
+            if t.name not in inits:
+                g.initializer.append(t)
+                inits[t.name] = t
+        y_q = ys[0]
+        xs, xz = x_dq.input[1], x_dq.input[2]
+        ysc, yzp = y_q.input[1], y_q.input[2]
+        new = [
+            helper.make_node("DequantizeLinear", [sc_t.name, *s_dq.input[1:]], [base + "_lpbq_scale"],
+                             name=base + "_lpbq_scale_dq", axis=1),
+            helper.make_node("DequantizeLinear", [w_t.name, base + "_lpbq_scale", zp_t.name], [base + "_lpbq_w"],
+                             name=base + "_lpbq_w_dq", axis=0, block_size=block),
+            helper.make_node("Transpose", [conv.input[0]], [base + "_x_t"], name=base + "_x_t", perm=[0, 2, 3, 1]),
+            helper.make_node("QuantizeLinear", [base + "_x_t", xs, xz], [base + "_x_t_q"], name=base + "_x_t_q"),
+            helper.make_node("DequantizeLinear", [base + "_x_t_q", xs, xz], [base + "_x_t_dq"],
+                             name=base + "_x_t_dq"),
+            helper.make_node("MatMul", [base + "_x_t_dq", base + "_lpbq_w"], [base + "_mm"], name=conv.name),
+            helper.make_node("QuantizeLinear", [base + "_mm", ysc, yzp], [base + "_mm_q"], name=base + "_mm_q"),
+            helper.make_node("DequantizeLinear", [base + "_mm_q", ysc, yzp], [base + "_mm_dq"],
+                             name=base + "_mm_dq"),
+            helper.make_node("Transpose", [base + "_mm_dq"], [base], name=base + "_y_t", perm=[0, 3, 1, 2]),
+        ]
+        at = list(g.node).index(conv)
+        g.node.remove(conv)
+        for k, node in enumerate(new):
+            g.node.insert(at + k, node)
+        for old in (w_dq, s_dq):
+            if all(r is conv or r is w_dq for r in readers.get(old.output[0], [])):
+                g.node.remove(old)
+                dropped.update(old.input)
+        done += 1
+    used = {i for n in g.node for i in n.input}
+    for name in dropped - used:
+        if name in inits:
+            g.initializer.remove(inits.pop(name))
+    return done
