@@ -482,6 +482,35 @@ def test_deploy_and_chat_say_not_a_bundle_before_looking_for_a_device(tmp_path: 
         refused(cli(capsys, "chat", "--bundle", str(folder / "cat.jpg"), "hello"), "not a bundle folder")
 
 
+def test_a_failed_device_run_is_a_failure_not_an_empty_answer(tiny_llama: Path, tmp_path: Path, capsys: Any,
+                                                              adb_server: list[str]) -> None:
+    """The device's genie-t2t-run failing (the virtual device's runner on a config Genie refuses; a phone's that
+    stops mid-answer without [END]) is exit 2 with the device's own words, and no turn is saved as an answer."""
+    from npustudio.core import device
+    from npustudio.core.device.phone_shell import Call
+    from npustudio.core.device.virtual import VirtualDevice
+
+    bundle = fake_bundle(tmp_path / "b", tiny_llama)
+    (bundle / "genie_config.json").write_text("{}")
+    vd = VirtualDevice(tmp_path / "phone").start()
+
+    def fails_mid_answer(call: Call) -> int:
+        call.write("[PROMPT]: hello\n\n[BEGIN]: Par")
+        call.write("\nGenieDialog_query failed: GENIE_STATUS_ERROR_QUERY_FAILED\nFailed to query\n")
+        return 1
+
+    try:
+        assert "connected" in str(device.client().connect(vd.serial, timeout=15))
+        chat = ("chat", "--bundle", str(bundle), "--device", vd.serial, "hello")
+        refused(cli(capsys, *chat), "genie-t2t-run failed on the device", "has no 'dialog' section")
+        vd.programs["genie-t2t-run"] = fails_mid_answer
+        refused(cli(capsys, *chat), "genie-t2t-run failed on the device", "Failed to query")
+    finally:
+        device.client().disconnect(vd.serial)
+        vd.stop()
+    assert not (bundle / "chat_history.json").exists()
+
+
 # ----------------------------------------------------------------- prompts
 def test_prompts_with_nul_or_invalid_utf8_are_refused(tiny_llama: Path, tmp_path: Path, capsys: Any) -> None:
     bundle = fake_bundle(tmp_path / "b", tiny_llama)
