@@ -144,6 +144,38 @@ def test_impossible_sizes_are_refused_before_anything_is_built(model_copy: Any, 
         refused(cli(capsys, "info", str(m)), *words)
 
 
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, ["rope_parameters.rope_theta is nan"]),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, ["rope_parameters.rope_theta is 0"]),
+    ({"rope_theta": float("inf")}, ["rope_theta is inf", "finite number above 0"]),
+    ({"rms_norm_eps": -1e-6}, ["rms_norm_eps is -1e-06"]),
+    ({"num_attention_heads": 0}, ["num_attention_heads is 0"]),  # transformers divided by it: ZeroDivisionError
+    ({"eos_token_id": 9999}, ["eos_token_id is 9999", "from 0 to 383"]),
+    ({"bos_token_id": -1}, ["bos_token_id is -1"]),
+])
+def test_impossible_numbers_are_refused_naming_the_field(model_copy: Any, tmp_path: Path, capsys: Any,
+                                                         changes: dict[str, Any], words: list[str]) -> None:
+    m = model_copy(**changes)
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "info", str(m)), "config.json", *words)
+
+
+def test_the_equivalence_numbers_count_non_finite_logits_as_disagreement() -> None:
+    """NaN logits on both sides "agreed" (argmax takes a NaN as the top) with a difference of 0 (max() skips a NaN):
+    a NaN model passed adapt's gate with agreement 1.0."""
+    import torch
+
+    from npustudio.core.evaluate import Comparison
+
+    ids = list(range(40))  # more rows than the evaluation handles at once
+    good = torch.randn(40, 384)
+    for bad in (torch.full((40, 384), float("nan")), good.clone().index_fill_(0, torch.tensor([37]), float("inf"))):
+        c = Comparison()
+        c.add(0, ids, bad if bad.isnan().all() else good, bad, ("fp", "adapted"))
+        assert c.max_abs_logit_diff == float("inf")
+        assert c.top1_agreement == (0.0 if bad.isnan().all() else 39 / 40)
+
+
 @pytest.mark.parametrize(("raw", "words"), [
     ('{"model_type": "llama", ', ["config.json is not valid JSON"]),
     ("[]", ["holds a JSON list, not a model configuration"]),
