@@ -388,6 +388,19 @@ def test_an_override_pattern_that_matches_nothing_names_the_closest_modules(tmp_
     refused(cli(capsys, "quantize", "--project", str(p.root), "--overrides", str(ov)), "nested too deeply")
 
 
+def test_an_override_file_with_an_unknown_key_names_the_closest_one(tmp_path: Path, capsys: Any) -> None:
+    """`weight` for `weights` was dropped without a word: the run went on at the preset's widths."""
+    p = adapted_project(tmp_path / "proj")
+    ov = tmp_path / "ov.json"
+    for table, words in (({"weight": {"layers.0.mlp.down": 8}}, ["unknown key 'weight'", "Did you mean 'weights'"]),
+                         ({"weights": {}, "activation": {"layers.0.mlp.down": 16}},
+                          ["unknown key 'activation'", "Did you mean 'activations'"]),
+                         ({"bits": 8}, ["unknown key 'bits'", "valid keys: weights, activations"])):
+        ov.write_text(json.dumps(table))
+        with nothing_changes(tmp_path, allowed=p.root):
+            refused(cli(capsys, "quantize", "--project", str(p.root), "--overrides", str(ov)), str(ov), *words)
+
+
 # ----------------------------------------------------------------- encodings files
 def _encodings(tmp_path: Path, acts: list[dict[str, Any]], **extra: Any) -> Path:
     f = tmp_path / "m.encodings"
