@@ -147,7 +147,7 @@ def test_impossible_sizes_are_refused_before_anything_is_built(model_copy: Any, 
 @pytest.mark.parametrize(("changes", "words"), [
     ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, ["rope_parameters.rope_theta is nan"]),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, ["rope_parameters.rope_theta is 0"]),
-    ({"rope_theta": float("inf")}, ["rope_theta is inf", "finite number above 0"]),
+    ({"rope_parameters": None, "rope_theta": float("inf")}, ["rope_theta is inf", "finite number above 0"]),
     ({"rms_norm_eps": -1e-6}, ["rms_norm_eps is -1e-06"]),
     ({"num_attention_heads": 0}, ["num_attention_heads is 0"]),  # transformers divided by it: ZeroDivisionError
     ({"eos_token_id": 9999}, ["eos_token_id is 9999", "from 0 to 383"]),

@@ -453,8 +453,8 @@ def _number(v: Any) -> bool:
 
 
 def check_numbers(config: Any, where: str, present_only: bool = False) -> None:
-    """Refuse values no model can have, naming the field: sizes out of range (`present_only`: the raw config.json,
-    before transformers fills defaults and divides by them), a RoPE base, scaling factor or RMSNorm epsilon that is
+    """Refuse values no model can have, naming the field: `present_only`, the sizes in the raw config.json (before
+    transformers fills defaults and divides by them); else a RoPE base, scaling factor or RMSNorm epsilon that is
     not a finite positive number (a NaN base passed intake and made every logit NaN), a bos/eos id outside the
     vocabulary. `config` is a config object or the config.json dict."""
     get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
@@ -464,6 +464,7 @@ def check_numbers(config: Any, where: str, present_only: bool = False) -> None:
             v = get(field)
             if _number(v) and (v != int(v) or not 1 <= v <= hi):  # not a number: transformers' type check says so
                 raise UserError(f"{where}: {field} is {v!r}; a model needs a whole number from 1 to {hi:,}.", fix)
+        return  # the rest once the family is known: an unsupported architecture is said first
     floats = [("rope_theta", get("rope_theta")), ("rms_norm_eps", get("rms_norm_eps"))]
     for key in ("rope_parameters", "rope_scaling"):
         rp = get(key)
