@@ -144,6 +144,38 @@ def test_impossible_sizes_are_refused_before_anything_is_built(model_copy: Any, 
         refused(cli(capsys, "info", str(m)), *words)
 
 
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}}, ["rope_parameters.rope_theta is nan"]),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, ["rope_parameters.rope_theta is 0"]),
+    ({"rope_parameters": None, "rope_theta": float("inf")}, ["rope_theta is inf", "finite number above 0"]),
+    ({"rms_norm_eps": -1e-6}, ["rms_norm_eps is -1e-06"]),
+    ({"num_attention_heads": 0}, ["num_attention_heads is 0"]),  # transformers divided by it: ZeroDivisionError
+    ({"eos_token_id": 9999}, ["eos_token_id is 9999", "from 0 to 383"]),
+    ({"bos_token_id": -1}, ["bos_token_id is -1"]),
+])
+def test_impossible_numbers_are_refused_naming_the_field(model_copy: Any, tmp_path: Path, capsys: Any,
+                                                         changes: dict[str, Any], words: list[str]) -> None:
+    m = model_copy(**changes)
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "info", str(m)), "config.json", *words)
+
+
+def test_the_equivalence_numbers_count_non_finite_logits_as_disagreement() -> None:
+    """NaN logits on both sides "agreed" (argmax takes a NaN as the top) with a difference of 0 (max() skips a NaN):
+    a NaN model passed adapt's gate with agreement 1.0."""
+    import torch
+
+    from npustudio.core.evaluate import Comparison
+
+    ids = list(range(40))  # more rows than the evaluation handles at once
+    good = torch.randn(40, 384)
+    for bad in (torch.full((40, 384), float("nan")), good.clone().index_fill_(0, torch.tensor([37]), float("inf"))):
+        c = Comparison()
+        c.add(0, ids, bad if bad.isnan().all() else good, bad, ("fp", "adapted"))
+        assert c.max_abs_logit_diff == float("inf")
+        assert c.top1_agreement == (0.0 if bad.isnan().all() else 39 / 40)
+
+
 @pytest.mark.parametrize(("raw", "words"), [
     ('{"model_type": "llama", ', ["config.json is not valid JSON"]),
     ("[]", ["holds a JSON list, not a model configuration"]),
@@ -356,6 +388,19 @@ def test_an_override_pattern_that_matches_nothing_names_the_closest_modules(tmp_
     refused(cli(capsys, "quantize", "--project", str(p.root), "--overrides", str(ov)), "nested too deeply")
 
 
+def test_an_override_file_with_an_unknown_key_names_the_closest_one(tmp_path: Path, capsys: Any) -> None:
+    """`weight` for `weights` was dropped without a word: the run went on at the preset's widths."""
+    p = adapted_project(tmp_path / "proj")
+    ov = tmp_path / "ov.json"
+    for table, words in (({"weight": {"layers.0.mlp.down": 8}}, ["unknown key 'weight'", "Did you mean 'weights'"]),
+                         ({"weights": {}, "activation": {"layers.0.mlp.down": 16}},
+                          ["unknown key 'activation'", "Did you mean 'activations'"]),
+                         ({"bits": 8}, ["unknown key 'bits'", "valid keys: weights, activations"])):
+        ov.write_text(json.dumps(table))
+        with nothing_changes(tmp_path, allowed=p.root):
+            refused(cli(capsys, "quantize", "--project", str(p.root), "--overrides", str(ov)), str(ov), *words)
+
+
 # ----------------------------------------------------------------- encodings files
 def _encodings(tmp_path: Path, acts: list[dict[str, Any]], **extra: Any) -> Path:
     f = tmp_path / "m.encodings"
@@ -480,6 +525,35 @@ def test_deploy_and_chat_say_not_a_bundle_before_looking_for_a_device(tmp_path: 
         refused(cli(capsys, "deploy", str(listed)), "metadata.json is damaged")
         refused(cli(capsys, "chat", "--bundle", str(listed), "hello"), "metadata.json is damaged")
         refused(cli(capsys, "chat", "--bundle", str(folder / "cat.jpg"), "hello"), "not a bundle folder")
+
+
+def test_a_failed_device_run_is_a_failure_not_an_empty_answer(tiny_llama: Path, tmp_path: Path, capsys: Any,
+                                                              adb_server: list[str]) -> None:
+    """The device's genie-t2t-run failing (the virtual device's runner on a config Genie refuses; a phone's that
+    stops mid-answer without [END]) is exit 2 with the device's own words, and no turn is saved as an answer."""
+    from npustudio.core import device
+    from npustudio.core.device.phone_shell import Call
+    from npustudio.core.device.virtual import VirtualDevice
+
+    bundle = fake_bundle(tmp_path / "b", tiny_llama)
+    (bundle / "genie_config.json").write_text("{}")
+    vd = VirtualDevice(tmp_path / "phone").start()
+
+    def fails_mid_answer(call: Call) -> int:
+        call.write("[PROMPT]: hello\n\n[BEGIN]: Par")
+        call.write("\nGenieDialog_query failed: GENIE_STATUS_ERROR_QUERY_FAILED\nFailed to query\n")
+        return 1
+
+    try:
+        assert "connected" in str(device.client().connect(vd.serial, timeout=15))
+        chat = ("chat", "--bundle", str(bundle), "--device", vd.serial, "hello")
+        refused(cli(capsys, *chat), "genie-t2t-run failed on the device", "has no 'dialog' section")
+        vd.programs["genie-t2t-run"] = fails_mid_answer
+        refused(cli(capsys, *chat), "genie-t2t-run failed on the device", "Failed to query")
+    finally:
+        device.client().disconnect(vd.serial)
+        vd.stop()
+    assert not (bundle / "chat_history.json").exists()
 
 
 # ----------------------------------------------------------------- prompts

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from npustudio.core import device
-from npustudio.core.device import adbauth, deploy
+from npustudio.core.device import adbauth, deploy, phone_shell
 from npustudio.core.device.phone_shell import Call
 from npustudio.core.device.virtual import A_AUTH, A_CNXN, A_OKAY, A_OPEN, A_VERSION, A_WRTE, VirtualDevice
 from npustudio.core.errors import UserError
@@ -183,9 +183,67 @@ def test_the_device_environment_has_nothing_of_this_computer(phone: VirtualDevic
     # what a program the device starts on this computer gets: the same, in sandbox folders
     monkeypatch.setitem(phone.programs, "genie-t2t-run", ["/usr/bin/env"])
     child = dict(line.split("=", 1) for line in _sh(adb_server, phone, "X=1 genie-t2t-run").splitlines())
-    assert set(child) == {"HOME", "PATH", "LD_LIBRARY_PATH", "TMPDIR", "X"}
-    assert all(v.startswith(str(phone.root)) for k, v in child.items() if k != "X"), child
+    assert set(child) == {"HOME", "PATH", "TMPDIR"}  # an allow-list: not even the device's own LD_LIBRARY_PATH
+    assert all(v.startswith(str(phone.root)) for v in child.values()), child
     assert "hf_marker" not in str(child) and "host-secret-4711" not in str(child)
+
+
+def _evil_library(tmp_path: Path, marker: Path) -> Path:
+    """A shared library whose constructor writes `marker` (a file on this computer) when any process loads it; also
+    an audit library (la_version), so LD_AUDIT would load it too."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc) on this machine to build the library a device user would push")
+    src = tmp_path / "evil.c"
+    src.write_text('#include <stdio.h>\n'
+                   f'__attribute__((constructor)) static void owned(void) {{ FILE *f = fopen("{marker}", "a"); '
+                   'if (f) { fputs("ran on the host\\n", f); fclose(f); } }\n'
+                   'unsigned int la_version(unsigned int v) { return v; }\n')
+    lib = tmp_path / "evil.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True, timeout=120)
+    return lib
+
+
+def test_a_pushed_library_never_loads_into_a_process_on_this_computer(phone: VirtualDevice, adb_server: list[str],
+                                                                     tmp_path: Path) -> None:
+    """genie-t2t-run is a host process: loader variables from the device line are refused the way a phone's linker
+    says it, and nothing of the device line but locale names reaches that process's environment."""
+    marker = tmp_path / "owned"
+    lib = _evil_library(tmp_path, marker)
+    s = [*adb_server, "-s", phone.serial]
+    pushed = subprocess.run([*s, "push", str(lib), "/data/local/tmp/evil.so"], capture_output=True, timeout=60)
+    assert pushed.returncode == 0, pushed.stderr
+    run = "genie-t2t-run -c genie_config.json -p hi; echo rc=$?"
+    for line in (f"LD_PRELOAD=/data/local/tmp/evil.so {run}",
+                 f"cd /data/local/tmp && LD_LIBRARY_PATH=/data/local/tmp LD_AUDIT=evil.so {run}",
+                 f"export LD_PRELOAD=/data/local/tmp/evil.so; {run}",
+                 f"LD_AUDIT=/data/local/tmp/evil.so; export LD_AUDIT; exec {run}",
+                 "cd /data/local/tmp && touch genie-t2t-run && LD_PRELOAD=evil.so exec ./genie-t2t-run -p hi"):
+        out = _sh(adb_server, phone, line)
+        assert 'CANNOT LINK EXECUTABLE "' in out and "is not honoured on this device" in out, (line, out)
+        assert "rc=1" in out or "rc=" not in out, (line, out)
+        assert not marker.exists(), (line, out)
+    # the deploy's own line still runs, and what reaches the host process comes from this computer or the allow-list
+    seen: list[dict[str, str]] = []
+
+    def spawn(_self: object, _argv: list[str], env: dict[str, str], _replaces: bool) -> int:
+        seen.append(env)
+        return 0
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(phone_shell.Session, "spawn", spawn)
+    mp.delenv("QNN_SDK_ROOT", raising=False)
+    try:
+        out = _sh(adb_server, phone, "cd /data/local/tmp && LD_LIBRARY_PATH=/data/local/tmp:$LD_LIBRARY_PATH "
+                  "ADSP_LIBRARY_PATH=/data/local/tmp PYTHONPATH=/data/local/tmp PYTHONSTARTUP=evil.so "
+                  "QNN_SDK_ROOT=/data/local/tmp LANG=en_US.UTF-8 LC_ALL=/data/local/tmp/evil.so "
+                  "HOME=/data/local/tmp/h exec genie-t2t-run -c genie_config.json -p hi; echo rc=$?")
+    finally:
+        mp.undo()
+    assert out == "" and len(seen) == 1, out
+    tmp = str(phone.root / "data/local/tmp")
+    assert seen[0] == {"HOME": f"{tmp}/h", "TMPDIR": tmp, "PATH": str(phone.root / "system/bin"),
+                       "LANG": "en_US.UTF-8"}
+    assert not marker.exists()
 
 
 def test_kill_reaches_the_devices_own_processes_only(phone: VirtualDevice, adb_server: list[str],

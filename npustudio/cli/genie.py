@@ -78,14 +78,18 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
             else:
                 err.print(line, markup=False, highlight=False)
 
+        res = None
         try:
             res = until_done(lambda: host.run(
                 Path(a.config), prompt, text, Path(a.profile) if a.profile else None, log_level=a.log,
                 on_log=log, stop=stop, max_tokens=a.max_tokens, preview=a.preview), stop)
         finally:
             ctypes.CDLL(None).fflush(None)  # native buffers to /dev/null before [END] ends the answer
-            begin()
-            tokens_out.write("[END]\n")
+            if res is not None:  # as genie-t2t-run: [END] only ends a query that returned, so a reader of the
+                begin()  # stream (a device run) never takes a failure for an answer
+                tokens_out.write("[END]\n")
+            elif begun:
+                tokens_out.write("\n")
             tokens_out.flush()
             for line in held:
                 err.print(line, markup=False, highlight=False)

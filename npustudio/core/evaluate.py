@@ -168,7 +168,11 @@ class Comparison:
         if lt is not None:
             nt = nll(lt, w)
             self.test_nll += nt
-            self.top1_agree += int((lr.argmax(-1) == lt.argmax(-1)).sum())
+            # a position where either side has a NaN or infinite logit disagrees: argmax picks a NaN as the top
+            # token, so two NaN rows would "agree" and a NaN model would pass the gate
+            finite = torch.cat([torch.isfinite(lr[a:a + _ROWS]).all(-1) & torch.isfinite(lt[a:a + _ROWS]).all(-1)
+                                for a in range(0, len(lr), _ROWS)])
+            self.top1_agree += int(((lr.argmax(-1) == lt.argmax(-1)) & finite).sum())
             self.positions += len(w)
             d = max_abs_diff(lr, lt)
             self.max_abs_logit_diff = max(self.max_abs_logit_diff, d)
@@ -191,8 +195,15 @@ def nll(logits: torch.Tensor, ids: Sequence[int]) -> float:
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| without a full-size temporary."""
-    return max((float((a[i:i + _ROWS] - b[i:i + _ROWS]).abs().max()) for i in range(0, len(a), _ROWS)), default=0.0)
+    """max |a - b| without a full-size temporary; inf where either side is not finite (a NaN compares as nothing,
+    so max() would skip it and a NaN model would show a difference of 0)."""
+    worst = 0.0
+    for i in range(0, len(a), _ROWS):
+        d = float((a[i:i + _ROWS] - b[i:i + _ROWS]).abs().max())
+        if not math.isfinite(d):
+            return math.inf
+        worst = max(worst, d)
+    return worst
 
 
 def compare(ids: Sequence[int], ref: LogitsFn, test: LogitsFn | None = None, window: int = DEFAULT_WINDOW,

@@ -8,6 +8,7 @@ is refused with a clear error instead.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import hashlib
 import io
@@ -15,7 +16,7 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -106,6 +107,21 @@ def read_json(path: Path, what: str, fix: str) -> Any:
                         f"readable {what}.", fix) from e
     except RecursionError as e:
         raise UserError(f"{path} is not a readable {what}: its JSON is nested too deeply.", fix) from e
+
+
+def check_keys(data: Any, valid: Iterable[str], path: Path, what: str, fix: str) -> None:
+    """A user-written JSON object holds only `valid` keys: a typo (`weight` for `weights`) would otherwise be
+    dropped without a word and its setting silently lost. The UserError names the file, the key and the closest
+    valid one."""
+    if not isinstance(data, dict):
+        return
+    valid = list(valid)
+    for key in data:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+            hint = f"Did you mean {close[0]!r}? " if close else ""
+            raise UserError(f"{path}: unknown key {key!r} in the {what} (valid keys: {', '.join(valid)}).",
+                            hint + fix)
 
 
 def sha256_file(path: Path) -> str:

@@ -269,6 +269,10 @@ def make_card(config: Any, tokenizer: Any, source: ModelSource) -> ArchCard:
     if tok_eos is not None and tok_eos not in eos:
         eos.append(int(tok_eos))
     bos = config.bos_token_id if config.bos_token_id is not None else getattr(tokenizer, "bos_token_id", None)
+    for t in eos + ([] if bos is None else [bos]):
+        if not 0 <= int(t) < config.vocab_size:
+            raise UserError(f"The tokenizer's {'eos' if t in eos else 'bos'} token id {t} is outside the model's "
+                            f"vocabulary of {config.vocab_size}.", "Use the tokenizer that comes with the model.")
     return ArchCard(
         family=recipe.display, model_type=config.model_type,
         architecture=arch, source=source.label,
@@ -406,6 +410,8 @@ def check_config_files(folder: Path) -> None:
         data = read_json(f, f"model {name}", fix)
         if not isinstance(data, dict):
             raise UserError(f"{f} holds a JSON {type(data).__name__}, not a model configuration.", fix)
+        if name == "config.json":
+            check_numbers(data, f"{f}", present_only=True)  # before transformers divides by them
         if "auto_map" in data:
             code = data["auto_map"]
             names = ", ".join(map(str, code.values() if isinstance(code, dict) else [code]))[:120]
@@ -439,6 +445,41 @@ def check_sizes(config: Any, where: str) -> None:
     if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
         raise UserError(f"{where}: hidden_size ({config.hidden_size}) is not a multiple of num_attention_heads "
                         f"({heads}), and there is no head_dim.", fix)
+    check_numbers(config, where)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def check_numbers(config: Any, where: str, present_only: bool = False) -> None:
+    """Refuse values no model can have, naming the field: `present_only`, the sizes in the raw config.json (before
+    transformers fills defaults and divides by them); else a RoPE base, scaling factor or RMSNorm epsilon that is
+    not a finite positive number (a NaN base passed intake and made every logit NaN), a bos/eos id outside the
+    vocabulary. `config` is a config object or the config.json dict."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    fix = "The configuration is damaged: download it again, or fix the named field."
+    if present_only:
+        for field, hi in SIZE_LIMITS.items():
+            v = get(field)
+            if _number(v) and (v != int(v) or not 1 <= v <= hi):  # not a number: transformers' type check says so
+                raise UserError(f"{where}: {field} is {v!r}; a model needs a whole number from 1 to {hi:,}.", fix)
+        return  # the rest once the family is known: an unsupported architecture is said first
+    floats = [("rope_theta", get("rope_theta")), ("rms_norm_eps", get("rms_norm_eps"))]
+    for key in ("rope_parameters", "rope_scaling"):
+        rp = get(key)
+        if isinstance(rp, dict):
+            floats += [(f"{key}.{k}", rp.get(k)) for k in ("rope_theta", "factor")]
+    for field, v in floats:
+        if v is not None and (not _number(v) or not math.isfinite(v) or v <= 0):
+            raise UserError(f"{where}: {field} is {v!r}; it must be a finite number above 0.", fix)
+    vocab = get("vocab_size")
+    for field in ("bos_token_id", "eos_token_id"):
+        v = get(field)
+        for t in v if isinstance(v, list | tuple) else [] if v is None else [v]:
+            if not _number(t) or t != int(t) or t < 0 or (_number(vocab) and t >= vocab):
+                span = f"from 0 to {int(vocab) - 1} (vocab_size is {vocab})" if _number(vocab) else "of 0 or more"
+                raise UserError(f"{where}: {field} is {v!r}; a token id is a whole number {span}.", fix)
 
 
 def check_chat_template(tokenizer: Any, where: str) -> None:

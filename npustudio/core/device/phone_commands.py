@@ -3,7 +3,8 @@
 Every path is a device path resolved inside the sandbox (`VirtualDevice.host_path`); only `/data/local/tmp`
 is writable, as for the shell user of a phone. Messages follow toybox's. `genie-t2t-run` is the desktop
 runner (`npustudio genie-run`: real Genie on the HTP simulator, or the preview), started as a host child
-with the sandbox's environment only, its path options mapped into the sandbox.
+with an allow-listed environment (never the device line's LD_*, PYTHON* or QNN_SDK_ROOT), its path options
+mapped into the sandbox.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ VIRTUAL_FILES = {"/proc/meminfo": Path("/proc/meminfo")}  # the host's: the devi
 
 def commands() -> dict[str, Program]:
     return {"cat": cat, "cd": cd, "chmod": chmod, "df": df, "echo": echo, "env": env, "exit": exit_,
+            "export": export,
             "genie-t2t-run": genie_t2t_run, "getprop": getprop, "kill": kill, "ls": ls, "mkdir": mkdir, "mv": mv,
             "pwd": pwd, "rm": rm, "touch": touch}
 
@@ -116,6 +118,23 @@ def env(call: Call) -> int:
     if call.args:
         return call.error("running a command through env is not supported on the virtual device")
     call.write("".join(f"{k}={v}\n" for k, v in sorted(call.env.items())))
+    return 0
+
+
+def export(call: Call) -> int:
+    """`export NAME=value` or `export NAME` (a shell variable): the programs started after it see it."""
+    shell = call.shell
+    for arg in call.args:
+        name, eq, value = arg.partition("=")
+        if not (name.isascii() and name.isidentifier()):
+            return call.error(f"{arg}: is not an identifier")
+        if eq:
+            shell.vars.pop(name, None)
+            shell.env[name] = value
+        elif name in shell.vars:
+            shell.env[name] = shell.vars.pop(name)
+    if not call.args:
+        call.write("".join(f"export {k}={v}\n" for k, v in sorted(shell.env.items())))
     return 0
 
 

@@ -29,6 +29,9 @@ HOME = "/data/local/tmp"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=")
 _REFUSED = set("|<>()`*?[]{}")  # sh syntax the device does not take (unquoted)
+# loader variables that make a program load a library it never asked for: the programs the device runs are host
+# processes, so it refuses to start one under them, as a phone's linker refuses a library it may not load
+LOADER_INJECTION = ("LD_PRELOAD", "LD_AUDIT")
 
 
 class ShellSyntaxError(Exception):
@@ -245,7 +248,13 @@ class Call:
         return self.device.host_path(device_path, cwd=self.shell.cwd, follow=follow)
 
     def spawn(self, argv: list[str], extra_env: dict[str, str] | None = None) -> int:
-        """Run a host program for the device: in the sandbox folder, with the sandbox's environment only."""
+        """Run a host program for the device: in the sandbox folder, with an environment built from an allow-list
+        (`VirtualDevice.host_env`) plus `extra_env`, which comes from this computer, never from the device line.
+        Under LD_PRELOAD or LD_AUDIT it is not started: said as Android's linker says a link failure."""
+        injected = next((k for k in LOADER_INJECTION if self.env.get(k)), None)
+        if injected is not None:
+            self.write(f'CANNOT LINK EXECUTABLE "{self.name}": {injected} is not honoured on this device\n')
+            return 1
         return self.shell.spawn(argv, self.device.host_env(self.env) | (extra_env or {}), self.replaces_shell)
 
 

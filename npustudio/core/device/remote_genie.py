@@ -64,14 +64,22 @@ class DeviceRun(BaseModel):
 
 
 def explain(output: str) -> UserError | None:
+    """None when genie-t2t-run answered: `[BEGIN]: `, the answer, `[END]`, and no `error:` line after it. Anything
+    else is a failure (the legacy adb shell carries no exit status, and genie-t2t-run ends only a query that
+    returned with `[END]`): a known one explained, every one with the device's own last lines."""
+    before, begun, rest = output.partition("[BEGIN]:")
+    _answer, ended, after = rest.partition("[END]")
+    # where the device says what went wrong: not the echo of the prompt, not the answer
+    log = before.partition("[PROMPT]: ")[0] + "\n" + (after if ended else rest) if begun else output
+    said = [line.strip() for line in log.splitlines() if line.strip() and not line.startswith("[PROMPT]: ")]
+    if begun and ended and not any(line.lower().startswith("error:") for line in after.splitlines()):
+        return None
+    tail = " | ".join(line[:300] for line in said[-5:])
     for pattern, problem, fix in FAILURES:
-        if re.search(pattern, output, re.IGNORECASE):
-            return UserError(problem, fix)
-    if "[BEGIN]:" not in output:
-        tail = output.strip().splitlines()[-5:]
-        return UserError("genie-t2t-run failed on the device" + (f": {' | '.join(tail)}" if tail else "."),
-                         "Run with --log verbose and look at Genie's messages.")
-    return None
+        if re.search(pattern, log, re.IGNORECASE):
+            return UserError(problem + (f" The device said: {tail}" if tail else ""), fix)
+    return UserError("genie-t2t-run failed on the device" + (f": {tail}" if tail else "."),
+                     "Run with --log verbose and look at Genie's messages.")
 
 
 def answer(output: str) -> str:

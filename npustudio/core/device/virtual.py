@@ -45,6 +45,8 @@ SYNC_PATH_MAX = 1024
 VIRTUAL_DEVICE_NAME = "npustudio_virtual"
 RUNNER_PROP = "ro.npustudio.runner"  # how the virtual device answers: "genie" (HTP simulator) or "preview" (CPU)
 RESERVED_PORTS = range(5554, 5586)  # the adb server scans these for emulators
+# a locale name, never a path: glibc reads a locale named by a path from that file
+_LOCALE = re.compile(r"C|POSIX|[A-Za-z]{2,8}(_[A-Za-z0-9]{2,8})?(\.[A-Za-z0-9-]{1,20})?(@[A-Za-z0-9]{1,20})?")
 
 
 def default_props(soc_name: str = DEFAULT_SOC) -> dict[str, str]:
@@ -320,20 +322,24 @@ class VirtualDevice:
         return {"HOME": HOME, "PATH": "/system/bin", "LD_LIBRARY_PATH": "/system/lib64", "TMPDIR": HOME}
 
     def host_env(self, env: dict[str, str]) -> dict[str, str]:
-        """A device environment for a host child: device paths in it (also in : or ; lists) become sandbox
-        paths; one that leads out of the sandbox is dropped."""
-        out = {}
-        for k, v in env.items():
-            pieces = []
-            for piece in re.split(r"([:;])", v):
-                if piece.startswith("/"):
-                    try:
-                        piece = str(self.host_path(piece))
-                    except PermissionError:
-                        piece = ""
-                pieces.append(piece)
-            out[k] = "".join(pieces)
+        """The environment of a host child the device starts, built from an allow-list, never copied from the
+        device's: HOME and TMPDIR as sandbox folders, a fixed PATH, and well-formed LANG/LC_* values. A device line
+        can set anything (and push any file), so LD_*, PYTHON*, QNN_SDK_ROOT and the rest would let it load its own
+        code into a process on this computer; on the device side they keep their meaning (`env` shows them)."""
+        home = str(self.host_path(HOME))
+        out = {"HOME": self._inside(env.get("HOME", HOME), home), "TMPDIR": self._inside(env.get("TMPDIR", HOME), home),
+               "PATH": str(self.host_path("/system/bin"))}
+        out |= {k: v for k, v in env.items() if (k == "LANG" or k.startswith("LC_")) and _LOCALE.fullmatch(v)}
         return out
+
+    def _inside(self, device_path: str, default: str) -> str:
+        """The sandbox folder a device path names, or `default` for one that is not an absolute path inside it."""
+        if not device_path.startswith("/"):
+            return default
+        try:
+            return str(self.host_path(device_path))
+        except PermissionError:
+            return default
 
     def new_pid(self) -> int:
         return next(self._pids)

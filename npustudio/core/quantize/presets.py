@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 from ..errors import UserError
-from ..fsutil import read_json
+from ..fsutil import check_keys, read_json
 
 
 class Preset(BaseModel):
@@ -74,6 +74,7 @@ def load_overrides(path: str | Path | None) -> Overrides:
     if not p.is_file():
         raise UserError(f"No override file at {p}.", fix)
     data = read_json(p, "override file", fix)
+    check_keys(data, Overrides.model_fields, p, "override file", fix)
     try:
         ov = Overrides.model_validate(data)
     except ValidationError as e:
