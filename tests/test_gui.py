@@ -683,14 +683,17 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     assert "estimate" in table_dict(w.target_page.details)["Decode bound, w4a16"]  # no bundle of that precision
 
 
-def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid_stage(tmp_path: Path) -> None:
-    """`benchmarks/gui_responsiveness.py --quick` opens another project and back, then quits during Adapt: it
-    reports what it measured (no timing is judged here) and that the window asked, closed and left no scratch."""
+def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid_stage(
+        tmp_path: Path, genie_project: Project) -> None:
+    """`benchmarks/gui_responsiveness.py --quick` opens another project and back, then quits during Adapt, then
+    quits right after opening a finished project: it reports what it measured (no timing is judged here) and that
+    the window asked when a stage ran, did not when only the encodings read did, closed and left no scratch."""
     import subprocess
     import sys
 
     root = Path(__file__).parent.parent
-    res = subprocess.run([sys.executable, str(root / "benchmarks" / "gui_responsiveness.py"), "--quick"],
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "gui_responsiveness.py"), "--quick",
+                          "--finished", str(genie_project.root)],
                          capture_output=True, text=True, timeout=600, cwd=root,
                          env={**os.environ, "QT_QPA_PLATFORM": "offscreen", "TMPDIR": str(tmp_path)})
     assert res.returncode == 0, res.stderr[-2000:]
@@ -700,6 +703,9 @@ def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid
     close = out["close_during_stage"]
     assert close["stage"] == "adapt" and close["asked_before_quitting"] and close["closed"]
     assert close["scratch_left"] == [] and close["kept_last_good"] is None  # a first run: nothing to keep
+    quit_ = out["quit_after_opening"]
+    assert "Reading encodings" in quit_["running_at_close"] and quit_["close_blocked_ms"] > 0
+    assert quit_["closed"] and not quit_["asked_before_quitting"] and quit_["seconds_until_jobs_ended"] >= 0
     assert "Traceback" not in res.stderr
 
 
@@ -772,3 +778,87 @@ def test_a_job_is_no_longer_running_when_its_outcome_arrives(qtbot: Any) -> None
         with qtbot.waitSignal(job.finished, timeout=10_000):
             go.set()
         assert seen == [(expect, False)]
+
+
+def slow_encodings_read(path: Path) -> Any:
+    """The inspector's read, seconds slower (a large export on a busy disk): it runs in the read's child process."""
+    import time
+
+    from npustudio.gui.pages.quantize import read_with_sqnr
+
+    time.sleep(12)
+    return read_with_sqnr(path)
+
+
+def _finished_project_with_a_slow_read(qtbot: Any, genie_project: Project, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> tuple[MainWindow, Any]:
+    """A copy of the finished tiny project, opened while its encodings read is still running."""
+    import shutil
+
+    from npustudio.gui import worker
+    from npustudio.gui.pages import quantize
+
+    monkeypatch.setattr(quantize, "read_with_sqnr", slow_encodings_read)
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    job = next(j for j in worker.running() if j.name == "Reading encodings")
+    return w, job
+
+
+def test_quitting_right_after_opening_a_finished_project_does_not_wait_for_the_encodings_read(
+        qtbot: Any, genie_project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing the window waited on the GUI thread for the inspector's encodings read: quitting soon after opening
+    a finished project froze the window 6.5-16 s, with no question and no word. The close returns at once, the
+    read's child process is ended rather than waited out, and what it would have read is never drawn."""
+    import time
+
+    w, job = _finished_project_with_a_slow_read(qtbot, genie_project, tmp_path, monkeypatch)
+    t0 = time.perf_counter()
+    w.close()
+    blocked = time.perf_counter() - t0
+    assert not w.isVisible() and w.quit_box is None  # nothing to ask: only a read was running
+    assert blocked < 0.05, f"the close held the GUI thread {blocked * 1000:.0f} ms"
+    assert job.state.cancelled
+    qtbot.waitUntil(lambda: not job.running, timeout=6_000)  # well before the read's 12 s: its child was ended
+    qtbot.wait(100)
+    assert w.quantize_page.inspector.table_ is None
+
+
+def test_switching_projects_cancels_the_previous_projects_encodings_read(
+        qtbot: Any, genie_project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another project opened while the inspector still reads this one's encodings: the read is cancelled (its
+    child ended), not left to run on and load a table the window has moved on from."""
+    w, job = _finished_project_with_a_slow_read(qtbot, genie_project, tmp_path, monkeypatch)
+    assert w.open_project(tmp_path / "other")
+    assert job.state.cancelled
+    qtbot.waitUntil(lambda: not job.running, timeout=6_000)
+    qtbot.wait(100)
+    assert w.quantize_page.inspector.table_ is None and "No encodings" in w.quantize_page.inspector.title.text()
+
+
+def test_a_read_whose_result_arrives_after_its_cancel_is_dropped(qtbot: Any) -> None:
+    """A view's read that finishes just as the view moves on (another project, the window closing) queues its
+    result behind the cancel: the result is dropped on the GUI thread, `finished` still comes. A stage's result is
+    never dropped this way."""
+    import threading
+
+    from npustudio.gui import worker
+
+    go = threading.Event()
+
+    def reading(_state: Any) -> int:
+        go.wait(10)
+        return 42  # no safe point: the read ends with a result although it was cancelled
+
+    for read, expect in ((True, []), (False, [42])):
+        go.clear()
+        got: list[int] = []
+        job = worker.start(reading, "Reading", read=read, done=got.append)
+        job.cancel()
+        with qtbot.waitSignal(job.finished, timeout=10_000):
+            go.set()
+        qtbot.wait(50)
+        assert got == expect

@@ -176,7 +176,7 @@ class MainWindow(QMainWindow):
         """Write the settings (the recent projects) in the thread pool: the write is synced to disk, and an fsync
         on the GUI thread blocked a project switch for 0.04-1.4 s while other programs wrote to the disk. Each
         write takes the settings as they are when it runs (`settings.save` writes one at a time), so the file ends
-        with the newest; closing the window waits for it (`worker.cancel_all`)."""
+        with the newest; `main` waits for it once the window has closed (`worker.cancel_all`)."""
         where = user_settings.path()
         self._settings_saves += 1
         made = self._settings_saves
@@ -249,7 +249,9 @@ class MainWindow(QMainWindow):
         return d
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        """With a stage running, ask first (`quit_box`); then stop what runs and close."""
+        """With a stage running, ask first (`quit_box`); then cancel what runs and close without waiting for it:
+        waiting here for the inspector's encodings read froze the window 6.5-16 s with no word on screen. What
+        must finish (the settings write) is waited for by `main` once the window is gone."""
         if self.busy() and not self._stopping_to_quit:
             event.ignore()
             self.quit_box = self._ask_to_quit()
@@ -303,4 +305,6 @@ def main(argv: list[str] | None = None) -> int:
     w = MainWindow(project)
     w.show()
     freeze_startup_objects()
-    return app.exec()
+    code = app.exec()
+    worker.cancel_all(wait_ms=30_000)  # the window is gone: the settings write and the virtual device's stop end
+    return code

@@ -213,6 +213,7 @@ class Inspector(QWidget):
         self.hist.setLabel("bottom", "float value")
         self.hist.setMinimumHeight(160)
         self.hist_data: sqnr.WeightHistogram | None = None
+        self._hist_job: worker.Job | None = None
         self.hist_label = QLabel("")
         self.hist_label.setWordWrap(True)
         self.detail_label = QLabel("Select a tensor to see its scales per channel or block.")
@@ -238,6 +239,7 @@ class Inspector(QWidget):
     def clear(self) -> None:
         """No encodings: another project is open, or this one has none yet."""
         self.table_ = None
+        self._cancel_histogram()
         self.proxy.setSourceModel(TensorModel([]))
         self.image.clear()
         self.heat_grid, self.heat_roles, self.heat_names = np.zeros((0, 0)), [], {}
@@ -343,8 +345,14 @@ class Inspector(QWidget):
         self.detail_points = len(r.scales)
         self._histogram(r)
 
+    def _cancel_histogram(self) -> None:
+        if self._hist_job is not None:
+            self._hist_job.cancel()  # a read: what it finds is dropped
+            self._hist_job = None
+
     def _histogram(self, r: TensorRow) -> None:
         """The weight's float values against its grid, read off the GUI thread (a large weight is sampled)."""
+        self._cancel_histogram()
         self.hist.clear()
         self.hist_data = None
         if r.kind != "param" or self.table_ is None:
@@ -365,7 +373,8 @@ class Inspector(QWidget):
         def failed(problem: str, fix: str) -> None:
             self.hist_label.setText(f"No histogram: {problem}")
 
-        worker.start(lambda _s: sqnr.histogram(path, r), "Reading weights", done=show, failed=failed)
+        self._hist_job = worker.start(lambda _s: sqnr.histogram(path, r), "Reading weights", read=True, done=show,
+                                      failed=failed)
 
     def draw_histogram(self, h: sqnr.WeightHistogram) -> None:
         self.hist_data = h
