@@ -862,3 +862,66 @@ def test_a_read_whose_result_arrives_after_its_cancel_is_dropped(qtbot: Any) -> 
             go.set()
         qtbot.wait(50)
         assert got == expect
+
+
+def _wheel(chart: Any, up: bool, ctrl: bool = False) -> None:
+    """One notch of the mouse wheel over the middle of `chart`, as Qt delivers it (to the chart's viewport)."""
+    from PySide6.QtCore import QPoint, QPointF
+    from PySide6.QtGui import QWheelEvent
+    from PySide6.QtWidgets import QApplication
+
+    port = chart.viewport()
+    at = QPointF(port.width() / 2, port.height() / 2)
+    mods = Qt.KeyboardModifier.ControlModifier if ctrl else Qt.KeyboardModifier.NoModifier
+    QApplication.sendEvent(port, QWheelEvent(at, port.mapToGlobal(at), QPoint(0, 0), QPoint(0, 120 if up else -120),
+                                             Qt.MouseButton.NoButton, mods, Qt.ScrollPhase.NoScrollPhase, False))
+
+
+def test_the_wheel_over_a_chart_scrolls_its_page_and_ctrl_wheel_zooms_it(qtbot: Any, tmp_path: Path) -> None:
+    """The wheel over any chart zoomed the chart, so a page could not be scrolled past its charts. Now the plain
+    wheel scrolls the page or dock the chart sits in and leaves the view alone; Ctrl+wheel zooms, which shows
+    "Reset view"; that button fits the data again (autorange on both axes) and goes away."""
+    from PySide6.QtWidgets import QScrollArea
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    w.resize(1366, 768)
+    w.show()
+    w.go("Quantize")
+    q = w.quantize_page
+    q.chart.extend([{"window": i, "fp_ppl": 14.0 + i % 3, "quant_ppl": 14.5 + i % 4} for i in range(20)])
+    q.inspector.image.setImage(np.arange(24.0).reshape(6, 4))  # something to zoom into and fit again
+    w.profiles.rates.plot([0, 1, 2], [30.0, 10.0, 20.0])
+    w.profile_dock.show()
+    qtbot.waitUntil(lambda: w.profile_dock.height() >= 250)
+
+    def scroll_area(chart: Any) -> QScrollArea:
+        p = chart.parentWidget()
+        while not isinstance(p, QScrollArea):
+            p = p.parentWidget()
+        return p
+
+    charts = {"live perplexity": q.chart.plot, "inspector heatmap": q.inspector.heatmap,
+              "tokens per second": w.profiles.rates}
+    for name, chart in charts.items():
+        if name == "inspector heatmap":
+            q.tabs.setCurrentWidget(q.inspector)
+        qtbot.wait(50)
+        bar = scroll_area(chart).verticalScrollBar()
+        assert bar.maximum() > 0, f"{name}: its page does not scroll at this size; the test proves nothing"
+        bar.setValue(0)
+        vb = chart.getPlotItem().vb
+        qtbot.wait(50)  # the data's autorange is applied as the chart is drawn
+        home = vb.viewRange()
+        _wheel(chart, up=False)
+        assert vb.viewRange() == home, f"{name}: the wheel zoomed the chart"
+        assert bar.value() > 0, f"{name}: the wheel did not scroll the page"
+        assert not chart.reset_view.isVisible()
+        _wheel(chart, up=True, ctrl=True)
+        zoomed = vb.viewRange()
+        assert zoomed != home and zoomed[0][1] - zoomed[0][0] < home[0][1] - home[0][0], f"{name}: Ctrl+wheel"
+        assert chart.reset_view.isVisible() and chart.reset_view.text() == "Reset view"
+        assert chart.rect().contains(chart.reset_view.geometry())
+        chart.reset_view.click()
+        assert vb.autoRangeEnabled() == [True, True] and not chart.reset_view.isVisible()
+        qtbot.waitUntil(lambda vb=vb, home=home: np.allclose(vb.viewRange(), home))  # drawn on the next paint

@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 from ..core.graph import sqnr
 from ..core.graph.encodings import EncodingsTable, TensorRow
 from . import worker
+from .charts import Chart
 
 ROLES = ("embedding", "norm", "q", "k", "v", "o", "gate", "up", "down", "kv-cache", "activation", "lm_head")
 COLUMNS = (("name", "Tensor"), ("layer", "Layer"), ("role", "Role"), ("kind", "Kind"), ("bitwidth", "Bits"),
@@ -183,7 +184,7 @@ class Inspector(QWidget):
         lay.addWidget(self.title)
         lay.addLayout(bar)
         split = QSplitter(Qt.Orientation.Vertical)
-        self.heatmap = pg.PlotWidget()
+        self.heatmap = Chart()
         self.heatmap.setLabel("bottom", "layer")
         self.image = pg.ImageItem()
         self.heatmap.addItem(self.image)
@@ -205,10 +206,10 @@ class Inspector(QWidget):
         self.view.setModel(self.proxy)
         self.view.selectionModel().currentRowChanged.connect(self._select)  # once: the proxy stays, its source changes
         split.addWidget(self.view)
-        self.detail = pg.PlotWidget()
+        self.detail = Chart()
         self.detail.setLabel("left", "scale")
         self.detail.setMinimumHeight(160)  # the scales of 64 channels need that much to be told apart
-        self.hist = pg.PlotWidget()
+        self.hist = Chart()
         self.hist.setLabel("left", "values")
         self.hist.setLabel("bottom", "float value")
         self.hist.setMinimumHeight(160)
