@@ -925,3 +925,46 @@ def test_the_wheel_over_a_chart_scrolls_its_page_and_ctrl_wheel_zooms_it(qtbot: 
         chart.reset_view.click()
         assert vb.autoRangeEnabled() == [True, True] and not chart.reset_view.isVisible()
         qtbot.waitUntil(lambda vb=vb, home=home: np.allclose(vb.viewRange(), home))  # drawn on the next paint
+
+
+def test_a_recorded_deploy_shows_as_done_on_the_step_and_its_page_when_reopened(
+        qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    """A deploy the manifest records (from the window or `npustudio deploy`) ticks Deploy when the project is
+    reopened, and the Deploy and Target pages say what was done rather than "Not run yet in this project"."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    p = Project.open(root, create=False)
+    p.choose(deployed={"device": "emulator-5554", "remote_dir": "/data/local/tmp/npustudio/proj",
+                       "bundle": p.load().stages["bundle"].key, "at": 1_700_000_000.0})
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    assert marks(w) == ["done"] * 6
+    assert w.deploy_page.strip.status.text().startswith("Deployed to emulator-5554:/data/local/tmp/npustudio/proj")
+    assert w.target_page.strip.status.text() == f"Target set: {p.choices()['target']}."
+
+
+def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
+        qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    """Another target makes Quantize out of date, and Compile with it; Compile is locked until Quantize is redone,
+    but a click on it opens its page, which says why it is out of date (the item was disabled: the reason could not
+    be read)."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    Project.open(root, create=False).choose(target="SM8650")
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    assert w.step_state("Quantize") == "todo" and w.step_state("Compile") == "locked"
+    item = w.steps.item(STEPS.index("Compile"))
+    assert item.text() == "↻ Compile" and "out of date" in item.toolTip()
+    qtbot.mouseClick(w.steps.viewport(), Qt.MouseButton.LeftButton, pos=w.steps.visualItemRect(item).center())
+    assert w.stack.currentIndex() == STEPS.index("Compile")
+    status = w.compile_page.strip.status.text()
+    assert status.startswith("Out of date: the quantize stage it was made from is out of date"), status
+    assert "Run the steps before it" in status
+    locked = w.steps.item(STEPS.index("Deploy"))  # locked, and nothing to explain: stays shut
+    assert not locked.flags() & Qt.ItemFlag.ItemIsEnabled

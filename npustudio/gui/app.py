@@ -212,13 +212,16 @@ class MainWindow(QMainWindow):
             item.setToolTip(f"Out of date: {step.reason}. Run it again." if step.reason else "")
             item.setData(Qt.ItemDataRole.UserRole, step.state)
             flags = item.flags()
-            item.setFlags(flags | Qt.ItemFlag.ItemIsEnabled if step.state != "locked"
-                          else flags & ~Qt.ItemFlag.ItemIsEnabled)
+            # an out-of-date step opens even while an earlier one locks it: its page says why it is out of date
+            openable = step.state != "locked" or bool(step.reason)
+            item.setFlags(flags | Qt.ItemFlag.ItemIsEnabled if openable else flags & ~Qt.ItemFlag.ItemIsEnabled)
         for page, step in zip(self.pages, steps, strict=True):
             if not page.strip.busy:
                 page.refresh()
                 if step.reason:
-                    page.strip.status.setText(f"Out of date: {step.reason}. Run this step again.")
+                    then = "Run the steps before it, then this one, again" if step.state == "locked" else \
+                        "Run this step again"
+                    page.strip.status.setText(f"Out of date: {step.reason}. {then}.")
         self.profiles.set_roofline(self.project.stage_dir("bundle"))
 
     def step_state(self, name: str) -> str:
