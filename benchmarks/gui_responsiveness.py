@@ -7,11 +7,14 @@ then clicks Quantize and measures while it runs:
 - the chart's own ceiling: points pushed into the live PPL chart as fast as it redraws (updates/s);
 - switching projects (File → Recent): how long each open blocks the window, and the stalls while it settles;
 - closing the window during a stage (Quantize redone; "Stop and quit"): the seconds until it closes, the stalls
-  meanwhile, and whether the project kept its last good stage and no scratch folder.
+  meanwhile, and whether the project kept its last good stage and no scratch folder;
+- quitting right after opening a finished project (a new window on it, closed 0.2 s later while the inspector's
+  encodings read runs): how long the close holds the GUI thread, and when the cancelled reads have ended.
 Prints JSON. `--model tiny` (default, ~1 min) uses a small random Llama; `--model default` the real SmolLM2.
-`--quick` skips the Adapt/Quantize timings: the project switch, then the window closed during Adapt.
+`--quick` skips the Adapt/Quantize timings: the project switch, then the window closed during Adapt, then (with
+`--finished PROJECT`, a project through Quantize) the quit right after opening that project.
 
-    python benchmarks/gui_responsiveness.py [--model tiny|default|PATH] [--quick]
+    python benchmarks/gui_responsiveness.py [--model tiny|default|PATH] [--quick] [--finished PROJECT]
 """
 
 from __future__ import annotations
@@ -167,11 +170,38 @@ def close_during_stage(app: object, w: object, meter: StallMeter, page: object, 
             "scratch_left": sorted(p.name for p in stages.iterdir() if p.name.endswith(".partial"))}
 
 
+def quit_after_opening(app: object, root: Path, after_s: float = 0.2) -> dict[str, object]:
+    """Open the finished project `root` in a new window and quit `after_s` later, as a person who opened the wrong
+    project does: the ms the close holds the GUI thread (it once waited there for the encodings read, 6.5-16 s),
+    whether it asked first (nothing but reads runs, so it must not), and the seconds until the reads it cancelled
+    have ended (their child processes are ended, not waited out)."""
+    from npustudio.gui import worker
+    from npustudio.gui.app import MainWindow
+
+    w = MainWindow(root, watch_devices=False)
+    w.resize(1440, 900)
+    w.show()
+    settle(app, after_s)
+    reads = sorted(j.name for j in worker.running())
+    t0 = time.perf_counter()
+    w.close()
+    blocked = (time.perf_counter() - t0) * 1000
+    asked = w.quit_box is not None
+    t1 = time.perf_counter()
+    while worker.running() and time.perf_counter() - t1 < 120:
+        app.processEvents()  # type: ignore[attr-defined]
+        time.sleep(0.002)
+    return {"running_at_close": reads, "close_blocked_ms": round(blocked, 1), "asked_before_quitting": asked,
+            "closed": not w.isVisible(), "seconds_until_jobs_ended": round(time.perf_counter() - t1, 2)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--quick", action="store_true",
                     help="no Adapt/Quantize timings: the project switch, then the window closed during Adapt")
+    ap.add_argument("--finished", type=Path, default=None,
+                    help="with --quick: a project through Quantize, opened and quit at once (copied first)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="baseline: leave start-up objects to the cyclic GC, as before the app froze them")
     a = ap.parse_args()
@@ -248,6 +278,12 @@ def main() -> int:
         out["switch_project"] = switch_projects(app, w, meter, other)
         adapt_setup()
         out["close_during_stage"] = close_during_stage(app, w, meter, w.adapt_page, "adapt")
+        if a.finished:
+            import shutil
+
+            finished = tmp / "finished"
+            shutil.copytree(a.finished, finished)  # the window writes nothing there, but never the caller's
+            out["quit_after_opening"] = quit_after_opening(app, finished)
         print(json.dumps(out, indent=2))
         return 0
     run(w.adapt_page, "adapt", adapt_setup)
@@ -258,6 +294,7 @@ def main() -> int:
     out["targets"] = {"max_stall_ms<=50": q["max_stall_ms"] <= STALL_MS,  # type: ignore[index]
                       "chart_updates_hz>=10": out["chart_max_updates_hz"] >= 10}  # type: ignore[operator]
     out["close_during_stage"] = close_during_stage(app, w, meter, w.quantize_page, "quantize")
+    out["quit_after_opening"] = quit_after_opening(app, w.project.root)  # it kept its last good Quantize
     print(json.dumps(out, indent=2))
     return 0
 

@@ -683,14 +683,17 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     assert "estimate" in table_dict(w.target_page.details)["Decode bound, w4a16"]  # no bundle of that precision
 
 
-def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid_stage(tmp_path: Path) -> None:
-    """`benchmarks/gui_responsiveness.py --quick` opens another project and back, then quits during Adapt: it
-    reports what it measured (no timing is judged here) and that the window asked, closed and left no scratch."""
+def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid_stage(
+        tmp_path: Path, genie_project: Project) -> None:
+    """`benchmarks/gui_responsiveness.py --quick` opens another project and back, then quits during Adapt, then
+    quits right after opening a finished project: it reports what it measured (no timing is judged here) and that
+    the window asked when a stage ran, did not when only the encodings read did, closed and left no scratch."""
     import subprocess
     import sys
 
     root = Path(__file__).parent.parent
-    res = subprocess.run([sys.executable, str(root / "benchmarks" / "gui_responsiveness.py"), "--quick"],
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "gui_responsiveness.py"), "--quick",
+                          "--finished", str(genie_project.root)],
                          capture_output=True, text=True, timeout=600, cwd=root,
                          env={**os.environ, "QT_QPA_PLATFORM": "offscreen", "TMPDIR": str(tmp_path)})
     assert res.returncode == 0, res.stderr[-2000:]
@@ -700,6 +703,9 @@ def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid
     close = out["close_during_stage"]
     assert close["stage"] == "adapt" and close["asked_before_quitting"] and close["closed"]
     assert close["scratch_left"] == [] and close["kept_last_good"] is None  # a first run: nothing to keep
+    quit_ = out["quit_after_opening"]
+    assert "Reading encodings" in quit_["running_at_close"] and quit_["close_blocked_ms"] > 0
+    assert quit_["closed"] and not quit_["asked_before_quitting"] and quit_["seconds_until_jobs_ended"] >= 0
     assert "Traceback" not in res.stderr
 
 
@@ -772,3 +778,193 @@ def test_a_job_is_no_longer_running_when_its_outcome_arrives(qtbot: Any) -> None
         with qtbot.waitSignal(job.finished, timeout=10_000):
             go.set()
         assert seen == [(expect, False)]
+
+
+def slow_encodings_read(path: Path) -> Any:
+    """The inspector's read, seconds slower (a large export on a busy disk): it runs in the read's child process."""
+    import time
+
+    from npustudio.gui.pages.quantize import read_with_sqnr
+
+    time.sleep(12)
+    return read_with_sqnr(path)
+
+
+def _finished_project_with_a_slow_read(qtbot: Any, genie_project: Project, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> tuple[MainWindow, Any]:
+    """A copy of the finished tiny project, opened while its encodings read is still running."""
+    import shutil
+
+    from npustudio.gui import worker
+    from npustudio.gui.pages import quantize
+
+    monkeypatch.setattr(quantize, "read_with_sqnr", slow_encodings_read)
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    job = next(j for j in worker.running() if j.name == "Reading encodings")
+    return w, job
+
+
+def test_quitting_right_after_opening_a_finished_project_does_not_wait_for_the_encodings_read(
+        qtbot: Any, genie_project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing the window waited on the GUI thread for the inspector's encodings read: quitting soon after opening
+    a finished project froze the window 6.5-16 s, with no question and no word. The close returns at once, the
+    read's child process is ended rather than waited out, and what it would have read is never drawn."""
+    import time
+
+    w, job = _finished_project_with_a_slow_read(qtbot, genie_project, tmp_path, monkeypatch)
+    t0 = time.perf_counter()
+    w.close()
+    blocked = time.perf_counter() - t0
+    assert not w.isVisible() and w.quit_box is None  # nothing to ask: only a read was running
+    assert blocked < 0.05, f"the close held the GUI thread {blocked * 1000:.0f} ms"
+    assert job.state.cancelled
+    qtbot.waitUntil(lambda: not job.running, timeout=6_000)  # well before the read's 12 s: its child was ended
+    qtbot.wait(100)
+    assert w.quantize_page.inspector.table_ is None
+
+
+def test_switching_projects_cancels_the_previous_projects_encodings_read(
+        qtbot: Any, genie_project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another project opened while the inspector still reads this one's encodings: the read is cancelled (its
+    child ended), not left to run on and load a table the window has moved on from."""
+    w, job = _finished_project_with_a_slow_read(qtbot, genie_project, tmp_path, monkeypatch)
+    assert w.open_project(tmp_path / "other")
+    assert job.state.cancelled
+    qtbot.waitUntil(lambda: not job.running, timeout=6_000)
+    qtbot.wait(100)
+    assert w.quantize_page.inspector.table_ is None and "No encodings" in w.quantize_page.inspector.title.text()
+
+
+def test_a_read_whose_result_arrives_after_its_cancel_is_dropped(qtbot: Any) -> None:
+    """A view's read that finishes just as the view moves on (another project, the window closing) queues its
+    result behind the cancel: the result is dropped on the GUI thread, `finished` still comes. A stage's result is
+    never dropped this way."""
+    import threading
+
+    from npustudio.gui import worker
+
+    go = threading.Event()
+
+    def reading(_state: Any) -> int:
+        go.wait(10)
+        return 42  # no safe point: the read ends with a result although it was cancelled
+
+    for read, expect in ((True, []), (False, [42])):
+        go.clear()
+        got: list[int] = []
+        job = worker.start(reading, "Reading", read=read, done=got.append)
+        job.cancel()
+        with qtbot.waitSignal(job.finished, timeout=10_000):
+            go.set()
+        qtbot.wait(50)
+        assert got == expect
+
+
+def _wheel(chart: Any, up: bool, ctrl: bool = False) -> None:
+    """One notch of the mouse wheel over the middle of `chart`, as Qt delivers it (to the chart's viewport)."""
+    from PySide6.QtCore import QPoint, QPointF
+    from PySide6.QtGui import QWheelEvent
+    from PySide6.QtWidgets import QApplication
+
+    port = chart.viewport()
+    at = QPointF(port.width() / 2, port.height() / 2)
+    mods = Qt.KeyboardModifier.ControlModifier if ctrl else Qt.KeyboardModifier.NoModifier
+    QApplication.sendEvent(port, QWheelEvent(at, port.mapToGlobal(at), QPoint(0, 0), QPoint(0, 120 if up else -120),
+                                             Qt.MouseButton.NoButton, mods, Qt.ScrollPhase.NoScrollPhase, False))
+
+
+def test_the_wheel_over_a_chart_scrolls_its_page_and_ctrl_wheel_zooms_it(qtbot: Any, tmp_path: Path) -> None:
+    """The wheel over any chart zoomed the chart, so a page could not be scrolled past its charts. Now the plain
+    wheel scrolls the page or dock the chart sits in and leaves the view alone; Ctrl+wheel zooms, which shows
+    "Reset view"; that button fits the data again (autorange on both axes) and goes away."""
+    from PySide6.QtWidgets import QScrollArea
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    w.resize(1366, 768)
+    w.show()
+    w.go("Quantize")
+    q = w.quantize_page
+    q.chart.extend([{"window": i, "fp_ppl": 14.0 + i % 3, "quant_ppl": 14.5 + i % 4} for i in range(20)])
+    q.inspector.image.setImage(np.arange(24.0).reshape(6, 4))  # something to zoom into and fit again
+    w.profiles.rates.plot([0, 1, 2], [30.0, 10.0, 20.0])
+    w.profile_dock.show()
+    qtbot.waitUntil(lambda: w.profile_dock.height() >= 250)
+
+    def scroll_area(chart: Any) -> QScrollArea:
+        p = chart.parentWidget()
+        while not isinstance(p, QScrollArea):
+            p = p.parentWidget()
+        return p
+
+    charts = {"live perplexity": q.chart.plot, "inspector heatmap": q.inspector.heatmap,
+              "tokens per second": w.profiles.rates}
+    for name, chart in charts.items():
+        if name == "inspector heatmap":
+            q.tabs.setCurrentWidget(q.inspector)
+        qtbot.wait(50)
+        bar = scroll_area(chart).verticalScrollBar()
+        assert bar.maximum() > 0, f"{name}: its page does not scroll at this size; the test proves nothing"
+        bar.setValue(0)
+        vb = chart.getPlotItem().vb
+        qtbot.wait(50)  # the data's autorange is applied as the chart is drawn
+        home = vb.viewRange()
+        _wheel(chart, up=False)
+        assert vb.viewRange() == home, f"{name}: the wheel zoomed the chart"
+        assert bar.value() > 0, f"{name}: the wheel did not scroll the page"
+        assert not chart.reset_view.isVisible()
+        _wheel(chart, up=True, ctrl=True)
+        zoomed = vb.viewRange()
+        assert zoomed != home and zoomed[0][1] - zoomed[0][0] < home[0][1] - home[0][0], f"{name}: Ctrl+wheel"
+        assert chart.reset_view.isVisible() and chart.reset_view.text() == "Reset view"
+        assert chart.rect().contains(chart.reset_view.geometry())
+        chart.reset_view.click()
+        assert vb.autoRangeEnabled() == [True, True] and not chart.reset_view.isVisible()
+        qtbot.waitUntil(lambda vb=vb, home=home: np.allclose(vb.viewRange(), home))  # drawn on the next paint
+
+
+def test_a_recorded_deploy_shows_as_done_on_the_step_and_its_page_when_reopened(
+        qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    """A deploy the manifest records (from the window or `npustudio deploy`) ticks Deploy when the project is
+    reopened, and the Deploy and Target pages say what was done rather than "Not run yet in this project"."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    p = Project.open(root, create=False)
+    p.choose(deployed={"device": "emulator-5554", "remote_dir": "/data/local/tmp/npustudio/proj",
+                       "bundle": p.load().stages["bundle"].key, "at": 1_700_000_000.0})
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    assert marks(w) == ["done"] * 6
+    assert w.deploy_page.strip.status.text().startswith("Deployed to emulator-5554:/data/local/tmp/npustudio/proj")
+    assert w.target_page.strip.status.text() == f"Target set: {p.choices()['target']}."
+
+
+def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
+        qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    """Another target makes Quantize out of date, and Compile with it; Compile is locked until Quantize is redone,
+    but a click on it opens its page, which says why it is out of date (the item was disabled: the reason could not
+    be read)."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    Project.open(root, create=False).choose(target="SM8650")
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    assert w.step_state("Quantize") == "todo" and w.step_state("Compile") == "locked"
+    item = w.steps.item(STEPS.index("Compile"))
+    assert item.text() == "↻ Compile" and "out of date" in item.toolTip()
+    qtbot.mouseClick(w.steps.viewport(), Qt.MouseButton.LeftButton, pos=w.steps.visualItemRect(item).center())
+    assert w.stack.currentIndex() == STEPS.index("Compile")
+    status = w.compile_page.strip.status.text()
+    assert status.startswith("Out of date: the quantize stage it was made from is out of date"), status
+    assert "Run the steps before it" in status
+    locked = w.steps.item(STEPS.index("Deploy"))  # locked, and nothing to explain: stays shut
+    assert not locked.flags() & Qt.ItemFlag.ItemIsEnabled

@@ -176,7 +176,7 @@ class MainWindow(QMainWindow):
         """Write the settings (the recent projects) in the thread pool: the write is synced to disk, and an fsync
         on the GUI thread blocked a project switch for 0.04-1.4 s while other programs wrote to the disk. Each
         write takes the settings as they are when it runs (`settings.save` writes one at a time), so the file ends
-        with the newest; closing the window waits for it (`worker.cancel_all`)."""
+        with the newest; `main` waits for it once the window has closed (`worker.cancel_all`)."""
         where = user_settings.path()
         self._settings_saves += 1
         made = self._settings_saves
@@ -212,13 +212,16 @@ class MainWindow(QMainWindow):
             item.setToolTip(f"Out of date: {step.reason}. Run it again." if step.reason else "")
             item.setData(Qt.ItemDataRole.UserRole, step.state)
             flags = item.flags()
-            item.setFlags(flags | Qt.ItemFlag.ItemIsEnabled if step.state != "locked"
-                          else flags & ~Qt.ItemFlag.ItemIsEnabled)
+            # an out-of-date step opens even while an earlier one locks it: its page says why it is out of date
+            openable = step.state != "locked" or bool(step.reason)
+            item.setFlags(flags | Qt.ItemFlag.ItemIsEnabled if openable else flags & ~Qt.ItemFlag.ItemIsEnabled)
         for page, step in zip(self.pages, steps, strict=True):
             if not page.strip.busy:
                 page.refresh()
                 if step.reason:
-                    page.strip.status.setText(f"Out of date: {step.reason}. Run this step again.")
+                    then = "Run the steps before it, then this one, again" if step.state == "locked" else \
+                        "Run this step again"
+                    page.strip.status.setText(f"Out of date: {step.reason}. {then}.")
         self.profiles.set_roofline(self.project.stage_dir("bundle"))
 
     def step_state(self, name: str) -> str:
@@ -249,7 +252,9 @@ class MainWindow(QMainWindow):
         return d
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        """With a stage running, ask first (`quit_box`); then stop what runs and close."""
+        """With a stage running, ask first (`quit_box`); then cancel what runs and close without waiting for it:
+        waiting here for the inspector's encodings read froze the window 6.5-16 s with no word on screen. What
+        must finish (the settings write) is waited for by `main` once the window is gone."""
         if self.busy() and not self._stopping_to_quit:
             event.ignore()
             self.quit_box = self._ask_to_quit()
@@ -303,4 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     w = MainWindow(project)
     w.show()
     freeze_startup_objects()
-    return app.exec()
+    code = app.exec()
+    worker.cancel_all(wait_ms=30_000)  # the window is gone: the settings write and the virtual device's stop end
+    return code

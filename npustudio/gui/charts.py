@@ -1,13 +1,76 @@
-"""The live perplexity chart: the FP line and the quantized points per eval window, drawn as they arrive."""
+"""Every chart of the window (`Chart`), and the live perplexity chart: the FP line and the quantized points per
+eval window, drawn as they arrive."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pyqtgraph as pg
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QWheelEvent
+from PySide6.QtWidgets import QAbstractScrollArea, QApplication, QLabel, QPushButton, QVBoxLayout, QWidget
 
 pg.setConfigOptions(antialias=True, background="w", foreground="k")
+
+
+class Chart(pg.PlotWidget):
+    """A pyqtgraph plot that sits in a scrolling page: the wheel scrolls the page (pyqtgraph zoomed the chart
+    under the pointer instead, so a page could not be scrolled past its charts); Ctrl+wheel zooms. Once the view
+    is zoomed or panned by hand a "Reset view" button shows in its top right corner, in place of pyqtgraph's small
+    "A" that showed only under the pointer; it fits the data again and goes away."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        plot = self.getPlotItem()
+        plot.hideButtons()
+        self.reset_view = QPushButton("Reset view", self)
+        self.reset_view.setObjectName("reset_view")
+        self.reset_view.setToolTip("Fit the chart to its data again. Ctrl+wheel zooms, dragging pans; the wheel "
+                                   "alone scrolls the page.")
+        self.reset_view.setCursor(Qt.CursorShape.ArrowCursor)
+        self.reset_view.adjustSize()
+        self.reset_view.hide()
+        self.reset_view.clicked.connect(self.fit)
+        plot.vb.sigRangeChangedManually.connect(self._changed_by_hand)
+        plot.vb.sigResized.connect(self._place_reset)
+
+    def fit(self) -> None:
+        """Back to pyqtgraph's autorange on both axes: the whole data, as before any zoom or pan."""
+        self.getPlotItem().enableAutoRange()
+        self.reset_view.hide()
+
+    def _changed_by_hand(self, *_: Any) -> None:
+        self._place_reset()
+        self.reset_view.show()
+
+    def _place_reset(self, *_: Any) -> None:
+        """In the plot area's top right corner: clear of the title and the axes."""
+        vb = self.getPlotItem().vb
+        corner = self.mapFromScene(vb.sceneBoundingRect().topRight())
+        self.reset_view.move(corner.x() - self.reset_view.width() - 4, corner.y() + 4)
+
+    def wheelEvent(self, ev: QWheelEvent) -> None:
+        """Ctrl+wheel zooms; the plain wheel is handed to the scroll area the chart sits in (not left to Qt to pass
+        up: it does so only for wheel events from the system, so handing it over behaves the same for all)."""
+        if ev.modifiers() & Qt.KeyboardModifier.ControlModifier:
+            super().wheelEvent(ev)
+            return
+        area = self._scroll_area()
+        if area is None:
+            ev.ignore()  # no page to scroll: the parents may use it
+            return
+        port = area.viewport()
+        QApplication.sendEvent(port, QWheelEvent(port.mapFromGlobal(ev.globalPosition()), ev.globalPosition(),
+                                                 ev.pixelDelta(), ev.angleDelta(), ev.buttons(), ev.modifiers(),
+                                                 ev.phase(), ev.inverted(), ev.source()))
+        ev.accept()
+
+    def _scroll_area(self) -> QAbstractScrollArea | None:
+        """The nearest scrolling parent: the page or dock the chart is in."""
+        w = self.parentWidget()
+        while w is not None and not isinstance(w, QAbstractScrollArea):
+            w = w.parentWidget()
+        return w
 
 
 COLOURS = {"fp": "#1f77b4", "quant": "#d62728", "quant+seqmse": "#2ca02c", "adapted": "#ff7f0e"}
@@ -20,7 +83,7 @@ class PplChart(QWidget):
         super().__init__()
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
-        self.plot = pg.PlotWidget()
+        self.plot = Chart()
         self.plot.setLabel("bottom", "eval window")
         self.plot.setLabel("left", "perplexity")
         self.plot.showGrid(x=True, y=True, alpha=0.3)

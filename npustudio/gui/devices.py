@@ -105,18 +105,20 @@ class DevicePanel(QWidget):
                                           on_error=lambda e: self._bridge.error.emit(str(e))).start()
 
     def close_down(self) -> None:
+        """The window closes: stop following plug/unplug and stop the virtual device, neither waited for here (an
+        adb call in progress held the close); `main` waits for the virtual device's stop once the window is gone."""
         if self.watcher is not None:
-            self.watcher.stop()
+            self.watcher.stop(wait=False)
             self.watcher = None
         if self.virtual is not None:
-            device.stop_virtual(self.virtual)
-            self.virtual = None
+            vd, self.virtual = self.virtual, None
+            worker.start(lambda _s: device.stop_virtual(vd), "Stopping the virtual device")
 
     def refresh(self) -> None:
         if self._querying:
             return
         self._querying = True
-        worker.start(lambda _s: device.devices(), "Listing devices", done=self._show, failed=self._failed,
+        worker.start(lambda _s: device.devices(), "Listing devices", read=True, done=self._show, failed=self._failed,
                      finished=lambda: setattr(self, "_querying", False))
 
     @property

@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 from ..core.graph import sqnr
 from ..core.graph.encodings import EncodingsTable, TensorRow
 from . import worker
+from .charts import Chart
 
 ROLES = ("embedding", "norm", "q", "k", "v", "o", "gate", "up", "down", "kv-cache", "activation", "lm_head")
 COLUMNS = (("name", "Tensor"), ("layer", "Layer"), ("role", "Role"), ("kind", "Kind"), ("bitwidth", "Bits"),
@@ -183,7 +184,7 @@ class Inspector(QWidget):
         lay.addWidget(self.title)
         lay.addLayout(bar)
         split = QSplitter(Qt.Orientation.Vertical)
-        self.heatmap = pg.PlotWidget()
+        self.heatmap = Chart()
         self.heatmap.setLabel("bottom", "layer")
         self.image = pg.ImageItem()
         self.heatmap.addItem(self.image)
@@ -205,14 +206,15 @@ class Inspector(QWidget):
         self.view.setModel(self.proxy)
         self.view.selectionModel().currentRowChanged.connect(self._select)  # once: the proxy stays, its source changes
         split.addWidget(self.view)
-        self.detail = pg.PlotWidget()
+        self.detail = Chart()
         self.detail.setLabel("left", "scale")
         self.detail.setMinimumHeight(160)  # the scales of 64 channels need that much to be told apart
-        self.hist = pg.PlotWidget()
+        self.hist = Chart()
         self.hist.setLabel("left", "values")
         self.hist.setLabel("bottom", "float value")
         self.hist.setMinimumHeight(160)
         self.hist_data: sqnr.WeightHistogram | None = None
+        self._hist_job: worker.Job | None = None
         self.hist_label = QLabel("")
         self.hist_label.setWordWrap(True)
         self.detail_label = QLabel("Select a tensor to see its scales per channel or block.")
@@ -238,6 +240,7 @@ class Inspector(QWidget):
     def clear(self) -> None:
         """No encodings: another project is open, or this one has none yet."""
         self.table_ = None
+        self._cancel_histogram()
         self.proxy.setSourceModel(TensorModel([]))
         self.image.clear()
         self.heat_grid, self.heat_roles, self.heat_names = np.zeros((0, 0)), [], {}
@@ -343,8 +346,14 @@ class Inspector(QWidget):
         self.detail_points = len(r.scales)
         self._histogram(r)
 
+    def _cancel_histogram(self) -> None:
+        if self._hist_job is not None:
+            self._hist_job.cancel()  # a read: what it finds is dropped
+            self._hist_job = None
+
     def _histogram(self, r: TensorRow) -> None:
         """The weight's float values against its grid, read off the GUI thread (a large weight is sampled)."""
+        self._cancel_histogram()
         self.hist.clear()
         self.hist_data = None
         if r.kind != "param" or self.table_ is None:
@@ -365,7 +374,8 @@ class Inspector(QWidget):
         def failed(problem: str, fix: str) -> None:
             self.hist_label.setText(f"No histogram: {problem}")
 
-        worker.start(lambda _s: sqnr.histogram(path, r), "Reading weights", done=show, failed=failed)
+        self._hist_job = worker.start(lambda _s: sqnr.histogram(path, r), "Reading weights", read=True, done=show,
+                                      failed=failed)
 
     def draw_histogram(self, h: sqnr.WeightHistogram) -> None:
         self.hist_data = h

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QPushButton, QVBoxLayout
 from ..core.errors import UserError
 from ..core.genie import profile
 from ..core.models import human_number
+from .charts import Chart
 from .widgets import fill, show_error, status_label, table
 
 CREATE, PROMPT, GENERATE = "#8c8c8c", "#1f77b4", "#2ca02c"
@@ -50,10 +51,10 @@ class ProfileView(QWidget):
         top.addWidget(self.note, 1)
         lay.addLayout(top)
         charts = QHBoxLayout()
-        self.timeline = pg.PlotWidget(title="Timeline: create (grey), prompt processing (blue), generation (green)")
+        self.timeline = Chart(title="Timeline: create (grey), prompt processing (blue), generation (green)")
         self.timeline.setLabel("bottom", "seconds from the first event")
-        self.ttft = pg.PlotWidget(title="Time to first token (s)")
-        self.rates = pg.PlotWidget(title="Tokens per second")
+        self.ttft = Chart(title="Time to first token (s)")
+        self.rates = Chart(title="Tokens per second")
         self.rates.addLegend(offset=(5, 5))
         for chart in (self.timeline, self.ttft, self.rates):
             chart.setMinimumHeight(220)  # readable axes and labels; the dock scrolls when it is lower

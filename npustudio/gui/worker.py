@@ -3,6 +3,11 @@
 Every stage, deploy, device query and chat turn goes through `start()`, so the GUI thread only ever
 draws: progress is emitted at most every `THROTTLE_S`, partial results (PPL points) as they come,
 and a `UserError`'s problem and fix reach the window unchanged.
+
+Nothing here is waited for on the GUI thread: closing the window cancels every job (`cancel_all`) and returns;
+`main` waits for them once the window is gone. A *read* (`start(read=True)`: the inspector's encodings, a
+weight histogram) is for one view only: cancelled when that view closes or switches projects, and a result that
+arrives after its cancel is dropped, never drawn into a view that has moved on.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ class Job(QObject):
     cancelled = Signal()
     finished = Signal()
 
-    def __init__(self, fn: Callable[[State], Any], name: str = "") -> None:
+    def __init__(self, fn: Callable[[State], Any], name: str = "", read: bool = False) -> None:
         super().__init__()
-        self.fn, self.name = fn, name
+        self.fn, self.name, self.read = fn, name, read
         self.state = State()
         self.state.subscribe(self._on_event)
         self._last = 0.0
@@ -92,11 +97,16 @@ class _Runnable(QRunnable):
         self.job.run()
 
 
-def start(fn: Callable[[State], Any], name: str = "", **slots: Callable[..., Any]) -> Job:
-    """Run `fn(state)` in the thread pool; `slots` connect signals by name (done=..., failed=...)."""
-    job = Job(fn, name)
+_DROPPED_WHEN_CANCELLED = ("done", "failed", "partial", "progress")  # what a cancelled read no longer shows
+
+
+def start(fn: Callable[[State], Any], name: str = "", read: bool = False, **slots: Callable[..., Any]) -> Job:
+    """Run `fn(state)` in the thread pool; `slots` connect signals by name (done=..., failed=...). With `read`,
+    the job only reads for a view: once cancelled, its results are dropped on the GUI thread as they arrive
+    (`cancelled` and `finished` still come)."""
+    job = Job(fn, name, read)
     for sig, slot in slots.items():
-        getattr(job, sig).connect(slot)
+        getattr(job, sig).connect(_unless_cancelled(job, slot) if read and sig in _DROPPED_WHEN_CANCELLED else slot)
     job.running = True
     _live.add(job)
     job.finished.connect(lambda: _live.discard(job))
@@ -104,10 +114,24 @@ def start(fn: Callable[[State], Any], name: str = "", **slots: Callable[..., Any
     return job
 
 
-def cancel_all(wait_ms: int = 30_000) -> bool:
-    """Ask every running job to stop and wait for them (closing the window). True when all ended."""
+def _unless_cancelled(job: Job, slot: Callable[..., Any]) -> Callable[..., Any]:
+    """`slot`, skipped when `job` was cancelled before the signal reached the GUI thread: a read that finished
+    just as its view switched projects queues its `done` behind the switch."""
+    def deliver(*args: Any) -> None:
+        if not job.state.cancelled:
+            slot(*args)
+
+    return deliver
+
+
+def cancel_all(wait_ms: int = 0) -> bool:
+    """Ask every running job to stop. The window calls it as it closes and does not wait (a read that was still
+    starting its child process held the close 6.5-16 s); `main` waits up to `wait_ms` once the window is gone,
+    so the settings write finishes. True when all ended."""
     for job in list(_live):
         job.cancel()
+    if wait_ms <= 0:
+        return not running()
     return QThreadPool.globalInstance().waitForDone(wait_ms)
 
 

@@ -225,9 +225,12 @@ class Watcher:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Without `wait` the thread ends on its own after the adb call it may be in (a window closing must not
+        wait for it; the thread is a daemon)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if wait:
+            self._thread.join(timeout=5)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

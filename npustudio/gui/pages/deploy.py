@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,14 @@ class DeployPage(Page):
         return self.project.stage_dir("bundle")
 
     def refresh(self) -> None:
+        """The files and the fit, and the deploy the project records (made here or by `npustudio deploy`): a
+        reopened project's step list ticked Deploy while this page said it had not run."""
         self.device_changed()
         d = self.project.choices().get("deployed")
+        said = f"Deployed to {d['device']}:{d['remote_dir']}" if d else ""
+        if said and not self.strip.busy and not self.strip.status.text().startswith(said):  # keep a push's figures
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d["at"])) if d.get("at") else "earlier"
+            self.strip.status.setText(f"{said} ({when}).")
         dev = self.window_.device
         self.ask.setEnabled(bool(d) and dev is not None and d.get("device") == dev.serial)
 

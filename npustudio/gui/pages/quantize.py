@@ -95,6 +95,7 @@ class QuantizePage(Page):
         self.strip.run.clicked.connect(lambda: self.start())
         self._loaded: tuple[str, int] | None = None
         self._reads = 0  # encodings reads started: a result is shown only if no later read started
+        self._read_job: worker.Job | None = None
 
     def options(self) -> QuantizeOptions:
         ch = self.project.choices()
@@ -159,6 +160,13 @@ class QuantizePage(Page):
         super().clear_results()
         self._loaded = None
         self._reads += 1  # a read still running for the previous project is not shown
+        self._cancel_read()
+
+    def _cancel_read(self) -> None:
+        """End the encodings read in flight (its child process is killed): its result would not be shown."""
+        if self._read_job is not None:
+            self._read_job.cancel()
+            self._read_job = None
 
     def load_encodings(self, path: Path) -> None:
         """Read the table in a child process (parsing 10 MB of JSON holds the GIL ~0.1 s), then show it; once per
@@ -167,6 +175,7 @@ class QuantizePage(Page):
         if key == self._loaded:
             return
         self._loaded = key
+        self._cancel_read()  # another graph picked: the previous graph's read is not shown
         self._reads += 1
         read = self._reads
         self.inspector.title.setText(f"Reading {path.name}…")
@@ -181,8 +190,8 @@ class QuantizePage(Page):
             if self._reads == read:
                 self.inspector.title.setText(f"{problem} {fix}")
 
-        worker.start(lambda s: isolated.run(read_with_sqnr, path, state=s, pass_state=False), "Reading encodings",
-                     done=show, failed=failed)
+        self._read_job = worker.start(lambda s: isolated.run(read_with_sqnr, path, state=s, pass_state=False),
+                                      "Reading encodings", read=True, done=show, failed=failed)
 
 
 def read_with_sqnr(path: Path) -> enc.EncodingsTable:

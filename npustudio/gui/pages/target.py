@@ -48,8 +48,11 @@ class TargetPage(Page):
         self.changed.emit()
 
     def refresh(self) -> None:
-        self.select(self.project.choices().get("target", self.window_.settings.default_target or DEFAULT_SOC))
+        chosen = self.project.choices().get("target")
+        self.select(chosen or self.window_.settings.default_target or DEFAULT_SOC)
         self._show()
+        if chosen:  # the step is ticked: the page says so too (it said "Not run yet" on a reopened project)
+            self.strip.status.setText(f"Target set: {chosen}.")
 
     def _detect(self) -> None:
         serial = self.window_.device.serial if self.window_.device else None
