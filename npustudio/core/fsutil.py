@@ -86,6 +86,9 @@ def atomic_write_json(path: Path, obj: Any) -> None:
         text.detach()  # the writer, not the wrapper, closes the file
 
 
+MiB = 2**20
+
+
 def read_json(path: Path, what: str, fix: str) -> Any:
     """A JSON file as Python data, or a UserError naming the file and what is wrong with it (unreadable,
     not UTF-8, not JSON, nested too deeply), never a traceback."""

@@ -30,7 +30,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from pydantic import BaseModel
 
 from .. import layout
 from ..errors import UserError
-from ..fsutil import atomic_write_json, sha256_file
+from ..fsutil import MiB, atomic_write_json, open_nofollow, sha256_file
 from ..progress import Cancelled, StateLike
 from . import REMOTE_ROOT, DeviceInfo, client, compatibility
 
@@ -97,16 +97,25 @@ def local_files(bundle_dir: Path) -> list[Path]:
 
 
 class _HashCache:
-    """sha256 of local files keyed by (size, mtime): a re-deploy does not re-read gigabytes."""
+    """sha256 of local files keyed by (size, mtime): a re-deploy does not re-read gigabytes.
 
-    def __init__(self) -> None:
+    Only a cache: whatever is wrong with its file (damaged, huge, a link, a folder, unwritable) costs hashing again
+    and, when it cannot be written, one warning through `warn`; it never turns a finished deploy into a failure."""
+
+    LIMIT = 64 * MiB  # ~400,000 files; the cache forgets files that are gone, so a larger one is not ours
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
         import platformdirs
 
         self.path = platformdirs.user_cache_path("npustudio") / "sha256.json"
+        self.warn = warn
         self.changed = False
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        try:  # not through a link (it could name /dev/zero), nor a FIFO: open_nofollow refuses both
+            fd = open_nofollow(self.path, os.O_RDONLY)
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(self.LIMIT + 1)
+            data = json.loads(raw) if len(raw) <= self.LIMIT else {}
+        except (OSError, ValueError, RecursionError, UserError):
             data = {}
         self.data: dict[str, list[Any]] = {  # a damaged cache only costs hashing again
             k: v for k, v in (data.items() if isinstance(data, dict) else ()) if isinstance(v, list) and len(v) == 3}
@@ -134,8 +143,16 @@ class _HashCache:
         if not self.changed:
             return
         self.data = {k: v for k, v in self.data.items() if _unchanged(k, v)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.path, self.data)
+        why = ("it is a symbolic link, and NPU Studio never writes through one" if self.path.is_symlink() else
+               "it is a folder" if self.path.is_dir() else None)
+        if why is None:
+            try:
+                atomic_write_json(self.path, self.data)
+                return
+            except (OSError, UserError) as e:
+                why = e.problem if isinstance(e, UserError) else str(e.strerror or e)
+        self.warn(f"the deploy's hash cache {self.path} was not updated ({why}): the next deploy hashes the files "
+                  "again. Remove it and NPU Studio writes a fresh one.")
 
 
 def _unchanged(path: str, entry: list[Any]) -> bool:
@@ -552,7 +569,7 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
         raise UserError(" ".join(p for p, _ in problems), " ".join(f for _, f in problems))
     adb = client(ping=False)  # `dev` was just read from the server
     rdir = remote_dir(bundle_dir)
-    hashes = _HashCache()
+    hashes = _HashCache(lambda message: state.partial("warning", message=message))
     sync: _Sync | None = None
     try:
         sync = _Sync(adb, dev.serial)
