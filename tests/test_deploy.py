@@ -239,3 +239,18 @@ def test_a_hash_cache_it_cannot_use_never_turns_a_finished_deploy_into_a_failure
             cache.unlink()
         elif cache.is_dir():
             cache.rmdir()
+
+
+@pytest.mark.parametrize("manifest", ["[" * 100_000 + "]" * 100_000, '{"a.bin": "not an entry"}',
+                                      '{"x": 1}' + " " * (64 * 2**20)])
+def test_a_device_manifest_too_deep_damaged_or_huge_costs_a_full_push_only(vdev: VirtualDevice, tmp_path: Path,
+                                                                            manifest: str) -> None:
+    """Whatever the device's manifest holds, it is read at most 64 MiB deep and the deploy ends, every file sent."""
+    bundle = _bundle(tmp_path, {"a.bin": os.urandom(3000)})
+    remote = _on_device(vdev, bundle)
+    remote.mkdir(parents=True)
+    (remote / layout.DEVICE_MANIFEST).write_text(manifest)
+    (remote / "a.bin").write_bytes(b"x" * 3000)  # the same size: the manifest's entry is what decides
+    res = deploy.deploy(bundle, device.info(vdev.serial), State())
+    assert res.bytes_skipped == 0
+    _check_landed(vdev, bundle)

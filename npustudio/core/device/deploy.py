@@ -39,7 +39,7 @@ from pydantic import BaseModel
 
 from .. import layout
 from ..errors import UserError
-from ..fsutil import MiB, atomic_write_json, open_nofollow, sha256_file
+from ..fsutil import MiB, TooLarge, atomic_write_json, read_at_most, sha256_file
 from ..progress import Cancelled, StateLike
 from . import REMOTE_ROOT, DeviceInfo, client, compatibility
 
@@ -110,12 +110,9 @@ class _HashCache:
         self.path = platformdirs.user_cache_path("npustudio") / "sha256.json"
         self.warn = warn
         self.changed = False
-        try:  # not through a link (it could name /dev/zero), nor a FIFO: open_nofollow refuses both
-            fd = open_nofollow(self.path, os.O_RDONLY)
-            with os.fdopen(fd, "rb") as f:
-                raw = f.read(self.LIMIT + 1)
-            data = json.loads(raw) if len(raw) <= self.LIMIT else {}
-        except (OSError, ValueError, RecursionError, UserError):
+        try:  # not through a link (it could name /dev/zero), nor a FIFO
+            data = json.loads(read_at_most(self.path, self.LIMIT, follow=False))
+        except (OSError, ValueError, RecursionError, UserError, TooLarge):
             data = {}
         self.data: dict[str, list[Any]] = {  # a damaged cache only costs hashing again
             k: v for k, v in (data.items() if isinstance(data, dict) else ()) if isinstance(v, list) and len(v) == 3}
@@ -258,8 +255,9 @@ class _Sync:
             mode, size, mtime, n = struct.unpack("<4I", head[4:])
             out[self._read(n).decode("utf-8", errors="replace")] = (mode, size, mtime)
 
-    def recv(self, path: str) -> bytes | None:
-        """A device file's bytes; None where the device refused (adbd then ends the sync service)."""
+    def recv(self, path: str, limit: int) -> bytes | None:
+        """A device file's bytes; None where the device refused (adbd then ends the sync service) or sent more
+        than `limit` bytes (the rest is not read: the caller starts a new connection, as after a refusal)."""
         self._request(b"RECV", path)
         data = bytearray()
         while True:
@@ -267,6 +265,8 @@ class _Sync:
             rid, n = head[:4], struct.unpack("<I", head[4:])[0]
             if rid == b"DATA":
                 data += self._read(n)
+                if len(data) > limit:
+                    return None
             elif rid == b"DONE":
                 return bytes(data)
             elif rid == b"FAIL":
@@ -634,20 +634,23 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
                         rate_mb_s=round(sent / 1e6 / secs, 1) if sent and secs > 0 else 0.0)
 
 
+_MANIFEST_LIMIT = 64 * MiB  # a manifest is ~150 bytes a file; more is not one (a damaged or hostile device)
+
+
 def _read_manifest(sync: _Sync, rdir: str) -> tuple[dict[str, Any], bool]:
     """The device-side manifest ({} where there is none or it is damaged: that only costs a full re-push), and
     whether the connection is still usable."""
     path = posixpath.join(rdir, layout.DEVICE_MANIFEST)
     if not stat.S_ISREG(sync.stat(path)[0]):
         return {}, True
-    raw = sync.recv(path)
+    raw = sync.recv(path, _MANIFEST_LIMIT)
     if raw is None:
         return {}, False
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}, True
-    return (data if isinstance(data, dict) else {}), True
+    return ({k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}), True
 
 
 _LINE_MAX = 3000  # bytes of one shell line (older adbd take 4 KiB service names)
