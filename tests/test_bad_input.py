@@ -658,6 +658,8 @@ def test_a_keyring_that_stores_nothing_is_said_to_be_none(tmp_path: Path, capsys
                 refused(cli(capsys, "token", "set"), "no usable system keyring", backend.__class__.__module__)
             rc, text = cli(capsys, "token", "status")
             assert rc == 0 and "No Hugging Face token is set" in text and "No usable system keyring" in text
+            text = refused(cli(capsys, "token", "delete"), "no usable system keyring", "nothing was removed")
+            assert "Token removed" not in text  # the null keyring's silent "delete" was reported as done
     finally:
         keyring.set_keyring(old)
 
