@@ -307,6 +307,15 @@ def test_a_number_option_takes_any_text_without_a_traceback(text: str) -> None:
         assert 0 <= v <= 65535 and v not in range(5554, 5586)
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8265", "https://head.example:6379", "ray://host:10001/x"])
+def test_a_url_given_as_cluster_address_is_named_as_one(capsys: Any, tmp_path: Path, url: str) -> None:
+    """http://HOST:PORT passed the HOST:PORT check with "http" as part of the host, and Ray reported a DNS
+    failure for it."""
+    rc, text = cli(capsys, "adapt", "--project", str(tmp_path / "p"), "--cluster", url)
+    assert rc == 2 and "is a URL" in text and "HOST:PORT" in text, text
+    assert not (tmp_path / "p").exists()
+
+
 # ----------------------------------------------------------------- projects
 def test_projects_on_unusable_file_systems(tiny_llama: Path, tmp_path: Path, capsys: Any) -> None:
     afile = tmp_path / "afile"
