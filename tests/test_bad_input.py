@@ -307,6 +307,15 @@ def test_a_number_option_takes_any_text_without_a_traceback(text: str) -> None:
         assert 0 <= v <= 65535 and v not in range(5554, 5586)
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8265", "https://head.example:6379", "ray://host:10001/x"])
+def test_a_url_given_as_cluster_address_is_named_as_one(capsys: Any, tmp_path: Path, url: str) -> None:
+    """http://HOST:PORT passed the HOST:PORT check with "http" as part of the host, and Ray reported a DNS
+    failure for it."""
+    rc, text = cli(capsys, "adapt", "--project", str(tmp_path / "p"), "--cluster", url)
+    assert rc == 2 and "is a URL" in text and "HOST:PORT" in text, text
+    assert not (tmp_path / "p").exists()
+
+
 # ----------------------------------------------------------------- projects
 def test_projects_on_unusable_file_systems(tiny_llama: Path, tmp_path: Path, capsys: Any) -> None:
     afile = tmp_path / "afile"
@@ -440,6 +449,14 @@ def test_malformed_encodings_structure_is_a_message(tmp_path: Path, capsys: Any,
         f.write_bytes(content.encode("latin-1"))
     with nothing_changes(tmp_path):
         refused(cli(capsys, "encodings", str(f)), *words)
+
+
+def test_an_encodings_file_larger_than_any_is_refused_unread(tmp_path: Path, capsys: Any) -> None:
+    """Parsed whole, a JSON file takes several times its size in memory: past what a model writes, it is refused."""
+    huge = tmp_path / "huge.encodings"
+    with open(huge, "wb") as f:  # sparse: nothing is written, nothing should be read
+        f.truncate(4 * 2**30 + 1)
+    refused(cli(capsys, "encodings", str(huge)), "huge.encodings is larger than 4096 MiB", "encodings file")
 
 
 @given(bw=st.one_of(st.integers(), st.floats(allow_nan=True), st.text(max_size=3)),
@@ -577,6 +594,23 @@ def test_prompts_with_nul_or_invalid_utf8_are_refused(tiny_llama: Path, tmp_path
         refused(cli(capsys, "bundle", "--project", str(p.root), "--question", "Why\x00?"), "NUL character")
 
 
+def test_a_prompt_is_read_at_most_1_mib_deep(tiny_llama: Path, tmp_path: Path, capsys: Any,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt file (or a chat's piped input) larger than any context is refused without being read whole: from
+    /dev/zero it would be read until the out-of-memory killer ends the run."""
+    bundle = fake_bundle(tmp_path / "b", tiny_llama)
+    cfg = str(bundle / "genie_config.json")
+    big = tmp_path / "big.txt"
+    big.write_text("a" * (2**20 + 1))
+    with nothing_changes(tmp_path):
+        refused(cli(capsys, "genie-run", "-c", cfg, "--prompt_file", str(big)), "big.txt is larger than 1 MiB",
+                "no model's context")
+        refused(cli(capsys, "genie-run", "-c", cfg, "--prompt_file", "/dev/zero"), "/dev/zero gave more than 1 MiB",
+                "not a plain file")
+        monkeypatch.setattr(sys, "stdin", io.StringIO("b" * (2**20 + 1)))  # a pipe with no newline in sight
+        refused(cli(capsys, "chat", "--bundle", str(bundle), "--preview"), "longer than 1 MiB")
+
+
 def test_genie_run_refuses_a_profile_path_that_is_a_folder_before_running(tiny_llama: Path, tmp_path: Path,
                                                                          capsys: Any) -> None:
     bundle = fake_bundle(tmp_path / "b", tiny_llama)
@@ -596,6 +630,28 @@ def test_a_chat_template_the_sandbox_stops_is_a_message(tiny_llama: Path, tmp_pa
         refused(cli(capsys, "chat", "--bundle", str(bundle), "--preview", "hi"), "SecurityError")
 
 
+@pytest.mark.parametrize(("content", "why"), [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # was an uncaught RecursionError at every chat
+    ('{"turns": []' + " " * (16 * 2**20) + "}", "larger than 16 MiB"),  # valid, but parsed whole it grew 60-fold
+])
+def test_a_chat_history_too_deep_or_too_large_is_set_aside_and_a_new_one_started(tmp_path: Path, content: str,
+                                                                                  why: str) -> None:
+    from npustudio.core import chat
+
+    f = tmp_path / "chat_history.json"
+    f.write_text(content)
+    hist = chat.ChatHistory.load(f)
+    assert hist.current.turns == [] and not f.exists()
+    assert hist.set_aside is not None and hist.set_aside.read_text() == content
+    assert why in (hist.notice() or "") and hist.set_aside.name in (hist.notice() or "")
+    hist.current.turns.append(chat.Turn(user="New", assistant="A", runner="x"))
+    hist.save()
+    assert chat.ChatHistory.load(f).current.turns[0].user == "New"  # the next chat works again
+    f.write_text(content)  # set aside again in the same second: the first one is kept
+    again = chat.ChatHistory.load(f)
+    assert again.set_aside is not None and again.set_aside != hist.set_aside and hist.set_aside.exists()
+
+
 # ----------------------------------------------------------------- token and keyring
 def test_a_keyring_that_stores_nothing_is_said_to_be_none(tmp_path: Path, capsys: Any,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -611,6 +667,8 @@ def test_a_keyring_that_stores_nothing_is_said_to_be_none(tmp_path: Path, capsys
                 refused(cli(capsys, "token", "set"), "no usable system keyring", backend.__class__.__module__)
             rc, text = cli(capsys, "token", "status")
             assert rc == 0 and "No Hugging Face token is set" in text and "No usable system keyring" in text
+            text = refused(cli(capsys, "token", "delete"), "no usable system keyring", "nothing was removed")
+            assert "Token removed" not in text  # the null keyring's silent "delete" was reported as done
     finally:
         keyring.set_keyring(old)
 

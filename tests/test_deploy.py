@@ -199,3 +199,58 @@ def test_the_hash_cache_forgets_files_that_are_gone_and_shrugs_off_damage(vdev: 
     new = _bundle(tmp_path / "new", {"b.bin": os.urandom(1000)})
     deploy.deploy(new, dev, State(), force=True)
     assert sorted(json.loads(cache.read_text())) == sorted(str(p.resolve()) for p in deploy.local_files(new))
+
+
+@pytest.mark.parametrize("bad", ["link", "folder", "garbage", "huge"])
+def test_a_hash_cache_it_cannot_use_never_turns_a_finished_deploy_into_a_failure(
+        vdev: VirtualDevice, tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str) -> None:
+    """The files are on the device either way: a cache that is a link or a folder costs a warning (exit 0), a
+    damaged or huge one is ignored and written afresh."""
+    from npustudio.cli import main
+
+    cache = Path(os.environ["XDG_CACHE_HOME"]) / "npustudio" / "sha256.json"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    if bad == "link":
+        cache.symlink_to(target)
+    elif bad == "folder":
+        cache.mkdir()
+    elif bad == "garbage":
+        cache.write_bytes(b"\xff{[" * 100)
+    else:
+        with open(cache, "wb") as f:  # sparse: larger than the cache is ever read
+            f.truncate(deploy._HashCache.LIMIT + 1)
+    try:
+        bundle = _bundle(tmp_path, {"a.bin": os.urandom(5000)})
+        rc = main(["deploy", str(bundle), "--device", vdev.serial])
+        text = capsys.readouterr().err
+        assert rc == 0, text
+        _check_landed(vdev, bundle)
+        assert "Traceback" not in text and "failed" not in text, text
+        if bad in ("link", "folder"):
+            assert "warning:" in text and "hash cache" in text and "was not updated" in text, text
+            assert target.read_text() == "{}"  # nothing written through the link
+        else:
+            assert "warning" not in text, text
+            assert sorted(json.loads(cache.read_text())) == sorted(str(p.resolve()) for p in deploy.local_files(bundle))
+    finally:
+        if cache.is_symlink() or cache.is_file():
+            cache.unlink()
+        elif cache.is_dir():
+            cache.rmdir()
+
+
+@pytest.mark.parametrize("manifest", ["[" * 100_000 + "]" * 100_000, '{"a.bin": "not an entry"}',
+                                      '{"x": 1}' + " " * (64 * 2**20)])
+def test_a_device_manifest_too_deep_damaged_or_huge_costs_a_full_push_only(vdev: VirtualDevice, tmp_path: Path,
+                                                                            manifest: str) -> None:
+    """Whatever the device's manifest holds, it is read at most 64 MiB deep and the deploy ends, every file sent."""
+    bundle = _bundle(tmp_path, {"a.bin": os.urandom(3000)})
+    remote = _on_device(vdev, bundle)
+    remote.mkdir(parents=True)
+    (remote / layout.DEVICE_MANIFEST).write_text(manifest)
+    (remote / "a.bin").write_bytes(b"x" * 3000)  # the same size: the manifest's entry is what decides
+    res = deploy.deploy(bundle, device.info(vdev.serial), State())
+    assert res.bytes_skipped == 0
+    _check_landed(vdev, bundle)

@@ -9,6 +9,7 @@ from contextlib import contextmanager, redirect_stdout
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..core.progress import Partial, State
@@ -78,7 +79,8 @@ def _finite(obj: Any) -> Any:
 
 @contextmanager
 def live_state(quiet: bool = False) -> Iterator[State]:
-    """A State drawn as a rich progress bar on stderr; perplexity points are printed as they arrive."""
+    """A State drawn as a rich progress bar on stderr; perplexity points (unless `quiet`) and warnings are printed
+    as they arrive."""
     state = State()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeElapsedColumn(), console=err, transient=True, disable=quiet) as bar:
@@ -91,6 +93,8 @@ def live_state(quiet: bool = False) -> Iterator[State]:
                 vals = ", ".join(f"{k} {v:.3f}" for k, v in ev.data.items()
                                  if k.endswith("_ppl") or k == "max_abs_logit_diff")
                 err.print(f"  window {ev.data['window']}: {vals}")
+            elif ev.kind == "warning":  # something the run went on without (a cache it could not write): said always
+                err.print(f"[bold yellow]warning:[/] {escape(ev.data['message'])}")
 
         state.subscribe(on)
         yield state

@@ -22,19 +22,10 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
     import threading
 
     from ..core.genie import host
-    from ..core.genie.config import check_prompt
+    from ..core.genie.config import check_prompt, read_prompt_file
     from ..core.native_io import fd_redirected
 
-    if a.prompt_file:
-        try:
-            prompt = Path(a.prompt_file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise UserError(f"Cannot read the prompt file {a.prompt_file}: {e.strerror}.", "Check the path.") from e
-        except UnicodeDecodeError as e:
-            raise UserError(f"The prompt file {a.prompt_file} is not UTF-8 text (byte {e.start}).",
-                            "Save it as UTF-8 text.") from e
-    else:
-        prompt = a.prompt or ""
+    prompt = read_prompt_file(Path(a.prompt_file)) if a.prompt_file else a.prompt or ""
     check_prompt(prompt)
     if a.profile:
         host.check_output_file(Path(a.profile), "--profile")
@@ -150,12 +141,31 @@ def cmd_chat(a: argparse.Namespace) -> int:
     err.print(f"chatting with {bundle} on {engine.name}; empty line or Ctrl-D ends, Ctrl-C stops an answer")
     while True:
         try:
-            line = input("> ")
+            line = _line("> ")
         except EOFError:
             return 0
         if not line.strip():
             return 0
         ask(line)
+
+
+def _line(prompt: str) -> str:
+    """One message typed (or piped) into the chat. From a pipe or a file it is read at most `PROMPT_LIMIT`
+    characters deep: `input()` reads to the newline, and /dev/zero or an endless stream has none."""
+    from ..core.genie.config import PROMPT_LIMIT
+
+    if sys.stdin.isatty():
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = sys.stdin.readline(PROMPT_LIMIT + 1)
+    if not line:
+        raise EOFError
+    if len(line) > PROMPT_LIMIT:
+        raise UserError(f"A message on the chat's input is longer than {PROMPT_LIMIT // 2**20} MiB (is the input a "
+                        "device or an endless stream?); no model's context holds that much.",
+                        "Pipe in text, one message a line.")
+    return line.removesuffix("\n")
 
 
 def default_bundle() -> Path:

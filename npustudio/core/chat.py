@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from . import layout
 from .errors import UserError
-from .fsutil import atomic_write_json
+from .fsutil import MiB, TooLarge, atomic_write_json, read_at_most
 
 if TYPE_CHECKING:
     from .genie.bundle import BundleMeta
@@ -63,31 +63,48 @@ class ChatHistory:
     (`system`, `turns`), so a history written before chats could be several reads as one chat, and a reader
     that knows only that shape still finds the current conversation; the others are under `others`."""
 
-    def __init__(self, path: Path, chats: list[Chat], current: str, set_aside: Path | None = None) -> None:
+    LIMIT = 16 * MiB  # thousands of long turns; parsed whole, a 315 MB history took 20 GB (about 60 bytes a byte)
+
+    def __init__(self, path: Path, chats: list[Chat], current: str, set_aside: Path | None = None,
+                 why: str = "") -> None:
         self.path, self.chats, self.current_id = Path(path), chats, current
         self.set_aside = set_aside  # where an unreadable history file was moved, so the next save loses nothing
+        self.why = why  # what was wrong with it, for `notice`
 
     @classmethod
     def load(cls, path: Path) -> ChatHistory:
-        """The saved chats; a missing file is one empty chat. An unreadable one (damaged, hand-edited) is one
-        empty chat too, its file moved aside first (`set_aside`): the next save must not overwrite it."""
+        """The saved chats; a missing file is one empty chat. An unreadable one (damaged, hand-edited, nested too
+        deeply, larger than `LIMIT`, not a plain file) is one empty chat too, its file moved aside first
+        (`set_aside`): the next save must not overwrite it, and the next chat must not fail on it again."""
         path = Path(path)
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             return cls._empty(path)
+        why = "it is damaged"
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_at_most(path, cls.LIMIT, follow=False))  # no link, no FIFO: not ours
             top = Chat(**{k: data[k] for k in ("id", "system", "turns", "created") if k in data})
             if "id" not in data:  # written before chats had ids: the same one at every read, so it can be picked
                 top.id = "first"
                 top.created = top.turns[0].at if top.turns else top.created
             others = [Chat(**c) for c in data.get("others", [])]
-        except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        except (OSError, ValueError, TypeError, AttributeError, KeyError, RecursionError, UserError,
+                TooLarge) as e:
+            if isinstance(e, TooLarge):
+                why = f"it is larger than {cls.LIMIT // MiB} MiB"
+            elif isinstance(e, RecursionError):
+                why = "it is nested too deeply"
+            elif isinstance(e, UserError):
+                why = "it is not a plain file"
             aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+            n = 1
+            while aside.exists() or aside.is_symlink():  # never over an earlier one
+                n += 1
+                aside = aside.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}-{n}{path.suffix}")
             try:
                 path.replace(aside)
             except OSError:  # cannot move it (read-only folder): nothing will be saved over it either
                 aside = path
-            return cls._empty(path, aside)
+            return cls._empty(path, aside, why)
         return cls(path, [top, *others], top.id)
 
     def notice(self) -> str | None:
@@ -95,14 +112,15 @@ class ChatHistory:
         if self.set_aside is None:
             return None
         if self.set_aside == self.path:
-            return f"The chat history {self.path} could not be read; it is left as it is and nothing is saved."
-        return (f"The chat history could not be read: it was kept as {self.set_aside.name}, "
+            return (f"The chat history {self.path} could not be read ({self.why}); it is left as it is and nothing "
+                    "is saved.")
+        return (f"The chat history could not be read ({self.why}): it was kept as {self.set_aside.name}, "
                 "and a new one was started.")
 
     @classmethod
-    def _empty(cls, path: Path, set_aside: Path | None = None) -> ChatHistory:
+    def _empty(cls, path: Path, set_aside: Path | None = None, why: str = "") -> ChatHistory:
         chat = Chat()
-        return cls(path, [chat], chat.id, set_aside)
+        return cls(path, [chat], chat.id, set_aside, why)
 
     @property
     def current(self) -> Chat:

@@ -94,8 +94,13 @@ def pins() -> list[str]:
 
 
 def host_port(address: str) -> tuple[str, int]:
-    """`HOST:PORT` or `ray://HOST:PORT` (Ray Client), else a UserError saying what is expected."""
+    """`HOST:PORT` or `ray://HOST:PORT` (Ray Client), else a UserError saying what is expected (a URL such as
+    http://HOST:PORT is named as one: its scheme would otherwise be looked up as a host)."""
     rest = address.strip().removeprefix("ray://")
+    if "://" in rest or "/" in rest:  # http://HOST:8265 (the dashboard's URL) otherwise reached DNS as a host name
+        raise UserError(f"{address!r} is a URL; a Ray cluster address is HOST:PORT, not a URL.",
+                        "Give HOST:PORT as `ray start --head` printed it (e.g. 10.0.0.5:6379, the GCS port, not the "
+                        "dashboard's 8265), or ray://HOST:10001 for Ray Client.")
     host, sep, port = rest.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"{address!r} is not a Ray cluster address.",

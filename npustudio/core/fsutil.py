@@ -86,12 +86,39 @@ def atomic_write_json(path: Path, obj: Any) -> None:
         text.detach()  # the writer, not the wrapper, closes the file
 
 
-def read_json(path: Path, what: str, fix: str) -> Any:
+MiB = 2**20
+JSON_LIMIT = 64 * MiB  # a JSON file NPU Studio reads (a config, a result, a profile) is far smaller
+
+
+class TooLarge(Exception):
+    """A file holds more than the bytes its reader takes."""
+
+
+def read_at_most(path: Path, limit: int, follow: bool = True) -> bytes:
+    """The bytes of `path`, or TooLarge when it holds more than `limit`: a user-named file may be a device
+    (/dev/zero), a pipe that never ends or a file of gigabytes, and reading it whole would end in the OOM killer.
+    A plain file is measured first; anything else is read `limit + 1` bytes deep at most. Without `follow`, a link
+    or anything but a plain file is refused (`open_nofollow`): a file NPU Studio keeps for itself is never one."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if follow else open_nofollow(Path(path), os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_size > limit:
+            raise TooLarge(f"{path} holds {st.st_size:,} bytes, more than {limit:,}")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TooLarge(f"{path} holds more than {limit:,} bytes")
+    return data
+
+
+def read_json(path: Path, what: str, fix: str, limit: int = JSON_LIMIT) -> Any:
     """A JSON file as Python data, or a UserError naming the file and what is wrong with it (unreadable,
-    not UTF-8, not JSON, nested too deeply), never a traceback."""
+    not UTF-8, not JSON, nested too deeply, larger than `limit` bytes), never a traceback."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_at_most(path, limit).decode("utf-8")
+    except TooLarge as e:
+        raise UserError(f"{path} is larger than {limit / MiB:g} MiB, more than any {what} is, so it was not "
+                        "read.", fix) from e
     except FileNotFoundError as e:
         raise UserError(f"No {what} at {path}.", fix) from e
     except IsADirectoryError as e:

@@ -64,6 +64,17 @@ def set_hf_token(token: str) -> None:
 
 
 def delete_hf_token() -> None:
+    """Remove the stored token; a UserError when no usable keyring holds one (the null backend "deletes" without
+    a word, and saying "removed" there would claim what did not happen) or the keyring refuses."""
+    from .errors import UserError
+
+    why = no_keyring()
+    if why:
+        fix = ("The token in use comes from HF_TOKEN: unset it in this environment." if os.environ.get("HF_TOKEN")
+               else "There is no token to remove; to store one, install and unlock a system keyring (GNOME "
+                    "Keyring, KWallet, ...).")
+        raise UserError(f"There is no usable system keyring ({why}), so no token was stored there and nothing "
+                        "was removed.", fix)
     import keyring
     from keyring.errors import PasswordDeleteError
 
@@ -71,6 +82,9 @@ def delete_hf_token() -> None:
         keyring.delete_password(SERVICE, USER)
     except PasswordDeleteError:
         pass
+    except Exception as e:
+        raise UserError(f"The system keyring refused to remove the token ({e.__class__.__name__}).",
+                        "Unlock the keyring, then try again.") from None
 
 
 def redact(text: str, token: str | None) -> str:

@@ -144,6 +144,8 @@ class SettingsDialog(QDialog):
         try:
             secrets.delete_hf_token()
             self.token_status.setText("Token removed from the system keyring.")
+        except UserError as e:  # no usable keyring: nothing was removed, and the dialog says so
+            self.token_status.setText(f"{e.problem} {e.fix}")
         except Exception as e:
             self.token_status.setText(f"The keyring refused ({e.__class__.__name__}).")
 

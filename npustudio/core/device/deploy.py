@@ -30,7 +30,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from pydantic import BaseModel
 
 from .. import layout
 from ..errors import UserError
-from ..fsutil import atomic_write_json, sha256_file
+from ..fsutil import MiB, TooLarge, atomic_write_json, read_at_most, sha256_file
 from ..progress import Cancelled, StateLike
 from . import REMOTE_ROOT, DeviceInfo, client, compatibility
 
@@ -97,16 +97,22 @@ def local_files(bundle_dir: Path) -> list[Path]:
 
 
 class _HashCache:
-    """sha256 of local files keyed by (size, mtime): a re-deploy does not re-read gigabytes."""
+    """sha256 of local files keyed by (size, mtime): a re-deploy does not re-read gigabytes.
 
-    def __init__(self) -> None:
+    Only a cache: whatever is wrong with its file (damaged, huge, a link, a folder, unwritable) costs hashing again
+    and, when it cannot be written, one warning through `warn`; it never turns a finished deploy into a failure."""
+
+    LIMIT = 64 * MiB  # ~400,000 files; the cache forgets files that are gone, so a larger one is not ours
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
         import platformdirs
 
         self.path = platformdirs.user_cache_path("npustudio") / "sha256.json"
+        self.warn = warn
         self.changed = False
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        try:  # not through a link (it could name /dev/zero), nor a FIFO
+            data = json.loads(read_at_most(self.path, self.LIMIT, follow=False))
+        except (OSError, ValueError, RecursionError, UserError, TooLarge):
             data = {}
         self.data: dict[str, list[Any]] = {  # a damaged cache only costs hashing again
             k: v for k, v in (data.items() if isinstance(data, dict) else ()) if isinstance(v, list) and len(v) == 3}
@@ -134,8 +140,16 @@ class _HashCache:
         if not self.changed:
             return
         self.data = {k: v for k, v in self.data.items() if _unchanged(k, v)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.path, self.data)
+        why = ("it is a symbolic link, and NPU Studio never writes through one" if self.path.is_symlink() else
+               "it is a folder" if self.path.is_dir() else None)
+        if why is None:
+            try:
+                atomic_write_json(self.path, self.data)
+                return
+            except (OSError, UserError) as e:
+                why = e.problem if isinstance(e, UserError) else str(e.strerror or e)
+        self.warn(f"the deploy's hash cache {self.path} was not updated ({why}): the next deploy hashes the files "
+                  "again. Remove it and NPU Studio writes a fresh one.")
 
 
 def _unchanged(path: str, entry: list[Any]) -> bool:
@@ -241,8 +255,9 @@ class _Sync:
             mode, size, mtime, n = struct.unpack("<4I", head[4:])
             out[self._read(n).decode("utf-8", errors="replace")] = (mode, size, mtime)
 
-    def recv(self, path: str) -> bytes | None:
-        """A device file's bytes; None where the device refused (adbd then ends the sync service)."""
+    def recv(self, path: str, limit: int) -> bytes | None:
+        """A device file's bytes; None where the device refused (adbd then ends the sync service) or sent more
+        than `limit` bytes (the rest is not read: the caller starts a new connection, as after a refusal)."""
         self._request(b"RECV", path)
         data = bytearray()
         while True:
@@ -250,6 +265,8 @@ class _Sync:
             rid, n = head[:4], struct.unpack("<I", head[4:])[0]
             if rid == b"DATA":
                 data += self._read(n)
+                if len(data) > limit:
+                    return None
             elif rid == b"DONE":
                 return bytes(data)
             elif rid == b"FAIL":
@@ -552,7 +569,7 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
         raise UserError(" ".join(p for p, _ in problems), " ".join(f for _, f in problems))
     adb = client(ping=False)  # `dev` was just read from the server
     rdir = remote_dir(bundle_dir)
-    hashes = _HashCache()
+    hashes = _HashCache(lambda message: state.partial("warning", message=message))
     sync: _Sync | None = None
     try:
         sync = _Sync(adb, dev.serial)
@@ -617,20 +634,23 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
                         rate_mb_s=round(sent / 1e6 / secs, 1) if sent and secs > 0 else 0.0)
 
 
+_MANIFEST_LIMIT = 64 * MiB  # a manifest is ~150 bytes a file; more is not one (a damaged or hostile device)
+
+
 def _read_manifest(sync: _Sync, rdir: str) -> tuple[dict[str, Any], bool]:
     """The device-side manifest ({} where there is none or it is damaged: that only costs a full re-push), and
     whether the connection is still usable."""
     path = posixpath.join(rdir, layout.DEVICE_MANIFEST)
     if not stat.S_ISREG(sync.stat(path)[0]):
         return {}, True
-    raw = sync.recv(path)
+    raw = sync.recv(path, _MANIFEST_LIMIT)
     if raw is None:
         return {}, False
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}, True
-    return (data if isinstance(data, dict) else {}), True
+    return ({k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}), True
 
 
 _LINE_MAX = 3000  # bytes of one shell line (older adbd take 4 KiB service names)

@@ -63,6 +63,20 @@ class DeviceRun(BaseModel):
     seconds: float
 
 
+PROFILE_LIMIT = 64 * 2**20  # bytes: a Genie profile is a few KB; a device answering more is not sending one
+
+
+def _read_at_most(d: Any, path: str, limit: int) -> bytes | None:
+    """A device file's bytes, None when it holds more than `limit`: the stream is closed there rather than read
+    into memory to its end (a device's file may be anything, /dev/zero included)."""
+    data = bytearray()
+    for chunk in d.sync.iter_content(path):
+        data += chunk
+        if len(data) > limit:
+            return None  # leaving the loop closes adbutils' connection
+    return bytes(data)
+
+
 def explain(output: str) -> UserError | None:
     """None when genie-t2t-run answered: `[BEGIN]: `, the answer, `[END]`, and no `error:` line after it. Anything
     else is a failure (the legacy adb shell carries no exit status, and genie-t2t-run ends only a query that
@@ -144,7 +158,7 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
     profile_path = None
     if not stopped and profile_to is not None:
         try:  # read, then written atomically: a pull would write through a link planted at profile_to
-            data = d.sync.read_bytes(posixpath.join(remote_dir, layout.PROFILE_FILE))
+            data = _read_at_most(d, posixpath.join(remote_dir, layout.PROFILE_FILE), PROFILE_LIMIT)
         except Exception:
             data = None
         if data is not None:

@@ -161,6 +161,34 @@ def read(path: Path) -> dict[str, Any]:
     return data
 
 
+PROMPT_LIMIT = 2**20  # bytes: ~250,000 tokens of text, more than the longest context NPU Studio compiles holds
+
+
+def read_prompt_file(path: Path) -> str:
+    """A prompt file's text, read at most `PROMPT_LIMIT` bytes deep: the file may be a device (/dev/zero) or a pipe
+    that never ends, and read whole it would grow until the system's out-of-memory killer ends the run. A prompt
+    that fits is checked against the model's context (in tokens) by the runner."""
+    from ..errors import UserError
+    from ..fsutil import TooLarge, read_at_most
+
+    try:
+        data = read_at_most(Path(path), PROMPT_LIMIT)
+    except TooLarge as e:
+        what = "is larger than 1 MiB" if Path(path).is_file() else \
+            "gave more than 1 MiB and is not a plain file (a device, an endless stream?)"
+        raise UserError(f"The prompt file {path} {what}: no model's context holds that much text, so it was not read "
+                        "further.", "Pass a text file with the prompt (at most 1 MiB; the model's context in tokens "
+                        "is the real limit).") from e
+    except IsADirectoryError as e:
+        raise UserError(f"The prompt file {path} is a folder.", "Pass a text file with the prompt.") from e
+    except OSError as e:
+        raise UserError(f"Cannot read the prompt file {path}: {e.strerror or e}.", "Check the path.") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"The prompt file {path} is not UTF-8 text (byte {e.start}).", "Save it as UTF-8 text.") from e
+
+
 def check_prompt(text: str) -> str:
     """A prompt Genie gets whole: libGenie takes a C string, so a NUL would silently cut it there, and text
     that is not UTF-8 (a binary file, a mis-decoded argument) cannot be encoded for it at all."""

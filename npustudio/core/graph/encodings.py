@@ -80,6 +80,11 @@ class EncodingsTable(BaseModel):
         return next(r for r in self.rows if r.name == name)
 
 
+# bytes: the w4a16 encodings of SmolLM2-135M are 29 MB (0.22 B a parameter), so this is one file of ~18 B parameters;
+# a larger "encodings file" is not one, and parsed whole it would take several times its size in memory
+ENCODINGS_LIMIT = 4 * 2**30
+
+
 def read(path: str | Path, sqnr: bool = False, kinds: tuple[str, ...] = ("activation", "param")) -> EncodingsTable:
     """The table of `path` (its rows of `kinds`); with `sqnr`, each tensor's SQNR (`sqnr.weights`,
     `sqnr.activations`)."""
@@ -87,7 +92,7 @@ def read(path: str | Path, sqnr: bool = False, kinds: tuple[str, ...] = ("activa
     fix = "Pass an .encodings file written by the quantize stage (AIMET schema 1.0.0 or 0.6.1)."
     if not p.is_file():
         raise UserError(f"No encodings file at {p}.", fix)
-    data = read_json(p, "encodings file", fix)
+    data = read_json(p, "encodings file", fix, limit=ENCODINGS_LIMIT)
     if not isinstance(data, dict) or not ({"activation_encodings", "param_encodings"} & data.keys()):
         raise UserError(f"{p.name} is JSON but not an encodings file (no activation_encodings/param_encodings).",
                         fix)

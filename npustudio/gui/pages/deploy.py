@@ -108,6 +108,8 @@ class DeployPage(Page):
             self.strip.status.setText(f"Pushed {human_bytes(data['bytes'])} of {human_bytes(data['total'])} at "
                                       f"{data['rate'] / 1e6:.0f} MB/s{eta}")
             self.window_.devices.show_push(data)
+        elif kind == "warning":
+            self.window_.devices.log(f"Warning: {data['message']}")
 
     def finish(self, r: deploy.DeployResult) -> None:
         self.pushed = {f["file"]: f["sent"] for f in r.files}
