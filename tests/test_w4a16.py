@@ -4,7 +4,9 @@ in the real Genie; the same tiny Llama as tests/test_compile_genie.py, whose w8a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -85,3 +87,90 @@ def test_genie_answers_with_the_host_runners_greedy_tokens_on_the_same_binaries(
     text = tok.decode(out, skip_special_tokens=False).split("\ufffd")[0]
     assert len(tok(text, add_special_tokens=False)["input_ids"]) >= 4
     assert genie.text == text
+
+
+# -- the rewrite itself, on one layer -----------------------------------------------------------------------------
+def _lpbq_conv_graph(folder: Path, k: int, n: int, t: int, seed: int = 0) -> Path:
+    """One LPBQ 1x1 Conv exactly as aimet exports it (int4 [N, K, 1, 1] blocks of 64 along K under uint8 block
+    scales and float channel scales), uint16 in and out as the prepared graphs have them."""
+    from onnx import TensorProto, helper
+    from onnx import numpy_helper as nh
+
+    from npustudio.core.graph.lpbq_matmul import _pack4
+
+    rng = np.random.default_rng(seed)
+    nb = k // 64
+    w_q = rng.integers(-8, 8, (n, k, 1, 1)).astype(np.int8)
+    block = rng.integers(1, 17, (n, nb, 1, 1)).astype(np.uint8)
+    ch = (rng.uniform(0.5, 1.5, n) * 1e-3).astype(np.float32)
+    x_s, y_s = np.float32(2.0 / 65535), np.float32(0.05 * k / 65535)
+
+    def int4(name: str, a: np.ndarray) -> onnx.TensorProto:
+        return helper.make_tensor(name, TensorProto.INT4, list(a.shape), _pack4(a), raw=True)
+
+    inits = [int4("w_q", w_q), int4("w_zp", np.zeros_like(block, np.int8)), nh.from_array(block, "w_block"),
+             nh.from_array(ch, "w_ch"), nh.from_array(np.zeros(n, np.uint8), "w_ch_zp"),
+             nh.from_array(np.array(x_s), "x_s"), nh.from_array(np.array(32768, np.uint16), "x_z"),
+             nh.from_array(np.array(y_s), "y_s"), nh.from_array(np.array(32768, np.uint16), "y_z")]
+    nodes = [helper.make_node("DequantizeLinear", ["w_block", "w_ch", "w_ch_zp"], ["w_scale"], axis=0, name="s"),
+             helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zp"], ["w"], axis=1, block_size=64,
+                              name="w"),
+             helper.make_node("DequantizeLinear", ["x", "x_s", "x_z"], ["x_f"], name="x_dq"),
+             helper.make_node("Conv", ["x_f", "w"], ["y_f"], kernel_shape=[1, 1], name="/layers.0/mlp/up/Conv"),
+             helper.make_node("QuantizeLinear", ["y_f", "y_s", "y_z"], ["y"], name="y_q")]
+    graph = helper.make_graph(nodes, "layer", [helper.make_tensor_value_info("x", TensorProto.UINT16, [1, k, 1, t])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT16, [1, n, 1, t])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    path = folder / "conv.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+_SIMULATE = """
+import sys, numpy as np
+from pathlib import Path
+from npustudio.core.graph import ort_qnn
+from npustudio.core.targets import find_soc
+folder = Path(sys.argv[1])
+target = find_soc("SM8750")
+ort_qnn.compile_graph(folder / "mm.onnx", "mm_ctx", folder, target)
+x = np.load(folder / "x.npy")
+y = ort_qnn.context_session(folder / "mm_ctx.onnx", target).run(["y"], {"x": x})[0]
+np.save(folder / "y_htp.npy", y)
+"""
+
+
+@pytest.mark.parametrize("blocks", [2, 9])  # 9 (SmolLM2's 576 channels) crashed the simulator before it was padded
+def test_an_lpbq_layer_as_matmul_gives_the_convs_integers_on_the_cpu_and_runs_on_the_simulator(
+        tmp_path: Path, blocks: int) -> None:
+    import subprocess
+    import sys
+
+    import onnxruntime as ort
+
+    from npustudio.core.graph import lpbq_matmul
+
+    k, n, t = 64 * blocks, 96, 8
+    conv = _lpbq_conv_graph(tmp_path, k, n, t)
+    model = onnx.load(str(conv))
+    with lpbq_matmul.Store(tmp_path).open() as store:
+        assert lpbq_matmul.rewrite(model.graph, tmp_path, store) == 1
+    assert "Conv" not in [n.op_type for n in model.graph.node]
+    onnx.save(model, str(tmp_path / "mm.onnx"))
+    x = np.random.default_rng(1).integers(0, 65536, (1, k, 1, t)).astype(np.uint16)
+    np.save(tmp_path / "x.npy", x)
+
+    def cpu(path: Path) -> np.ndarray:
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["y"], {"x": x})[0]
+
+    y_conv, y_mm = cpu(conv), cpu(tmp_path / "mm.onnx")
+    # the same integers but where float32 sums in another order (MatMul's kernel, not Conv's) land on the other
+    # side of a rounding boundary: one step, rarely
+    off = np.abs(y_mm.astype(np.int64) - y_conv.astype(np.int64))
+    assert off.max() <= 1 and (off > 0).mean() < 0.01, (off.max(), (off > 0).mean())
+    res = subprocess.run([sys.executable, "-c", _SIMULATE, str(tmp_path)], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, f"the simulator run ended with {res.returncode}: {res.stderr[-2000:]}"
+    y_htp = np.load(tmp_path / "y_htp.npy")
+    assert np.abs(y_htp.astype(np.int64) - y_conv.astype(np.int64)).max() <= 2  # LSBs of the 16-bit output
