@@ -477,3 +477,25 @@ def test_a_compile_in_its_own_process_brings_back_qnns_refusal_as_the_user_error
         run.result(State())
     assert "this version's quantize stage" in e.value.fix
     assert set(Path(tempfile.gettempdir()).glob("npustudio-*")) == before
+
+
+def test_the_main_job_plans_precision_and_bundle_form_from_the_recorded_fit(project: Project,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`npustudio run` without --precision: the best quality whose bundle loads where the job deploys; with a
+    protection domain the tiny model's contexts outgrow (standing in for a 1B on the simulator), w4a16 and, where
+    even that is too large with the prompt graphs, the token graphs only; a precision the user gave is kept."""
+    from npustudio.core import parts
+    from npustudio.core.quantize import QuantizeOptions
+
+    plan, q, c, b = pipeline.job_plan(project, QuantizeOptions(), CompileOptions(optimize="quick"))
+    assert (plan.precision, q.precision, c.weight_sharing, b.prompt_graphs) == ("w8a16", "w8a16", False, True)
+    fit = {f.precision: f for f in project.record("model").result_as(pipeline.IntakeResult).fit}
+    between = (fit["w4a16"].context_bytes_simulator + fit["w8a16"].context_bytes_simulator) // 2
+    monkeypatch.setattr(parts, "PD_BUDGET_BYTES", between)
+    plan, q, c, b = pipeline.job_plan(project, QuantizeOptions(), CompileOptions(optimize="quick"))
+    assert (plan.precision, b.prompt_graphs) == ("w4a16", True) and "protection domain" in plan.why
+    monkeypatch.setattr(parts, "PD_BUDGET_BYTES", fit["w4a16"].context_bytes_phone + 1)
+    plan, q, c, b = pipeline.job_plan(project, QuantizeOptions(precision="w8a16"), CompileOptions(optimize="quick"))
+    assert (q.precision, b.prompt_graphs) == ("w8a16", False) and "one token at a time" in plan.why
+    plan, q, c, b = pipeline.job_plan(project, QuantizeOptions(), CompileOptions(optimize="phone"))
+    assert c.weight_sharing and b.prompt_graphs  # a phone loads weight-shared contexts, prompt graphs kept

@@ -176,6 +176,24 @@ def test_fit_estimate_splits_big_models_into_parts_and_says_when_no_phone_fits()
     assert w8.min_phone_ram_gb is None
 
 
+def test_the_plan_picks_the_best_precision_whose_bundle_loads_where_it_goes() -> None:
+    """The 1B shape: at w8a16 the simulator's two graphs per part (each with its weights) are over one protection
+    domain, so the simulator gets w4a16; a phone's weight-shared contexts fit at w8a16; the default-sized model
+    takes w8a16 everywhere; a choice the user made is kept, and left out prompt graphs are said."""
+    fit = models.fit_table(_card(), 1024)
+    sim, phone = models.plan(fit, "simulator"), models.plan(fit, "phone")
+    assert (sim.precision, sim.weight_sharing) == ("w4a16", False)
+    assert "w8a16" in sim.why and "protection domain" in sim.why
+    assert (phone.precision, phone.weight_sharing, phone.prompt_graphs) == ("w8a16", True, True)
+    small = models.fit_table(_card(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152), 1024)
+    assert models.plan(small, "simulator").precision == "w8a16"
+    kept = models.plan(fit, "simulator", precision="w8a16")
+    assert kept.precision == "w8a16" and not kept.prompt_graphs and "one token at a time" in kept.why
+    too_big = models.plan(models.fit_table(_card(layers=40, hidden=5120, intermediate=13824, heads=40), 1024),
+                          "simulator")
+    assert too_big.precision == "w4a16" and not too_big.prompt_graphs
+
+
 def test_card_json_is_what_info_prints(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from npustudio.cli import main
 
@@ -183,6 +201,9 @@ def test_card_json_is_what_info_prints(tiny_llama: Path, capsys: pytest.CaptureF
     data = json.loads(capsys.readouterr().out)
     assert data["layers"] == 2 and data["kv_heads"] == 2 and data["head_dim"] == 16
     assert [f["precision"] for f in data["fit"]] == ["w8a16", "w4a16"]
+    assert abs(data["fit"][1]["context_bytes_simulator"] - 2 * data["fit"][1]["context_bytes_phone"]) <= 1
+    assert data["fit"][0]["ppl_ratio_default_model"] < data["fit"][1]["ppl_ratio_default_model"]
+    assert data["recommended"]["simulator"]["precision"] == "w8a16"  # a tiny model loads at the best quality
     assert data["fit"][0]["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 512
 
 

@@ -176,10 +176,11 @@ def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
     from ..core.quantize import QuantizeOptions
     from ..core.quantize.presets import load_overrides
 
-    return QuantizeOptions(precision=a.precision, target=a.target, seq_mse=a.seq_mse, rotate=a.rotate,
+    chosen = {"precision": a.precision} if a.precision else {}  # `run` plans it when neither flag nor settings do
+    return QuantizeOptions(target=a.target, seq_mse=a.seq_mse, rotate=a.rotate,
                            calib_corpus=a.calib_corpus, calib_samples=a.calib_samples, calib_len=a.calib_len,
                            overrides=load_overrides(a.overrides), eval_chars=a.eval_chars, device=a.device,
-                           eval_corpus=getattr(a, "eval_corpus", None))
+                           eval_corpus=getattr(a, "eval_corpus", None), **chosen)
 
 
 def compile_options(a: argparse.Namespace) -> CompileOptions:

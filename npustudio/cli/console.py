@@ -95,6 +95,8 @@ def live_state(quiet: bool = False) -> Iterator[State]:
                 err.print(f"  window {ev.data['window']}: {vals}")
             elif ev.kind == "warning":  # something the run went on without (a cache it could not write): said always
                 err.print(f"[bold yellow]warning:[/] {escape(ev.data['message'])}")
+            elif ev.kind == "plan":  # what the job chose before its long stages: said always
+                err.print(f"[bold]plan:[/] {escape(ev.data['message'])}")
 
         state.subscribe(on)
         yield state

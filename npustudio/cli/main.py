@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-ask", action="store_true", help="stop at the verified bundle (skip the Genie question)")
     json_arg(s)
     preferred(s)
+    if "default_precision" not in prefs.model_fields_set:  # neither the flag nor the settings: the job plans it
+        s.set_defaults(precision=None)
+        next(x for x in s._actions if x.dest == "precision").help = (
+            "w8a16 or w4a16 (default: the best quality whose bundle loads where the job deploys, from the model's "
+            "fit; said before the long stages)")
 
     s = add("compile", stages.cmd_compile, "compile the quantized graphs to QNN HTP context binaries and verify them")
     s.add_argument("--project", type=given, required=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from .console import out
@@ -12,7 +13,8 @@ if TYPE_CHECKING:
     from ..core.pipeline import CompileSummary, QuantizeSummary
 
 
-def card_table(card: dict[str, Any], fits: list[dict[str, Any]]) -> None:
+def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str, dict[str, Any]] | None = None
+               ) -> None:
     from ..core.models import format_value, human_bytes
 
     t = Table(title=f"{card['source']}  —  {card['family']} ({card['architecture']})", show_header=False)
@@ -23,17 +25,24 @@ def card_table(card: dict[str, Any], fits: list[dict[str, Any]]) -> None:
     t.add_row("chat template", "yes" if card.get("chat_template") else "no")
     out.print(t)
     f = Table(title=f"Fit at context {fits[0]['context_length']}")
-    for col in ("precision", "weights", "KV cache (8-bit)", "HTP parts", "phone RAM", "fits phones with"):
+    for col in ("precision", "weights", "KV cache (8-bit)", "HTP parts", "bundle: phone / simulator", "phone RAM",
+                "fits phones with", "decode bound (SM8750)", "PPL cost (default model)"):
         f.add_column(col)
     for e in fits:
         tier = f"≥ {e['min_phone_ram_gb']} GB" if e["min_phone_ram_gb"] else "none listed (too large)"
         cut = f"{e['parts']} (largest {e['largest_part_mb']:,.0f} MiB)" if e["parts"] else "none fits"
+        ratio = e.get("ppl_ratio_default_model")
         f.add_row(e["precision"], human_bytes(e["weight_bytes"]), human_bytes(e["kv_cache_bytes"]), cut,
-                  human_bytes(e["phone_ram_bytes"]), tier)
+                  f"{human_bytes(e['context_bytes_phone'])} / {human_bytes(e['context_bytes_simulator'])}",
+                  human_bytes(e["phone_ram_bytes"]), tier, f"{e['decode_tok_s_bound']:,.0f} tok/s",
+                  f"×{ratio:.3f}" if ratio else "—")
     out.print(f)
     for e in fits:
         if e["parts_problem"]:
             out.print(f"{e['precision']}: {e['parts_problem']}")
+    if plans:
+        for where, pl in plans.items():
+            out.print(f"recommended for {where}: [bold]{pl['precision']}[/] — {escape(pl['why'])}")
 
 
 def host_table(h: Any) -> None:

@@ -27,11 +27,14 @@ def cmd_info(a: argparse.Namespace) -> int:
     with err.status(f"reading {a.model}"):
         source = pipeline.resolve(a.model)
         res = pipeline.describe(source, a.cl, a.ar, a.max_part_mb)
+    from ..core.models import plan
+
     fits = [f.model_dump() for f in res.fit]
+    plans = {where: plan(res.fit, where).model_dump() for where in ("phone", "simulator")}  # type: ignore[arg-type]
     if a.json:
-        print_json(res.card.model_dump() | {"fit": fits, "host": res.host.model_dump()})
+        print_json(res.card.model_dump() | {"fit": fits, "recommended": plans, "host": res.host.model_dump()})
     else:
-        card_table(res.card.model_dump(), fits)
+        card_table(res.card.model_dump(), fits, plans)
         host_table(res.host)
     return 0
 

@@ -576,8 +576,19 @@ class FitEstimate(BaseModel):
     parts_problem: str | None = None
     phone_ram_bytes: int
     min_phone_ram_gb: int | None
+    context_bytes_phone: int = Field(0, description="the bundle's context binaries for a phone (weight-shared: "
+                                                    "each part's weights once)")
+    context_bytes_simulator: int = Field(0, description="the same for the x86 simulator (one binary per graph: "
+                                                        "each part's weights in the prompt and the token graph)")
+    decode_tok_s_bound: float = Field(0.0, description="decode roofline on the default target (SM8750)")
+    ppl_ratio_default_model: float | None = Field(None, description="quantized/float perplexity measured on the "
+                                                                     "default model at this precision")
     assumptions: str
 
+
+# quantized/float perplexity of SmolLM2-135M-Instruct at each preset (`npustudio run --precision P --json`, its
+# quantize stage's ratio, 2 cores): what a precision costs a real model, shown beside the estimates
+MEASURED_PPL_RATIO = {"w8a16": 1.0069, "w4a16": 1.3383}
 
 PRECISIONS = {
     # bits per weight for the decoder layers, the LM head and the embedding table (a Gather whose table
@@ -631,12 +642,17 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
     except UserError as e:
         ranges, problem = None, e.problem
     ram = int(weights * 1.1 + kv + 256 * 1024**2)  # +10 % I/O buffers, +256 MB Genie/QNN runtime
+    from .targets import DEFAULT_SOC, decode_tok_s_bound, find_soc
     tier = next((g for g in PHONE_RAM_TIERS_GB if ram <= 0.5 * g * GiB), None)
     return FitEstimate(
         precision=precision, context_length=context_length, prompt_ar=ar, weight_bytes=weights, kv_cache_bytes=kv,
         parts=len(ranges) if ranges else None, parts_problem=problem,
         largest_part_mb=parts.mib(max(pm.estimate(r) for r in ranges)) if ranges else None,
         phone_ram_bytes=ram, min_phone_ram_gb=tier,
+        context_bytes_phone=int(weights * parts.CONTEXT_PER_WEIGHT),
+        context_bytes_simulator=int(2 * weights * parts.CONTEXT_PER_WEIGHT),
+        decode_tok_s_bound=decode_tok_s_bound(find_soc(DEFAULT_SOC), weights + kv),
+        ppl_ratio_default_model=MEASURED_PPL_RATIO.get(precision),
         assumptions=("weights at the preset's bitwidths (embedding table 16-bit, LM head 8-bit), 8-bit KV "
                      f"cache, each part's HTP graph under {max_part_mb:,.0f} MiB (the HTP refuses graphs over "
                      f"{parts.HTP_GRAPH_LIMIT_KB // 1024:,} MiB), an app may use about half of the phone's RAM"),
@@ -646,6 +662,57 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
 def fit_table(card: ArchCard, context_length: int, ar: int = 128,
               max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> list[FitEstimate]:
     return [fit_estimate(card, p, context_length, ar, max_part_mb) for p in PRECISIONS]
+
+
+class Plan(BaseModel):
+    """The precision and bundle form that make the model load where it is going, and why: what `npustudio run`
+    chooses when no precision is given, says before the long stages and records."""
+
+    precision: str
+    prompt_graphs: bool = Field(description="the bundle keeps the AR-N prompt graphs (else the prompt is read one "
+                                            "token at a time: half the contexts)")
+    weight_sharing: bool = Field(description="one binary per part holding both graphs (a phone's form)")
+    destination: Literal["phone", "simulator"]
+    why: str
+
+
+def plan(fit: list[FitEstimate], destination: Literal["phone", "simulator"], precision: str | None = None) -> Plan:
+    """The first precision (best quality first: w8a16, then w4a16) whose parts fit the HTP's per-graph limit, a
+    phone's RAM and, as `destination` loads them, one protection domain; `precision` when the user chose one.
+    On a phone the contexts are weight-shared; the x86 simulator cannot load those, so there each graph carries its
+    weights and a model whose prompt and token graphs together are over one domain drops the prompt graphs."""
+    budget, gib = parts.PD_BUDGET_BYTES, 2**30
+    by = {f.precision: f for f in fit}
+
+    def size(f: FitEstimate) -> int:
+        return f.context_bytes_phone if destination == "phone" else f.context_bytes_simulator
+
+    def problem(f: FitEstimate) -> str | None:
+        if f.parts is None:
+            return "no cut of it fits the HTP's per-graph limit"
+        if f.min_phone_ram_gb is None:
+            return "it needs more RAM than the phones listed have"
+        if size(f) > budget:
+            return (f"its contexts ({size(f) / gib:.1f} GiB) would not fit one HTP protection domain "
+                    f"(~{budget / gib:.0f} GiB)")
+        return None
+
+    if precision is not None:
+        chosen, why = by[precision], f"{precision}, as chosen"
+    elif (fitting := [f for f in fit if problem(f) is None]):
+        chosen = fitting[0]
+        why = (f"{chosen.precision}: the best quality that loads on the {destination}" if chosen is fit[0] else
+               f"{chosen.precision}: at {fit[0].precision} {problem(fit[0])}")
+    else:  # none loads whole: the smallest, and the form below says what is left out
+        chosen = fit[-1]
+        why = f"{chosen.precision}, the smallest preset: even so {problem(chosen)}"
+    shared = destination == "phone"
+    prompt = shared or chosen.context_bytes_simulator <= budget
+    if not prompt:
+        why += (f"; the prompt graphs are left out on the simulator (with them its contexts are "
+                f"{chosen.context_bytes_simulator / gib:.1f} GiB): the prompt is read one token at a time")
+    return Plan(precision=chosen.precision, prompt_graphs=prompt, weight_sharing=shared, destination=destination,
+                why=why)
 
 
 def format_value(v: Any) -> str:
@@ -677,6 +744,6 @@ def human_bytes(n: float) -> str:
     return f"{n}"
 
 
-__all__ = ["ArchCard", "FitEstimate", "LoadedModel", "ModelSource", "download", "fingerprint", "fit_estimate",
-           "fit_table", "format_value", "human_bytes", "human_number", "load", "make_card", "read_card",
+__all__ = ["ArchCard", "FitEstimate", "LoadedModel", "ModelSource", "Plan", "download", "fingerprint", "fit_estimate",
+           "fit_table", "format_value", "human_bytes", "human_number", "load", "make_card", "plan", "read_card",
            "resolve_source"]

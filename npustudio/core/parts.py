@@ -25,6 +25,12 @@ HTP_GRAPH_LIMIT_KB = 2_097_152
 MARGIN = 0.9  # of the limit: the estimate is ours, not QNN's
 DEFAULT_MAX_PART_MB = int(HTP_GRAPH_LIMIT_KB * MARGIN / 1024)  # 1843 MiB
 WEIGHT_FACTOR = 1.25
+# Genie loads every context of a dialog into one HTP protection domain, a 32-bit address space: measured on the
+# simulator, three ~0.9 GB contexts load and a fourth fails ("Failed to find available PD", error 1002)
+PD_BUDGET_BYTES = 3 * 2**30
+# a context binary's bytes per byte of the weights it holds (measured on SmolLM2-135M: the AR-128 graph's binary
+# 219 MB over 191 MB of weights at w8a16, 161 MB over 139 MB at w4a16; the AR-1 graph's a little less)
+CONTEXT_PER_WEIGHT = 1.16
 
 
 class PartModel(BaseModel):

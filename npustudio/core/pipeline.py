@@ -538,6 +538,7 @@ class RunSummary(BaseModel):
     bundle: BundleSummary
     sample: SampleAnswer | None
     stages: dict[str, StageFigures]
+    plan: models.Plan | None = None
 
 
 def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,
@@ -556,8 +557,10 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     state = state or State()
     with opened(project_dir) as project:
         rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force, cluster=cluster)
+    chosen, qoptions, coptions, boptions = job_plan(project, qoptions, coptions)
+    state.partial("plan", message=chosen.why)
     qrec = quantize(project, qoptions, state.sub(0.3, 0.7), force=force, cluster=cluster)
-    crec, brec = compile_and_bundle(project, coptions, state.sub(0.7, 0.9), force=force, cluster=cluster)
+    crec, brec = compile_and_bundle(project, coptions, state.sub(0.7, 0.9), boptions, force=force, cluster=cluster)
     sample = None
     if ask:
         sample = ask_on_device(project, on_text=on_text, state=state.sub(0.9, 1.0))
@@ -573,7 +576,24 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
         sample=sample,
         stages={n: StageFigures(seconds=round(s.seconds, 2), peak_rss_mb=round(s.peak_rss_mb))
                 for n, s in m.stages.items()},
+        plan=chosen,
     )
+
+
+def job_plan(project: Project, qoptions: quantize_stage.QuantizeOptions, coptions: compile_stage.CompileOptions
+             ) -> tuple[models.Plan, quantize_stage.QuantizeOptions, compile_stage.CompileOptions,
+                        bundle_stage.BundleOptions]:
+    """What the main job builds so that the bundle loads where it goes (`models.plan` over the model's recorded
+    fit): the precision unless the user chose one, weight sharing for a phone unless told, and for the simulator the
+    prompt graphs only when its contexts fit one protection domain with them."""
+    fit = project.record("model").result_as(IntakeResult).fit  # type: ignore[union-attr]
+    destination: Literal["phone", "simulator"] = "phone" if coptions.optimize == "phone" else "simulator"
+    given = qoptions.precision if "precision" in qoptions.model_fields_set else None
+    chosen = models.plan(fit, destination, given)
+    qoptions = qoptions.model_copy(update={"precision": chosen.precision})
+    if "weight_sharing" not in coptions.model_fields_set:
+        coptions = coptions.model_copy(update={"weight_sharing": chosen.weight_sharing})
+    return chosen, qoptions, coptions, bundle_stage.BundleOptions(prompt_graphs=chosen.prompt_graphs)
 
 
 def graphs_for(ask: bool) -> Literal["phone", "quick"]:

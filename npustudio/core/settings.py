@@ -80,6 +80,7 @@ def save(s: Settings, where: Path | None = None) -> None:
     the last write holds the newest settings."""
     try:
         with _WRITING:
-            atomic_write_text(where or path(), s.model_dump_json(indent=2) + "\n")
+            # only what someone set: a default left alone stays a default (the job plans an unset precision)
+            atomic_write_text(where or path(), s.model_dump_json(indent=2, exclude_unset=True) + "\n")
     except (OSError, UserError) as e:
         log.warning("Settings not saved: %s", e)

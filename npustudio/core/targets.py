@@ -40,3 +40,9 @@ def find_soc(name: str) -> Soc:
         raise UserError(f"Unknown target SoC {name!r}.",
                         "Use one of: " + ", ".join(f"{s.soc} ({s.product})" for s in KNOWN_SOCS.values()) + ".")
     return KNOWN_SOCS[key]
+
+
+def decode_tok_s_bound(target: Soc, bytes_per_token: float) -> float:
+    """Upper bound on decode speed: each generated token reads `bytes_per_token` (all weights and the KV cache)
+    once from the phone's memory at its peak bandwidth."""
+    return round(target.memory_gb_s * 1e9 / bytes_per_token, 1)

@@ -32,9 +32,9 @@ from ..progress import trim_heap
 SHARED_INPUTS = ("attention_mask", "position_ids_cos", "position_ids_sin")
 
 
-# bytes per element by ONNX type; the 4-bit types are stored two to a byte in the HTP's binary too (measured: an
-# LPBQ layer's context holds ~4 bits per weight)
-_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2, 21: 0.5, 22: 0.5}
+# bytes per element by ONNX type; 4-bit types as 8: the binary stores them two to a byte, but QNN's own allocation
+# estimate, which the HTP's per-graph limit applies to, counts them wider (see core/parts.py)
+_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2, 21: 1, 22: 1}
 _LAYER = re.compile(r"(?:^|/)layers[./](\d+)[./]")
 _HEAD = re.compile(r"^/?(?:lm_head|norm)[./]")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..parts import PD_BUDGET_BYTES
 
 H = ctypes.c_void_p
 _LOGCB = ctypes.CFUNCTYPE(None, H, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p)
@@ -29,9 +30,6 @@ STATUS = {0: "success", 1: "aborted", 2: "bound handle", 3: "paused", 4: "contex
 SENTENCE = {0: "COMPLETE", 1: "BEGIN", 2: "CONTINUE", 3: "END", 4: "ABORT", 5: "REWIND", 6: "RESUME"}
 LOG_LEVELS = {"error": 1, "warn": 2, "info": 3, "verbose": 4}
 ACTION_ABORT = 1
-# Genie loads every context of a dialog into one HTP protection domain, a 32-bit address space: measured on the
-# simulator, three ~0.9 GB contexts load and a fourth fails ("Failed to find available PD", error 1002)
-PD_BUDGET_BYTES = 3 * 2**30
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

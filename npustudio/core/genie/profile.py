@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from ..errors import UserError
 from ..fsutil import read_json
-from ..targets import Soc
+from ..targets import Soc, decode_tok_s_bound
 
 
 class Event(BaseModel):
@@ -118,9 +118,8 @@ def summarize(p: Profile) -> Summary:
 def roofline(target: Soc, weight_bytes: int, kv_bytes_per_token: int, context: int) -> dict[str, float]:
     """Upper bound on decode speed: every generated token reads all weights and the KV cache once."""
     per_token = weight_bytes + kv_bytes_per_token * context
-    bw = target.memory_gb_s * 1e9
     return {"memory_gb_s": target.memory_gb_s, "bytes_per_token": per_token,
-            "decode_tok_s_bound": round(bw / per_token, 1)}
+            "decode_tok_s_bound": decode_tok_s_bound(target, per_token)}
 
 
 def bundle_roofline(bundle: Path, target: Soc | None = None) -> dict[str, float]:
