@@ -57,9 +57,13 @@ class ModelPage(Page):
         self.form.addRow("Context length (for the estimate):", self.cl)
         self.add_strip("Read model", redo=True)
         self.card = table(["Property", "Value"])
-        self.fit = table(["Precision", "Weights", "KV cache", "Parts", "Phone RAM needed", "Fits"])
+        self.fit = table(["Precision", "Weights", "KV cache", "Parts", "Bundle (phone)", "Decode bound",
+                          "PPL cost (default model)", "Phone RAM needed", "Fits"])
         self.lay.addWidget(self.card, 3)
         self.lay.addWidget(self.fit, 1)
+        self.advice = status_label()  # the precision the main job would choose, and why
+        self.advice.setWordWrap(True)
+        self.lay.addWidget(self.advice)
         self.host = status_label()
         self.host.setWordWrap(True)
         self.lay.addWidget(self.host)
@@ -150,6 +154,12 @@ class ModelPage(Page):
                 verdict = (f"phones with ≥ {f.min_phone_ram_gb} GB" if f.min_phone_ram_gb
                            else "too large for the listed phones")
             colours.append(GOOD if ok else WARN if f.min_phone_ram_gb else BAD)
+            ratio = f.ppl_ratio_default_model
             rows.append((f.precision, models.human_bytes(f.weight_bytes), models.human_bytes(f.kv_cache_bytes),
-                         f.parts, models.human_bytes(f.phone_ram_bytes), verdict))
+                         f.parts, models.human_bytes(f.context_bytes_phone), f"{f.decode_tok_s_bound:,.0f} tok/s",
+                         f"×{ratio:.3f}" if ratio else "—", models.human_bytes(f.phone_ram_bytes), verdict))
         fill(self.fit, rows, colours)
+        if self.fits:
+            phone, sim = (models.plan(self.fits, where) for where in ("phone", "simulator"))
+            self.advice.setText(f"Recommended: {phone.precision} for a phone ({phone.why.partition(': ')[2]}); "
+                                f"{sim.precision} on this computer's simulator ({sim.why.partition(': ')[2]}).")
