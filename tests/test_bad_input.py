@@ -652,6 +652,30 @@ def test_a_chat_history_too_deep_or_too_large_is_set_aside_and_a_new_one_started
     assert again.set_aside is not None and again.set_aside != hist.set_aside and hist.set_aside.exists()
 
 
+# ----------------------------------------------------------------- the settings file
+@pytest.mark.parametrize(("content", "words"), [
+    ('{"default_precison": "w4a16"}', ["unknown key 'default_precison'", "Did you mean 'default_precision'?"]),
+    ('{"default_precision": "w3a7"}', ["default_precision is 'w3a7'", "use one of: w8a16, w4a16"]),
+    ('{"default_target": "SM1234"}', ["default_target is 'SM1234'", "SM8750"]),
+    ('{"virtual_preview": "sometimes"}', ["virtual_preview is 'sometimes'"]),
+    ('{"recent_projects": ', ["is not valid JSON"]),
+    ("[]", ["holds a JSON list"]),
+    (" " * (2 * 2**20) + "{}", ["larger than 1 MiB"]),
+])
+def test_a_settings_file_the_cli_cannot_use_stops_it_naming_the_file_and_key(tmp_path: Path, capsys: Any,
+                                                                              content: str, words: list[str]) -> None:
+    """It fell back to the defaults without a word: with `default_precison` mistyped, every command ran at w8a16
+    though the user had set w4a16, and a precision no preset has failed in quantize, far from its cause."""
+    from npustudio.core import settings
+
+    f = settings.path()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(content)
+    with nothing_changes(tmp_path):  # the user's config folder included: the file is left for them to correct
+        refused(cli(capsys, "encodings", str(tmp_path / "none.encodings")), str(f), *words,
+                "Correct it, or delete it: the window writes a new one")
+
+
 # ----------------------------------------------------------------- token and keyring
 def test_a_keyring_that_stores_nothing_is_said_to_be_none(tmp_path: Path, capsys: Any,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
