@@ -371,6 +371,50 @@ def test_a_failed_first_command_leaves_no_project_folder(tmp_path: Path, capsys:
     assert not new.exists()
 
 
+@pytest.mark.parametrize("command", ["adapt", "run"])
+@pytest.mark.parametrize(("options", "words"), [
+    (["--ar", "64", "--cl", "32"], ["AR 64 and context length 32 do not fit"]),
+    (["--cl", "100000"], ["exceeds what the model was trained for (1024)"]),
+])
+def test_options_refused_after_the_model_was_read_leave_no_project_folder(
+        tiny_llama: Path, tmp_path: Path, capsys: Any, command: str, options: list[str], words: list[str]) -> None:
+    """The model stage had finished (it reads the config) when adapt refused the options: the new folder stayed,
+    holding only that record. A folder that was empty before is emptied again, and a project with a stage that ran
+    is kept."""
+    new, empty = tmp_path / "new-project", tmp_path / "empty"
+    empty.mkdir()
+    for folder in (new, empty):
+        args = ["adapt", str(tiny_llama), "--project", str(folder)] if command == "adapt" else \
+            ["run", "--model", str(tiny_llama), "--project", str(folder), "--no-ask"]
+        with nothing_changes(tmp_path, allowed=empty if folder == empty else None):  # its mtime changes
+            refused(cli(capsys, *args, *options), *words)
+    assert not new.exists() and list(empty.iterdir()) == []
+
+
+def test_a_refused_command_keeps_a_project_folder_that_holds_more_than_it_made(tmp_path: Path) -> None:
+    """Only what the command made is undone: a file of the user's in the folder, a stage that ran, or another
+    process holding the project keep it."""
+    from npustudio.core.pipeline import INTAKE
+
+    def made(name: str) -> Project:
+        p = Project.open(tmp_path / name)
+        p.run_stage(INTAKE, {}, {}, lambda out: {})
+        return p
+
+    p = made("mine")
+    (p.root / "notes.txt").write_text("mine")
+    assert not p.remove_if_unused(existed=False, cheap=(INTAKE,)) and (p.root / "notes.txt").exists()
+    p = made("ran")
+    with pytest.raises(UserError):
+        p.run_stage("adapt", {}, {}, lambda out: (_ for _ in ()).throw(UserError("no")))
+    assert not p.remove_if_unused(existed=False, cheap=(INTAKE,)) and p.load().attempts
+    p = made("busy")
+    p.run_stage("hold", {}, {}, lambda out: {"removed": Project(p.root).remove_if_unused(False, (INTAKE, "hold"))})
+    assert p.record("hold").result == {"removed": False}  # type: ignore[union-attr]
+    p = made("ours")
+    assert p.remove_if_unused(existed=False, cheap=(INTAKE,)) and not p.root.exists()
+
+
 def test_an_edited_output_is_named_and_its_stage_rerun_is_asked_for(tmp_path: Path, capsys: Any) -> None:
     p = adapted_project(tmp_path / "proj")
     w = p.root / "stages/adapt/decoder.safetensors"

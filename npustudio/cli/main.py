@@ -252,7 +252,7 @@ def _write_log(a: argparse.Namespace, argv: list[str], tb: str) -> Path | None:
     folders = []
     project = getattr(a, "project", None)
     if project and (Path(project).expanduser() / layout.MANIFEST).is_file():
-        folders.append(Path(project).expanduser() / "logs")
+        folders.append(Path(project).expanduser() / layout.LOGS_DIR)
     folders.append(platformdirs.user_log_path("npustudio"))
     name = f"npustudio-{a.cmd}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     text = (f"npustudio {__version__}, Python {platform.python_version()}, {platform.platform()}\n"
