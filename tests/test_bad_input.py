@@ -415,6 +415,37 @@ def test_a_refused_command_keeps_a_project_folder_that_holds_more_than_it_made(t
     assert p.remove_if_unused(existed=False, cheap=(INTAKE,)) and not p.root.exists()
 
 
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_WRONLY | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()  # until the test closes the pipe
+"""
+
+
+def test_a_killed_stages_partial_folder_is_removed_when_the_project_is_next_opened(tmp_path: Path,
+                                                                                  capsys: Any) -> None:
+    """A killed stage's `.quantize.partial` (gigabytes for a real model) stayed until quantize ran again. Any command
+    opening the project removes it, except while another process holds the project: its stage may be writing it."""
+    import subprocess
+
+    p = Project.open(tmp_path / "proj")
+    partial = p.root / "stages/.quantize.partial"
+    (partial / "sub").mkdir(parents=True)
+    (partial / "sub/weights.bin").write_bytes(b"x" * 1000)
+    old = p.root / "stages/.adapt.old"  # a kill between the swap's renames: maybe the only copy, for run_stage
+    old.mkdir()
+    with subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(p.root)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as holder:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        refused(cli(capsys, "quantize", "--project", str(p.root)), "npustudio adapt")
+        assert (partial / "sub/weights.bin").exists()  # a live process's
+        holder.communicate("")
+    refused(cli(capsys, "quantize", "--project", str(p.root)), "npustudio adapt")  # any command opening it
+    assert not partial.exists() and old.is_dir()
+
+
 def test_an_edited_output_is_named_and_its_stage_rerun_is_asked_for(tmp_path: Path, capsys: Any) -> None:
     p = adapted_project(tmp_path / "proj")
     w = p.root / "stages/adapt/decoder.safetensors"

@@ -24,6 +24,7 @@ LOCK = ".lock"
 STAGES_DIR = "stages"
 RUNS_DIR = "runs"
 LOGS_DIR = "logs"
+SCRATCH_SUFFIX = ".partial"  # stages/.<stage>.partial: a stage's output while it runs
 PROJECT_ENTRIES = (MANIFEST, LOCK, STAGES_DIR, RUNS_DIR, LOGS_DIR)  # all a project folder holds of its own
 SAMPLE_PROFILE = "sample_profile.json"  # in RUNS_DIR: Genie's profile of the sample answer of `npustudio run`
 
@@ -72,7 +73,7 @@ def stage_dir(root: Path, stage: str) -> Path:
 
 def scratch_dir(root: Path, stage: str) -> Path:
     """Where a stage writes while it runs."""
-    return Path(root) / STAGES_DIR / f".{stage}.partial"
+    return Path(root) / STAGES_DIR / f".{stage}{SCRATCH_SUFFIX}"
 
 
 def old_dir(root: Path, stage: str) -> Path:

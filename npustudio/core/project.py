@@ -112,6 +112,23 @@ class Project:
             self.root.mkdir(parents=True, exist_ok=True)
             self.save(Manifest())
         self.load()  # validates
+        self._remove_stale_scratch()
+
+    def _remove_stale_scratch(self) -> None:
+        """Remove what killed stages left (`stages/.X.partial`, often gigabytes), which stayed until that stage ran
+        again. Only while this process can take the project lock: a stage that is running holds it the whole time
+        its scratch folder exists, so its folder is never touched. Best effort: a project that cannot be locked
+        (read-only, busy) is opened as it is."""
+        stages = self.root / layout.STAGES_DIR
+        try:
+            if stages.is_symlink() or not any(_is_scratch(d) for d in stages.iterdir()):
+                return
+            with self._lock():
+                for d in stages.iterdir():
+                    if _is_scratch(d):
+                        shutil.rmtree(d) if d.is_dir() and not d.is_symlink() else d.unlink()
+        except (OSError, UserError):
+            return
 
     def load(self) -> Manifest:
         try:
@@ -288,6 +305,11 @@ class Project:
         if old.exists() and not final.exists():
             os.replace(old, final)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_scratch(path: Path) -> bool:
+    """A stage's scratch folder (`layout.scratch_dir`) by its name."""
+    return path.name.startswith(".") and path.name.endswith(layout.SCRATCH_SUFFIX)
 
 
 def _disk_full(root: Path, stage: str, e: OSError) -> UserError:
