@@ -751,6 +751,16 @@ def test_a_settings_file_the_cli_cannot_use_stops_it_naming_the_file_and_key(tmp
                 "Correct it, or delete it: the window writes a new one")
 
 
+def test_the_settings_accept_the_precisions_the_cli_offers() -> None:
+    """The settings check the helpers' table (a helper may not import the stage): it must name the same presets."""
+    from npustudio.core.models import PRECISIONS
+    from npustudio.core.quantize.presets import PRESETS
+    from npustudio.core.settings import Settings
+
+    assert list(PRECISIONS) == list(PRESETS)
+    assert [Settings(default_precision=p).default_precision for p in PRESETS] == list(PRESETS)
+
+
 # ----------------------------------------------------------------- token and keyring
 def test_a_keyring_that_stores_nothing_is_said_to_be_none(tmp_path: Path, capsys: Any,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:

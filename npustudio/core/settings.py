@@ -27,6 +27,7 @@ from .cluster import Cluster
 from .compute import Device
 from .errors import UserError
 from .fsutil import MiB, atomic_write_text, check_keys, read_json
+from .models import PRECISIONS  # the presets' names (the stage itself is out of a helper's reach)
 from .targets import DEFAULT_SOC, KNOWN_SOCS, find_soc
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,8 @@ class Settings(BaseModel):
     @classmethod
     def _known_precision(cls, v: str) -> str:
         """A precision the CLI and the window offer: another one failed later, in quantize, far from its cause."""
-        from .quantize.presets import PRESETS
-
-        if v not in PRESETS:
-            raise ValueError(f"not a precision NPU Studio knows (use one of: {', '.join(PRESETS)})")
+        if v not in PRECISIONS:
+            raise ValueError(f"not a precision NPU Studio knows (use one of: {', '.join(PRECISIONS)})")
         return v
 
     @field_validator("default_target")
