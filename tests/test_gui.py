@@ -260,7 +260,8 @@ def test_a_settings_file_that_cannot_be_used_is_named_and_kept(qtbot: Any, tmp_p
     w = MainWindow(tmp_path / "p", watch_devices=False)
     qtbot.addWidget(w)
     shown = w.statusBar().currentMessage()
-    for words in (str(f), "unknown key 'default_precison'", "Did you mean 'default_precision'?", "the defaults"):
+    for words in ("Default settings in use", str(f), "unknown key 'default_precison'",
+                  "Did you mean 'default_precision'?"):
         assert words in shown, shown
     assert w.open_project(tmp_path / "q")
     assert QThreadPool.globalInstance().waitForDone(10_000)

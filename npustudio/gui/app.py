@@ -96,8 +96,8 @@ class MainWindow(QMainWindow):
         self._menus()
         if self.settings_refused:
             e = self.settings_refused
-            self.statusBar().showMessage(f"Settings not used, the defaults are: {e.problem} {e.fix} This window "
-                                         "leaves the file as it is unless you save the preferences.")
+            self.statusBar().showMessage(f"Default settings in use, not your file: {e.problem} {e.fix} Until then "
+                                         "this window leaves the file as it is (saving the preferences replaces it).")
         self.open_project(Path(project) if project else self._last_project())
         if watch_devices:
             self.devices.watch()
