@@ -371,6 +371,81 @@ def test_a_failed_first_command_leaves_no_project_folder(tmp_path: Path, capsys:
     assert not new.exists()
 
 
+@pytest.mark.parametrize("command", ["adapt", "run"])
+@pytest.mark.parametrize(("options", "words"), [
+    (["--ar", "64", "--cl", "32"], ["AR 64 and context length 32 do not fit"]),
+    (["--cl", "100000"], ["exceeds what the model was trained for (1024)"]),
+])
+def test_options_refused_after_the_model_was_read_leave_no_project_folder(
+        tiny_llama: Path, tmp_path: Path, capsys: Any, command: str, options: list[str], words: list[str]) -> None:
+    """The model stage had finished (it reads the config) when adapt refused the options: the new folder stayed,
+    holding only that record. A folder that was empty before is emptied again, and a project with a stage that ran
+    is kept."""
+    new, empty = tmp_path / "new-project", tmp_path / "empty"
+    empty.mkdir()
+    for folder in (new, empty):
+        args = ["adapt", str(tiny_llama), "--project", str(folder)] if command == "adapt" else \
+            ["run", "--model", str(tiny_llama), "--project", str(folder), "--no-ask"]
+        with nothing_changes(tmp_path, allowed=empty if folder == empty else None):  # its mtime changes
+            refused(cli(capsys, *args, *options), *words)
+    assert not new.exists() and list(empty.iterdir()) == []
+
+
+def test_a_refused_command_keeps_a_project_folder_that_holds_more_than_it_made(tmp_path: Path) -> None:
+    """Only what the command made is undone: a file of the user's in the folder, a stage that ran, or another
+    process holding the project keep it."""
+    from npustudio.core.pipeline import INTAKE
+
+    def made(name: str) -> Project:
+        p = Project.open(tmp_path / name)
+        p.run_stage(INTAKE, {}, {}, lambda out: {})
+        return p
+
+    p = made("mine")
+    (p.root / "notes.txt").write_text("mine")
+    assert not p.remove_if_unused(existed=False, cheap=(INTAKE,)) and (p.root / "notes.txt").exists()
+    p = made("ran")
+    with pytest.raises(UserError):
+        p.run_stage("adapt", {}, {}, lambda out: (_ for _ in ()).throw(UserError("no")))
+    assert not p.remove_if_unused(existed=False, cheap=(INTAKE,)) and p.load().attempts
+    p = made("busy")
+    p.run_stage("hold", {}, {}, lambda out: {"removed": Project(p.root).remove_if_unused(False, (INTAKE, "hold"))})
+    assert p.record("hold").result == {"removed": False}  # type: ignore[union-attr]
+    p = made("ours")
+    assert p.remove_if_unused(existed=False, cheap=(INTAKE,)) and not p.root.exists()
+
+
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(os.path.join(sys.argv[1], ".lock"), os.O_WRONLY | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()  # until the test closes the pipe
+"""
+
+
+def test_a_killed_stages_partial_folder_is_removed_when_the_project_is_next_opened(tmp_path: Path,
+                                                                                  capsys: Any) -> None:
+    """A killed stage's `.quantize.partial` (gigabytes for a real model) stayed until quantize ran again. Any command
+    opening the project removes it, except while another process holds the project: its stage may be writing it."""
+    import subprocess
+
+    p = Project.open(tmp_path / "proj")
+    partial = p.root / "stages/.quantize.partial"
+    (partial / "sub").mkdir(parents=True)
+    (partial / "sub/weights.bin").write_bytes(b"x" * 1000)
+    old = p.root / "stages/.adapt.old"  # a kill between the swap's renames: maybe the only copy, for run_stage
+    old.mkdir()
+    with subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(p.root)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as holder:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        refused(cli(capsys, "quantize", "--project", str(p.root)), "npustudio adapt")
+        assert (partial / "sub/weights.bin").exists()  # a live process's
+        holder.communicate("")
+    refused(cli(capsys, "quantize", "--project", str(p.root)), "npustudio adapt")  # any command opening it
+    assert not partial.exists() and old.is_dir()
+
+
 def test_an_edited_output_is_named_and_its_stage_rerun_is_asked_for(tmp_path: Path, capsys: Any) -> None:
     p = adapted_project(tmp_path / "proj")
     w = p.root / "stages/adapt/decoder.safetensors"
@@ -650,6 +725,40 @@ def test_a_chat_history_too_deep_or_too_large_is_set_aside_and_a_new_one_started
     f.write_text(content)  # set aside again in the same second: the first one is kept
     again = chat.ChatHistory.load(f)
     assert again.set_aside is not None and again.set_aside != hist.set_aside and hist.set_aside.exists()
+
+
+# ----------------------------------------------------------------- the settings file
+@pytest.mark.parametrize(("content", "words"), [
+    ('{"default_precison": "w4a16"}', ["unknown key 'default_precison'", "Did you mean 'default_precision'?"]),
+    ('{"default_precision": "w3a7"}', ["default_precision is 'w3a7'", "use one of: w8a16, w4a16"]),
+    ('{"default_target": "SM1234"}', ["default_target is 'SM1234'", "SM8750"]),
+    ('{"virtual_preview": "sometimes"}', ["virtual_preview is 'sometimes'"]),
+    ('{"recent_projects": ', ["is not valid JSON"]),
+    ("[]", ["holds a JSON list"]),
+    (" " * (2 * 2**20) + "{}", ["larger than 1 MiB"]),
+])
+def test_a_settings_file_the_cli_cannot_use_stops_it_naming_the_file_and_key(tmp_path: Path, capsys: Any,
+                                                                              content: str, words: list[str]) -> None:
+    """It fell back to the defaults without a word: with `default_precison` mistyped, every command ran at w8a16
+    though the user had set w4a16, and a precision no preset has failed in quantize, far from its cause."""
+    from npustudio.core import settings
+
+    f = settings.path()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(content)
+    with nothing_changes(tmp_path):  # the user's config folder included: the file is left for them to correct
+        refused(cli(capsys, "encodings", str(tmp_path / "none.encodings")), str(f), *words,
+                "Correct it, or delete it: the window writes a new one")
+
+
+def test_the_settings_accept_the_precisions_the_cli_offers() -> None:
+    """The settings check the helpers' table (a helper may not import the stage): it must name the same presets."""
+    from npustudio.core.models import PRECISIONS
+    from npustudio.core.quantize.presets import PRESETS
+    from npustudio.core.settings import Settings
+
+    assert list(PRECISIONS) == list(PRESETS)
+    assert [Settings(default_precision=p).default_precision for p in PRESETS] == list(PRESETS)
 
 
 # ----------------------------------------------------------------- token and keyring

@@ -249,6 +249,31 @@ def test_a_folder_that_is_not_a_project_is_refused_untouched(qtbot: Any, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt", "p"]
 
 
+def test_a_settings_file_that_cannot_be_used_is_named_and_kept(qtbot: Any, tmp_path: Path) -> None:
+    """The window still starts (with the defaults) and says why; its recent-projects write would have replaced the
+    user's file with the defaults. Saving the preferences on purpose writes it again."""
+    from PySide6.QtCore import QThreadPool
+
+    from npustudio.core import settings
+
+    f = settings.path()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text('{"default_precison": "w4a16"}')
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    shown = w.statusBar().currentMessage()
+    for words in ("Default settings in use", str(f), "unknown key 'default_precison'",
+                  "Did you mean 'default_precision'?"):
+        assert words in shown, shown
+    assert w.open_project(tmp_path / "q")
+    assert QThreadPool.globalInstance().waitForDone(10_000)
+    assert f.read_text() == '{"default_precison": "w4a16"}'
+    w.open_settings().accept()
+    assert QThreadPool.globalInstance().waitForDone(10_000)
+    assert settings.load().recent_projects[0] == str((tmp_path / "q").resolve())
+    assert not w.statusBar().currentMessage()
+
+
 def test_token_dialog_checks_with_the_hub_and_stores_only_in_the_keyring(
         qtbot: Any, tmp_path: Path, memory_keyring: Any, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
@@ -29,14 +30,18 @@ from .args import (
 )
 from .console import err
 
+if TYPE_CHECKING:
+    from ..core.settings import Settings
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     """The commands; a stage option's default and help come from the stage's options model, and the defaults the
-    window's settings change (precision, target, device) from the settings the window writes."""
+    window's settings change (precision, target, device) from `prefs`, by default the settings the window writes
+    (a UserError when that file cannot be used)."""
     from ..core import settings as user_settings
     from ..core.adapt import AdaptOptions
 
-    prefs = user_settings.load()
+    prefs = prefs if prefs is not None else user_settings.load()
     p = argparse.ArgumentParser(prog="npustudio", description=__doc__)
     sub = p.add_subparsers(dest="cmd")
 
@@ -187,13 +192,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """A settings file that cannot be used stops every command (its defaults would not be the user's); without a
+    command the window opens and says it itself (see core/settings.py)."""
+    from ..core import settings as user_settings
+
+    try:
+        prefs, refused = user_settings.load(), None
+    except UserError as e:
+        prefs, refused = user_settings.Settings(), e
+    args = build_parser(prefs).parse_args(argv)
     if getattr(args, "debug", False):
         os.environ[quiet.DEBUG_ENV] = "1"
     quiet.libraries()
     if not getattr(args, "fn", None):
         return account.cmd_gui(args)
     try:
+        if refused is not None:
+            raise refused
         return args.fn(args)
     except UserError as e:
         err.print(f"[bold red]error:[/] {escape(e.problem)}")
@@ -242,7 +257,7 @@ def _write_log(a: argparse.Namespace, argv: list[str], tb: str) -> Path | None:
     folders = []
     project = getattr(a, "project", None)
     if project and (Path(project).expanduser() / layout.MANIFEST).is_file():
-        folders.append(Path(project).expanduser() / "logs")
+        folders.append(Path(project).expanduser() / layout.LOGS_DIR)
     folders.append(platformdirs.user_log_path("npustudio"))
     name = f"npustudio-{a.cmd}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     text = (f"npustudio {__version__}, Python {platform.python_version()}, {platform.platform()}\n"

@@ -4,9 +4,11 @@ the device code read and write these names only through here, so a name changes 
 A project folder::
 
     npustudio.json              the manifest: each stage's record (inputs, options, output files, result)
+    .lock                       held (flock) by the one process working on the project
     stages/<stage>/             a stage's output, swapped in whole when the stage ends
     stages/.<stage>.partial/    the same while it runs (a killed stage leaves only this)
     runs/                       profiles of sample answers
+    logs/                       tracebacks of unexpected errors (the CLI's)
 
 A Genie bundle (a project's stages/bundle, or any folder `npustudio bundle` wrote) holds GENIE_CONFIG,
 HTP_EXT_CONFIG, TOKENIZER, METADATA, SAMPLE_PROMPT, the context binaries and, once chatted with, CHAT_HISTORY.
@@ -18,8 +20,12 @@ from pathlib import Path
 
 # ----- a project
 MANIFEST = "npustudio.json"
+LOCK = ".lock"
 STAGES_DIR = "stages"
 RUNS_DIR = "runs"
+LOGS_DIR = "logs"
+SCRATCH_SUFFIX = ".partial"  # stages/.<stage>.partial: a stage's output while it runs
+PROJECT_ENTRIES = (MANIFEST, LOCK, STAGES_DIR, RUNS_DIR, LOGS_DIR)  # all a project folder holds of its own
 SAMPLE_PROFILE = "sample_profile.json"  # in RUNS_DIR: Genie's profile of the sample answer of `npustudio run`
 
 # ----- the model stage
@@ -67,7 +73,7 @@ def stage_dir(root: Path, stage: str) -> Path:
 
 def scratch_dir(root: Path, stage: str) -> Path:
     """Where a stage writes while it runs."""
-    return Path(root) / STAGES_DIR / f".{stage}.partial"
+    return Path(root) / STAGES_DIR / f".{stage}{SCRATCH_SUFFIX}"
 
 
 def old_dir(root: Path, stage: str) -> Path:

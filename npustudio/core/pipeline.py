@@ -5,7 +5,6 @@ Used by both the CLI and the GUI, so they run exactly the same thing.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +31,8 @@ from .progress import State, StateLike, free_big_blocks_at_once
 from .project import Manifest, Project, StageRecord
 from .results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult, Verification
 
+INTAKE = "model"  # the stage that reads the model: its record, not work worth a project folder
+
 
 def default_project_dir() -> Path:
     return platformdirs.user_data_path("npustudio") / "projects" / "default"
@@ -39,8 +40,9 @@ def default_project_dir() -> Path:
 
 @contextmanager
 def opened(project_dir: Path | str) -> Iterator[Project]:
-    """The project for a command that may create it: when the command fails before any stage finished in a
-    project it created, the folder is left as it was (a new folder removed, an empty one emptied again)."""
+    """The project for a command that may create it: when the command fails before any stage but reading the
+    model ran in a project it created, the folder is left as it was (a new folder removed, an empty one emptied
+    again): an option refused after the model stage (`--ar 64 --cl 32`) left a new project behind."""
     root = Path(project_dir).expanduser().resolve()
     existed, fresh = root.exists(), not (root / layout.MANIFEST).exists()
     project = Project.open(root)
@@ -48,21 +50,8 @@ def opened(project_dir: Path | str) -> Iterator[Project]:
         yield project
     except BaseException:
         if fresh:
-            _discard_if_unused(project, existed)
+            project.remove_if_unused(existed, cheap=(INTAKE,))
         raise
-
-
-def _discard_if_unused(project: Project, existed: bool) -> None:
-    try:
-        if project.load().stages:
-            return
-        if not existed:
-            shutil.rmtree(project.root)
-            return
-        for f in project.root.iterdir():  # the folder was empty before: everything in it is ours
-            shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink()
-    except (OSError, UserError):
-        pass  # the original error matters more than this tidying up
 
 
 def resolve(model: str) -> models.ModelSource:
@@ -90,7 +79,7 @@ def intake(project: Project, model: str, cl: int, state: StateLike,
         atomic_write_json(out / layout.MODEL_RESULT, res.model_dump())  # the card, the fit and the host cost
         return res.model_dump()
 
-    rec, _ = project.run_stage("model", inputs={"model": fp}, options={"cl": cl}, fn=fn, force=force)
+    rec, _ = project.run_stage(INTAKE, inputs={"model": fp}, options={"cl": cl}, fn=fn, force=force)
     state.progress(1.0, "model read")
     return source, rec
 

@@ -16,7 +16,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -112,6 +112,23 @@ class Project:
             self.root.mkdir(parents=True, exist_ok=True)
             self.save(Manifest())
         self.load()  # validates
+        self._remove_stale_scratch()
+
+    def _remove_stale_scratch(self) -> None:
+        """Remove what killed stages left (`stages/.X.partial`, often gigabytes), which stayed until that stage ran
+        again. Only while this process can take the project lock: a stage that is running holds it the whole time
+        its scratch folder exists, so its folder is never touched. Best effort: a project that cannot be locked
+        (read-only, busy) is opened as it is."""
+        stages = self.root / layout.STAGES_DIR
+        try:
+            if stages.is_symlink() or not any(_is_scratch(d) for d in stages.iterdir()):
+                return
+            with self._lock():
+                for d in stages.iterdir():
+                    if _is_scratch(d):
+                        shutil.rmtree(d) if d.is_dir() and not d.is_symlink() else d.unlink()
+        except (OSError, UserError):
+            return
 
     def load(self) -> Manifest:
         try:
@@ -145,7 +162,7 @@ class Project:
         """One process per project. The lock file is never truncated and never followed if it is a link."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            fd = open_nofollow(self.root / ".lock", os.O_WRONLY | os.O_CREAT)
+            fd = open_nofollow(self.root / layout.LOCK, os.O_WRONLY | os.O_CREAT)
         except OSError as e:
             raise _disk_error(self.root, e) from e
         try:
@@ -160,6 +177,29 @@ class Project:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    def remove_if_unused(self, existed: bool, cheap: Collection[str] = ()) -> bool:
+        """Undo the making of this project by a command that was refused before it did any work, so a typo in a
+        model name or an option leaves no folder behind. Only when no stage but the `cheap` ones (redone in
+        seconds: reading the model's config) ran, finished or not, and the folder holds nothing but what a project
+        makes (`layout.PROJECT_ENTRIES`); under the lock, so a project another process works on stays. The caller
+        says the folder is its own: a folder that `existed` (empty, as `open` requires) is emptied, a new one
+        removed. True when done; anything in the way leaves it as it is (the command's own error matters more)."""
+        try:
+            with self._lock():
+                m = self.load()
+                if (set(m.stages) | set(m.attempts)) - set(cheap):
+                    return False
+                entries = list(self.root.iterdir())
+                if any(e.name not in layout.PROJECT_ENTRIES for e in entries):
+                    return False
+                for e in entries:
+                    shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
+            if not existed:
+                self.root.rmdir()
+            return True
+        except (OSError, UserError):
+            return False
 
     # ----- stages -----
     def is_current(self, name: str, key: str) -> bool:
@@ -265,6 +305,11 @@ class Project:
         if old.exists() and not final.exists():
             os.replace(old, final)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_scratch(path: Path) -> bool:
+    """A stage's scratch folder (`layout.scratch_dir`) by its name."""
+    return path.name.startswith(".") and path.name.endswith(layout.SCRATCH_SUFFIX)
 
 
 def _disk_full(root: Path, stage: str, e: OSError) -> UserError:

@@ -1,7 +1,16 @@
 """Per-user settings (the platform config dir): recent projects, tool paths, defaults.
 
-Qt-free so the CLI could share them; written atomically; a damaged file falls back to defaults
-instead of keeping the app from starting. The HF token is never here: it lives in the keyring.
+Qt-free so the CLI shares them; written atomically; read bounded (`SETTINGS_LIMIT`). The HF token is never here: it
+lives in the keyring.
+
+A settings file that cannot be used (not JSON, an unknown key such as a typo, a value the model refuses) is a
+UserError naming the file and the key (`load`), never quietly replaced by the defaults, since that lost the user's
+choices without a word. What each front end does with it:
+
+- the CLI takes its defaults (precision, target, device) from here, so every command stops with the problem and its
+  fix (exit 2) rather than run at defaults the user did not choose;
+- the window still starts, with the defaults, and says on its status bar that the file was not used and why; it does
+  not write the file (recent projects) while it is refused, until the user saves the preferences on purpose.
 """
 
 from __future__ import annotations
@@ -12,17 +21,20 @@ import threading
 from pathlib import Path
 
 import platformdirs
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from .cluster import Cluster
 from .compute import Device
 from .errors import UserError
-from .fsutil import atomic_write_text
-from .targets import DEFAULT_SOC
+from .fsutil import MiB, atomic_write_text, check_keys, read_json
+from .models import PRECISIONS  # the presets' names (the stage itself is out of a helper's reach)
+from .targets import DEFAULT_SOC, KNOWN_SOCS, find_soc
 
 log = logging.getLogger(__name__)
 
 MAX_RECENT = 8
+SETTINGS_LIMIT = 1 * MiB  # the file is a few hundred bytes; more is not a settings file
+FIX = "Correct it, or delete it: the window writes a new one with the defaults."
 
 
 class Settings(BaseModel):
@@ -40,6 +52,24 @@ class Settings(BaseModel):
     use_cluster: bool = Field(False, description="run the heavy stages (adapt, quantize, compile) on the cluster")
     cluster_install: bool = Field(False, description="Ray installs this computer's versions of NPU Studio's "
                                                      "requirements on the workers first")
+
+    @field_validator("default_precision")
+    @classmethod
+    def _known_precision(cls, v: str) -> str:
+        """A precision the CLI and the window offer: another one failed later, in quantize, far from its cause."""
+        if v not in PRECISIONS:
+            raise ValueError(f"not a precision NPU Studio knows (use one of: {', '.join(PRECISIONS)})")
+        return v
+
+    @field_validator("default_target")
+    @classmethod
+    def _known_target(cls, v: str) -> str:
+        """A SoC NPU Studio knows, for the same reason."""
+        try:
+            find_soc(v)
+        except UserError:
+            raise ValueError(f"not a target SoC NPU Studio knows (use one of: {', '.join(KNOWN_SOCS)})") from None
+        return v
 
     @property
     def cluster(self) -> Cluster | None:
@@ -63,11 +93,24 @@ def path() -> Path:
     return platformdirs.user_config_path("npustudio") / "settings.json"
 
 
-def load() -> Settings:
-    try:
-        return Settings.model_validate_json(path().read_text(encoding="utf-8"))
-    except (OSError, ValidationError, ValueError):
+def load(where: Path | None = None) -> Settings:
+    """The settings in the file (the defaults when there is none), or a UserError naming the file and what is wrong:
+    not readable JSON, larger than `SETTINGS_LIMIT`, an unknown key (with the closest valid one), or a key whose
+    value the model refuses."""
+    where = where or path()
+    if not os.path.lexists(where):
         return Settings()
+    data = read_json(where, "settings file", FIX, limit=SETTINGS_LIMIT)
+    if not isinstance(data, dict):
+        raise UserError(f"{where} holds a JSON {type(data).__name__}, not NPU Studio's settings (an object).", FIX)
+    check_keys(data, Settings.model_fields, where, "settings", FIX)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(map(str, first["loc"]))
+        why = first.get("ctx", {}).get("error") or first["msg"]
+        raise UserError(f"{where}: {key} is {first.get('input')!r}: {str(why).rstrip('.')}.", FIX) from e
 
 
 _WRITING = threading.Lock()

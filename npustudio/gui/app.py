@@ -52,7 +52,7 @@ class MainWindow(QMainWindow):
         room = screen.availableGeometry().size() if screen else QSize(1440, 900)
         self.resize(min(1440, room.width()), min(900, room.height()))
         QThreadPool.globalInstance().setMaxThreadCount(max(6, QThreadPool.globalInstance().maxThreadCount()))
-        self.settings = user_settings.load()
+        self.settings, self.settings_refused = self._load_settings()
         self.settings.apply()
         self.project: Project | None = None
         self.device: DeviceInfo | None = None
@@ -94,6 +94,10 @@ class MainWindow(QMainWindow):
         self.profile_dock.visibilityChanged.connect(self._give_profiles_room)
         self.devices.selected.connect(self.set_device)
         self._menus()
+        if self.settings_refused:
+            e = self.settings_refused
+            self.statusBar().showMessage(f"Default settings in use, not your file: {e.problem} {e.fix} Until then "
+                                         "this window leaves the file as it is (saving the preferences replaces it).")
         self.open_project(Path(project) if project else self._last_project())
         if watch_devices:
             self.devices.watch()
@@ -172,11 +176,23 @@ class MainWindow(QMainWindow):
         self.chat.reload()
         return True
 
+    @staticmethod
+    def _load_settings() -> tuple[user_settings.Settings, UserError | None]:
+        """The user's settings; a file that cannot be used leaves the defaults and the reason: the window starts
+        anyway, says so, and keeps the file for the user to correct (see core/settings.py)."""
+        try:
+            return user_settings.load(), None
+        except UserError as e:
+            return user_settings.Settings(), e
+
     def _save_settings(self) -> None:
         """Write the settings (the recent projects) in the thread pool: the write is synced to disk, and an fsync
         on the GUI thread blocked a project switch for 0.04-1.4 s while other programs wrote to the disk. Each
         write takes the settings as they are when it runs (`settings.save` writes one at a time), so the file ends
-        with the newest; `main` waits for it once the window has closed (`worker.cancel_all`)."""
+        with the newest; `main` waits for it once the window has closed (`worker.cancel_all`). Not while the
+        user's file is refused: it would replace their settings with the defaults without a word."""
+        if self.settings_refused:
+            return
         where = user_settings.path()
         self._settings_saves += 1
         made = self._settings_saves
@@ -248,8 +264,16 @@ class MainWindow(QMainWindow):
     def open_settings(self) -> SettingsDialog:
         d = SettingsDialog(self, self.settings)
         d.finished.connect(lambda _r: self.compile_page.find_sdk())
+        d.accepted.connect(self._settings_saved)
         d.open()
         return d
+
+    def _settings_saved(self) -> None:
+        """The user saved the preferences on purpose: the file holds this window's settings again."""
+        if self.settings_refused:
+            self.settings_refused = None
+            self.statusBar().clearMessage()
+            self._save_settings()  # the recent projects too
 
     def closeEvent(self, event: QCloseEvent) -> None:
         """With a stage running, ask first (`quit_box`); then cancel what runs and close without waiting for it:
