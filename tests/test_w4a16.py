@@ -174,3 +174,22 @@ def test_an_lpbq_layer_as_matmul_gives_the_convs_integers_on_the_cpu_and_runs_on
     assert res.returncode == 0, f"the simulator run ended with {res.returncode}: {res.stderr[-2000:]}"
     y_htp = np.load(tmp_path / "y_htp.npy")
     assert np.abs(y_htp.astype(np.int64) - y_conv.astype(np.int64)).max() <= 2  # LSBs of the 16-bit output
+
+
+def test_a_prompt_graph_too_slow_for_the_simulator_is_left_out_of_the_check_and_said(w4: Project,
+                                                                                       tmp_path: Path) -> None:
+    """A large w4a16 model's 128-token graph would take ~half an hour per call on the x86 simulator: over the budget
+    the check runs the token graph's steps from the quantsim's prompt cache alone, and the record says so."""
+    from npustudio.core import compile as compile_stage
+    from npustudio.core.compile import CompileOptions
+    from npustudio.core.progress import State
+
+    full = w4.record("compile").result["verification"]
+    r = compile_stage.run(w4.stage_dir("quantize"), w4.stage_dir("adapt"),
+                          CompileOptions(verify_tokens=64, prompt_check_budget_s=0), tmp_path, State())
+    v = r.verification
+    assert v.simulator and "not run on the simulator" in v.simulator and "--prompt-check-budget" in v.simulator
+    assert v.tokens == v.decode_steps == 4 and v.kv_cache_max_diff_steps is None
+    assert list(v.seconds_per_call_htp) == [1]  # the prompt graph never ran there
+    assert v.nll_diff is not None and abs(v.nll_diff) < 0.05 and (v.top1_agreement or 0) >= 0.75
+    assert full["tokens"] > 40 and full["simulator"] is None  # the project's own compile ran the whole check

@@ -109,6 +109,9 @@ def compile_args(s: argparse.ArgumentParser, job: bool = False) -> None:
     option(s, O, "backend", choices=["ort-qnn", "qairt"],
            help="ort-qnn: embedded onnxruntime-qnn (HTP simulator); qairt: the SDK at QNN_SDK_ROOT")
     option(s, O, "verify_tokens", type=int_in(0, MAX_CONTEXT))
+    option(s, O, "prompt_check_budget_s", "--prompt-check-budget", type=number_in(0, 10**7),
+           help="seconds: run the prompt graph on the HTP simulator when its estimated time there is under this "
+                "(over it, the token graph's steps alone are checked and the record says so)")
     option(s, O, "parts", type=int_in(0, 1024),
            help="split the model into N contexts `…_i_of_N` (0: as many as keep each under --max-part-mb)")
     max_part_arg(s)
@@ -188,4 +191,5 @@ def compile_options(a: argparse.Namespace) -> CompileOptions:
 
     chosen = {"optimize": a.optimize} if a.optimize else {}  # `run` decides when it is not given
     return CompileOptions(backend=a.backend, verify_tokens=a.verify_tokens, parts=a.parts,
+                          prompt_check_budget_s=a.prompt_check_budget_s,
                           max_part_mb=a.max_part_mb, weight_sharing=a.weight_sharing, **chosen)

@@ -44,6 +44,9 @@ from . import split
 FORMAT = 1  # bumped when the compiled output changes meaning
 PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and the verification reference
 KEEP_SESSIONS_BYTES = 2**30  # verification keeps a graph's sessions open below this much weight
+# seconds per weight of one 128-token call on the x86 HTP simulator (SmolLM2-135M: the AR-128 graph took 36 s with
+# 134 M int8 weights at w8a16, 187 s with 116 M int4 LPBQ weights and the 28 M int8 LM head at w4a16)
+SIM_SECONDS_PER_WEIGHT = {"int8": 0.268e-6, "int4": 1.54e-6}
 # below this much weight the graphs compile side by side, each in a process of its own, while the CPU checks run:
 # QNN's compile of a graph uses one core (the default model: AR-128 65 s, AR-1 22 s, one after the other); a 1B
 # model's compile holds ~6 GB per graph, so those stay one at a time
@@ -55,6 +58,10 @@ class CompileOptions(StageOptions):
     target: str | None = Field(None, description="SoC; default: the quantize stage's target")
     verify_tokens: int = Field(128, description="eval tokens run through the compiled graphs (0: skip)")
     verify_decode: int = Field(4, description="of which the last ones run as AR-1 steps")
+    prompt_check_budget_s: float = Field(
+        900, ge=0, description="the prompt graph runs on the simulator when its estimated time there is under this "
+                               "many seconds (an LPBQ layer at 128 tokens is ~6x slower there than int8); over it, "
+                               "only the token graph's steps are checked, and the record says so")
     parts: int = Field(0, ge=0, description="contexts the model is split into (0: as many as needed)")
     max_part_mb: float = Field(DEFAULT_MAX_PART_MB, gt=0,
                              description="largest estimated HTP allocation of one part's graph, MiB (the HTP refuses "
@@ -404,11 +411,14 @@ def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: P
     KEEP_SESSIONS_BYTES, on more than one core, they run in a process of their own at the same time (the
     simulator runs one call at a time per process; default model: 56 -> 39-46 s)."""
     text = _VerifyText(quant_dir, adapt_dir, o)
+    names, keep = _graph_names(graphs, parts), _keep_sessions(prep)
+    prompt_s = prompt_seconds_on_simulator(prep, names[graphs[0]])
+    if prompt_s > o.prompt_check_budget_s and text.decode:
+        return _token_steps_only(text, prep, out_dir, graphs, names, keep, io, target, state, prompt_s, cpu)
     if cpu is None:
         state.progress(0.0, f"running {len(text.ids)} tokens through the graphs on the CPU")
         cpu = _on_cpu(text, prep, graphs, io, parts)
         state.check()
-    names, keep = _graph_names(graphs, parts), _keep_sessions(prep)
     state.progress(0.5, f"running {len(text.ids)} tokens through the graphs on the HTP simulator (slow)")
     beside = text.decode > 0 and keep and (os.cpu_count() or 1) > 1
     child = Spawned(partial(_steps_on_simulator, text, graphs[1], out_dir, names, keep, io, target, cpu.cache),
@@ -433,6 +443,52 @@ def verify_on_simulator(quant_dir: Path, adapt_dir: Path, prep: Path, out_dir: P
             "max_abs_logit_diff": round(max_abs_diff(c, h), 4),
             "kv_cache_max_diff_steps": _cache_diff_steps(htp.cache, cpu.cache, io),
             "seconds_per_call_htp": htp.per_call(), "seconds_per_call_cpu": cpu.per_call()}
+
+
+def prompt_seconds_on_simulator(prep: Path, part_names: list[str]) -> float:
+    """The estimated seconds of one call of the prompt graph (all its parts) on the x86 HTP simulator, from its
+    int4 (LPBQ) and other quantized weights (`SIM_SECONDS_PER_WEIGHT`)."""
+    import math
+
+    import onnx
+
+    total = 0.0
+    for name in part_names:
+        model = onnx.load(str(prep / f"{name}.onnx"), load_external_data=False)
+        for t in model.graph.initializer:
+            n = math.prod(t.dims) if len(t.dims) else 1
+            if t.data_type == onnx.TensorProto.INT4:
+                total += n * SIM_SECONDS_PER_WEIGHT["int4"]
+            elif t.data_type == onnx.TensorProto.INT8:
+                total += n * SIM_SECONDS_PER_WEIGHT["int8"]
+    return total
+
+
+def _token_steps_only(text: _VerifyText, prep: Path, out_dir: Path, graphs: list[str], names: dict[str, list[str]],
+                      keep: bool, io: dict[str, IOEncoding], target: Any, state: StateLike, prompt_s: float,
+                      on_cpu: _Run | None) -> dict[str, Any]:
+    """The bounded check: the prompt graph only on the CPU (`on_cpu` when that ran already), and the token graph's
+    steps on the simulator going on from that (quantsim) cache, scored over those steps alone."""
+    if on_cpu is None or on_cpu.steps is None:
+        state.progress(0.0, f"prompt graph over {len(text.ids) - text.decode} tokens on the CPU")
+        on_cpu = _on_cpu(text, prep, graphs, io, {g: names[g] for g in graphs})
+        state.check()
+    cpu, cache = on_cpu.steps, on_cpu.cache
+    assert cpu is not None
+    state.progress(0.5, f"the token graph's {text.decode} steps on the HTP simulator (slow)")
+    htp = text.steps(graphs[1], _simulator(out_dir, names, keep, io, target), cache)
+    ids = text.ids[len(text.ids) - text.decode:]
+    c, h = cpu.logits, htp.logits
+    nll_cpu, nll_htp = nll(c, ids) / max(1, len(ids) - 1), nll(h, ids) / max(1, len(ids) - 1)
+    return {"simulator": f"the prompt graph was compiled but not run on the simulator (its one call is estimated at "
+                         f"{prompt_s / 60:.0f} min there, over --prompt-check-budget): the token graph's "
+                         f"{text.decode} steps were checked, going on from the quantsim's prompt cache",
+            "tokens": len(ids), "prefill_ar": text.ar_n, "decode_steps": text.decode,
+            "nll_quantsim_cpu": round(nll_cpu, 5), "nll_htp": round(nll_htp, 5),
+            "nll_diff": round(nll_htp - nll_cpu, 5),
+            "top1_agreement": round(float((c.argmax(-1) == h.argmax(-1)).float().mean()), 4),
+            "max_abs_logit_diff": round(max_abs_diff(c, h), 4),
+            "seconds_per_call_htp": {1: htp.seconds_per_call}, "seconds_per_call_cpu": {1: cpu.seconds_per_call}}
 
 
 def _cache_diff_steps(got: Cache, ref: Cache, io: dict[str, IOEncoding]) -> float:
