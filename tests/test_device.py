@@ -213,7 +213,7 @@ def test_the_device_receives_exactly_the_prompt_and_runs_nothing_else(vdev: Virt
 
 
 @pytest.mark.parametrize("line,words", [
-    ("Failed to find available PD for contextId 1", "under 4 GB"),
+    ("Failed to find available PD for contextId 1", "one HTP protection domain"),
     ("QnnContext_createFromBinary failed with error 5005", "does not fit this device"),
     ("Failed to load context: error 5000", "older than the one that compiled"),
     ("Error 1008: arch mismatch", "another Hexagon architecture"),

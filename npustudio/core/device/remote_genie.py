@@ -29,8 +29,10 @@ _PID = re.compile(rb"^NPUSTUDIO_PID=(\d+)\n")
 # (pattern in genie-t2t-run's output, explanation, fix)
 FAILURES: list[tuple[str, str, str]] = [
     (r"Failed to find available PD",
-     "The model's context is too large for the NPU (each HTP context must stay under 4 GB).",
-     "Split the model into more parts or use w4a16, then compile and bundle again."),
+     "The bundle's contexts together do not fit in one HTP protection domain (Genie loads every context of a "
+     "dialog into one ~3 GiB address space; more parts do not help).",
+     "Compile with --weight-sharing (each part's weights once, the phone's form), or quantize at w4a16 (half the "
+     "weight bytes), then bundle and deploy again; `npustudio run` without --precision plans this for you."),
     (r"\b5005\b", "The context binary does not fit this device (QNN error 5005: VTCM or model/device mismatch).",
      "Compile for this phone's SoC (`--target`), with the QNN SDK version the phone runs."),
     (r"\b5000\b", "The phone's QNN runtime is older than the one that compiled the binary, or the binary is for "
