@@ -213,29 +213,93 @@ def test_a_failed_stage_shows_the_problem_and_the_fix(qtbot: Any, tmp_path: Path
     assert marks(w)[0] == "todo"
 
 
+def fully_shown(w: Any) -> bool:
+    """Nothing of `w` is cut off or out of view."""
+    return w.isVisible() and w.visibleRegion().boundingRect().size() == w.size()
+
+
 def test_the_window_fits_a_1366x768_laptop_screen_with_both_docks(qtbot: Any, tmp_path: Path) -> None:
     w = MainWindow(tmp_path / "p", watch_devices=False)
     qtbot.addWidget(w)
     w.profile_dock.show()
     w.show()
-    assert w.device_dock.isVisible() and w.chat_dock.isVisible()
+    assert w.tabifiedDockWidgets(w.chat_dock) == [w.device_dock] and w.chat_dock.isVisible()  # one column, tabs
     hint = w.minimumSizeHint()
     assert hint.width() <= 1366 and hint.height() <= 768, hint
     for page in w.pages:  # each page fits beside the docks' column without a sideways scroll
         assert page.minimumSizeHint().width() <= 1366 - 360 - w.steps.width(), page.title
     longest = max(STEPS, key=w.fontMetrics().horizontalAdvance)
     assert w.fontMetrics().horizontalAdvance("↻ " + longest) < w.steps.width()  # step names shown whole
-    # on that screen the profiles get room for their charts (the side panels' minimum heights left them ~90 px),
-    # the device panel stays whole, and closing the profiles gives the chat its height back
+    # on that screen the profiles get room for their charts below the wizard, and the chat beside them keeps the
+    # full height: its messages had ~140 px (~70 with the profiles open) and Send and Stop went out of view
     w.resize(1366, 768)
     w.profile_dock.hide()
     w.profile_dock.show()
     qtbot.waitUntil(lambda: w.profile_dock.height() >= 250)
-    assert w.device_dock.height() >= w.devices.minimumSizeHint().height()
-    chat_squeezed = w.chat_dock.height()
-    w.profile_dock.hide()
-    qtbot.waitUntil(lambda: w.chat_dock.height() > chat_squeezed + 200)
-    assert w.chat_dock.height() > w.device_dock.height() - 100
+    c = w.chat
+    qtbot.waitUntil(lambda: c.transcript.viewport().height() >= 300)
+    for part in (c.send_btn, c.stop_btn, c.input, c.stats, c.regen_btn):
+        assert fully_shown(part), part
+    assert w.profile_dock.geometry().right() < w.chat_dock.geometry().left()  # below the wizard, not the chat
+    w.device_dock.raise_()  # the device panel, in its tab, whole
+    qtbot.waitUntil(lambda: w.device_dock.isVisible())
+    assert w.devices.height() >= w.devices.minimumSizeHint().height()
+
+
+def test_the_chat_status_line_never_moves_the_input_and_enter_sends(qtbot: Any, tmp_path: Path) -> None:
+    """A long status line wrapped and pushed the input box down as an answer's figures changed: it stays one
+    line (elided, whole in its tooltip). The input takes several lines: Shift+Enter breaks the line, Enter sends."""
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    w.resize(1366, 768)
+    w.show()
+    c = w.chat
+    qtbot.waitExposed(w)
+    y, h = c.input.mapTo(c, c.input.rect().topLeft()).y(), c.stats.height()
+    long = "device emulator-5554: 3.05 tok/s, TTFT 2.10 s (Genie's profile), stopped after 120 tokens " * 3
+    c.stats.setText(long)
+    qtbot.wait(50)
+    assert c.stats.height() == h and c.input.mapTo(c, c.input.rect().topLeft()).y() == y
+    assert c.stats.text() == long and c.stats.toolTip() == long
+    c.input.setFocus()
+    qtbot.keyClicks(c.input, "line one")
+    qtbot.keyClick(c.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    qtbot.keyClicks(c.input, "line two")
+    assert c.input.toPlainText() == "line one\nline two"
+    with qtbot.waitSignal(c.input.submitted, timeout=1_000):
+        qtbot.keyClick(c.input, Qt.Key.Key_Return)
+    assert c.input.toPlainText() == "line one\nline two"  # nothing to chat with here: the message is kept
+
+
+def test_a_chat_is_renamed_and_deleted_from_the_chat_panel(qtbot: Any, tmp_path: Path) -> None:
+    """Rename… names the chat in the list (asked in a box); Delete… asks, then forgets it and shows the newest
+    other chat; both are in the saved history."""
+    from npustudio.core import chat as core_chat
+
+    root = tmp_path / "p"
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    hist = core_chat.ChatHistory.load(root / "chat_history.json")
+    hist.current.turns.append(Turn(user="Older question", assistant="A", runner="x"))
+    hist.current.created = 1.0
+    hist.new().turns.append(Turn(user="Newer question", assistant="B", runner="x"))
+    hist.save()
+    c = w.chat
+    c.reload()
+    assert c.chats.currentText() == "Newer question" and c.rename_btn.isEnabled() and c.delete_btn.isEnabled()
+    c.rename_btn.click()
+    assert c.rename_box is not None and c.rename_box.isVisible()
+    c.rename_box.setTextValue("My trip")
+    c.rename_box.accept()
+    assert c.chats.currentText() == "My trip"
+    assert core_chat.ChatHistory.load(root / "chat_history.json").current.title == "My trip"
+    c.delete_btn.click()
+    assert c.delete_box is not None and "My trip" in c.delete_box.text()
+    next(b for b in c.delete_box.buttons() if b.text() == "Delete").click()
+    assert [c.chats.itemText(i) for i in range(c.chats.count())] == ["Older question"]
+    assert [b.text for b in c.transcript.bubbles] == ["Older question", "A"]
+    saved = core_chat.ChatHistory.load(root / "chat_history.json")
+    assert [ch.title for ch in saved.chats] == ["Older question"]
 
 
 def test_a_folder_that_is_not_a_project_is_refused_untouched(qtbot: Any, tmp_path: Path) -> None:
@@ -503,6 +567,11 @@ def test_an_answer_in_markdown_shows_as_formatted_text_with_shaded_code(qtbot: A
     assert code.blockFormat().background().color() == CODE_BACKGROUND
     assert doc.findBlock(shown.index("Done.")).blockFormat().background().style() == Qt.BrushStyle.NoBrush
     assert b.body.height() >= doc.size().height()  # the whole message shows, no scroll inside a bubble
+    poem = Bubble("model", "Model", "Roses are red,\nviolets are blue.\n\n```\ncode one\ncode two\n```")
+    qtbot.addWidget(poem)
+    poem._draw()
+    lines = poem.body.toPlainText().splitlines()  # single line breaks kept (Markdown joined them into one line)
+    assert lines[:2] == ["Roses are red,", "violets are blue."] and "code one" in lines and "code two" in lines
     user = Bubble("user", "You", "**not markdown**")
     qtbot.addWidget(user)
     assert user.body.toPlainText() == "**not markdown**"  # what the user typed, as typed
@@ -541,8 +610,8 @@ def test_chat_regenerates_edits_and_keeps_several_chats_per_project(qtbot: Any, 
     assert c.transcript.bubbles[1].text == again.assistant
 
     c.edit_btn.click()
-    assert c.input.text() == "Hello" and c.send_btn.text() == "Resend"
-    c.input.setText("Hi there")
+    assert c.input.toPlainText() == "Hello" and c.send_btn.text() == "Resend"
+    c.input.setPlainText("Hi there")
     edited = answer(c.send_btn.click)
     assert [t["user"] for t in saved()["turns"]] == ["Hi there"] and c.send_btn.text() == "Send"
     assert "Hi there" in c.transcript.toPlainText() and "You: Hello" not in c.transcript.toPlainText()
