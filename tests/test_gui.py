@@ -271,6 +271,41 @@ def test_the_chat_status_line_never_moves_the_input_and_enter_sends(qtbot: Any, 
     assert c.input.toPlainText() == "line one\nline two"  # nothing to chat with here: the message is kept
 
 
+def test_the_chats_figures_come_from_genies_profile_worded_alike_live_and_final(qtbot: Any, tmp_path: Path) -> None:
+    """The live line said "first after 20.5 s" (the window's clock, the model's loading included) and the final one
+    "TTFT 2.10 s" (Genie's profile): figures now come from the profile only, rounded alike in the status line and
+    the answer's header. A stopped answer without a rate says what is known ("rate ?" before); a regenerated
+    answer that came back the same says why (greedy decoding)."""
+    import time
+    from types import SimpleNamespace
+
+    from npustudio.core import chat as core_chat
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    c = w.chat
+    c._t0 = time.monotonic() - 20.5
+    c._piece("text", {"text": "Paris"})
+    live = c.stats.text()
+    assert live.startswith("answering: 1 token so far") and "first after" not in live and "tok/s" not in live
+    hist = core_chat.ChatHistory.load(tmp_path / "h.json")
+
+    def done(turn: Turn, regenerated: str | None = None) -> str:
+        hist.current.turns[:] = [turn]
+        c._regenerated = regenerated
+        c._done((SimpleNamespace(last_profile=None, history=hist, turns=hist.current.turns), turn))
+        return c.stats.text()
+
+    measured = Turn(user="Q", assistant="Paris", runner="device x", generation_tok_s=3.04811, ttft_s=2.1034)
+    assert done(measured) == "device x: 3.05 tok/s, TTFT 2.10 s"
+    assert c.transcript.bubbles[-1].header.text() == "Model (device x) · 3.05 tok/s, TTFT 2.10 s"
+    stopped = Turn(user="Q", assistant="Par", runner="device x", stopped=True)
+    assert done(stopped) == "device x: stopped after 1 token"
+    c.greedy = True
+    assert "greedy decoding gives the same text" in done(measured, regenerated="Paris")
+    assert "greedy" not in done(measured, regenerated="Lyon")
+
+
 def test_a_chat_is_renamed_and_deleted_from_the_chat_panel(qtbot: Any, tmp_path: Path) -> None:
     """Rename… names the chat in the list (asked in a box); Delete… asks, then forgets it and shows the newest
     other chat; both are in the saved history."""
@@ -597,14 +632,16 @@ def test_chat_regenerates_edits_and_keeps_several_chats_per_project(qtbot: Any, 
             click()
             assert not c.send_btn.isEnabled() and c.stop_btn.isEnabled() and c.stop_btn.isVisible()
         assert c.send_btn.isEnabled() and not c.stop_btn.isEnabled()
-        assert "tok/s" in c.stats.text() or "rate ?" in c.stats.text()
+        assert "tok/s" in c.stats.text() and "rate ?" not in c.stats.text()
         return got.args[0]
 
     first = answer(lambda: c.ask("Hello"))
     saved = lambda: json.loads((root / "chat_history.json").read_text())  # noqa: E731
     assert [t["user"] for t in saved()["turns"]] == ["Hello"]
+    assert "decodes greedily" in c.regen_btn.toolTip()  # the CPU preview: the same messages, the same answer
     again = answer(c.regen_btn.click)
     assert again.user == "Hello" and again.at > first.at
+    assert again.assistant == first.assistant and "greedy decoding gives the same text" in c.stats.text()
     assert [(t["user"], t["at"]) for t in saved()["turns"]] == [("Hello", again.at)]  # replaced, not added
     assert [b.role for b in c.transcript.bubbles] == ["user", "model"]
     assert c.transcript.bubbles[1].text == again.assistant

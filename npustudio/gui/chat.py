@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 from ..core import chat, layout, pipeline
 from ..core.chat import ChatSession, Turn
 from ..core.errors import UserError
+from ..core.models import human_number
 from . import worker
 from .widgets import StatusLine, show_error
 
@@ -204,9 +205,23 @@ class Transcript(QScrollArea):
         return "\n".join(b.plain() for b in self.bubbles)
 
 
+def figures(t: Turn) -> str:
+    """What Genie's profile measured for an answer (its only source of figures: the window's own clock counted the
+    model's loading into a "first token after" that disagreed with the profile's TTFT), worded alike in the status
+    line and the answer's header; "" when the profile has none (an answer stopped early)."""
+    parts = [f"{human_number(t.generation_tok_s)} tok/s"] if t.generation_tok_s else []
+    if t.ttft_s is not None:
+        parts.append(f"TTFT {human_number(t.ttft_s)} s")
+    return ", ".join(parts)
+
+
+def tokens(n: int) -> str:
+    return f"{n} token" + ("" if n == 1 else "s")
+
+
 def answer_header(t: Turn) -> str:
-    rate = f" · {t.generation_tok_s:.1f} tok/s" if t.generation_tok_s else ""
-    return f"Model ({t.runner}){rate}" + (" · stopped" if t.stopped else "")
+    shown = figures(t)
+    return f"Model ({t.runner})" + (f" · {shown}" if shown else "") + (" · stopped" if t.stopped else "")
 
 
 class ChatPanel(QWidget):
@@ -290,6 +305,8 @@ class ChatPanel(QWidget):
         self._answer: Bubble | None = None
         self._t0, self._pieces = 0.0, 0
         self._first: float | None = None  # when the first piece of the answer came
+        self._regenerated: str | None = None  # the answer a Regenerate replaces, to say when it came back the same
+        self.greedy = False  # the runner picks the likeliest token every time (`_note_greedy`)
         self._tick = QTimer(self)  # the status line counts while Genie reads the prompt (minutes on the simulator)
         self._tick.setInterval(500)
         self._tick.timeout.connect(self._show_progress)
@@ -333,8 +350,19 @@ class ChatPanel(QWidget):
             self._enable()
             return
         self._show_chat(hist)
+        self._note_greedy(key)
         self.system.setText(hist.current.system or "")
         self.last_answer = hist.current.turns[-1].assistant if hist.current.turns else ""
+
+    def _note_greedy(self, key: tuple[Any, ...] | None) -> None:
+        """Regenerate's tooltip says when it cannot bring another answer (greedy decoding)."""
+        tip = "Ask the last message again; the new answer replaces the last one"
+        self.greedy = key is not None and chat.samples_greedily(self.window_.project.stage_dir("bundle"),
+                                                                 key[1] == "preview")
+        if self.greedy:
+            tip += (". This runner decodes greedily (the likeliest token every time): the same messages bring the "
+                    "same answer; edit the message for another one")
+        self.regen_btn.setToolTip(tip)
 
     def _ready_text(self, key: tuple[Any, ...] | None) -> str:
         if key is None:
@@ -368,6 +396,7 @@ class ChatPanel(QWidget):
         turns = self._turns()
         if turns and not self.busy:
             self._start(turns[-1].user, replace_last=True)
+            self._regenerated = turns[-1].assistant
 
     def edit_last(self) -> None:
         """The last message into the input box (again: back to a new message)."""
@@ -413,7 +442,7 @@ class ChatPanel(QWidget):
                 b.hide()
         self.transcript.add("user", "You", text)
         self._answer = self.transcript.add("model", "Model: answering…")
-        self._t0, self._pieces, self._first = time.monotonic(), 0, None
+        self._t0, self._pieces, self._first, self._regenerated = time.monotonic(), 0, None, None
         self._tick.start()
         self._show_progress()
         self.window_.devices.log(f"> {text}")
@@ -440,9 +469,8 @@ class ChatPanel(QWidget):
         if self._first is None:
             self.stats.setText(f"processing the prompt… {now - self._t0:.0f} s")
         else:
-            rate = (self._pieces - 1) / (now - self._first) if self._pieces > 1 and now > self._first else 0.0
-            self.stats.setText(f"answering: {self._pieces} tokens, {rate:.1f} tok/s (first after "
-                               f"{self._first - self._t0:.1f} s)")
+            self.stats.setText(f"answering: {tokens(self._pieces)} so far, {now - self._t0:.0f} s (the rate and TTFT "
+                               "follow from Genie's profile)")
 
     def _piece(self, kind: str, data: dict) -> None:
         if kind == "log":  # Genie's own log: to the device console, never into the answer
@@ -466,9 +494,16 @@ class ChatPanel(QWidget):
         self.session, turn = result
         self.last_answer = turn.assistant
         self._end_turn()
-        rate = f"{turn.generation_tok_s:.2f} tok/s" if turn.generation_tok_s else "rate ?"
-        ttft = f"TTFT {turn.ttft_s:.2f} s" if turn.ttft_s is not None else ""
-        self.stats.setText(f"{turn.runner}: {rate} {ttft}" + (" (stopped)" if turn.stopped else ""))
+        shown = figures(turn)
+        if turn.stopped:  # what is known of a stopped answer: its tokens so far, and the profile's figures if any
+            shown = f"stopped after {tokens(self._pieces)}" + (f"; {shown}" if shown else "")
+        elif not shown:
+            shown = f"{tokens(self._pieces)} (no profile from this runner)"
+        if self._regenerated is not None and turn.assistant == self._regenerated and not turn.stopped:
+            shown += (". The same answer: greedy decoding gives the same text for the same messages" if self.greedy
+                      else ". The same answer as before")
+        self._regenerated = None
+        self.stats.setText(f"{turn.runner}: {shown}")
         if self.session.last_profile:
             self.window_.profiles.add_json(f"chat {len(self.session.turns)} ({turn.runner})", self.session.last_profile)
         self._show_chat(self.session.history)
