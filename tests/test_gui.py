@@ -453,6 +453,45 @@ def test_profile_view_draws_a_real_genie_profile(qtbot: Any, genie_project: Proj
         view.add_file(bad)
 
 
+def test_the_profiles_read_at_1366x768_with_a_phones_rate_beside_the_roofline(qtbot: Any) -> None:
+    """At the dock's size on a 1366x768 screen: run names under the bars overlapped (now numbers, the table names
+    them), the legend covered the bars, the timeline's title was cut, a 5 tok/s bar was a line next to a 420 tok/s
+    roofline (now a log axis), and the table showed 0.677123 s."""
+    import math
+
+    import pyqtgraph as pg
+
+    from npustudio.core.genie.profile import Event, Profile
+    from npustudio.gui.profile_view import ProfileView
+
+    def run(rate: float) -> Profile:
+        return Profile(runner="genie", events=[
+            Event(type="GenieDialog_create", component="d", start_us=0, stop_us=677_123, init_time_us=677_123),
+            Event(type="GenieDialog_query", component="d", start_us=700_000, stop_us=9_000_000, ttft_us=2_103_456,
+                  prompt_tokens=40, prompt_rate=412.345, generated_tokens=30, generation_rate=rate)])
+
+    view = ProfileView()
+    qtbot.addWidget(view)
+    view.resize(1003, 345)  # the dock's size on that screen
+    view.show()
+    view.roof = {"decode_tok_s_bound": 420.3, "memory_gb_s": 77.0}
+    for i, rate in enumerate((5.0, 6.5, 5.5)):
+        view.add(f"chat {i + 1} (device R5CX21A9ZZK, Genie on the phone)", run(rate))
+    qtbot.wait(100)
+    for chart in (view.ttft, view.rates):
+        assert chart.getAxis("bottom")._tickLevels == [[(0, "1"), (1, "2"), (2, "3")]]
+    assert cells(view.table)[0][0].startswith("1: chat 1") and cells(view.table)[0][2:4] == ["0.677", "2.10"]
+    assert view.rates.getPlotItem().legend is None
+    title = view.timeline.getPlotItem().titleLabel
+    assert title.item.boundingRect().width() <= view.timeline.width() - 20
+    lo, hi = view.rates.getPlotItem().vb.viewRange()[1]
+    bars = [i for i in view.rates.getPlotItem().items if isinstance(i, pg.BarGraphItem)]
+    gen = min(bars, key=lambda b: b.boundingRect().height())  # the 5 tok/s bars: a fifth of the height at least
+    assert gen.boundingRect().height() / (hi - lo) > 0.2
+    line = next(i for i in view.rates.getPlotItem().items if isinstance(i, pg.InfiniteLine))
+    assert math.isclose(10 ** line.value(), 420.3) and lo <= line.value() <= hi
+
+
 def test_closing_the_window_cancels_the_running_stage_cleanly(qtbot: Any, tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "m", "llama64")
     w = MainWindow(tmp_path / "proj", watch_devices=False)
@@ -782,7 +821,8 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     assert "the bundle's binaries" in shown
     assert w.profiles.roof is not None and w.profiles.roof["decode_tok_s_bound"] == target_figure
     line = next(i for i in w.profiles.rates.getPlotItem().items if isinstance(i, pg.InfiniteLine))
-    assert line.value() == target_figure and f"{target_figure} tok/s" in line.label.textItem.toPlainText()
+    assert round(10 ** line.value(), 1) == target_figure  # drawn on the rates' log axis
+    assert f"{target_figure} tok/s" in line.label.textItem.toPlainText()
     token_bins = sum(f.stat().st_size for f in bundle.glob("token_*.bin"))  # what one generated token reads
     expected = meta.target.memory_gb_s * 1e9 / (token_bins + meta.decoder.kv_bytes_per_token * meta.context_length)
     assert target_figure == round(expected, 1)
@@ -1000,6 +1040,7 @@ def test_the_wheel_over_a_chart_scrolls_its_page_and_ctrl_wheel_zooms_it(qtbot: 
     w.profiles.rates.plot([0, 1, 2], [30.0, 10.0, 20.0])
     w.profile_dock.show()
     qtbot.waitUntil(lambda: w.profile_dock.height() >= 250)
+    w.profiles.setMinimumHeight(600)  # the profiles fit their dock at 1366x768: taller, the dock scrolls
 
     def scroll_area(chart: Any) -> QScrollArea:
         p = chart.parentWidget()
