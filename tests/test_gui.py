@@ -246,6 +246,29 @@ def test_the_window_fits_a_1366x768_laptop_screen_with_both_docks(qtbot: Any, tm
     assert w.devices.height() >= w.devices.minimumSizeHint().height()
 
 
+def test_the_device_properties_read_whole_without_scrolling_at_1366x768(qtbot: Any, tmp_path: Path) -> None:
+    """The properties table showed two rows and both scrollbars: it is now as tall as its rows, values wrapped,
+    and the console still has room below it."""
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    w.resize(1366, 768)
+    w.show()
+    w.device_dock.raise_()
+    w.devices._show([DeviceInfo(serial="emulator-5554", state="device", model="Galaxy S24", soc="SM8650",
+                                product="Snapdragon 8 Gen 3", soc_model=57, dsp_arch="v75", ram_bytes=12 * 2**30,
+                                free_bytes=100 * 2**30, android="14")])
+    qtbot.wait(100)
+    t = w.devices.details
+    assert table_dict(t)["RAM"] == "12.9 GB" and t.rowCount() == 9
+    assert not t.verticalScrollBar().isVisible() and not t.horizontalScrollBar().isVisible()
+    port = t.viewport().rect()
+    for r in range(t.rowCount()):
+        for col in range(2):  # every cell whole in view, its text within its width
+            rect = t.visualRect(t.model().index(r, col))
+            assert port.contains(rect), (r, col, rect, port)
+    assert fully_shown(t) and w.devices.console.height() >= 100
+
+
 def test_the_chat_status_line_never_moves_the_input_and_enter_sends(qtbot: Any, tmp_path: Path) -> None:
     """A long status line wrapped and pushed the input box down as an answer's figures changed: it stays one
     line (elided, whole in its tooltip). The input takes several lines: Shift+Enter breaks the line, Enter sends."""

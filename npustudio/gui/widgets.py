@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QFrame,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QMessageBox,
     QProgressBar,
@@ -117,6 +118,24 @@ def fill(t: QTableWidget, rows: Sequence[Sequence[Any]], colours: Sequence[QColo
             t.setItem(i, j, item)
     t.resizeColumnsToContents()
     t.horizontalHeader().setStretchLastSection(True)
+
+
+def fit_rows(t: QTableWidget) -> None:
+    """A short property table as tall as its rows, long values wrapped: read whole, with no scrollbar either way
+    (a maximum height left the device's properties two rows and both scrollbars). Call it after each `fill`; it
+    follows the table's width by itself once called."""
+    head = t.horizontalHeader()
+    if not t.property("fits_rows"):
+        t.setProperty("fits_rows", True)
+        t.setWordWrap(True)
+        t.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        t.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        t.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        head.sectionResized.connect(lambda *_: fit_rows(t))
+    head.setSectionResizeMode(0, QHeaderView.ResizeMode.ResizeToContents)
+    head.setStretchLastSection(True)
+    t.resizeRowsToContents()
+    t.setFixedHeight(head.height() + sum(t.rowHeight(r) for r in range(t.rowCount())) + 2 * t.frameWidth())
 
 
 def cells(t: QTableWidget) -> list[list[str]]:
