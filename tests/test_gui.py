@@ -1115,6 +1115,25 @@ def test_a_recorded_deploy_shows_as_done_on_the_step_and_its_page_when_reopened(
     assert w.target_page.strip.status.text() == f"Target set: {p.choices()['target']}."
 
 
+def test_the_chat_is_ready_as_soon_as_compile_has_built_the_bundle(
+        qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    """The chat said "No bundle yet (Compile step)." after Compile had built one, until the window was reopened:
+    a finished stage redraws it with the rest of the window."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    bundle = root / "stages" / "bundle"
+    bundle.rename(tmp_path / "bundle")  # as before Compile ran
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.chat.runner.setCurrentIndex(w.chat.runner.findData("preview"))
+    assert w.chat.stats.text().startswith("No bundle yet")
+    (tmp_path / "bundle").rename(bundle)  # what Compile leaves, then the page tells the window
+    w.compile_page.changed.emit()
+    assert w.chat.stats.text().startswith("Ready: This computer: CPU preview")
+
+
 def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
         qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
     """Another target makes Quantize out of date, and Compile with it; Compile is locked until Quantize is redone,

@@ -172,7 +172,6 @@ class MainWindow(QMainWindow):
         self.refresh()  # the steps, every page and the profiles' roofline, from this project
         first = next((i for i, name in enumerate(STEPS) if self.step_state(name) != "done"), len(STEPS) - 1)
         self.steps.setCurrentRow(first)  # resume where it stopped
-        self.chat.reload()
         return True
 
     def _save_settings(self) -> None:
@@ -226,6 +225,8 @@ class MainWindow(QMainWindow):
                         "Run this step again"
                     page.strip.status.setText(f"Out of date: {step.reason}. {then}.")
         self.profiles.set_roofline(self.project.stage_dir("bundle"))
+        if not self.chat.busy:  # a bundle just built: the chat is ready ("No bundle yet" stayed until a restart)
+            self.chat.reload()
 
     def step_state(self, name: str) -> str:
         return str(self.steps.item(STEPS.index(name)).data(Qt.ItemDataRole.UserRole))
