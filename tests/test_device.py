@@ -356,6 +356,54 @@ def test_a_history_saved_before_several_chats_reads_as_one_chat_and_stays_readab
     assert damaged.set_aside.read_text() == '{"turns": [{"user": "Hi"' and chat.ChatHistory.load(f).notice() is None
 
 
+def test_a_chat_can_be_renamed_and_deleted_and_the_file_says_so(tmp_path: Path) -> None:
+    """A name given to a chat replaces its first question in the list, survives a save and a read, and an empty
+    name gives the question back; deleting the current chat shows the newest other one, deleting the last leaves
+    one empty chat; an unknown chat is a UserError."""
+    f = tmp_path / "chat_history.json"
+    hist = chat.ChatHistory.load(f)
+    hist.current.turns.append(chat.Turn(user="First question", assistant="A", runner="x", at=1.0))
+    first = hist.current.id
+    hist.current.created = 1.0
+    hist.new().turns.append(chat.Turn(user="Second question", assistant="B", runner="x"))
+    second = hist.current.id
+    hist.rename(first, "  Paris   trip ")
+    hist.save()
+    back = chat.ChatHistory.load(f)
+    assert [c.title for c in back.listed()] == ["Second question", "Paris trip"]
+    with pytest.raises(UserError, match="too long"):
+        back.rename(first, "x" * 81)
+    back.rename(first, "")
+    assert back._find(first).title == "First question"
+    back.rename(second, "Mine")
+    back.save()
+    assert json.loads(f.read_text())["name"] == "Mine"  # the current chat keeps the file's top-level shape
+    back = chat.ChatHistory.load(f)
+    assert back.delete(second).id == first and back.current_id == first
+    back.save()
+    again = chat.ChatHistory.load(f)
+    assert [c.id for c in again.chats] == [first] and again.current.turns[0].user == "First question"
+    left = again.delete(first)
+    assert left.turns == [] and left.id != first and len(again.chats) == 1
+    with pytest.raises(UserError, match="no longer"):
+        again.delete(first)
+    again.save()
+    assert chat.ChatHistory.load(f).current.turns == []
+
+
+def test_a_bundle_that_samples_greedily_is_said_to(tmp_path: Path) -> None:
+    """Regenerating an answer of a greedy bundle brings the same text: the chat says so. Genie's greedy flag or a
+    top-k of 1 is greedy, the CPU preview always is, sampling is not, and an unreadable config claims nothing."""
+    cfg = tmp_path / "genie_config.json"
+    for sampler, greedy in (({"greedy": True, "top-k": 1}, True), ({"top-k": 1}, True),
+                            ({"top-k": 40, "temp": 0.8}, False)):
+        cfg.write_text(json.dumps({"dialog": {"sampler": sampler}}))
+        assert chat.samples_greedily(tmp_path) is greedy
+        assert chat.samples_greedily(tmp_path, preview=True)
+    cfg.write_text("{")
+    assert not chat.samples_greedily(tmp_path)
+
+
 def test_genie_output_over_adb_splits_into_the_answer_and_genies_log_lines() -> None:
     """genie-t2t-run's one stream (stdout and stderr together): the log lines before and after the answer go to
     the console's log, the prompt's echo to neither, and the answer stays whole, whatever the chunking."""

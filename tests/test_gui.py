@@ -215,29 +215,151 @@ def test_a_failed_stage_shows_the_problem_and_the_fix(qtbot: Any, tmp_path: Path
     assert marks(w)[0] == "todo"
 
 
+def fully_shown(w: Any) -> bool:
+    """Nothing of `w` is cut off or out of view."""
+    return w.isVisible() and w.visibleRegion().boundingRect().size() == w.size()
+
+
 def test_the_window_fits_a_1366x768_laptop_screen_with_both_docks(qtbot: Any, tmp_path: Path) -> None:
     w = MainWindow(tmp_path / "p", watch_devices=False)
     qtbot.addWidget(w)
     w.profile_dock.show()
     w.show()
-    assert w.device_dock.isVisible() and w.chat_dock.isVisible()
+    assert w.tabifiedDockWidgets(w.chat_dock) == [w.device_dock] and w.chat_dock.isVisible()  # one column, tabs
     hint = w.minimumSizeHint()
     assert hint.width() <= 1366 and hint.height() <= 768, hint
     for page in w.pages:  # each page fits beside the docks' column without a sideways scroll
         assert page.minimumSizeHint().width() <= 1366 - 360 - w.steps.width(), page.title
     longest = max(STEPS, key=w.fontMetrics().horizontalAdvance)
     assert w.fontMetrics().horizontalAdvance("↻ " + longest) < w.steps.width()  # step names shown whole
-    # on that screen the profiles get room for their charts (the side panels' minimum heights left them ~90 px),
-    # the device panel stays whole, and closing the profiles gives the chat its height back
+    # on that screen the profiles get room for their charts below the wizard, and the chat beside them keeps the
+    # full height: its messages had ~140 px (~70 with the profiles open) and Send and Stop went out of view
     w.resize(1366, 768)
     w.profile_dock.hide()
     w.profile_dock.show()
     qtbot.waitUntil(lambda: w.profile_dock.height() >= 250)
-    assert w.device_dock.height() >= w.devices.minimumSizeHint().height()
-    chat_squeezed = w.chat_dock.height()
-    w.profile_dock.hide()
-    qtbot.waitUntil(lambda: w.chat_dock.height() > chat_squeezed + 200)
-    assert w.chat_dock.height() > w.device_dock.height() - 100
+    c = w.chat
+    qtbot.waitUntil(lambda: c.transcript.viewport().height() >= 300)
+    for part in (c.send_btn, c.stop_btn, c.input, c.stats, c.regen_btn):
+        assert fully_shown(part), part
+    assert w.profile_dock.geometry().right() < w.chat_dock.geometry().left()  # below the wizard, not the chat
+    w.device_dock.raise_()  # the device panel, in its tab, whole
+    qtbot.waitUntil(lambda: w.device_dock.isVisible())
+    assert w.devices.height() >= w.devices.minimumSizeHint().height()
+
+
+def test_the_device_properties_read_whole_without_scrolling_at_1366x768(qtbot: Any, tmp_path: Path) -> None:
+    """The properties table showed two rows and both scrollbars: it is now as tall as its rows, values wrapped,
+    and the console still has room below it."""
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    w.resize(1366, 768)
+    w.show()
+    w.device_dock.raise_()
+    w.devices._show([DeviceInfo(serial="emulator-5554", state="device", model="Galaxy S24", soc="SM8650",
+                                product="Snapdragon 8 Gen 3", soc_model=57, dsp_arch="v75", ram_bytes=12 * 2**30,
+                                free_bytes=100 * 2**30, android="14")])
+    qtbot.wait(100)
+    t = w.devices.details
+    assert table_dict(t)["RAM"] == "12.9 GB" and t.rowCount() == 9
+    assert not t.verticalScrollBar().isVisible() and not t.horizontalScrollBar().isVisible()
+    port = t.viewport().rect()
+    for r in range(t.rowCount()):
+        for col in range(2):  # every cell whole in view, its text within its width
+            rect = t.visualRect(t.model().index(r, col))
+            assert port.contains(rect), (r, col, rect, port)
+    assert fully_shown(t) and w.devices.console.height() >= 100
+
+
+def test_the_chat_status_line_never_moves_the_input_and_enter_sends(qtbot: Any, tmp_path: Path) -> None:
+    """A long status line wrapped and pushed the input box down as an answer's figures changed: it stays one
+    line (elided, whole in its tooltip). The input takes several lines: Shift+Enter breaks the line, Enter sends."""
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    w.resize(1366, 768)
+    w.show()
+    c = w.chat
+    qtbot.waitExposed(w)
+    y, h = c.input.mapTo(c, c.input.rect().topLeft()).y(), c.stats.height()
+    long = "device emulator-5554: 3.05 tok/s, TTFT 2.10 s (Genie's profile), stopped after 120 tokens " * 3
+    c.stats.setText(long)
+    qtbot.wait(50)
+    assert c.stats.height() == h and c.input.mapTo(c, c.input.rect().topLeft()).y() == y
+    assert c.stats.text() == long and c.stats.toolTip() == long
+    c.input.setFocus()
+    qtbot.keyClicks(c.input, "line one")
+    qtbot.keyClick(c.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    qtbot.keyClicks(c.input, "line two")
+    assert c.input.toPlainText() == "line one\nline two"
+    with qtbot.waitSignal(c.input.submitted, timeout=1_000):
+        qtbot.keyClick(c.input, Qt.Key.Key_Return)
+    assert c.input.toPlainText() == "line one\nline two"  # nothing to chat with here: the message is kept
+
+
+def test_the_chats_figures_come_from_genies_profile_worded_alike_live_and_final(qtbot: Any, tmp_path: Path) -> None:
+    """The live line said "first after 20.5 s" (the window's clock, the model's loading included) and the final one
+    "TTFT 2.10 s" (Genie's profile): figures now come from the profile only, rounded alike in the status line and
+    the answer's header. A stopped answer without a rate says what is known ("rate ?" before); a regenerated
+    answer that came back the same says why (greedy decoding)."""
+    import time
+    from types import SimpleNamespace
+
+    from npustudio.core import chat as core_chat
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    c = w.chat
+    c._t0 = time.monotonic() - 20.5
+    c._piece("text", {"text": "Paris"})
+    live = c.stats.text()
+    assert live.startswith("answering: 1 token so far") and "first after" not in live and "tok/s" not in live
+    hist = core_chat.ChatHistory.load(tmp_path / "h.json")
+
+    def done(turn: Turn, regenerated: str | None = None) -> str:
+        hist.current.turns[:] = [turn]
+        c._regenerated = regenerated
+        c._done((SimpleNamespace(last_profile=None, history=hist, turns=hist.current.turns), turn))
+        return c.stats.text()
+
+    measured = Turn(user="Q", assistant="Paris", runner="device x", generation_tok_s=3.04811, ttft_s=2.1034)
+    assert done(measured) == "device x: 3.05 tok/s, TTFT 2.10 s"
+    assert c.transcript.bubbles[-1].header.text() == "Model (device x) · 3.05 tok/s, TTFT 2.10 s"
+    stopped = Turn(user="Q", assistant="Par", runner="device x", stopped=True)
+    assert done(stopped) == "device x: stopped after 1 token"
+    c.greedy = True
+    assert "greedy decoding gives the same text" in done(measured, regenerated="Paris")
+    assert "greedy" not in done(measured, regenerated="Lyon")
+
+
+def test_a_chat_is_renamed_and_deleted_from_the_chat_panel(qtbot: Any, tmp_path: Path) -> None:
+    """Rename… names the chat in the list (asked in a box); Delete… asks, then forgets it and shows the newest
+    other chat; both are in the saved history."""
+    from npustudio.core import chat as core_chat
+
+    root = tmp_path / "p"
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    hist = core_chat.ChatHistory.load(root / "chat_history.json")
+    hist.current.turns.append(Turn(user="Older question", assistant="A", runner="x"))
+    hist.current.created = 1.0
+    hist.new().turns.append(Turn(user="Newer question", assistant="B", runner="x"))
+    hist.save()
+    c = w.chat
+    c.reload()
+    assert c.chats.currentText() == "Newer question" and c.rename_btn.isEnabled() and c.delete_btn.isEnabled()
+    c.rename_btn.click()
+    assert c.rename_box is not None and c.rename_box.isVisible()
+    c.rename_box.setTextValue("My trip")
+    c.rename_box.accept()
+    assert c.chats.currentText() == "My trip"
+    assert core_chat.ChatHistory.load(root / "chat_history.json").current.title == "My trip"
+    c.delete_btn.click()
+    assert c.delete_box is not None and "My trip" in c.delete_box.text()
+    next(b for b in c.delete_box.buttons() if b.text() == "Delete").click()
+    assert [c.chats.itemText(i) for i in range(c.chats.count())] == ["Older question"]
+    assert [b.text for b in c.transcript.bubbles] == ["Older question", "A"]
+    saved = core_chat.ChatHistory.load(root / "chat_history.json")
+    assert [ch.title for ch in saved.chats] == ["Older question"]
 
 
 def test_a_folder_that_is_not_a_project_is_refused_untouched(qtbot: Any, tmp_path: Path) -> None:
@@ -379,6 +501,45 @@ def test_profile_view_draws_a_real_genie_profile(qtbot: Any, genie_project: Proj
     bad.write_text('{"components": 3}')
     with pytest.raises(UserError, match="not a Genie profile"):
         view.add_file(bad)
+
+
+def test_the_profiles_read_at_1366x768_with_a_phones_rate_beside_the_roofline(qtbot: Any) -> None:
+    """At the dock's size on a 1366x768 screen: run names under the bars overlapped (now numbers, the table names
+    them), the legend covered the bars, the timeline's title was cut, a 5 tok/s bar was a line next to a 420 tok/s
+    roofline (now a log axis), and the table showed 0.677123 s."""
+    import math
+
+    import pyqtgraph as pg
+
+    from npustudio.core.genie.profile import Event, Profile
+    from npustudio.gui.profile_view import ProfileView
+
+    def run(rate: float) -> Profile:
+        return Profile(runner="genie", events=[
+            Event(type="GenieDialog_create", component="d", start_us=0, stop_us=677_123, init_time_us=677_123),
+            Event(type="GenieDialog_query", component="d", start_us=700_000, stop_us=9_000_000, ttft_us=2_103_456,
+                  prompt_tokens=40, prompt_rate=412.345, generated_tokens=30, generation_rate=rate)])
+
+    view = ProfileView()
+    qtbot.addWidget(view)
+    view.resize(1003, 345)  # the dock's size on that screen
+    view.show()
+    view.roof = {"decode_tok_s_bound": 420.3, "memory_gb_s": 77.0}
+    for i, rate in enumerate((5.0, 6.5, 5.5)):
+        view.add(f"chat {i + 1} (device R5CX21A9ZZK, Genie on the phone)", run(rate))
+    qtbot.wait(100)
+    for chart in (view.ttft, view.rates):
+        assert chart.getAxis("bottom")._tickLevels == [[(0, "1"), (1, "2"), (2, "3")]]
+    assert cells(view.table)[0][0].startswith("1: chat 1") and cells(view.table)[0][2:4] == ["0.677", "2.10"]
+    assert view.rates.getPlotItem().legend is None
+    title = view.timeline.getPlotItem().titleLabel
+    assert title.item.boundingRect().width() <= view.timeline.width() - 20
+    lo, hi = view.rates.getPlotItem().vb.viewRange()[1]
+    bars = [i for i in view.rates.getPlotItem().items if isinstance(i, pg.BarGraphItem)]
+    gen = min(bars, key=lambda b: b.boundingRect().height())  # the 5 tok/s bars: a fifth of the height at least
+    assert gen.boundingRect().height() / (hi - lo) > 0.2
+    line = next(i for i in view.rates.getPlotItem().items if isinstance(i, pg.InfiniteLine))
+    assert math.isclose(10 ** line.value(), 420.3) and lo <= line.value() <= hi
 
 
 def test_closing_the_window_cancels_the_running_stage_cleanly(qtbot: Any, tmp_path: Path) -> None:
@@ -530,6 +691,11 @@ def test_an_answer_in_markdown_shows_as_formatted_text_with_shaded_code(qtbot: A
     assert code.blockFormat().background().color() == CODE_BACKGROUND
     assert doc.findBlock(shown.index("Done.")).blockFormat().background().style() == Qt.BrushStyle.NoBrush
     assert b.body.height() >= doc.size().height()  # the whole message shows, no scroll inside a bubble
+    poem = Bubble("model", "Model", "Roses are red,\nviolets are blue.\n\n```\ncode one\ncode two\n```")
+    qtbot.addWidget(poem)
+    poem._draw()
+    lines = poem.body.toPlainText().splitlines()  # single line breaks kept (Markdown joined them into one line)
+    assert lines[:2] == ["Roses are red,", "violets are blue."] and "code one" in lines and "code two" in lines
     user = Bubble("user", "You", "**not markdown**")
     qtbot.addWidget(user)
     assert user.body.toPlainText() == "**not markdown**"  # what the user typed, as typed
@@ -555,21 +721,23 @@ def test_chat_regenerates_edits_and_keeps_several_chats_per_project(qtbot: Any, 
             click()
             assert not c.send_btn.isEnabled() and c.stop_btn.isEnabled() and c.stop_btn.isVisible()
         assert c.send_btn.isEnabled() and not c.stop_btn.isEnabled()
-        assert "tok/s" in c.stats.text() or "rate ?" in c.stats.text()
+        assert "tok/s" in c.stats.text() and "rate ?" not in c.stats.text()
         return got.args[0]
 
     first = answer(lambda: c.ask("Hello"))
     saved = lambda: json.loads((root / "chat_history.json").read_text())  # noqa: E731
     assert [t["user"] for t in saved()["turns"]] == ["Hello"]
+    assert "decodes greedily" in c.regen_btn.toolTip()  # the CPU preview: the same messages, the same answer
     again = answer(c.regen_btn.click)
     assert again.user == "Hello" and again.at > first.at
+    assert again.assistant == first.assistant and "greedy decoding gives the same text" in c.stats.text()
     assert [(t["user"], t["at"]) for t in saved()["turns"]] == [("Hello", again.at)]  # replaced, not added
     assert [b.role for b in c.transcript.bubbles] == ["user", "model"]
     assert c.transcript.bubbles[1].text == again.assistant
 
     c.edit_btn.click()
-    assert c.input.text() == "Hello" and c.send_btn.text() == "Resend"
-    c.input.setText("Hi there")
+    assert c.input.toPlainText() == "Hello" and c.send_btn.text() == "Resend"
+    c.input.setPlainText("Hi there")
     edited = answer(c.send_btn.click)
     assert [t["user"] for t in saved()["turns"]] == ["Hi there"] and c.send_btn.text() == "Send"
     assert "Hi there" in c.transcript.toPlainText() and "You: Hello" not in c.transcript.toPlainText()
@@ -703,7 +871,8 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     assert "the bundle's binaries" in shown
     assert w.profiles.roof is not None and w.profiles.roof["decode_tok_s_bound"] == target_figure
     line = next(i for i in w.profiles.rates.getPlotItem().items if isinstance(i, pg.InfiniteLine))
-    assert line.value() == target_figure and f"{target_figure} tok/s" in line.label.textItem.toPlainText()
+    assert round(10 ** line.value(), 1) == target_figure  # drawn on the rates' log axis
+    assert f"{target_figure} tok/s" in line.label.textItem.toPlainText()
     token_bins = sum(f.stat().st_size for f in bundle.glob("token_*.bin"))  # what one generated token reads
     expected = meta.target.memory_gb_s * 1e9 / (token_bins + meta.decoder.kv_bytes_per_token * meta.context_length)
     assert target_figure == round(expected, 1)
@@ -921,6 +1090,7 @@ def test_the_wheel_over_a_chart_scrolls_its_page_and_ctrl_wheel_zooms_it(qtbot: 
     w.profiles.rates.plot([0, 1, 2], [30.0, 10.0, 20.0])
     w.profile_dock.show()
     qtbot.waitUntil(lambda: w.profile_dock.height() >= 250)
+    w.profiles.setMinimumHeight(600)  # the profiles fit their dock at 1366x768: taller, the dock scrolls
 
     def scroll_area(chart: Any) -> QScrollArea:
         p = chart.parentWidget()
@@ -970,6 +1140,25 @@ def test_a_recorded_deploy_shows_as_done_on_the_step_and_its_page_when_reopened(
     assert marks(w) == ["done"] * 6
     assert w.deploy_page.strip.status.text().startswith("Deployed to emulator-5554:/data/local/tmp/npustudio/proj")
     assert w.target_page.strip.status.text() == f"Target set: {p.choices()['target']}."
+
+
+def test_the_chat_is_ready_as_soon_as_compile_has_built_the_bundle(
+        qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    """The chat said "No bundle yet (Compile step)." after Compile had built one, until the window was reopened:
+    a finished stage redraws it with the rest of the window."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    bundle = root / "stages" / "bundle"
+    bundle.rename(tmp_path / "bundle")  # as before Compile ran
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.chat.runner.setCurrentIndex(w.chat.runner.findData("preview"))
+    assert w.chat.stats.text().startswith("No bundle yet")
+    (tmp_path / "bundle").rename(bundle)  # what Compile leaves, then the page tells the window
+    w.compile_page.changed.emit()
+    assert w.chat.stats.text().startswith("Ready: This computer: CPU preview")
 
 
 def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(

@@ -45,13 +45,17 @@ class Chat(BaseModel):
     """One conversation of a project: what the history list shows and what a prompt is made from."""
 
     id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+    name: str | None = None  # given by a person (`ChatHistory.rename`); else the title is the first question
     system: str | None = None
     turns: list[Turn] = Field(default_factory=list)
     created: float = Field(default_factory=time.time)
 
     @property
     def title(self) -> str:
-        """The first question, cut to a list entry's length ("New chat" while there is none)."""
+        """The name given to it, else the first question, cut to a list entry's length ("New chat" while there is
+        none)."""
+        if self.name:
+            return self.name
         if not self.turns:
             return "New chat"
         first = " ".join(self.turns[0].user.split())
@@ -82,7 +86,7 @@ class ChatHistory:
         why = "it is damaged"
         try:
             data = json.loads(read_at_most(path, cls.LIMIT, follow=False))  # no link, no FIFO: not ours
-            top = Chat(**{k: data[k] for k in ("id", "system", "turns", "created") if k in data})
+            top = Chat(**{k: data[k] for k in ("id", "name", "system", "turns", "created") if k in data})
             if "id" not in data:  # written before chats had ids: the same one at every read, so it can be picked
                 top.id = "first"
                 top.created = top.turns[0].at if top.turns else top.created
@@ -144,6 +148,32 @@ class ChatHistory:
         self.current_id = chat_id
         return self.current
 
+    def rename(self, chat_id: str, name: str) -> Chat:
+        """Give a chat a name of its own for the list (an empty name: back to its first question)."""
+        chat = self._find(chat_id)
+        name = " ".join(name.split())
+        if len(name) > 80:
+            raise UserError("That name is too long for the chat list.", "Use at most 80 characters.")
+        chat.name = name or None
+        return chat
+
+    def delete(self, chat_id: str) -> Chat:
+        """Forget a chat. When it was the current one, the newest other chat becomes current (a new empty one when
+        none is left); returns the current chat."""
+        self._find(chat_id)
+        self.chats = [c for c in self.chats if c.id != chat_id]
+        if not self.chats:
+            self.chats.append(Chat())
+        if self.current_id == chat_id:
+            self.current_id = self.listed()[0].id
+        return self.current
+
+    def _find(self, chat_id: str) -> Chat:
+        chat = next((c for c in self.chats if c.id == chat_id), None)
+        if chat is None:
+            raise UserError("That chat is no longer in this project's history.", "Pick another one.")
+        return chat
+
     def save(self) -> None:
         if self.set_aside == self.path:
             raise UserError(f"{self.path} could not be read nor moved aside: saving would overwrite it.",
@@ -152,7 +182,7 @@ class ChatHistory:
         others = [c.model_dump() for c in self.chats if c.id != cur.id and c.turns]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.path, {"system": cur.system, "turns": [t.model_dump() for t in cur.turns],
-                                      "id": cur.id, "created": cur.created, "others": others})
+                                      "id": cur.id, "name": cur.name, "created": cur.created, "others": others})
 
 
 class Engine(Protocol):
@@ -348,6 +378,19 @@ def default_history_file(bundle_dir: Path) -> Path:
 def history(bundle_dir: Path) -> ChatHistory:
     """Every saved chat of a bundle's project."""
     return ChatHistory.load(default_history_file(bundle_dir))
+
+
+def samples_greedily(bundle_dir: Path, preview: bool = False) -> bool:
+    """Whether the answers pick the likeliest token every time (the CPU preview always does; Genie when its config
+    says greedy, or top-k 1): asked the same messages again, the model gives the same answer, so regenerating one
+    brings nothing new. An unreadable config: False (nothing is claimed)."""
+    if preview:
+        return True
+    try:
+        sampler = json.loads(read_at_most(Path(bundle_dir) / layout.GENIE_CONFIG, MiB))["dialog"]["sampler"]
+        return bool(sampler.get("greedy")) or sampler.get("top-k") == 1
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, UserError, TooLarge):
+        return False
 
 
 def clear_history(bundle_dir: Path) -> None:

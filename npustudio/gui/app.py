@@ -81,15 +81,21 @@ class MainWindow(QMainWindow):
         self.devices = DevicePanel(self)
         self.chat = ChatPanel(self)
         self.profiles = ProfileView()
-        # the chat scrolls up and down when the profiles dock below it needs the height (1366x768)
+        # the right column runs the window's full height: the profiles open below the wizard, never below the chat
+        # (they left its messages ~70 px and pushed Send and Stop out of view at 1366x768)
+        self.setCorner(Qt.Corner.BottomRightCorner, Qt.DockWidgetArea.RightDockWidgetArea)
+        self.setCorner(Qt.Corner.TopRightCorner, Qt.DockWidgetArea.RightDockWidgetArea)
         self.device_dock = self._dock("Devices", self.devices, Qt.DockWidgetArea.RightDockWidgetArea)
+        # scrolls up and down only on a screen lower than its controls; at 768 px it needs none
         self.chat_dock = self._dock("Chat", scrolled(self.chat, across=False), Qt.DockWidgetArea.RightDockWidgetArea)
+        # the chat and the device panel share the column as tabs: each gets the whole height (both stacked left the
+        # messages ~165 px and the device properties two rows); Deploy with no device picked raises the devices, a
+        # question raises the chat
+        self.tabifyDockWidget(self.device_dock, self.chat_dock)
+        self.chat_dock.raise_()
         # in a scroll area: its charts keep a readable height, the window its fit on a laptop screen
         self.profile_dock = self._dock("Genie profiles", scrolled(self.profiles),
                                        Qt.DockWidgetArea.BottomDockWidgetArea)
-        self.splitDockWidget(self.device_dock, self.chat_dock, Qt.Orientation.Vertical)
-        # the chat's messages get the larger share: the device panel's tables are short
-        self.resizeDocks([self.device_dock, self.chat_dock], [2, 3], Qt.Orientation.Vertical)
         self.profile_dock.hide()
         self.profile_dock.visibilityChanged.connect(self._give_profiles_room)
         self.devices.selected.connect(self.set_device)
@@ -104,13 +110,10 @@ class MainWindow(QMainWindow):
             self.devices.refresh()
 
     def _give_profiles_room(self, visible: bool) -> None:
-        """Opened, the profiles dock takes 45% of the height: its charts readable without scrolling (the chat
-        scrolls meanwhile). Either way the device panel keeps the height it needs and the chat gets the rest."""
+        """Opened, the profiles dock takes 45% of the height below the wizard: its charts readable without
+        scrolling (the page above scrolls meanwhile); the chat beside them keeps the full height."""
         if visible:
             self.resizeDocks([self.profile_dock], [int(self.height() * 0.45)], Qt.Orientation.Vertical)
-        need = self.devices.minimumSizeHint().height()
-        self.resizeDocks([self.device_dock, self.chat_dock], [need, max(self.height() - need, need)],
-                         Qt.Orientation.Vertical)
 
     def _dock(self, title: str, w: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
         d = QDockWidget(title, self)
@@ -173,7 +176,6 @@ class MainWindow(QMainWindow):
         self.refresh()  # the steps, every page and the profiles' roofline, from this project
         first = next((i for i, name in enumerate(STEPS) if self.step_state(name) != "done"), len(STEPS) - 1)
         self.steps.setCurrentRow(first)  # resume where it stopped
-        self.chat.reload()
         return True
 
     @staticmethod
@@ -239,6 +241,8 @@ class MainWindow(QMainWindow):
                         "Run this step again"
                     page.strip.status.setText(f"Out of date: {step.reason}. {then}.")
         self.profiles.set_roofline(self.project.stage_dir("bundle"))
+        if not self.chat.busy:  # a bundle just built: the chat is ready ("No bundle yet" stayed until a restart)
+            self.chat.reload()
 
     def step_state(self, name: str) -> str:
         return str(self.steps.item(STEPS.index(name)).data(Qt.ItemDataRole.UserRole))
@@ -249,6 +253,8 @@ class MainWindow(QMainWindow):
     def _go(self, row: int) -> None:
         if row >= 0:
             self.stack.setCurrentIndex(row)
+            if STEPS[row] == "Deploy" and self.device is None:  # a device to pick first: its panel to the front
+                self.device_dock.raise_()
 
     def set_device(self, dev: DeviceInfo | None) -> None:
         self.device = dev

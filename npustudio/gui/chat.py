@@ -14,17 +14,21 @@ from datetime import datetime
 from typing import Any
 
 from PySide6.QtCore import QSizeF, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QGuiApplication, QTextCursor, QTextFormat, QWheelEvent
+from PySide6.QtGui import QColor, QGuiApplication, QKeyEvent, QTextCursor, QTextFormat, QWheelEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QFrame,
     QHBoxLayout,
+    QInputDialog,
     QLabel,
     QLineEdit,
+    QMessageBox,
+    QPlainTextEdit,
     QPushButton,
     QScrollArea,
     QSizePolicy,
     QTextBrowser,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -32,8 +36,9 @@ from PySide6.QtWidgets import (
 from ..core import chat, layout, pipeline
 from ..core.chat import ChatSession, Turn
 from ..core.errors import UserError
+from ..core.models import human_number
 from . import worker
-from .widgets import show_error, status_label
+from .widgets import StatusLine, show_error
 
 RUNNERS = (("device", "The selected device"), ("desktop", "This computer: Genie on the HTP simulator (slow)"),
            ("preview", "This computer: CPU preview (fast, not Genie)"))
@@ -94,11 +99,51 @@ class Bubble(QFrame):
         if self.role == "user":
             self.body.setPlainText(self.text)
             return
-        self.body.setMarkdown(self.text)
+        self.body.setMarkdown(hard_breaks(self.text))
         shade_code(self.body)
 
     def plain(self) -> str:
         return f"{self.header.text()}: {self.text}"
+
+
+def hard_breaks(markdown: str) -> str:
+    """Every line break of an answer kept as a break: Markdown joins lines that a single newline separates into
+    one paragraph, and a model's short lines (a poem, steps, an address) ran together. Code blocks are left as
+    they are (their lines are kept anyway, and a trailing backslash would show in them)."""
+    out, fence = [], ""
+    lines = markdown.split("\n")
+    for i, line in enumerate(lines):
+        mark = line.lstrip()[:3]
+        if mark in ("```", "~~~") and (not fence or mark == fence):
+            fence = "" if fence else mark
+        elif not fence and line.strip() and i + 1 < len(lines) and lines[i + 1].strip():
+            line = line.rstrip() + "  "  # Markdown's hard line break
+        out.append(line)
+    return "\n".join(out)
+
+
+class ChatInput(QPlainTextEdit):
+    """The message box: several lines; Enter sends (`submitted`), Shift+Enter starts a new line."""
+
+    submitted = Signal()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setPlaceholderText("Ask something… (Enter sends, Shift+Enter: a new line)")
+        self.setTabChangesFocus(True)
+        lines = 3
+        self.setFixedHeight(self.fontMetrics().lineSpacing() * lines + 2 * int(self.document().documentMargin())
+                            + 2 * self.frameWidth() + 2)
+
+    def keyPressEvent(self, e: QKeyEvent) -> None:
+        if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            if e.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+                self.insertPlainText("\n")
+            else:
+                self.submitted.emit()
+            e.accept()
+            return
+        super().keyPressEvent(e)
 
 
 def shade_code(view: QTextBrowser) -> None:
@@ -160,9 +205,23 @@ class Transcript(QScrollArea):
         return "\n".join(b.plain() for b in self.bubbles)
 
 
+def figures(t: Turn) -> str:
+    """What Genie's profile measured for an answer (its only source of figures: the window's own clock counted the
+    model's loading into a "first token after" that disagreed with the profile's TTFT), worded alike in the status
+    line and the answer's header; "" when the profile has none (an answer stopped early)."""
+    parts = [f"{human_number(t.generation_tok_s)} tok/s"] if t.generation_tok_s else []
+    if t.ttft_s is not None:
+        parts.append(f"TTFT {human_number(t.ttft_s)} s")
+    return ", ".join(parts)
+
+
+def tokens(n: int) -> str:
+    return f"{n} token" + ("" if n == 1 else "s")
+
+
 def answer_header(t: Turn) -> str:
-    rate = f" · {t.generation_tok_s:.1f} tok/s" if t.generation_tok_s else ""
-    return f"Model ({t.runner}){rate}" + (" · stopped" if t.stopped else "")
+    shown = figures(t)
+    return f"Model ({t.runner})" + (f" · {shown}" if shown else "") + (" · stopped" if t.stopped else "")
 
 
 class ChatPanel(QWidget):
@@ -177,22 +236,30 @@ class ChatPanel(QWidget):
         self.job: worker.Job | None = None
         self.editing = False  # Send replaces the last message and its answer
         lay = QVBoxLayout(self)
+        lay.setContentsMargins(6, 4, 6, 4)
+        lay.setSpacing(4)
         top = QHBoxLayout()
         self.chats = QComboBox()
         self.chats.setToolTip("This project's chats, newest first")
         self.chats.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.chats.setMinimumContentsLength(12)
-        self.new_btn = QPushButton("New chat")
+        self.chats.setMinimumContentsLength(10)
+        self.new_btn = QToolButton(text="New")  # tool buttons: as wide as their word, the list keeps its room
+        self.new_btn.setToolTip("Start a new chat; this one stays in the list")
+        self.rename_btn = QToolButton(text="Rename…")
+        self.rename_btn.setToolTip("Give this chat a name of its own in the list")
+        self.delete_btn = QToolButton(text="Delete…")
+        self.delete_btn.setToolTip("Forget this chat (asks first)")
         top.addWidget(self.chats, 1)
-        top.addWidget(self.new_btn)
+        for b in (self.new_btn, self.rename_btn, self.delete_btn):
+            top.addWidget(b)
         self.runner = QComboBox()
         for k, label in RUNNERS:
             self.runner.addItem(label, k)
         self.system = QLineEdit()
         self.system.setPlaceholderText("system prompt (optional)")
         self.transcript = Transcript()
-        self.input = QLineEdit()
-        self.input.setPlaceholderText("Ask something…")
+        self.transcript.setMinimumHeight(120)  # the first thing to give up height, never the input or Send
+        self.input = ChatInput()
         self.send_btn = QPushButton("Send")
         self.stop_btn = QPushButton("Stop")
         self.stop_btn.setEnabled(False)
@@ -201,15 +268,19 @@ class ChatPanel(QWidget):
         self.edit_btn = QPushButton("Edit last")
         self.edit_btn.setToolTip("Change the last message; Send replaces it and its answer")
         self.copy_btn = QPushButton("Copy answer")
-        self.stats = status_label()
+        self.stats = StatusLine()
         lay.addLayout(top)
         lay.addWidget(self.runner)
         lay.addWidget(self.system)
         lay.addWidget(self.transcript, 1)
+        lay.addWidget(self.stats)
         row = QHBoxLayout()
         row.addWidget(self.input, 1)
-        row.addWidget(self.send_btn)
-        row.addWidget(self.stop_btn)
+        buttons = QVBoxLayout()
+        buttons.addWidget(self.send_btn)
+        buttons.addWidget(self.stop_btn)
+        buttons.addStretch(1)
+        row.addLayout(buttons)
         lay.addLayout(row)
         row2 = QHBoxLayout()
         row2.addWidget(self.regen_btn)
@@ -217,20 +288,25 @@ class ChatPanel(QWidget):
         row2.addStretch(1)
         row2.addWidget(self.copy_btn)
         lay.addLayout(row2)
-        lay.addWidget(self.stats)
         self.send_btn.clicked.connect(self.send)
-        self.input.returnPressed.connect(self.send)
+        self.input.submitted.connect(self.send)
         self.stop_btn.clicked.connect(self.stop)
         self.copy_btn.clicked.connect(self.copy)
         self.new_btn.clicked.connect(self.new_chat)
+        self.rename_btn.clicked.connect(lambda: self.rename_chat())
+        self.delete_btn.clicked.connect(lambda: self.delete_chat())
         self.regen_btn.clicked.connect(self.regenerate)
         self.edit_btn.clicked.connect(self.edit_last)
         self.chats.activated.connect(lambda i: self.pick(self.chats.itemData(i)))
         self.runner.currentIndexChanged.connect(lambda _i: self.reload())
+        self.rename_box: QInputDialog | None = None
+        self.delete_box: QMessageBox | None = None
         self.last_answer = ""
         self._answer: Bubble | None = None
         self._t0, self._pieces = 0.0, 0
         self._first: float | None = None  # when the first piece of the answer came
+        self._regenerated: str | None = None  # the answer a Regenerate replaces, to say when it came back the same
+        self.greedy = False  # the runner picks the likeliest token every time (`_note_greedy`)
         self._tick = QTimer(self)  # the status line counts while Genie reads the prompt (minutes on the simulator)
         self._tick.setInterval(500)
         self._tick.timeout.connect(self._show_progress)
@@ -274,8 +350,19 @@ class ChatPanel(QWidget):
             self._enable()
             return
         self._show_chat(hist)
+        self._note_greedy(key)
         self.system.setText(hist.current.system or "")
         self.last_answer = hist.current.turns[-1].assistant if hist.current.turns else ""
+
+    def _note_greedy(self, key: tuple[Any, ...] | None) -> None:
+        """Regenerate's tooltip says when it cannot bring another answer (greedy decoding)."""
+        tip = "Ask the last message again; the new answer replaces the last one"
+        self.greedy = key is not None and chat.samples_greedily(self.window_.project.stage_dir("bundle"),
+                                                                 key[1] == "preview")
+        if self.greedy:
+            tip += (". This runner decodes greedily (the likeliest token every time): the same messages bring the "
+                    "same answer; edit the message for another one")
+        self.regen_btn.setToolTip(tip)
 
     def _ready_text(self, key: tuple[Any, ...] | None) -> str:
         if key is None:
@@ -289,17 +376,17 @@ class ChatPanel(QWidget):
         has_turn = bool(self.transcript.bubbles)
         self.send_btn.setEnabled(not busy)
         self.stop_btn.setEnabled(busy)
-        for b in (self.new_btn, self.chats):
+        for b in (self.new_btn, self.chats, self.rename_btn, self.delete_btn):
             b.setEnabled(not busy and self.window_.project is not None)
         self.regen_btn.setEnabled(not busy and has_turn)
         self.edit_btn.setEnabled(not busy and has_turn)
 
     def ask(self, text: str) -> None:
-        self.input.setText(text)
+        self.input.setPlainText(text)
         self.send()
 
     def send(self) -> None:
-        text = self.input.text().strip()
+        text = self.input.toPlainText().strip()
         if not text or self.busy:
             return
         self._start(text, replace_last=self.editing)
@@ -309,6 +396,7 @@ class ChatPanel(QWidget):
         turns = self._turns()
         if turns and not self.busy:
             self._start(turns[-1].user, replace_last=True)
+            self._regenerated = turns[-1].assistant
 
     def edit_last(self) -> None:
         """The last message into the input box (again: back to a new message)."""
@@ -317,7 +405,7 @@ class ChatPanel(QWidget):
             self._set_editing(False)
             self.input.clear()
             return
-        self.input.setText(turns[-1].user)
+        self.input.setPlainText(turns[-1].user)
         self.input.setFocus()
         self._set_editing(True)
 
@@ -344,6 +432,7 @@ class ChatPanel(QWidget):
             self.session, self._key = None, key
         project, kind, serial = self.window_.project, key[1], key[2]
         bundle, system = project.stage_dir("bundle"), self.system.text().strip() or None
+        self.window_.chat_dock.raise_()  # the answer is to be seen (the device panel shares its place)
         self.stop_event = threading.Event()
         stop = self.stop_event
         self.input.clear()
@@ -353,7 +442,7 @@ class ChatPanel(QWidget):
                 b.hide()
         self.transcript.add("user", "You", text)
         self._answer = self.transcript.add("model", "Model: answering…")
-        self._t0, self._pieces, self._first = time.monotonic(), 0, None
+        self._t0, self._pieces, self._first, self._regenerated = time.monotonic(), 0, None, None
         self._tick.start()
         self._show_progress()
         self.window_.devices.log(f"> {text}")
@@ -380,9 +469,8 @@ class ChatPanel(QWidget):
         if self._first is None:
             self.stats.setText(f"processing the prompt… {now - self._t0:.0f} s")
         else:
-            rate = (self._pieces - 1) / (now - self._first) if self._pieces > 1 and now > self._first else 0.0
-            self.stats.setText(f"answering: {self._pieces} tokens, {rate:.1f} tok/s (first after "
-                               f"{self._first - self._t0:.1f} s)")
+            self.stats.setText(f"answering: {tokens(self._pieces)} so far, {now - self._t0:.0f} s (the rate and TTFT "
+                               "follow from Genie's profile)")
 
     def _piece(self, kind: str, data: dict) -> None:
         if kind == "log":  # Genie's own log: to the device console, never into the answer
@@ -406,9 +494,16 @@ class ChatPanel(QWidget):
         self.session, turn = result
         self.last_answer = turn.assistant
         self._end_turn()
-        rate = f"{turn.generation_tok_s:.2f} tok/s" if turn.generation_tok_s else "rate ?"
-        ttft = f"TTFT {turn.ttft_s:.2f} s" if turn.ttft_s is not None else ""
-        self.stats.setText(f"{turn.runner}: {rate} {ttft}" + (" (stopped)" if turn.stopped else ""))
+        shown = figures(turn)
+        if turn.stopped:  # what is known of a stopped answer: its tokens so far, and the profile's figures if any
+            shown = f"stopped after {tokens(self._pieces)}" + (f"; {shown}" if shown else "")
+        elif not shown:
+            shown = f"{tokens(self._pieces)} (no profile from this runner)"
+        if self._regenerated is not None and turn.assistant == self._regenerated and not turn.stopped:
+            shown += (". The same answer: greedy decoding gives the same text for the same messages" if self.greedy
+                      else ". The same answer as before")
+        self._regenerated = None
+        self.stats.setText(f"{turn.runner}: {shown}")
         if self.session.last_profile:
             self.window_.profiles.add_json(f"chat {len(self.session.turns)} ({turn.runner})", self.session.last_profile)
         self._show_chat(self.session.history)
@@ -479,6 +574,48 @@ class ChatPanel(QWidget):
             return
         hist.new()
         hist.save()
+        self._after_history_change()
+
+    def rename_chat(self, name: str | None = None) -> None:
+        """Name the chat on screen; without `name`, ask for it (a window-modal box: the event loop runs on)."""
+        hist = self._history()
+        if self.busy or hist is None:
+            return
+        if name is None:
+            box = QInputDialog(self)
+            box.setWindowTitle("Rename the chat")
+            box.setLabelText("Name in the chat list (empty: its first question):")
+            box.setTextValue(hist.current.title if hist.current.name else "")
+            box.textValueSelected.connect(self.rename_chat)
+            box.open()
+            self.rename_box = box
+            return
+        try:
+            hist.rename(hist.current_id, name)
+            hist.save()
+        except UserError as e:
+            show_error(self, e.problem, e.fix)
+        self._after_history_change()
+
+    def delete_chat(self, confirmed: bool = False) -> None:
+        """Forget the chat on screen once the person says so; the newest other chat is shown instead."""
+        hist = self._history()
+        if self.busy or hist is None:
+            return
+        if not confirmed:
+            box = QMessageBox(QMessageBox.Icon.Question, "Delete the chat",
+                              f"Delete the chat “{hist.current.title}” and its {len(hist.current.turns)} "
+                              "message(s)? This cannot be undone.", QMessageBox.StandardButton.Cancel, self)
+            box.addButton("Delete", QMessageBox.ButtonRole.DestructiveRole).clicked.connect(
+                lambda: self.delete_chat(confirmed=True))
+            box.open()
+            self.delete_box = box
+            return
+        try:
+            hist.delete(hist.current_id)
+            hist.save()
+        except UserError as e:
+            show_error(self, e.problem, e.fix)
         self._after_history_change()
 
     def _after_history_change(self) -> None:

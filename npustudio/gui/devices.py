@@ -26,7 +26,7 @@ from ..core import device
 from ..core.device import DeviceInfo
 from ..core.models import human_bytes
 from . import worker
-from .widgets import fill, show_error, status_label, table
+from .widgets import fill, fit_rows, show_error, status_label, table
 
 VIRTUAL = QColor("#e8e0f8")
 LOG_LEVELS = ("error", "warn", "info", "verbose")  # Genie's, as genie-t2t-run --log takes them
@@ -62,7 +62,7 @@ class DevicePanel(QWidget):
             row.addWidget(b)
         self.status = status_label("Looking for devices…")
         self.details = table(["Property", "Value"])
-        self.details.setMaximumHeight(190)
+        fit_rows(self.details)
         self.push = QProgressBar()
         self.push.setRange(0, 1000)
         self.reset_push()
@@ -162,6 +162,7 @@ class DevicePanel(QWidget):
         self.current_serial = d.serial if d else None
         if d is None:
             fill(self.details, [])
+            fit_rows(self.details)
         else:
             fill(self.details, [
                 ("Serial", d.serial), ("Kind", "virtual device (this computer)" if d.virtual else "phone"),
@@ -170,6 +171,7 @@ class DevicePanel(QWidget):
                 ("Hexagon", f"{d.dsp_arch} (soc_model {d.soc_model})" if d.dsp_arch else "none known"),
                 ("Android", d.android), ("RAM", human_bytes(d.ram_bytes) if d.ram_bytes else "?"),
                 ("Free in /data/local/tmp", human_bytes(d.free_bytes) if d.free_bytes else "?")])
+        fit_rows(self.details)
         self.selected.emit(d)
 
     def _start_virtual(self) -> None:

@@ -1,21 +1,30 @@
 """Genie profiles as charts: a timeline per run (dialog create, then each query split into prompt processing
-and generation), bars for TTFT and the two rates with several runs side by side, and the decode roofline."""
+and generation), bars for TTFT and the two rates with several runs side by side, and the decode roofline.
+
+Readable on a 1366x768 screen: runs are numbered on the charts (the table names them: long names overlapped
+under the bars and were cut beside the timeline), one colour key above the charts instead of a legend over the
+bars and a title cut short, and the rates on a log axis so a phone's 5 tok/s shows beside a 400 tok/s roofline."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pyqtgraph as pg
-from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 from ..core.errors import UserError
 from ..core.genie import profile
 from ..core.models import human_number
 from .charts import Chart
-from .widgets import fill, show_error, status_label, table
+from .widgets import StatusLine, fill, show_error, table
 
-CREATE, PROMPT, GENERATE = "#8c8c8c", "#1f77b4", "#2ca02c"
+CREATE, PROMPT, GENERATE, ROOF = "#8c8c8c", "#1f77b4", "#2ca02c", "#d62728"
+
+
+def key(colour: str, name: str) -> str:
+    return f'<span style="color:{colour}">■</span> {name}'
 
 
 def spans(p: profile.Profile) -> list[tuple[str, float, float]]:
@@ -45,26 +54,37 @@ class ProfileView(QWidget):
         top = QHBoxLayout()
         self.open_btn = QPushButton("Open profile…")
         self.clear_btn = QPushButton("Clear")
-        self.note = status_label("Profiles of chat turns and deploy runs appear here; open Genie --profile files too.")
+        self.note = StatusLine("Profiles of chat turns and deploy runs appear here; open Genie --profile files too.")
         top.addWidget(self.open_btn)
         top.addWidget(self.clear_btn)
         top.addWidget(self.note, 1)
         lay.addLayout(top)
+        self.key = QLabel("   ".join([key(CREATE, "dialog create"), key(PROMPT, "prompt processing"),
+                                        key(GENERATE, "generation"),
+                                        f'<span style="color:{ROOF}">- - -</span> decode roofline'])
+                          + "   · runs by number, named in the table below")
+        self.key.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)  # one line, never widening
+        lay.addWidget(self.key)
         charts = QHBoxLayout()
-        self.timeline = Chart(title="Timeline: create (grey), prompt processing (blue), generation (green)")
-        self.timeline.setLabel("bottom", "seconds from the first event")
+        self.timeline = Chart(title="Timeline per run")
+        self.timeline.setLabel("bottom", "seconds from the run's first event")
+        self.timeline.getAxis("bottom").enableAutoSIPrefix(False)  # seconds, not "(x0.001)" after the label
+        self.timeline.setLabel("left", "run")
         self.ttft = Chart(title="Time to first token (s)")
+        self.ttft.getAxis("left").enableAutoSIPrefix(False)  # seconds as seconds, not "(x0.001)" beside the axis
+        self.ttft.setLabel("bottom", "run")
         self.rates = Chart(title="Tokens per second")
-        self.rates.addLegend(offset=(5, 5))
+        self.rates.setLabel("bottom", "run")
+        self.rates.getAxis("left").setLogMode(False, True)  # bars drawn in log10: the axis labels 1, 10, 100…
         for chart in (self.timeline, self.ttft, self.rates):
-            chart.setMinimumHeight(220)  # readable axes and labels; the dock scrolls when it is lower
+            chart.setMinimumHeight(170)  # readable axes and labels; the dock scrolls when it is lower
         charts.addWidget(self.timeline, 2)
         charts.addWidget(self.ttft, 1)
         charts.addWidget(self.rates, 1)
         lay.addLayout(charts, 1)
         self.table = table(["Run", "Runner", "Init s", "TTFT s", "Prompt tok", "Prompt tok/s", "Gen tok",
                             "Gen tok/s", "Decode bound tok/s"])
-        self.table.setMaximumHeight(150)
+        self.table.setMaximumHeight(110)  # a header and four runs: the charts keep the height
         lay.addWidget(self.table)
         self.open_btn.clicked.connect(self._open)
         self.clear_btn.clicked.connect(self.clear)
@@ -107,7 +127,8 @@ class ProfileView(QWidget):
     def _draw(self) -> None:
         for w in (self.timeline, self.ttft, self.rates):
             w.clear()
-        labels = [(i, lbl) for i, (lbl, _p, _s) in enumerate(self.runs)]
+        step = max(1, math.ceil(len(self.runs) / 12))  # at most ~12 numbers under a chart
+        labels = [(i, str(i + 1)) for i in range(len(self.runs))][::step]
         colours = {"create": CREATE, "prompt": PROMPT, "generate": GENERATE}
         for i, (_label, p, _s) in enumerate(self.runs):
             for phase, a, b in spans(p):  # create on the upper lane, queries on the lower one
@@ -119,21 +140,26 @@ class ProfileView(QWidget):
         ttft = [s.ttft_s or 0.0 for _l, _p, s in self.runs]
         self.ttft.addItem(pg.BarGraphItem(x=xs, height=ttft, width=0.6, brush=PROMPT))
         self.ttft.getAxis("bottom").setTicks([labels])
-        prompt = [s.prompt_tok_s or 0.0 for _l, _p, s in self.runs]
-        gen = [s.generation_tok_s or 0.0 for _l, _p, s in self.runs]
-        self.rates.addItem(pg.BarGraphItem(x=[x - 0.18 for x in xs], height=prompt, width=0.35, brush=PROMPT,
-                                           name="prompt"))
-        self.rates.addItem(pg.BarGraphItem(x=[x + 0.18 for x in xs], height=gen, width=0.35, brush=GENERATE,
-                                           name="generation"))
-        if self.roof:
-            self.rates.addItem(pg.InfiniteLine(pos=self.roof["decode_tok_s_bound"], angle=0,
-                                               pen=pg.mkPen("#d62728", style=pg.QtCore.Qt.PenStyle.DashLine),
-                                               label=f"decode roofline {self.roof['decode_tok_s_bound']} tok/s "
-                                                     f"(phone, {self.roof['memory_gb_s']} GB/s)"))
-        self.rates.getAxis("bottom").setTicks([labels])
+        prompt = [s.prompt_tok_s for _l, _p, s in self.runs]
+        gen = [s.generation_tok_s for _l, _p, s in self.runs]
         bound = self.roof["decode_tok_s_bound"] if self.roof else None
-        fill(self.table, [(lbl, s.runner, s.init_s, s.ttft_s, s.prompt_tokens, _r(s.prompt_tok_s),
-                           s.generated_tokens, _r(s.generation_tok_s), bound) for lbl, _p, s in self.runs])
+        known = [v for v in (*prompt, *gen, bound) if v]
+        base = math.floor(math.log10(min(known))) if known else 0  # bars rise from the decade below the lowest
+        for shift, values, colour in ((-0.18, prompt, PROMPT), (0.18, gen, GENERATE)):
+            shown = [(x + shift, math.log10(v)) for x, v in zip(xs, values, strict=True) if v]
+            if shown:
+                self.rates.addItem(pg.BarGraphItem(x=[x for x, _v in shown], y0=base, y1=[v for _x, v in shown],
+                                                   width=0.35, brush=colour))
+        if bound:
+            self.rates.addItem(pg.InfiniteLine(pos=math.log10(bound), angle=0,
+                                               pen=pg.mkPen(ROOF, style=pg.QtCore.Qt.PenStyle.DashLine),
+                                               label=f"{bound} tok/s (phone, {self.roof['memory_gb_s']} GB/s)",
+                                               labelOpts={"position": 0.02, "anchors": [(0, 0), (0, 0)],
+                                                          "color": ROOF}))  # below the line: never cut at the top
+        self.rates.getAxis("bottom").setTicks([labels])
+        fill(self.table, [(f"{i + 1}: {lbl}", s.runner, _r(s.init_s), _r(s.ttft_s), s.prompt_tokens,
+                           _r(s.prompt_tok_s), s.generated_tokens, _r(s.generation_tok_s), _r(bound))
+                          for i, (lbl, _p, s) in enumerate(self.runs)])
 
 
 def _r(v: Any) -> Any:

@@ -6,11 +6,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QColor
+from PySide6.QtGui import QColor, QPainter, QPaintEvent
 from PySide6.QtWidgets import (
     QFormLayout,
     QFrame,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QMessageBox,
     QProgressBar,
@@ -45,6 +46,27 @@ def status_label(text: str = "") -> QLabel:
     label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
     label.setMinimumWidth(120)
     return label
+
+
+class StatusLine(QLabel):
+    """One line of status that keeps its height: a long message is elided (whole in the tooltip) instead of
+    wrapping, so what sits below it (the chat's input box) never moves while an answer's figures change."""
+
+    def __init__(self, text: str = "") -> None:
+        super().__init__(text)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        self.setMinimumWidth(120)
+        self.setFixedHeight(self.fontMetrics().height() + 4)
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self.setToolTip(text)
+
+    def paintEvent(self, _e: QPaintEvent) -> None:
+        painter = QPainter(self)
+        shown = self.fontMetrics().elidedText(" ".join(self.text().split()), Qt.TextElideMode.ElideRight,
+                                              self.contentsRect().width())
+        painter.drawText(self.contentsRect(), int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter), shown)
 
 
 def with_note(button: QWidget, note: str) -> QWidget:
@@ -96,6 +118,24 @@ def fill(t: QTableWidget, rows: Sequence[Sequence[Any]], colours: Sequence[QColo
             t.setItem(i, j, item)
     t.resizeColumnsToContents()
     t.horizontalHeader().setStretchLastSection(True)
+
+
+def fit_rows(t: QTableWidget) -> None:
+    """A short property table as tall as its rows, long values wrapped: read whole, with no scrollbar either way
+    (a maximum height left the device's properties two rows and both scrollbars). Call it after each `fill`; it
+    follows the table's width by itself once called."""
+    head = t.horizontalHeader()
+    if not t.property("fits_rows"):
+        t.setProperty("fits_rows", True)
+        t.setWordWrap(True)
+        t.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        t.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        t.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        head.sectionResized.connect(lambda *_: fit_rows(t))
+    head.setSectionResizeMode(0, QHeaderView.ResizeMode.ResizeToContents)
+    head.setStretchLastSection(True)
+    t.resizeRowsToContents()
+    t.setFixedHeight(head.height() + sum(t.rowHeight(r) for r in range(t.rowCount())) + 2 * t.frameWidth())
 
 
 def cells(t: QTableWidget) -> list[list[str]]:
