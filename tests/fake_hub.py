@@ -1,7 +1,8 @@
 """A loopback Hugging Face hub: the endpoints `snapshot_download` uses, served from a local folder.
 
 Set HF_ENDPOINT to its URL. Repos listed in `gated` answer 401/403 with X-Error-Code GatedRepo unless the
-request carries the accepted token, as the real hub does. `SilentHub` accepts connections and never answers.
+request carries the accepted token, as the real hub does; `broken` repos answer their API call with JSON cut
+short. `SilentHub` accepts connections and never answers; `RawHub` trickles or sends garbage.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import re
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -19,9 +21,11 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class FakeHub:
-    def __init__(self, repos: dict[str, Path], gated: dict[str, str] | None = None) -> None:
+    def __init__(self, repos: dict[str, Path], gated: dict[str, str] | None = None,
+                 broken: tuple[str, ...] = ()) -> None:
         self.repos = repos
         self.gated = gated or {}  # repo -> token that has access
+        self.broken = broken  # repos whose API call answers with JSON cut short
         self.requests: list[tuple[str, str, str | None]] = []
         hub = self
 
@@ -81,6 +85,9 @@ class FakeHub:
                               {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access restricted"}, head)
         folder = self.repos[repo]
         files = sorted(f for f in folder.iterdir() if f.is_file())
+        if kind == "revision" and repo in self.broken:
+            cut = b'{"id": "' + repo.encode() + b'", "sha": "01'
+            return self._send(h, 200, cut, {"Content-Type": "application/json"}, head)
         if kind == "revision":
             body = json.dumps({"id": repo, "modelId": repo, "sha": COMMIT,
                                "siblings": [{"rfilename": f.name} for f in files]}).encode()
@@ -128,3 +135,59 @@ class SilentHub:
         self.thread.join(timeout=5)
         for c in self.conns:
             c.close()
+
+
+class RawHub:
+    """An endpoint that answers every connection with `reply(conn)` on a loopback socket, for replies no HTTP
+    server library sends: a response trickled a byte at a time, garbage instead of HTTP. It stops by itself:
+    no connection is served longer than `limit_s`, and leaving the `with` ends every connection."""
+
+    def __init__(self, mode: str, every_s: float = 0.5, limit_s: float = 60.0) -> None:
+        self.mode, self.every_s, self.limit_s = mode, every_s, limit_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(5)
+                conn.recv(65536)  # the request (its first packet is enough for these replies)
+                if self.mode == "garbage":
+                    conn.sendall(b"\x16\x03\x01 this is no HTTP server \xff\xfe\r\n\r\n")
+                    return
+                if self.mode == "trickle-headers":
+                    data = b"HTTP/1.1 200 OK\r\n" + b"X-Slow: " + b"a" * 100000
+                else:  # trickle-body: headers at once, then the body a byte at a time
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 100000\r\n\r\n")
+                    data = b" " * 100000
+                deadline = time.monotonic() + self.limit_s
+                for i in range(len(data)):
+                    if self.stop.wait(self.every_s) or time.monotonic() > deadline:
+                        return
+                    conn.sendall(data[i:i + 1])
+            except OSError:  # the client gave up
+                return
+
+    def __enter__(self) -> RawHub:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(timeout=5)

@@ -248,6 +248,82 @@ def test_a_hub_that_never_answers_gives_up_with_a_message(tmp_path: Path, capsys
                 "HF_HUB_DOWNLOAD_TIMEOUT")
 
 
+@pytest.mark.parametrize("mode", ["trickle-headers", "trickle-body"])
+def test_a_hub_that_trickles_a_byte_at_a_time_gives_up_with_a_message(mode: str, tmp_path: Path, capsys: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read timeout is per silence: a byte every 0.5 s never trips it; the overall deadline does (6 s per
+    request with a 1 s read timeout; huggingface_hub makes a best-effort request of its own first)."""
+    import time
+
+    from tests.fake_hub import RawHub
+
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "1")
+    with RawHub(mode, every_s=0.5, limit_s=40) as hub, nothing_changes(tmp_path):
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        t0 = time.monotonic()
+        res = cli(capsys, "info", "acme/slow")
+        took = time.monotonic() - t0
+    refused(res, f"The hub at {hub.url} sent acme/slow too slowly", "where a request may take 6 s",
+            "HF_HUB_DOWNLOAD_TIMEOUT")
+    assert took < 35, took  # the fake hub gives up after 40 s: the old client waited for it
+
+
+def test_the_hub_deadline_is_a_minimum_rate_for_a_large_file() -> None:
+    """A download that keeps above MIN_RATE goes on past the fixed part of the deadline; a trickle stops there."""
+    import time
+
+    from npustudio.core import hub
+
+    class Inner:
+        def __init__(self, chunk: int) -> None:
+            self.chunk = chunk
+
+        def write(self, buffer: bytes, timeout: float | None = None) -> None:
+            pass
+
+        def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+            time.sleep(0.05)
+            return b"x" * self.chunk
+
+    read_s = 0.1  # the fixed part: PER_SILENCE * 0.1 = 0.6 s
+    fast = hub._DeadlineStream(Inner(hub.MIN_RATE // 10))  # twice MIN_RATE
+    fast.write(b"GET")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5:
+        fast.read(hub.MIN_RATE, read_s)
+    slow = hub._DeadlineStream(Inner(1))
+    slow.write(b"GET")
+    t0 = time.monotonic()
+    with pytest.raises(hub.TooSlow):
+        for _ in range(100):  # 5 s of trickle at most
+            slow.read(hub.MIN_RATE, read_s)
+    assert 0.5 < time.monotonic() - t0 < 1.5
+    slow.write(b"GET")  # the next request on the connection has a deadline of its own
+    slow.read(hub.MIN_RATE, read_s)
+
+
+@pytest.mark.parametrize("endpoint", ["not-a-url", "ftp://mirror.example", "http://", "http://mirror:port"])
+def test_an_hf_endpoint_that_is_not_a_url_is_named(endpoint: str, capsys: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    refused(cli(capsys, "info", "acme/tiny"), f"HF_ENDPOINT is set to '{endpoint}', which is not the URL of a hub",
+            "http(s)://HOST[:PORT]")
+
+
+def test_a_hub_that_answers_garbage_or_broken_json_is_named(tiny_llama: Path, tmp_path: Path, capsys: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.fake_hub import FakeHub, RawHub
+
+    with RawHub("garbage") as hub, nothing_changes(tmp_path):
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        refused(cli(capsys, "info", "acme/tiny"), f"The hub at {hub.url} did not answer acme/tiny as a hub does",
+                "RemoteProtocolError", "Check that HF_ENDPOINT is a Hugging Face hub or mirror")
+    with FakeHub({"acme/tiny": tiny_llama}, broken=("acme/tiny",)) as hub, nothing_changes(tmp_path):
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        refused(cli(capsys, "info", "acme/tiny"), f"The hub at {hub.url} answered acme/tiny with broken JSON",
+                "Check that HF_ENDPOINT is a Hugging Face hub or mirror")
+
+
 def test_the_token_stays_off_plain_http_to_another_machine(monkeypatch: pytest.MonkeyPatch,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     from npustudio.core import hub

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import math
 import os
 import re
@@ -146,6 +147,10 @@ def download(source: ModelSource, token: str | None = None, cache_dir: Path | No
     """Fetch a hub model's config, safetensors and tokenizer (honours HF_ENDPOINT). No-op for local sources."""
     if source.kind != "hub":
         return source
+    from . import hub
+
+    hub.check_endpoint()  # before huggingface_hub is imported: it parses HF_ENDPOINT then, and fails on some
+    import httpx2  # huggingface_hub's HTTP client
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -155,7 +160,6 @@ def download(source: ModelSource, token: str | None = None, cache_dir: Path | No
         RevisionNotFoundError,
     )
 
-    from . import hub
     from .secrets import get_hf_token, redact
 
     given = token or get_hf_token()
@@ -184,12 +188,24 @@ def download(source: ModelSource, token: str | None = None, cache_dir: Path | No
                         "Check the id (org/name) on huggingface.co; for a private model set a token.") from e
     except RevisionNotFoundError as e:
         raise UserError(f"{repo} has no revision {source.revision}.", "Use a branch, tag or commit that exists.") from e
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+    except hub.TooSlow as e:
+        raise UserError(f"The hub at {hub.endpoint() or 'huggingface.co'} sent {repo} too slowly ({e}).",
+                        "Check the network connection and HF_ENDPOINT, or raise HF_HUB_DOWNLOAD_TIMEOUT (seconds; a "
+                        f"request may take {hub.PER_SILENCE} times that) for a slow link.") from e
+    except json.JSONDecodeError as e:
+        raise UserError(f"The hub at {hub.endpoint() or 'huggingface.co'} answered {repo} with broken JSON ({e}).",
+                        "Check that HF_ENDPOINT is a Hugging Face hub or mirror (or unset it), then try again.") from e
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, httpx2.HTTPError) as e:
         if hub.timed_out(e):
             raise UserError(f"The hub at {hub.endpoint() or 'huggingface.co'} did not answer {repo} within "
                             f"{hub.read_timeout_s():g} s.", "Check the network connection and HF_ENDPOINT, or "
                             "raise HF_HUB_DOWNLOAD_TIMEOUT (seconds) for a slow link.") from e
         msg = redact(str(e).splitlines()[0] if str(e) else e.__class__.__name__, token)
+        if isinstance(e, httpx2.HTTPError):  # a reply that is not HTTP, a protocol the client cannot speak
+            raise UserError(f"The hub at {hub.endpoint() or 'huggingface.co'} did not answer {repo} as a hub does "
+                            f"({e.__class__.__name__}: {msg}).",
+                            "Check that HF_ENDPOINT is a Hugging Face hub or mirror (or unset it), then try "
+                            "again.") from e
         raise UserError(f"Could not download {repo} from the hub: {msg}",
                         "Check the network connection (or HF_ENDPOINT), or download the model folder "
                         "yourself and pass its path.") from e

@@ -105,6 +105,7 @@ def validate_hf_token(token: str) -> str:
         raise UserError("The token contains spaces.", "Copy it again from https://huggingface.co/settings/tokens.")
     from . import hub
 
+    hub.check_endpoint()
     if hub.token_for(token) is None:
         raise UserError("The token was not checked: HF_ENDPOINT is plain http, which would show it to the network.",
                         f"Use an https:// HF_ENDPOINT, or set {hub.ALLOW_HTTP_TOKEN}=1; the token can be saved "
