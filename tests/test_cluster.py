@@ -3,9 +3,11 @@ run on it and give the files a local run gives; cancel, an unreachable address, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -220,6 +222,86 @@ def test_an_unreachable_cluster_is_said_with_its_address(genie_project: Project,
     bad = subprocess.run([sys.executable, "-m", "npustudio.cli", "compile", "--project", str(p.root),
                           "--cluster", "my-cluster"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "is not a Ray cluster address" in bad.stderr
+
+
+class _NotRay:
+    """A loopback listener that is no Ray head: it accepts and sends `reply` (nothing: stays silent). It stops by
+    itself: each connection is closed after `limit_s`, and leaving the `with` closes the listener."""
+
+    def __init__(self, reply: bytes, limit_s: float = 60.0) -> None:
+        self.reply, self.limit_s = reply, limit_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.done = threading.Event()
+
+    def _serve(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            with contextlib.suppress(OSError):
+                conn.settimeout(5)
+                conn.recv(4096)
+                conn.sendall(self.reply)
+            self.done.wait(self.limit_s)  # silent (or after the reply): holds the connection open, as a hung server
+
+    def __enter__(self) -> _NotRay:
+        threading.Thread(target=self._serve, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+NOT_RAY = {"silent": (b"", "it sent nothing in 3 s"),
+           "http": (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                    "it speaks HTTP/1: 'HTTP/1.1 400 Bad Request'"),
+           "garbage": (b"SSH-2.0-OpenSSH_9.6\r\n", "not an HTTP/2 SETTINGS frame")}
+
+
+@pytest.mark.parametrize("kind", ["silent", "http"])
+def test_something_else_at_the_address_is_told_from_a_ray_head_within_seconds(kind: str, tmp_path: Path) -> None:
+    """Ray's own connect retried for ever against a listener that is no Ray head (killed after 623 s)."""
+    reply, why = NOT_RAY[kind]
+    env = os.environ | {f"XDG_{k}_HOME": str(tmp_path / k) for k in ("CONFIG", "DATA", "CACHE", "STATE")}
+    with _NotRay(reply) as other:
+        t0 = time.monotonic()
+        try:
+            res = subprocess.run([sys.executable, "-m", "npustudio.cli", "adapt", "default", "--project",
+                                  str(tmp_path / "p"), "--cluster", other.address], capture_output=True, text=True,
+                                 timeout=60, env=env)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`--cluster {other.address}` still ran after 60 s")
+        took = time.monotonic() - t0
+    assert res.returncode == 2, res.stderr
+    assert f"error: {other.address} answers, but not as a Ray head ({why})" in " ".join(res.stderr.split())
+    assert "fix: Give the address `ray start --head` printed" in res.stderr and "Traceback" not in res.stderr
+    assert took < 30, took  # the process starting on a loaded machine, plus the 3 s handshake
+
+
+@pytest.mark.parametrize("kind", NOT_RAY)
+def test_the_handshake_check_names_what_answered(kind: str) -> None:
+    reply, why = NOT_RAY[kind]
+    with _NotRay(reply) as other:
+        for address, what in ((other.address, "a Ray head"), (f"ray://{other.address}", "a Ray Client server")):
+            t0 = time.monotonic()
+            with pytest.raises(UserError) as e:
+                cluster.check_reachable(address)
+            assert e.value.problem.startswith(f"{address} answers, but not as {what} (") and why in e.value.problem
+            assert time.monotonic() - t0 < cluster.HANDSHAKE_S + 2
+
+
+def test_a_ray_head_passes_the_handshake_check(head: str) -> None:
+    """The check must not refuse a real head's GCS (gRPC: a SETTINGS frame answers the preface)."""
+    cluster.check_reachable(head)
 
 
 def test_a_worker_kept_for_the_next_stage_never_ends_itself_while_a_stage_runs(

@@ -161,11 +161,16 @@ def cluster_arg(s: argparse.ArgumentParser, stages: str) -> None:
 
 
 def cluster_of(a: argparse.Namespace) -> Cluster | None:
-    from ..core.cluster import Cluster
+    """The --cluster target; its address is checked to answer as a Ray head first, so that a wrong address is
+    said within seconds, before any local work."""
+    from ..core.cluster import Cluster, check_reachable
 
     if a.cluster_install and not a.cluster:
         raise UserError("--cluster-install needs --cluster ADDRESS.", "Add the cluster's address, or leave it out.")
-    return Cluster(a.cluster, install=a.cluster_install) if a.cluster else None
+    if not a.cluster:
+        return None
+    check_reachable(a.cluster)
+    return Cluster(a.cluster, install=a.cluster_install)
 
 
 def adapt_options(a: argparse.Namespace) -> AdaptOptions:

@@ -32,6 +32,11 @@ CHUNK = 16 * 2**20  # bytes per transfer call
 WINDOW = 4  # chunks in flight each way: at most 64 MiB of a file in memory on either side
 POLL_S = 0.2  # how often the stage's events are pulled
 REACH_S = 5.0  # an unreachable address is told within this (plus Ray's own connect)
+HANDSHAKE_S = 3.0  # a listener that does not answer a gRPC handshake within this is not a Ray head
+# a Ray head's GCS (and Ray Client's server) speak gRPC: HTTP/2, whose server answers a client's connection
+# preface with a SETTINGS frame first. Ray itself retries for ever against anything else that listens
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + empty SETTINGS
+H2_SETTINGS = 4
 START_S = 120.0  # a worker that cannot be placed this long is reported, not waited for
 STOP_S = 60.0  # after a cancel, how long the stage has to reach its next safe point
 IDLE_S = 120.0  # a worker kept for a next stage ends itself after this long unused
@@ -110,17 +115,58 @@ def host_port(address: str) -> tuple[str, int]:
 
 
 def check_reachable(address: str) -> None:
-    """A clear UserError within `REACH_S` when nothing answers at `address` (Ray itself retries for a minute)."""
+    """A clear UserError within `REACH_S` when nothing answers at `address` (Ray itself retries for a minute),
+    and within `HANDSHAKE_S` more when something answers that is no Ray head (Ray would retry for ever)."""
     host, port = host_port(address)
     try:
-        with socket.create_connection((host, port), timeout=REACH_S):
-            pass
+        conn = socket.create_connection((host, port), timeout=REACH_S)
     except OSError as e:
         why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e)).lower()
         raise UserError(f"Cannot reach a Ray cluster at {address} ({why}).",
                         f"Check that the head runs there (`ray status --address {host}:{port}` on it) and that "
                         f"port {port} is open from this computer; start one with `ray start --head "
                         f"--port={port}`.") from e
+    with conn:
+        wrong = _not_grpc(conn)
+    if wrong:
+        client = address.strip().startswith("ray://")
+        raise UserError(f"{address} answers, but not as a {'Ray Client server' if client else 'Ray head'} "
+                        f"({wrong}).",
+                        "Give the address `ray start --head` printed: HOST:PORT of the head's GCS (6379 unless "
+                        "--port said otherwise; the dashboard's 8265 is not it), or ray://HOST:10001 for Ray Client.")
+
+
+def _not_grpc(conn: socket.socket) -> str | None:
+    """None when the listener on `conn` answers an HTTP/2 connection preface with a SETTINGS frame, as a gRPC
+    server does at once; else what it did instead, in words."""
+    deadline = time.monotonic() + HANDSHAKE_S
+    got = b""
+    try:
+        conn.sendall(H2_PREFACE)
+        while len(got) < 9:  # a frame header: length (3), type, flags, stream id (4)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            conn.settimeout(left)
+            data = conn.recv(9 - len(got))
+            if not data:
+                return f"it closed the connection after {len(got)} bytes" if got else "it closed the connection"
+            got += data
+    except TimeoutError:
+        pass
+    except OSError as e:
+        return f"the connection failed: {(e.strerror or str(e)).lower()}"
+    if not got:
+        return f"it sent nothing in {HANDSHAKE_S:g} s"
+    if len(got) == 9 and got[3] == H2_SETTINGS and int.from_bytes(got[5:9], "big") & 0x7FFFFFFF == 0:
+        return None
+    if got.startswith(b"HTTP/"):
+        with contextlib.suppress(OSError):  # the rest of an HTTP/1 status line, for the message
+            conn.settimeout(0.5)
+            got += conn.recv(200)
+        status = got.split(b"\r")[0].decode("ascii", "replace")
+        return f"it speaks HTTP/1: {status!r}"
+    return f"its first bytes are {got[:16]!r}, not an HTTP/2 SETTINGS frame"
 
 
 def _loopback(host: str) -> bool:
