@@ -92,6 +92,41 @@ def test_a_changed_file_is_sent_again_and_only_it(vdev: VirtualDevice, tmp_path:
     assert deploy.deploy(bundle, dev, State()).bytes_sent == 0
 
 
+def test_chat_histories_and_host_paths_stay_on_this_computer(vdev: VirtualDevice, tmp_path: Path) -> None:
+    """`chat --bundle DIR` keeps its history (and set-aside unreadable ones) in a bare bundle folder, and the
+    metadata names this computer's folders: none of it may reach the phone; the local metadata keeps them (the
+    CPU preview reads `project_compile_dir`)."""
+    bundle = _bundle(tmp_path, {"a.bin": os.urandom(3000)})
+    meta = json.loads((bundle / layout.METADATA).read_text())
+    home = tmp_path / "home" / "alice"
+    compile_dir = str(home / "proj" / layout.STAGES_DIR / "compile")
+    meta |= {"project_compile_dir": compile_dir, "model": str(home / "models" / "Tiny-1B"),
+             "versions": {"torch": "2.8.0", "qnn_sdk_build": "/opt/qcom/qairt/2.31.0"},
+             "question": "What is in /etc?"}
+    (bundle / layout.METADATA).write_text(json.dumps(meta))
+    (bundle / layout.CHAT_HISTORY).write_text(json.dumps({"chats": [{"messages": [
+        {"role": "user", "content": "my bank PIN is 1234"}]}]}))
+    (bundle / "chat_history.unreadable-20260101-120000.json").write_text('{"chats": [ my PIN')
+    (bundle / "chat_history.unreadable-20260101-120000-2.json").write_text("{")
+    dev = device.info(vdev.serial)
+    res = deploy.deploy(bundle, dev, State(), force=True)
+    remote = _on_device(vdev, bundle)
+    assert sorted(q.name for q in remote.iterdir() if not q.name.startswith(".")) == ["a.bin", layout.METADATA]
+    assert sorted(r["file"] for r in res.files) == ["a.bin", layout.METADATA]
+    manifest = json.loads((remote / layout.DEVICE_MANIFEST).read_text())
+    assert sorted(manifest) == ["a.bin", layout.METADATA]
+    pushed = (remote / layout.METADATA).read_text()
+    assert str(tmp_path) not in pushed and "/opt/qcom" not in pushed and "PIN" not in pushed
+    on_phone = json.loads(pushed)
+    assert "project_compile_dir" not in on_phone
+    assert on_phone == {k: v for k, v in meta.items() if k != "project_compile_dir"} | {
+        "model": "Tiny-1B", "versions": {"torch": "2.8.0", "qnn_sdk_build": "2.31.0"}}  # the rest as it was
+    assert on_phone["question"] == "What is in /etc?"  # free text is no path
+    assert json.loads((bundle / layout.METADATA).read_text())["project_compile_dir"] == compile_dir
+    assert manifest[layout.METADATA]["sha256"] == hashlib.sha256(pushed.encode()).hexdigest()
+    assert deploy.deploy(bundle, dev, State()).bytes_sent == 0  # the phone's copy counts as up to date
+
+
 def test_a_file_changed_on_the_device_is_sent_again(vdev: VirtualDevice, tmp_path: Path) -> None:
     bundle = _bundle(tmp_path, {"a.bin": os.urandom(100_000)})
     dev = device.info(vdev.serial)

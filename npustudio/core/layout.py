@@ -60,6 +60,7 @@ METADATA = "metadata.json"
 BUNDLE_RESULT = "bundle.json"
 SAMPLE_PROMPT = "sample_prompt.txt"
 CHAT_HISTORY = "chat_history.json"
+CHAT_HISTORY_ASIDE = "chat_history.unreadable-*.json"  # an unreadable history, set aside by the chat (a glob)
 
 # ----- on a device, next to the pushed bundle
 DEVICE_MANIFEST = ".npustudio-manifest.json"

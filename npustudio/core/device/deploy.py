@@ -19,6 +19,7 @@ read behind the stream by a second thread, so no file waits for a round trip.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ import shlex
 import socket
 import stat
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -74,7 +76,9 @@ def _safe_name(name: str) -> str:
 
 
 def local_files(bundle_dir: Path) -> list[Path]:
-    """What the device needs: the bundle's files (with the phone runtime when the bundle carries it).
+    """What the device needs: the bundle's files (with the phone runtime when the bundle carries it), never the
+    chat history that `chat --bundle DIR` keeps in a bare bundle folder, nor the unreadable ones it set aside
+    (the user's conversations stay on this computer).
 
     A link is refused, wherever it points: deploy sends only what the bundle itself holds (a link to a file
     outside, e.g. /etc/shadow, would otherwise land on the phone readable by anyone)."""
@@ -86,6 +90,8 @@ def local_files(bundle_dir: Path) -> list[Path]:
     files = []
     for p in entries:
         if p.name.startswith(".") or p.name == layout.BUNDLE_RESULT:  # the bundle stage's record stays here
+            continue
+        if p.name == layout.CHAT_HISTORY or fnmatch.fnmatchcase(p.name, layout.CHAT_HISTORY_ASIDE):
             continue
         if p.is_symlink():
             raise UserError(f"{p.name} in the bundle {bundle_dir} is a link (to {os.readlink(p)}), not a file of "
@@ -567,6 +573,27 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
     problems = compatibility(dev, bundle_dir)
     if problems:
         raise UserError(" ".join(p for p, _ in problems), " ".join(f for _, f in problems))
+    with tempfile.TemporaryDirectory(prefix="npustudio-deploy-") as scratch:
+        files = [_for_phone(p, Path(scratch)) if p.name == layout.METADATA else p for p in files]
+        return _deploy(bundle_dir, files, dev, state, force, recorded)
+
+
+def _for_phone(metadata: Path, scratch: Path) -> Path:
+    """The bundle's metadata.json as the phone gets it: a copy in `scratch` without this computer's paths, or the
+    file itself when it holds none."""
+    from ..genie.bundle import phone_metadata
+
+    raw = json.loads(metadata.read_text(encoding="utf-8"))  # a JSON object: compatibility() read it
+    clean = phone_metadata(raw)
+    if clean == raw:
+        return metadata
+    copy = scratch / layout.METADATA
+    atomic_write_json(copy, clean)
+    return copy
+
+
+def _deploy(bundle_dir: Path, files: list[Path], dev: DeviceInfo, state: StateLike, force: bool,
+            recorded: dict[str, tuple[int, int, str]] | None) -> DeployResult:
     adb = client(ping=False)  # `dev` was just read from the server
     rdir = remote_dir(bundle_dir)
     hashes = _HashCache(lambda message: state.partial("warning", message=message))

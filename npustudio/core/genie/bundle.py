@@ -109,6 +109,32 @@ def read_metadata(bundle_dir: Path) -> BundleMeta:
     return validated(bundle_dir / layout.METADATA, data, BundleMeta, fix)
 
 
+HOST_ONLY_FIELDS = ("project_compile_dir",)  # what only this computer uses: the CPU preview's prepared graphs
+FREE_TEXT_FIELDS = ("chat_template", "question")  # the model's and the user's text, kept as it is
+
+
+def phone_metadata(data: dict[str, Any]) -> dict[str, Any]:
+    """metadata.json as it goes to a phone: no path of this computer (the user's name, folder layout). The host-only
+    fields are left out, and any other absolute path (a model folder given as `model`, QNN_SDK_ROOT among the
+    versions) is cut to its last part, which still names the model or the SDK build."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if k not in HOST_ONLY_FIELDS}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, str) and _host_path(value):
+            return re.split(r"[\\/]", value.rstrip("\\/"))[-1] or "(a folder of the computer)"
+        return value
+
+    return {k: v if k in FREE_TEXT_FIELDS else clean(v) for k, v in data.items() if k not in HOST_ONLY_FIELDS}
+
+
+def _host_path(text: str) -> bool:
+    """An absolute path of this computer (POSIX, ~, or Windows), not free text."""
+    return "\n" not in text and bool(re.match(r"^(/[^/]|~[/\\]|[A-Za-z]:[\\/]|\\\\)", text))
+
+
 def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
     """(SDK-relative source, file name) of what a phone needs beside the bundle for this arch."""
     v = target.dsp_arch.upper()
