@@ -64,6 +64,7 @@ def _match(table: dict[str, int], name: str, default: int) -> int:
 
 
 ALLOWED = {"weights": (4, 8, 16), "activations": (8, 16)}
+NOTE = "_about"  # an override file's note for people (the shipped ones say why they exist); not read
 
 
 def load_overrides(path: str | Path | None) -> Overrides:
@@ -74,7 +75,9 @@ def load_overrides(path: str | Path | None) -> Overrides:
     if not p.is_file():
         raise UserError(f"No override file at {p}.", fix)
     data = read_json(p, "override file", fix)
-    check_keys(data, Overrides.model_fields, p, "override file", fix)
+    check_keys(data, [*Overrides.model_fields, NOTE], p, "override file", fix)
+    if isinstance(data, dict):
+        data.pop(NOTE, None)
     try:
         ov = Overrides.model_validate(data)
     except ValidationError as e:
