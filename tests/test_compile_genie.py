@@ -107,6 +107,9 @@ def test_a_broken_config_shows_genies_own_message(tmp_path: Path) -> None:
     with pytest.raises(UserError) as e:
         libgenie.Dialog(json.dumps({"dialog": {"version": 1, "type": "basic"}}))
     assert "status -8" in e.value.problem or "status -9" in e.value.problem or "status -4" in e.value.problem
+    # a refusal without a message of Genie's never asks the user to follow that message
+    silent = libgenie._fix(-8, [])
+    assert "as Genie's message says" not in silent and "JSON schema error" in silent and "npustudio bundle" in silent
 
 
 def test_genie_run_streams_begin_end_and_writes_its_profile(project: Project, tmp_path: Path) -> None:

@@ -243,6 +243,9 @@ class GenieError(UserError):
 def _fix(status: int, lines: list[str]) -> str:
     text = "\n".join(lines)
     if status in (-7, -8, -9, -4):
+        if not text.strip():  # Genie refused the config without a word: say what the status means instead
+            return (f"Genie gave no message with it ({describe(status)}): rebuild the bundle with `npustudio bundle` "
+                    "(a hand-edited genie_config.json must follow Genie's schema), or run with `--log verbose`.")
         return "Fix genie_config.json as Genie's message says (or rebuild the bundle with `npustudio bundle`)."
     if "Shared weights buffer" in text:
         return "Weight-shared binaries do not run on the x86 simulator: compile for the simulator (one binary " \
