@@ -320,7 +320,7 @@ def test_chat_on_the_desktop_preview_reports_tokens_per_second(bundle: Path, tmp
     first = session.send("Hello", lambda _s: None)
     second = session.send("And then?", lambda _s: None)
     assert first.generation_tok_s and first.generation_tok_s > 0 and first.ttft_s is not None
-    assert second.runner == "desktop preview (CPU)"
+    assert second.runner == "desktop preview on the CPU"
     again = chat.ChatSession(bundle, chat.DesktopEngine(bundle, preview=True), history_file=tmp_path / "h.json")
     assert [t.user for t in again.turns] == ["Hello", "And then?"]  # history survives a restart
 

@@ -200,7 +200,7 @@ class DesktopEngine:
 
     def __init__(self, bundle_dir: Path, preview: bool = False, max_tokens: int | None = None) -> None:
         self.bundle_dir, self.preview, self.max_tokens = Path(bundle_dir), preview, max_tokens
-        self.name = "desktop preview (CPU)" if preview else "desktop Genie (HTP simulator)"
+        self.name = "desktop preview on the CPU" if preview else "desktop Genie on the HTP simulator"  # shown in ( )
         self._preview: Any = None
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
