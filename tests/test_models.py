@@ -187,6 +187,8 @@ def test_the_plan_picks_the_best_precision_whose_bundle_loads_where_it_goes() ->
     assert (phone.precision, phone.weight_sharing, phone.prompt_graphs) == ("w8a16", True, True)
     small = models.fit_table(_card(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152), 1024)
     assert models.plan(small, "simulator").precision == "w8a16"
+    small_phone = models.plan(small, "phone")  # fits without sharing: one binary per graph, as the simulator checks
+    assert (small_phone.precision, small_phone.weight_sharing, small_phone.prompt_graphs) == ("w8a16", False, True)
     kept = models.plan(fit, "simulator", precision="w8a16")
     assert kept.precision == "w8a16" and not kept.prompt_graphs and "one token at a time" in kept.why
     too_big = models.plan(models.fit_table(_card(layers=40, hidden=5120, intermediate=13824, heads=40), 1024),

@@ -695,8 +695,9 @@ class Plan(BaseModel):
 def plan(fit: list[FitEstimate], destination: Literal["phone", "simulator"], precision: str | None = None) -> Plan:
     """The first precision (best quality first: w8a16, then w4a16) whose parts fit the HTP's per-graph limit, a
     phone's RAM and, as `destination` loads them, one protection domain; `precision` when the user chose one.
-    On a phone the contexts are weight-shared; the x86 simulator cannot load those, so there each graph carries its
-    weights and a model whose prompt and token graphs together are over one domain drops the prompt graphs."""
+    A phone's contexts are weight-shared when one binary per graph would be over one domain (otherwise they stay
+    one per graph, the form the simulator can check); the x86 simulator cannot load shared ones, so there a model
+    whose prompt and token graphs together are over one domain drops the prompt graphs."""
     budget, gib = parts.PD_BUDGET_BYTES, 2**30
     by = {f.precision: f for f in fit}
 
@@ -722,8 +723,9 @@ def plan(fit: list[FitEstimate], destination: Literal["phone", "simulator"], pre
     else:  # none loads whole: the smallest, and the form below says what is left out
         chosen = fit[-1]
         why = f"{chosen.precision}, the smallest preset: even so {problem(chosen)}"
-    shared = destination == "phone"
-    prompt = shared or chosen.context_bytes_simulator <= budget
+    whole = chosen.context_bytes_simulator <= budget  # one binary per graph loads: the form the simulator checks
+    shared = destination == "phone" and not whole
+    prompt = destination == "phone" or whole
     if not prompt:
         why += (f"; the prompt graphs are left out on the simulator (with them its contexts are "
                 f"{chosen.context_bytes_simulator / gib:.1f} GiB): the prompt is read one token at a time")
