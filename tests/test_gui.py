@@ -1184,3 +1184,115 @@ def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
     assert "Run the steps before it" in status
     locked = w.steps.item(STEPS.index("Deploy"))  # locked, and nothing to explain: stays shut
     assert not locked.flags() & Qt.ItemFlag.ItemIsEnabled
+
+
+def small_export(folder: Path) -> Path:
+    """A graph's export without a pipeline run: an .encodings file of 72 long-named 16-bit activations (the last
+    four a down projection per layer, layer 2's range ×50 wider than the others': flagged), the float ONNX graph
+    that makes them and a test-vector step, as the quantize stage writes them beside each other."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from npustudio.core import layout
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [f"/model/layers.{k % 4}/a_rather_long_module_path/of_the_kind/real_exports_have/Conv_output_{k}"
+             for k in range(68)] + [f"/layers.{i}/mlp/down/Conv_output_0" for i in range(4)]
+    scales = [0.01] * 70 + [0.5, 0.01]  # layer 2's down projection (the 71st row) is the wide one
+    acts = [{"name": n, "dtype": "INT", "bw": 16, "is_sym": False, "scale": [s], "offset": [-32768],
+             "enc_type": "PER_TENSOR"} for n, s in zip(names, scales, strict=True)]
+    f = folder / "prompt_1_of_1.encodings"
+    f.write_text(json.dumps({"version": "1.0.0", "activation_encodings": acts, "param_encodings": []}))
+    gains = [numpy_helper.from_array(np.full((1, 64), 1.0 + i / 10, np.float32), f"g{i}") for i in range(len(names))]
+    nodes = [helper.make_node("Mul", ["x", f"g{i}"], [n]) for i, n in enumerate(names)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info(names[0], TensorProto.FLOAT, [1, 64])], gains)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10),
+              str(f.with_suffix(".onnx")))
+    (folder / layout.TEST_VECTORS).mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    np.savez(folder / layout.TEST_VECTORS / f"{f.stem}.npz", **{"in/x": rng.normal(size=(1, 64)).astype(np.float32)})
+    return f
+
+
+def small_table(folder: Path) -> Any:
+    """`small_export`'s table with each activation's SQNR, as the inspector's read makes it (no weights here)."""
+    from npustudio.core.graph import encodings, sqnr
+
+    f = small_export(folder)
+    table = encodings.read(f)
+    db = sqnr.activations(f, table.rows)
+    for r in table.rows:
+        r.sqnr_db = db.get(r.name)
+    return table
+
+
+def name_at_left(view: Any, row: int) -> str | None:
+    """What a person reads at the table's left edge on `row` (whichever view is drawn on top there)."""
+    from PySide6.QtCore import QPoint
+    from PySide6.QtWidgets import QTableView
+
+    pt = view.viewport().geometry().topLeft() + QPoint(4, view.rowViewportPosition(row) + 5)
+    w = view.childAt(pt)
+    while w is not None and not isinstance(w, QTableView):
+        w = w.parentWidget()
+    idx = w.indexAt(w.viewport().mapFromGlobal(view.mapToGlobal(pt)))
+    return idx.data() if idx.isValid() else None
+
+
+def test_the_inspector_keeps_names_in_view_shows_flags_and_the_heatmaps_figures(qtbot: Any, tmp_path: Path) -> None:
+    """Issue 37: the names stay at the table's left however far it is scrolled and whatever it is sorted by; the
+    flags column is as wide as the flags (the flagged rows are past the first 60); a flagged activation has the
+    SQNR the heatmap colours it by; an activation draws no histogram (the last weight's stayed on its axes); a
+    heatmap cell's tooltip names its tensor, role, layer and figure."""
+    from PySide6.QtCore import QPointF
+    from PySide6.QtGui import QFontMetrics
+
+    from npustudio.core.graph.sqnr import WeightHistogram
+    from npustudio.gui.inspector import COLUMNS, Inspector
+
+    table = small_table(tmp_path / "quantize")
+    wide = table.by_name("/layers.2/mlp/down/Conv_output_0")
+    assert wide.flags and "wider" in wide.flags[0] and table.rows.index(wide) > 60
+    ins = Inspector()
+    qtbot.addWidget(ins)
+    ins.resize(800, 900)
+    ins.show()
+    qtbot.waitExposed(ins)
+    ins.load(table)
+    qtbot.wait(50)
+    col = {k: i for i, (k, _) in enumerate(COLUMNS)}
+    bar = ins.view.horizontalScrollBar()
+    assert bar.maximum() > 0  # wider than the view: it scrolls sideways
+    bar.setValue(bar.maximum())
+    ins.sort_by("sqnr_db", descending=False)  # the SQNR header is at the right end
+    qtbot.wait(50)
+    first = ins.visible_rows()[0]
+    assert first.name == wide.name  # the most damaged first: the wide range
+    assert name_at_left(ins.view, 0) == first.name
+    assert ins.proxy.index(0, 0).data(Qt.ItemDataRole.ToolTipRole).startswith(first.name)
+    assert ins.proxy.index(1, 0).data(Qt.ItemDataRole.ToolTipRole) == ins.visible_rows()[1].name  # elided: whole
+
+    fm = QFontMetrics(ins.view.font())
+    assert ins.view.columnWidth(col["flags"]) >= fm.horizontalAdvance("; ".join(wide.flags))
+
+    shown = ins.proxy.index(0, col["sqnr_db"]).data()
+    assert shown != "—" and wide.sqnr_db is not None
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("activation_sqnr"))
+    cell = (ins.heat_roles.index("down"), 2)
+    assert ins.heat_names[cell] == wide.name and shown == f"{ins.heat_grid[cell]:.4g}"
+
+    ins.draw_histogram(WeightHistogram(counts=[1, 3, 1], edges=[-1000.0, -1, 1, 1000.0], clip_low=-1000.0,
+                                       clip_high=1000.0, grid=[], clipped=0.0, values=5, of=5))
+    assert ins.hist.isVisibleTo(ins)
+    ins.view.selectRow(0)
+    assert ins.hist_data is None and not ins.hist.isVisibleTo(ins)
+    assert "activation" in ins.hist_label.text() and "no stored values" in ins.hist_label.text()
+
+    qtbot.wait(200)  # the heatmap's view fits the new grid
+    vb = ins.heatmap.getPlotItem().vb
+    ins.heatmap.scene().sigMouseMoved.emit(vb.mapViewToScene(QPointF(cell[1] + 0.5, cell[0] + 0.5)))
+    tip = ins.heatmap.toolTip()
+    assert wide.name in tip and "down, layer 2" in tip and f"{wide.sqnr_db:.1f} dB" in tip
+    ins.heatmap.scene().sigMouseMoved.emit(vb.mapViewToScene(QPointF(-5, -5)))  # off the cells: no tip
+    assert ins.heatmap.toolTip() == ""
