@@ -1296,3 +1296,47 @@ def test_the_inspector_keeps_names_in_view_shows_flags_and_the_heatmaps_figures(
     assert wide.name in tip and "down, layer 2" in tip and f"{wide.sqnr_db:.1f} dB" in tip
     ins.heatmap.scene().sigMouseMoved.emit(vb.mapViewToScene(QPointF(-5, -5)))  # off the cells: no tip
     assert ins.heatmap.toolTip() == ""
+
+
+def test_opening_another_project_resets_every_view_of_the_last_one(qtbot: Any, tmp_path: Path) -> None:
+    """Issue 37: project B opened after A shows nothing of A: the inspector's filters, colouring, sort and zoom,
+    the live perplexity chart's points and zoom, the deploy push's bar, figures and console, the profiles' runs
+    and zoom."""
+    from npustudio.core.genie.profile import Event, Profile
+
+    w = MainWindow(tmp_path / "a", watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    ins, q, d = w.quantize_page.inspector, w.quantize_page, w.deploy_page
+    ins.load(small_table(tmp_path / "a-export"))
+    ins.search.setText("down")
+    ins.role.setCurrentIndex(ins.role.findData("down"))
+    ins.flagged.setChecked(True)
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("range"))
+    ins.sort_by("sqnr_db")
+    charts = [ins.heatmap, ins.detail, ins.hist, q.chart.plot, w.profiles.timeline, w.profiles.ttft, w.profiles.rates]
+    q.chart.extend([{"window": i, "fp_ppl": 14.0 + i, "quant_ppl": 14.5 + i} for i in range(5)])
+    d._partial("push", {"bytes": 5_000_000, "total": 10_000_000, "rate": 49e6, "eta_s": 1.0})
+    d.pushed = {"genie_config.json": True}
+    w.devices.log("Deploying A's bundle…")
+    w.profiles.add("chat 1", Profile(runner="genie", events=[Event(
+        type="GenieDialog_query", component="d", start_us=0, stop_us=1_000_000, ttft_us=200_000, prompt_tokens=4,
+        prompt_rate=20.0, generated_tokens=8, generation_rate=10.0)]))
+    for c in charts:  # zoomed by hand, as a drag or Ctrl+wheel does
+        c.getPlotItem().vb.setRange(xRange=(0.2, 0.3), yRange=(0.2, 0.3), padding=0)
+        c.getPlotItem().vb.sigRangeChangedManually.emit([True, True])
+    assert ins.visible_rows() and w.devices.push.value() > 0 and w.profiles.runs
+
+    assert w.open_project(tmp_path / "b")
+    assert ins.table_ is None and ins.visible_rows() == []
+    assert (ins.search.text(), ins.role.currentIndex(), ins.flagged.isChecked(), ins.colour_by.currentIndex()) == \
+        ("", 0, False, 0)
+    assert (ins.proxy.text, ins.proxy.role, ins.proxy.flagged_only) == ("", "", False)
+    assert ins.view.horizontalHeader().sortIndicatorSection() == -1
+    for c in charts:
+        assert c.getPlotItem().vb.autoRangeEnabled() == [True, True] and not c.reset_view.isVisibleTo(c)
+    assert q.chart.series == {} and q.chart.items == {} and q.chart.summary.text() == ""
+    assert d.strip.bar.value() == 0 and not d.strip.status.text().startswith("Pushed") and d.pushed == {}
+    assert w.devices.push.value() == 0 and w.devices.push.format() == "no push running"
+    assert "A's bundle" not in w.devices.console.toPlainText()
+    assert w.profiles.runs == [] and w.profiles.table.rowCount() == 0

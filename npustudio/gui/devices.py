@@ -206,6 +206,13 @@ class DevicePanel(QWidget):
 
         worker.start(lambda _s: device.stop_virtual(vd), "Stopping the virtual device", done=stopped)
 
+    def forget_project(self) -> None:
+        """Another project is opened: the last push's bar and the console (its deploy log, its model's answers)
+        were about the previous one."""
+        self.reset_push()
+        self.console.clear()
+        self._after_log = False
+
     def reset_push(self) -> None:
         self.push.setValue(0)
         self.push.setFormat("no push running")

@@ -186,7 +186,8 @@ class TensorFilter(QSortFilterProxyModel):
         self.text, self.role, self.flagged_only = "", "", False
 
     def sort(self, column: int, order: Qt.SortOrder = Qt.SortOrder.AscendingOrder) -> None:
-        if self.sourceModel() is not None:  # a header clicked before any encodings are loaded
+        if self.sourceModel() is not None and column >= 0:  # a header clicked before any encodings are loaded;
+            # -1: the sort indicator cleared for another project
             self.sourceModel().sort(column, order)  # rows stay in the source's order, filtered here
 
     def set(self, text: str | None = None, role: str | None = None, flagged_only: bool | None = None) -> None:
@@ -326,16 +327,31 @@ class Inspector(QWidget):
         self.flagged.toggled.connect(lambda on: self.proxy.set(flagged_only=on))
 
     def clear(self) -> None:
-        """No encodings: another project is open, or this one has none yet."""
+        """No encodings: another project is open, or this one has none yet. Its filters, colouring, sort and each
+        plot's zoom go back to their defaults too: the last project's hid rows of this one and kept its axes."""
         self.table_ = None
         self._cancel_histogram()
         self.proxy.setSourceModel(TensorModel([]))
+        self.search.setText("")
+        self.role.setCurrentIndex(0)
+        self.flagged.setChecked(False)
+        self.colour_by.setCurrentIndex(0)
+        self.view.horizontalHeader().setSortIndicator(-1, Qt.SortOrder.AscendingOrder)
+        self.view.names.horizontalHeader().setSortIndicator(-1, Qt.SortOrder.AscendingOrder)
         self.image.clear()
         self.heat_grid, self.heat_roles, self.heat_names = np.zeros((0, 0)), [], {}
+        self.heatmap.getAxis("left").setTicks([[]])
+        self.heatmap.getAxis("bottom").setTicks(None)
+        self.heatmap.setToolTip("")
         self.detail.clear()
+        self.detail.setLabel("bottom", "")
+        self.detail_label.setText("Select a tensor to see its scales per channel or block.")
         self.hist.clear()
+        self.hist.show()
         self.hist_data = None
         self.hist_label.setText("")
+        for chart in (self.heatmap, self.detail, self.hist):
+            chart.fit()
         self.graph.clear()
         self.title.setText("No encodings loaded.")
 

@@ -122,6 +122,10 @@ class DeployPage(Page):
         self.strip.status.setText(msg)
         self.ask.setEnabled(True)
 
+    def clear_results(self) -> None:
+        super().clear_results()
+        self.pushed = {}  # another project's files: a same-named file of this one was marked pushed
+
     def _ask(self) -> None:
         try:
             meta = read_metadata(self.bundle)
