@@ -1340,3 +1340,44 @@ def test_opening_another_project_resets_every_view_of_the_last_one(qtbot: Any, t
     assert w.devices.push.value() == 0 and w.devices.push.format() == "no push running"
     assert "A's bundle" not in w.devices.console.toPlainText()
     assert w.profiles.runs == [] and w.profiles.table.rowCount() == 0
+
+
+def test_a_late_progress_message_keeps_stopping_and_a_push_states_one_rate(
+        qtbot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: a progress message that arrives after Cancel (or Stop and quit) leaves "Stopping…" on the page; a
+    finished push shows the same rate on the Deploy page and on the device panel's bar (49 beside 498 MB/s); the
+    settings' QNN SDK and adb fields have a Browse… button that fills them."""
+    import threading
+
+    from npustudio.core.device.deploy import DeployResult
+    from npustudio.gui import settings_dialog
+    from npustudio.gui.widgets import RunStrip
+
+    strip = RunStrip()
+    qtbot.addWidget(strip)
+    go = threading.Event()
+    job = strip.start(lambda state: go.wait(10), lambda _r: None, "Quantizing")
+    strip.cancel.click()
+    job.progress.emit(0.4, "Calibrating 3 of 4")  # sent before the stage reached its safe point
+    qtbot.wait(50)
+    assert strip.status.text().startswith("Stopping") and strip.bar.value() == 400
+    with qtbot.waitSignal(job.finished, timeout=10_000):
+        go.set()
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    d = w.deploy_page
+    d._partial("push", {"bytes": 9_000_000, "total": 10_000_000, "rate": 498e6, "eta_s": 0.0})
+    d.finish(DeployResult(device="emulator-5554", remote_dir="/data/local/tmp/x", files=[], bytes_sent=10_000_000,
+                          bytes_skipped=0, seconds=0.2, rate_mb_s=49.0))
+    assert "at 49 MB/s" in d.strip.status.text() and "at 49 MB/s" in w.devices.push.format()
+    assert "498" not in w.devices.push.format()
+
+    picked = {"dir": str(tmp_path / "qairt"), "file": str(tmp_path / "adb")}
+    monkeypatch.setattr(settings_dialog.QFileDialog, "getExistingDirectory", lambda *a, **k: picked["dir"])
+    monkeypatch.setattr(settings_dialog.QFileDialog, "getOpenFileName", lambda *a, **k: (picked["file"], ""))
+    dlg = w.open_settings()
+    dlg.sdk_browse.click()
+    dlg.adb_browse.click()
+    assert (dlg.sdk.text(), dlg.adb.text()) == (picked["dir"], picked["file"])
+    dlg.reject()
