@@ -1184,3 +1184,200 @@ def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
     assert "Run the steps before it" in status
     locked = w.steps.item(STEPS.index("Deploy"))  # locked, and nothing to explain: stays shut
     assert not locked.flags() & Qt.ItemFlag.ItemIsEnabled
+
+
+def small_export(folder: Path) -> Path:
+    """A graph's export without a pipeline run: an .encodings file of 72 long-named 16-bit activations (the last
+    four a down projection per layer, layer 2's range ×50 wider than the others': flagged), the float ONNX graph
+    that makes them and a test-vector step, as the quantize stage writes them beside each other."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from npustudio.core import layout
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [f"/model/layers.{k % 4}/a_rather_long_module_path/of_the_kind/real_exports_have/Conv_output_{k}"
+             for k in range(68)] + [f"/layers.{i}/mlp/down/Conv_output_0" for i in range(4)]
+    scales = [0.01] * 70 + [0.5, 0.01]  # layer 2's down projection (the 71st row) is the wide one
+    acts = [{"name": n, "dtype": "INT", "bw": 16, "is_sym": False, "scale": [s], "offset": [-32768],
+             "enc_type": "PER_TENSOR"} for n, s in zip(names, scales, strict=True)]
+    f = folder / "prompt_1_of_1.encodings"
+    f.write_text(json.dumps({"version": "1.0.0", "activation_encodings": acts, "param_encodings": []}))
+    gains = [numpy_helper.from_array(np.full((1, 64), 1.0 + i / 10, np.float32), f"g{i}") for i in range(len(names))]
+    nodes = [helper.make_node("Mul", ["x", f"g{i}"], [n]) for i, n in enumerate(names)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info(names[0], TensorProto.FLOAT, [1, 64])], gains)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10),
+              str(f.with_suffix(".onnx")))
+    (folder / layout.TEST_VECTORS).mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    np.savez(folder / layout.TEST_VECTORS / f"{f.stem}.npz", **{"in/x": rng.normal(size=(1, 64)).astype(np.float32)})
+    return f
+
+
+def small_table(folder: Path) -> Any:
+    """`small_export`'s table with each activation's SQNR, as the inspector's read makes it (no weights here)."""
+    from npustudio.core.graph import encodings, sqnr
+
+    f = small_export(folder)
+    table = encodings.read(f)
+    db = sqnr.activations(f, table.rows)
+    for r in table.rows:
+        r.sqnr_db = db.get(r.name)
+    return table
+
+
+def name_at_left(view: Any, row: int) -> str | None:
+    """What a person reads at the table's left edge on `row` (whichever view is drawn on top there)."""
+    from PySide6.QtCore import QPoint
+    from PySide6.QtWidgets import QTableView
+
+    pt = view.viewport().geometry().topLeft() + QPoint(4, view.rowViewportPosition(row) + 5)
+    w = view.childAt(pt)
+    while w is not None and not isinstance(w, QTableView):
+        w = w.parentWidget()
+    idx = w.indexAt(w.viewport().mapFromGlobal(view.mapToGlobal(pt)))
+    return idx.data() if idx.isValid() else None
+
+
+def test_the_inspector_keeps_names_in_view_shows_flags_and_the_heatmaps_figures(qtbot: Any, tmp_path: Path) -> None:
+    """Issue 37: the names stay at the table's left however far it is scrolled and whatever it is sorted by; the
+    flags column is as wide as the flags (the flagged rows are past the first 60); a flagged activation has the
+    SQNR the heatmap colours it by; an activation draws no histogram (the last weight's stayed on its axes); a
+    heatmap cell's tooltip names its tensor, role, layer and figure."""
+    from PySide6.QtCore import QPointF
+    from PySide6.QtGui import QFontMetrics
+
+    from npustudio.core.graph.sqnr import WeightHistogram
+    from npustudio.gui.inspector import COLUMNS, Inspector
+
+    table = small_table(tmp_path / "quantize")
+    wide = table.by_name("/layers.2/mlp/down/Conv_output_0")
+    assert wide.flags and "wider" in wide.flags[0] and table.rows.index(wide) > 60
+    ins = Inspector()
+    qtbot.addWidget(ins)
+    ins.resize(800, 900)
+    ins.show()
+    qtbot.waitExposed(ins)
+    ins.load(table)
+    qtbot.wait(50)
+    col = {k: i for i, (k, _) in enumerate(COLUMNS)}
+    bar = ins.view.horizontalScrollBar()
+    assert bar.maximum() > 0  # wider than the view: it scrolls sideways
+    bar.setValue(bar.maximum())
+    ins.sort_by("sqnr_db", descending=False)  # the SQNR header is at the right end
+    qtbot.wait(50)
+    first = ins.visible_rows()[0]
+    assert first.name == wide.name  # the most damaged first: the wide range
+    assert name_at_left(ins.view, 0) == first.name
+    assert ins.proxy.index(0, 0).data(Qt.ItemDataRole.ToolTipRole).startswith(first.name)
+    assert ins.proxy.index(1, 0).data(Qt.ItemDataRole.ToolTipRole) == ins.visible_rows()[1].name  # elided: whole
+
+    fm = QFontMetrics(ins.view.font())
+    assert ins.view.columnWidth(col["flags"]) >= fm.horizontalAdvance("; ".join(wide.flags))
+
+    shown = ins.proxy.index(0, col["sqnr_db"]).data()
+    assert shown != "—" and wide.sqnr_db is not None
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("activation_sqnr"))
+    cell = (ins.heat_roles.index("down"), 2)
+    assert ins.heat_names[cell] == wide.name and shown == f"{ins.heat_grid[cell]:.4g}"
+
+    ins.draw_histogram(WeightHistogram(counts=[1, 3, 1], edges=[-1000.0, -1, 1, 1000.0], clip_low=-1000.0,
+                                       clip_high=1000.0, grid=[], clipped=0.0, values=5, of=5))
+    assert ins.hist.isVisibleTo(ins)
+    ins.view.selectRow(0)
+    assert ins.hist_data is None and not ins.hist.isVisibleTo(ins)
+    assert "activation" in ins.hist_label.text() and "no stored values" in ins.hist_label.text()
+
+    qtbot.wait(200)  # the heatmap's view fits the new grid
+    vb = ins.heatmap.getPlotItem().vb
+    ins.heatmap.scene().sigMouseMoved.emit(vb.mapViewToScene(QPointF(cell[1] + 0.5, cell[0] + 0.5)))
+    tip = ins.heatmap.toolTip()
+    assert wide.name in tip and "down, layer 2" in tip and f"{wide.sqnr_db:.1f} dB" in tip
+    ins.heatmap.scene().sigMouseMoved.emit(vb.mapViewToScene(QPointF(-5, -5)))  # off the cells: no tip
+    assert ins.heatmap.toolTip() == ""
+
+
+def test_opening_another_project_resets_every_view_of_the_last_one(qtbot: Any, tmp_path: Path) -> None:
+    """Issue 37: project B opened after A shows nothing of A: the inspector's filters, colouring, sort and zoom,
+    the live perplexity chart's points and zoom, the deploy push's bar, figures and console, the profiles' runs
+    and zoom."""
+    from npustudio.core.genie.profile import Event, Profile
+
+    w = MainWindow(tmp_path / "a", watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    ins, q, d = w.quantize_page.inspector, w.quantize_page, w.deploy_page
+    ins.load(small_table(tmp_path / "a-export"))
+    ins.search.setText("down")
+    ins.role.setCurrentIndex(ins.role.findData("down"))
+    ins.flagged.setChecked(True)
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("range"))
+    ins.sort_by("sqnr_db")
+    charts = [ins.heatmap, ins.detail, ins.hist, q.chart.plot, w.profiles.timeline, w.profiles.ttft, w.profiles.rates]
+    q.chart.extend([{"window": i, "fp_ppl": 14.0 + i, "quant_ppl": 14.5 + i} for i in range(5)])
+    d._partial("push", {"bytes": 5_000_000, "total": 10_000_000, "rate": 49e6, "eta_s": 1.0})
+    d.pushed = {"genie_config.json": True}
+    w.devices.log("Deploying A's bundle…")
+    w.profiles.add("chat 1", Profile(runner="genie", events=[Event(
+        type="GenieDialog_query", component="d", start_us=0, stop_us=1_000_000, ttft_us=200_000, prompt_tokens=4,
+        prompt_rate=20.0, generated_tokens=8, generation_rate=10.0)]))
+    for c in charts:  # zoomed by hand, as a drag or Ctrl+wheel does
+        c.getPlotItem().vb.setRange(xRange=(0.2, 0.3), yRange=(0.2, 0.3), padding=0)
+        c.getPlotItem().vb.sigRangeChangedManually.emit([True, True])
+    assert ins.visible_rows() and w.devices.push.value() > 0 and w.profiles.runs
+
+    assert w.open_project(tmp_path / "b")
+    assert ins.table_ is None and ins.visible_rows() == []
+    assert (ins.search.text(), ins.role.currentIndex(), ins.flagged.isChecked(), ins.colour_by.currentIndex()) == \
+        ("", 0, False, 0)
+    assert (ins.proxy.text, ins.proxy.role, ins.proxy.flagged_only) == ("", "", False)
+    assert ins.view.horizontalHeader().sortIndicatorSection() == -1
+    for c in charts:
+        assert c.getPlotItem().vb.autoRangeEnabled() == [True, True] and not c.reset_view.isVisibleTo(c)
+    assert q.chart.series == {} and q.chart.items == {} and q.chart.summary.text() == ""
+    assert d.strip.bar.value() == 0 and not d.strip.status.text().startswith("Pushed") and d.pushed == {}
+    assert w.devices.push.value() == 0 and w.devices.push.format() == "no push running"
+    assert "A's bundle" not in w.devices.console.toPlainText()
+    assert w.profiles.runs == [] and w.profiles.table.rowCount() == 0
+
+
+def test_a_late_progress_message_keeps_stopping_and_a_push_states_one_rate(
+        qtbot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: a progress message that arrives after Cancel (or Stop and quit) leaves "Stopping…" on the page; a
+    finished push shows the same rate on the Deploy page and on the device panel's bar (49 beside 498 MB/s); the
+    settings' QNN SDK and adb fields have a Browse… button that fills them."""
+    import threading
+
+    from npustudio.core.device.deploy import DeployResult
+    from npustudio.gui import settings_dialog
+    from npustudio.gui.widgets import RunStrip
+
+    strip = RunStrip()
+    qtbot.addWidget(strip)
+    go = threading.Event()
+    job = strip.start(lambda state: go.wait(10), lambda _r: None, "Quantizing")
+    strip.cancel.click()
+    job.progress.emit(0.4, "Calibrating 3 of 4")  # sent before the stage reached its safe point
+    qtbot.wait(50)
+    assert strip.status.text().startswith("Stopping") and strip.bar.value() == 400
+    with qtbot.waitSignal(job.finished, timeout=10_000):
+        go.set()
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    d = w.deploy_page
+    d._partial("push", {"bytes": 9_000_000, "total": 10_000_000, "rate": 498e6, "eta_s": 0.0})
+    d.finish(DeployResult(device="emulator-5554", remote_dir="/data/local/tmp/x", files=[], bytes_sent=10_000_000,
+                          bytes_skipped=0, seconds=0.2, rate_mb_s=49.0))
+    assert "at 49 MB/s" in d.strip.status.text() and "at 49 MB/s" in w.devices.push.format()
+    assert "498" not in w.devices.push.format()
+
+    picked = {"dir": str(tmp_path / "qairt"), "file": str(tmp_path / "adb")}
+    monkeypatch.setattr(settings_dialog.QFileDialog, "getExistingDirectory", lambda *a, **k: picked["dir"])
+    monkeypatch.setattr(settings_dialog.QFileDialog, "getOpenFileName", lambda *a, **k: (picked["file"], ""))
+    dlg = w.open_settings()
+    dlg.sdk_browse.click()
+    dlg.adb_browse.click()
+    assert (dlg.sdk.text(), dlg.adb.text()) == (picked["dir"], picked["file"])
+    dlg.reject()

@@ -169,6 +169,7 @@ class MainWindow(QMainWindow):
         for page in self.pages:  # nothing of the previous project stays on screen
             page.clear_results()
         self.profiles.forget_runs()  # drawn once, with this project's roofline, by refresh()
+        self.devices.forget_project()
         self.settings.remember(project.root)
         self._save_settings()
         self._fill_recent()

@@ -104,6 +104,7 @@ class PplChart(QWidget):
         self.running.clear()
         self.items.clear()
         self.summary.setText("")
+        self.plot.fit()  # the next points' range, not a zoom on the last ones
 
     def add(self, data: dict[str, Any]) -> None:
         """One `ppl` partial: {"window": i, "fp_ppl": …, "quant_ppl": …, "fp_ppl_running": …}."""

@@ -206,6 +206,13 @@ class DevicePanel(QWidget):
 
         worker.start(lambda _s: device.stop_virtual(vd), "Stopping the virtual device", done=stopped)
 
+    def forget_project(self) -> None:
+        """Another project is opened: the last push's bar and the console (its deploy log, its model's answers)
+        were about the previous one."""
+        self.reset_push()
+        self.console.clear()
+        self._after_log = False
+
     def reset_push(self) -> None:
         self.push.setValue(0)
         self.push.setFormat("no push running")
@@ -214,6 +221,12 @@ class DevicePanel(QWidget):
         self.push.setValue(int(1000 * data["bytes"] / max(data["total"], 1)))
         self.push.setFormat(f"{human_bytes(data['bytes'])} / {human_bytes(data['total'])} at "
                             f"{data['rate'] / 1e6:.0f} MB/s")
+
+    def push_done(self, sent: int, rate_mb_s: float) -> None:
+        """The finished push's figure, the one the Deploy page states: the bar kept the last live rate (498 MB/s
+        beside the page's 49: the result counts the push to its end, the device's writes included)."""
+        self.push.setValue(1000)
+        self.push.setFormat(f"{human_bytes(sent)} sent at {rate_mb_s:.0f} MB/s" if sent else "nothing to send")
 
     def log(self, text: str) -> None:
         self.console.appendPlainText(text)

@@ -20,15 +20,18 @@ from PySide6.QtCore import (
     Qt,
     Signal,
 )
-from PySide6.QtGui import QColor, QFontMetrics
+from PySide6.QtGui import QColor, QCursor, QFontMetrics, QResizeEvent
 from PySide6.QtWidgets import (
+    QAbstractItemView,
     QCheckBox,
     QComboBox,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QLineEdit,
     QSplitter,
     QTableView,
+    QToolTip,
     QVBoxLayout,
     QWidget,
 )
@@ -52,6 +55,9 @@ _KIND = {"weight_bits": "param", "sqnr": "param", "activation_bits": "activation
 _DB = ("sqnr", "activation_sqnr")  # metrics in dB: the lowest is the worst
 FLAGGED = QColor("#f8d7da")
 Index = QModelIndex | QPersistentModelIndex
+NAME_WIDTH = 360  # px at most for the frozen name column: a long name is elided in the middle, whole in its tooltip
+FLAGS_WIDTH = 420  # px at most for the flags: longer ones are whole in the tooltip
+ROW_HEIGHT = 20
 
 
 class TensorModel(QAbstractTableModel):
@@ -97,9 +103,79 @@ class TensorModel(QAbstractTableModel):
             return "—" if v is None else str(v)
         if role == Qt.ItemDataRole.BackgroundRole and r.flags:
             return FLAGGED
-        if role == Qt.ItemDataRole.ToolTipRole and r.flags:
-            return "\n".join(r.flags)
+        if role == Qt.ItemDataRole.ToolTipRole and (key == "name" or r.flags):
+            return "\n".join(([r.name] if key == "name" else []) + r.flags)
         return None
+
+
+class FrozenNameTable(QTableView):
+    """The tensor table with the name column frozen at its left edge (Qt's frozen-column pattern: a second view
+    over the same model and selection, showing that column only). The table is wider than the window: sorting by
+    SQNR or flags, at its right end, scrolled the names off-screen and left rows of figures without a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.verticalHeader().setDefaultSectionSize(ROW_HEIGHT)
+        self.names = QTableView(self)
+        self.names.setFocusPolicy(Qt.FocusPolicy.NoFocus)
+        self.names.verticalHeader().hide()
+        self.names.verticalHeader().setDefaultSectionSize(ROW_HEIGHT)
+        self.names.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
+        self.names.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.names.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.names.setVerticalScrollMode(QAbstractItemView.ScrollMode.ScrollPerPixel)
+        self.setVerticalScrollMode(QAbstractItemView.ScrollMode.ScrollPerPixel)
+        self.names.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # both ends tell tensors apart
+        self.names.setStyleSheet("QTableView { border: none; }")
+        self.viewport().stackUnder(self.names)
+        self.names.verticalScrollBar().valueChanged.connect(self.verticalScrollBar().setValue)
+        self.verticalScrollBar().valueChanged.connect(self.names.verticalScrollBar().setValue)
+        self.horizontalHeader().sectionResized.connect(lambda i, _old, new: self._resized(i, new))
+
+    def setModel(self, model: Any) -> None:
+        super().setModel(model)
+        self.names.setModel(model)
+        self.names.setSelectionModel(self.selectionModel())  # one selection: a click on a name selects its row
+        model.modelReset.connect(self._only_names)
+        model.layoutChanged.connect(self._only_names)
+        self._only_names()
+
+    def setSortingEnabled(self, enable: bool) -> None:
+        super().setSortingEnabled(enable)
+        self.names.setSortingEnabled(enable)  # the name header sorts too
+
+    def setSelectionBehavior(self, behavior: QAbstractItemView.SelectionBehavior) -> None:
+        super().setSelectionBehavior(behavior)
+        self.names.setSelectionBehavior(behavior)
+
+    def _only_names(self) -> None:
+        for c in range(1, self.model().columnCount()):
+            self.names.setColumnHidden(c, True)
+        self.names.setColumnWidth(0, self.columnWidth(0))
+        self._place()
+
+    def _resized(self, column: int, width: int) -> None:
+        if column == 0:
+            self.names.setColumnWidth(0, width)
+            self._place()
+
+    def resizeEvent(self, e: QResizeEvent) -> None:
+        super().resizeEvent(e)
+        self._place()
+
+    def _place(self) -> None:
+        f = self.frameWidth()
+        self.names.setGeometry(self.verticalHeader().width() + f, f, self.columnWidth(0),
+                               self.viewport().height() + self.horizontalHeader().height())
+
+    def scrollTo(self, index: Index, hint: QAbstractItemView.ScrollHint = QAbstractItemView.ScrollHint.EnsureVisible
+                 ) -> None:
+        """Rows only for the name column (it never scrolls sideways); a cell of another column is brought out from
+        under the frozen names."""
+        if index.column() > 0:
+            super().scrollTo(index, hint)
+        else:
+            super().scrollTo(index.siblingAtColumn(max(0, self.horizontalHeader().logicalIndexAt(0))), hint)
 
 
 class TensorFilter(QSortFilterProxyModel):
@@ -110,7 +186,8 @@ class TensorFilter(QSortFilterProxyModel):
         self.text, self.role, self.flagged_only = "", "", False
 
     def sort(self, column: int, order: Qt.SortOrder = Qt.SortOrder.AscendingOrder) -> None:
-        if self.sourceModel() is not None:  # a header clicked before any encodings are loaded
+        if self.sourceModel() is not None and column >= 0:  # a header clicked before any encodings are loaded;
+            # -1: the sort indicator cleared for another project
             self.sourceModel().sort(column, order)  # rows stay in the source's order, filtered here
 
     def set(self, text: str | None = None, role: str | None = None, flagged_only: bool | None = None) -> None:
@@ -156,6 +233,18 @@ def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], lis
     return grid, layers, roles, names
 
 
+def _cell_value(metric: str, r: TensorRow) -> str:
+    """The figure a heatmap cell's colour stands for, in the unit a person reads (the grid holds log10 for the
+    spread and range colourings)."""
+    if metric in _DB:
+        return f"{r.sqnr_db:.1f} dB"
+    if metric in ("weight_bits", "activation_bits"):
+        return f"{r.bitwidth} bits"
+    if metric == "spread":
+        return f"×{r.scale_spread:.3g}"
+    return f"[{r.range_min:.4g}, {r.range_max:.4g}] (width {r.range_max - r.range_min:.4g})"
+
+
 class Inspector(QWidget):
     graph_chosen = Signal(object)  # Path of the .encodings picked in the graph chooser
 
@@ -195,12 +284,12 @@ class Inspector(QWidget):
         self.heat_grid, self.heat_roles = np.zeros((0, 0)), list[str]()
         self.heat_names: dict[tuple[int, int], str] = {}
         self.heatmap.scene().sigMouseClicked.connect(self._heat_clicked)
+        self.heatmap.scene().sigMouseMoved.connect(self._heat_hover)
         split.addWidget(self.heatmap)
-        self.view = QTableView()
+        self.view = FrozenNameTable()
         self.view.setSortingEnabled(True)
         self.view.setSelectionBehavior(QTableView.SelectionBehavior.SelectRows)
         self.view.setSelectionMode(QTableView.SelectionMode.SingleSelection)
-        self.view.verticalHeader().setDefaultSectionSize(20)
         self.view.horizontalHeader().setResizeContentsPrecision(60)  # column widths from the first rows only
         self.proxy = TensorFilter()
         self.view.setModel(self.proxy)
@@ -238,16 +327,31 @@ class Inspector(QWidget):
         self.flagged.toggled.connect(lambda on: self.proxy.set(flagged_only=on))
 
     def clear(self) -> None:
-        """No encodings: another project is open, or this one has none yet."""
+        """No encodings: another project is open, or this one has none yet. Its filters, colouring, sort and each
+        plot's zoom go back to their defaults too: the last project's hid rows of this one and kept its axes."""
         self.table_ = None
         self._cancel_histogram()
         self.proxy.setSourceModel(TensorModel([]))
+        self.search.setText("")
+        self.role.setCurrentIndex(0)
+        self.flagged.setChecked(False)
+        self.colour_by.setCurrentIndex(0)
+        self.view.horizontalHeader().setSortIndicator(-1, Qt.SortOrder.AscendingOrder)
+        self.view.names.horizontalHeader().setSortIndicator(-1, Qt.SortOrder.AscendingOrder)
         self.image.clear()
         self.heat_grid, self.heat_roles, self.heat_names = np.zeros((0, 0)), [], {}
+        self.heatmap.getAxis("left").setTicks([[]])
+        self.heatmap.getAxis("bottom").setTicks(None)
+        self.heatmap.setToolTip("")
         self.detail.clear()
+        self.detail.setLabel("bottom", "")
+        self.detail_label.setText("Select a tensor to see its scales per channel or block.")
         self.hist.clear()
+        self.hist.show()
         self.hist_data = None
         self.hist_label.setText("")
+        for chart in (self.heatmap, self.detail, self.hist):
+            chart.fit()
         self.graph.clear()
         self.title.setText("No encodings loaded.")
 
@@ -264,10 +368,22 @@ class Inspector(QWidget):
         self.table_ = table
         self.proxy.setSourceModel(TensorModel(table.rows))
         self.view.resizeColumnsToContents()
+        self._widths(table.rows)
         flagged = sum(bool(r.flags) for r in table.rows)
         self.title.setText(f"{table.path.rsplit('/', 1)[-1]} (schema {table.version}): {len(table.rows)} tensors, "
                            f"{len(table.layers)} layer groups, {flagged} flagged")
         self._draw_heat()
+
+    def _widths(self, rows: list[TensorRow]) -> None:
+        """The name and flags columns from every row, not the first 60 `resizeColumnsToContents` reads (the
+        flagged rows sit further down: their flags were cut to the header's width), each within a bound."""
+        fm = QFontMetrics(self.view.font())
+        pad = 3 * fm.horizontalAdvance("M")
+        for key, bound, texts in (("name", NAME_WIDTH, [r.name for r in rows]),
+                                  ("flags", FLAGS_WIDTH, ["; ".join(r.flags) for r in rows if r.flags])):
+            col = [k for k, _ in COLUMNS].index(key)
+            widest = max((fm.horizontalAdvance(t) for t in texts), default=0) + pad
+            self.view.setColumnWidth(col, max(self.view.columnWidth(col), min(widest, bound)))
 
     def visible_rows(self) -> list[TensorRow]:
         """The rows in the table's current order and filter (what a person sees)."""
@@ -301,15 +417,38 @@ class Inspector(QWidget):
         step = max(1, len(layers) // 15)
         self.heatmap.getAxis("bottom").setTicks([[(j + 0.5, str(layer)) for j, layer in enumerate(layers)][::step]])
 
+    def _heat_cell(self, scene_pos: Any) -> tuple[int, int] | None:
+        """The (role, layer) cell of the heatmap at a scene position, if one shows a tensor there."""
+        vb = self.heatmap.getPlotItem().vb
+        if not vb.sceneBoundingRect().contains(scene_pos):
+            return None
+        pt = vb.mapSceneToView(scene_pos)
+        cell = (math.floor(pt.y()), math.floor(pt.x()))
+        return cell if cell in self.heat_names else None
+
     def _heat_clicked(self, ev: Any) -> None:
         """A click on a cell selects the tensor it shows in the table (filters that hide it are lifted)."""
-        vb = self.heatmap.getPlotItem().vb
-        if not vb.sceneBoundingRect().contains(ev.scenePos()):
-            return
-        pt = vb.mapSceneToView(ev.scenePos())
-        name = self.heat_names.get((math.floor(pt.y()), math.floor(pt.x())))
-        if name is not None:
-            self.select_tensor(name)
+        cell = self._heat_cell(ev.scenePos())
+        if cell is not None:
+            self.select_tensor(self.heat_names[cell])
+
+    def _heat_hover(self, scene_pos: Any) -> None:
+        """The cell under the mouse in a tooltip: its tensor, role, layer and the figure its colour stands for (a
+        colour alone said which cell was bad, not which tensor nor how bad)."""
+        cell = self._heat_cell(scene_pos)
+        if cell is None or self.table_ is None:
+            text = ""
+        else:
+            r = self.table_.by_name(self.heat_names[cell])
+            metric = self.colour_by.currentData()
+            text = (f"{r.name}\n{r.role}, layer {r.layer}\n{METRICS[metric]}: {_cell_value(metric, r)}"
+                    + "".join(f"\n{f}" for f in r.flags))
+        if text != self.heatmap.toolTip():
+            self.heatmap.setToolTip(text)
+            if text:
+                QToolTip.showText(QCursor.pos(), text, self.heatmap)
+            else:
+                QToolTip.hideText()
 
     def select_tensor(self, name: str) -> None:
         """Select `name`'s row in the table and show its detail."""
@@ -356,9 +495,13 @@ class Inspector(QWidget):
         self._cancel_histogram()
         self.hist.clear()
         self.hist_data = None
-        if r.kind != "param" or self.table_ is None:
-            self.hist_label.setText("An activation: no stored values to draw (its range is in the table).")
+        if r.kind != "param" or self.table_ is None:  # no plot: an empty one kept the last weight's axes
+            self.hist.hide()
+            self.hist_label.setText(f"{r.name} is an activation: no stored values to draw a histogram of (its "
+                                    f"range, [{r.range_min:.4g}, {r.range_max:.4g}], is in the table).")
             return
+        self.hist.fit()  # the next weight's own axes, not the last one's
+        self.hist.show()
         self.hist_label.setText("Reading the float weights…")
         path, name = Path(self.table_.path), r.name
 
@@ -380,6 +523,7 @@ class Inspector(QWidget):
     def draw_histogram(self, h: sqnr.WeightHistogram) -> None:
         self.hist_data = h
         self.hist.clear()
+        self.hist.show()
         self.hist.plot(h.edges, h.counts, stepMode="center", fillLevel=0, brush=pg.mkBrush("#1f77b455"),
                        pen=pg.mkPen("#1f77b4"))
         for x in (h.clip_low, h.clip_high):

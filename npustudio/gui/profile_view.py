@@ -112,8 +112,10 @@ class ProfileView(QWidget):
 
     def forget_runs(self) -> None:
         """Another project is opened: no runs, and no drawing until its roofline is set (`clear` drew, then
-        `set_roofline` drew again)."""
+        `set_roofline` drew again); the charts' zoom goes with them."""
         self.runs.clear()
+        for chart in (self.timeline, self.ttft, self.rates):
+            chart.fit()
 
     def _open(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Genie profile", filter="JSON (*.json)",

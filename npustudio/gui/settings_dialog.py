@@ -10,6 +10,7 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
     QDialogButtonBox,
+    QFileDialog,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
@@ -80,8 +81,14 @@ class SettingsDialog(QDialog):
         self.preview = QCheckBox("The virtual device answers with the CPU preview (fast) instead of Genie on the "
                                  "HTP simulator")
         self.preview.setChecked(s.virtual_preview)
-        form.addRow("QNN SDK:", self.sdk)
-        form.addRow("adb:", self.adb)
+        self.sdk_browse, self.adb_browse = QPushButton("Browse…"), QPushButton("Browse…")
+        self.sdk_browse.clicked.connect(lambda: self._browse(self.sdk, folder=True))
+        self.adb_browse.clicked.connect(lambda: self._browse(self.adb, folder=False))
+        for label, edit, browse in (("QNN SDK:", self.sdk, self.sdk_browse), ("adb:", self.adb, self.adb_browse)):
+            row = QHBoxLayout()
+            row.addWidget(edit, 1)
+            row.addWidget(browse)
+            form.addRow(label, row)
         form.addRow("Default target:", self.target)
         form.addRow("Default precision:", self.precision)
         form.addRow("Compute on:", self.device)
@@ -148,6 +155,17 @@ class SettingsDialog(QDialog):
             self.token_status.setText(f"{e.problem} {e.fix}")
         except Exception as e:
             self.token_status.setText(f"The keyring refused ({e.__class__.__name__}).")
+
+    def _browse(self, edit: QLineEdit, folder: bool) -> None:
+        """Pick the SDK folder or the adb binary instead of typing its path (the fields had no Browse…)."""
+        start = edit.text().strip()
+        opt = QFileDialog.Option.DontUseNativeDialog
+        if folder:
+            path = QFileDialog.getExistingDirectory(self, "QAIRT SDK folder", start, options=opt)
+        else:
+            path, _ = QFileDialog.getOpenFileName(self, "adb binary", start, options=opt)
+        if path:
+            edit.setText(path)
 
     def accept(self) -> None:
         address = self.cluster_address.text().strip()

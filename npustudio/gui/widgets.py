@@ -198,8 +198,10 @@ class RunStrip(QWidget):
             self.status.setText("Stopping at the next safe point…")
 
     def _progress(self, fraction: float, message: str) -> None:
+        """The bar and the stage's message; once Cancel (or Stop and quit) is pressed, "Stopping…" stays: a message
+        the stage sent before it reached its safe point arrived after it and overwrote it."""
         self.bar.setValue(int(fraction * 1000))
-        if message:
+        if message and not (self.job is not None and self.job.state.cancelled):
             self.status.setText(message)
 
     def _reset(self) -> None:

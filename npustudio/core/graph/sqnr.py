@@ -57,7 +57,10 @@ def activations(enc_file: Path, rows: list[TensorRow]) -> dict[str, float]:
 
     enc_file = Path(enc_file).resolve()
     graph, vectors = enc_file.with_suffix(".onnx"), enc_file.parent / layout.TEST_VECTORS / f"{enc_file.stem}.npz"
-    acts = [r for r in rows if r.kind == "activation" and not r.flags and r.granularity == "tensor"]
+    # a flag for a range far wider than the other layers' is exactly where the figure is wanted; only an encoding
+    # without a grid (NaN or non-positive scales, a bad bitwidth or offset: its range is NaN) has none
+    acts = [r for r in rows if r.kind == "activation" and r.granularity == "tensor"
+            and math.isfinite(r.range_min) and math.isfinite(r.range_max)]
     if not (graph.is_file() and vectors.is_file() and acts):
         return {}
     from .exported import read_test_vectors

@@ -117,10 +117,15 @@ class DeployPage(Page):
                + (f" at {r.rate_mb_s:.0f} MB/s" if r.bytes_sent else "")
                + f", {human_bytes(r.bytes_skipped)} already there.")
         self.window_.devices.log(msg)
+        self.window_.devices.push_done(r.bytes_sent, r.rate_mb_s)  # one figure: the result's, on bar and page
         self.window_.chat.use_device(r.device)
         self.changed.emit()
         self.strip.status.setText(msg)
         self.ask.setEnabled(True)
+
+    def clear_results(self) -> None:
+        super().clear_results()
+        self.pushed = {}  # another project's files: a same-named file of this one was marked pushed
 
     def _ask(self) -> None:
         try:
