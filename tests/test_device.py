@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from npustudio.core.device import deploy, remote_genie
 from npustudio.core.device.phone_shell import Call, Program
 from npustudio.core.device.virtual import VirtualDevice
 from npustudio.core.errors import UserError
+from npustudio.core.fsutil import atomic_write_json
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 from tests.conftest import wait_until
@@ -93,13 +95,25 @@ def _remote(vd: VirtualDevice, bundle: Path) -> Path:
     return vd.host_path(deploy.remote_dir(bundle))
 
 
+def _as_phone_gets(p: Path) -> bytes:
+    """A bundle file's bytes as deploy sends them: metadata.json without this computer's paths."""
+    if p.name != layout.METADATA:
+        return p.read_bytes()
+    from npustudio.core.genie.bundle import phone_metadata
+
+    clean = phone_metadata(json.loads(p.read_text(encoding="utf-8")))
+    with tempfile.TemporaryDirectory() as d:
+        atomic_write_json(Path(d) / "m.json", clean)
+        return (Path(d) / "m.json").read_bytes()
+
+
 def test_deploy_pushes_once_then_sends_nothing(vdev: VirtualDevice, bundle: Path) -> None:
     dev = device.info(vdev.serial)
     first = deploy.deploy(bundle, dev, State(), force=True)
     needed = [p for p in bundle.iterdir() if p.is_file() and p.name != layout.BUNDLE_RESULT]  # host-side record
-    assert first.bytes_sent == sum(p.stat().st_size for p in needed)
+    assert first.bytes_sent == sum(len(_as_phone_gets(p)) for p in needed)
     for p in needed:
-        assert (_remote(vdev, bundle) / p.name).read_bytes() == p.read_bytes()
+        assert (_remote(vdev, bundle) / p.name).read_bytes() == _as_phone_gets(p)
     assert not (_remote(vdev, bundle) / layout.BUNDLE_RESULT).exists()
     assert not [p for p in _remote(vdev, bundle).iterdir() if p.name.endswith(".part")]
     res = subprocess.run([sys.executable, "-m", "npustudio.cli", "deploy", str(bundle), "--device", vdev.serial,
@@ -129,8 +143,8 @@ def test_a_projects_bundle_is_deployed_with_the_digests_it_recorded(vdev: Virtua
     folder = genie_project.stage_dir("bundle")
     manifest = json.loads((_remote(vdev, folder) / layout.DEVICE_MANIFEST).read_text())
     for p in deploy.local_files(folder):
-        assert (_remote(vdev, folder) / p.name).read_bytes() == p.read_bytes(), p.name
-        assert manifest[p.name]["sha256"] == hashlib.sha256(p.read_bytes()).hexdigest(), p.name
+        assert (_remote(vdev, folder) / p.name).read_bytes() == _as_phone_gets(p), p.name
+        assert manifest[p.name]["sha256"] == hashlib.sha256(_as_phone_gets(p)).hexdigest(), p.name
     (Path(os.environ["XDG_CACHE_HOME"]) / "npustudio" / "sha256.json").unlink()  # a fresh computer's cache
     deploy.deploy(folder, dev, State(), force=True)
     assert len(hashers) == 1
@@ -168,7 +182,7 @@ def test_a_device_killed_mid_push_resumes_on_the_next_deploy(adb_server: list[st
         assert 0 < res.bytes_sent < total and res.bytes_skipped > 0  # finished files were not sent again
         for p in deploy.local_files(bundle):
             got = (_remote(vd2, bundle) / p.name).read_bytes()
-            assert hashlib.sha256(got).digest() == hashlib.sha256(p.read_bytes()).digest(), p.name
+            assert hashlib.sha256(got).digest() == hashlib.sha256(_as_phone_gets(p)).digest(), p.name
     finally:
         device.client().disconnect(vd2.serial)
         vd2.stop()

@@ -575,6 +575,11 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
         raise UserError(" ".join(p for p, _ in problems), " ".join(f for _, f in problems))
     with tempfile.TemporaryDirectory(prefix="npustudio-deploy-") as scratch:
         files = [_for_phone(p, Path(scratch)) if p.name == layout.METADATA else p for p in files]
+        recorded = dict(recorded or {})
+        for p in files:  # the phone's metadata copy: digested here (a few KB), never hashed by path into the cache
+            if p.parent == Path(scratch):
+                st = p.stat()
+                recorded[p.name] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
         return _deploy(bundle_dir, files, dev, state, force, recorded)
 
 
