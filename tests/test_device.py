@@ -96,12 +96,13 @@ def _remote(vd: VirtualDevice, bundle: Path) -> Path:
 
 
 def _as_phone_gets(p: Path) -> bytes:
-    """A bundle file's bytes as deploy sends them: metadata.json without this computer's paths."""
+    """A bundle file's bytes as deploy sends them to the virtual device: metadata.json without this computer's
+    paths but the project's graphs' folder (its CPU preview answers with them)."""
     if p.name != layout.METADATA:
         return p.read_bytes()
     from npustudio.core.genie.bundle import phone_metadata
 
-    clean = phone_metadata(json.loads(p.read_text(encoding="utf-8")))
+    clean = phone_metadata(json.loads(p.read_text(encoding="utf-8")), frozenset({"project_compile_dir"}))
     with tempfile.TemporaryDirectory() as d:
         atomic_write_json(Path(d) / "m.json", clean)
         return (Path(d) / "m.json").read_bytes()

@@ -574,7 +574,9 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
     if problems:
         raise UserError(" ".join(p for p, _ in problems), " ".join(f for _, f in problems))
     with tempfile.TemporaryDirectory(prefix="npustudio-deploy-") as scratch:
-        files = [_for_phone(p, Path(scratch)) if p.name == layout.METADATA else p for p in files]
+        # the virtual device is this computer: its CPU preview reads the project's graphs by their path
+        keep = frozenset({"project_compile_dir"}) if dev.virtual else frozenset()
+        files = [_for_phone(p, Path(scratch), keep) if p.name == layout.METADATA else p for p in files]
         recorded = dict(recorded or {})
         for p in files:  # the phone's metadata copy: digested here (a few KB), never hashed by path into the cache
             if p.parent == Path(scratch):
@@ -583,13 +585,13 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
         return _deploy(bundle_dir, files, dev, state, force, recorded)
 
 
-def _for_phone(metadata: Path, scratch: Path) -> Path:
+def _for_phone(metadata: Path, scratch: Path, keep: frozenset[str] = frozenset()) -> Path:
     """The bundle's metadata.json as the phone gets it: a copy in `scratch` without this computer's paths, or the
     file itself when it holds none."""
     from ..genie.bundle import phone_metadata
 
     raw = json.loads(metadata.read_text(encoding="utf-8"))  # a JSON object: compatibility() read it
-    clean = phone_metadata(raw)
+    clean = phone_metadata(raw, keep)
     if clean == raw:
         return metadata
     copy = scratch / layout.METADATA

@@ -109,25 +109,27 @@ def read_metadata(bundle_dir: Path) -> BundleMeta:
     return validated(bundle_dir / layout.METADATA, data, BundleMeta, fix)
 
 
-HOST_ONLY_FIELDS = ("project_compile_dir",)  # what only this computer uses: the CPU preview's prepared graphs
+HOST_ONLY_FIELDS = frozenset({"project_compile_dir"})  # what only this computer uses: the CPU preview's prepared graphs
 FREE_TEXT_FIELDS = ("chat_template", "question")  # the model's and the user's text, kept as it is
 
 
-def phone_metadata(data: dict[str, Any]) -> dict[str, Any]:
+def phone_metadata(data: dict[str, Any], keep: frozenset[str] = frozenset()) -> dict[str, Any]:
     """metadata.json as it goes to a phone: no path of this computer (the user's name, folder layout). The host-only
-    fields are left out, and any other absolute path (a model folder given as `model`, QNN_SDK_ROOT among the
-    versions) is cut to its last part, which still names the model or the SDK build."""
+    fields are left out (but those in `keep`: the virtual device, which is this computer, answers with the CPU
+    preview of the project's graphs), and any other absolute path (a model folder given as `model`, QNN_SDK_ROOT
+    among the versions) is cut to its last part, which still names the model or the SDK build."""
+    drop = HOST_ONLY_FIELDS - keep
 
     def clean(value: Any) -> Any:
         if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items() if k not in HOST_ONLY_FIELDS}
+            return {k: v if k in keep else clean(v) for k, v in value.items() if k not in drop}
         if isinstance(value, list):
             return [clean(v) for v in value]
         if isinstance(value, str) and _host_path(value):
             return re.split(r"[\\/]", value.rstrip("\\/"))[-1] or "(a folder of the computer)"
         return value
 
-    return {k: v if k in FREE_TEXT_FIELDS else clean(v) for k, v in data.items() if k not in HOST_ONLY_FIELDS}
+    return {k: v if k in FREE_TEXT_FIELDS or k in keep else clean(v) for k, v in data.items() if k not in drop}
 
 
 def _host_path(text: str) -> bool:
