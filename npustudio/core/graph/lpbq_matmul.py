@@ -19,7 +19,7 @@ prepared graphs (`LPBQ_WEIGHTS`), written once for the prompt and token graphs t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -66,7 +66,6 @@ class Store:
         self.path = folder / LPBQ_WEIGHTS
         self._file: IO[bytes] | None = None
         self._written: dict[tuple[str, str, int], tuple[int, int, int]] = {}  # source -> offset, length, dtype
-        self.tensors = 0
 
     @contextmanager
     def open(self) -> Iterator[Store]:
@@ -77,18 +76,23 @@ class Store:
             finally:
                 self._file = None
 
-    def put(self, key: tuple[str, str, int], dims: list[int], dtype: int, data: bytes) -> Any:
-        """An initializer of `dims`/`dtype` whose bytes are `data`, stored in the file (once per `key`)."""
+    @property
+    def tensors(self) -> int:
+        return len(self._written)
+
+    def put(self, key: tuple[str, str, int], dims: list[int], dtype: int, data: Callable[[], bytes]) -> Any:
+        """An initializer of `dims`/`dtype` whose bytes `data()` makes, stored in the file once per `key`: the
+        token graph's weights are the prompt graph's, so they are neither read nor transposed again."""
         from onnx import TensorProto
 
         assert self._file is not None, "Store.open() first"
         if key not in self._written:
+            raw = data()
             pos = self._file.tell()
             pad = (-pos) % _ALIGN
             self._file.write(b"\0" * pad)
-            self._file.write(data)
-            self._written[key] = (pos + pad, len(data), dtype)
-            self.tensors += 1
+            self._file.write(raw)
+            self._written[key] = (pos + pad, len(raw), dtype)
         offset, length, dt = self._written[key]
         t = TensorProto()
         t.name, t.data_type = key[0], dt
@@ -100,16 +104,26 @@ class Store:
         return t
 
 
-def _raw(t: Any, folder: Path) -> tuple[bytes, tuple[str, int]]:
-    """An initializer's stored bytes (inline or external) and where they come from."""
+def _source(t: Any) -> tuple[str, int]:
+    """Where an initializer's bytes are: its weights file and offset, or inline."""
+    from onnx import TensorProto
+
+    if t.data_location != TensorProto.EXTERNAL:
+        return "inline:" + t.name, 0
+    info = {e.key: e.value for e in t.external_data}
+    return info["location"], int(info.get("offset", 0))
+
+
+def _raw(t: Any, folder: Path) -> bytes:
+    """An initializer's stored bytes (inline or external)."""
     from onnx import TensorProto
 
     if t.data_location != TensorProto.EXTERNAL:
         if not t.raw_data:
             from onnx import numpy_helper
 
-            return numpy_helper.to_array(t).tobytes(), ("inline:" + t.name, 0)
-        return bytes(t.raw_data), ("inline:" + t.name, 0)
+            return bytes(numpy_helper.to_array(t).tobytes())
+        return bytes(t.raw_data)
     info = {e.key: e.value for e in t.external_data}
     offset, length = int(info.get("offset", 0)), int(info["length"])
     with open(folder / info["location"], "rb") as f:
@@ -118,21 +132,21 @@ def _raw(t: Any, folder: Path) -> tuple[bytes, tuple[str, int]]:
     if len(data) != length:
         raise UserError(f"The weights file {info['location']} is shorter than the graph says.",
                         "Re-run the quantize stage.")
-    return data, (info["location"], offset)
+    return data
 
 
-def _matrix(t: Any, folder: Path) -> tuple[np.ndarray, tuple[str, int]]:
+def _matrix(t: Any, folder: Path) -> np.ndarray:
     """A [N, X, 1, 1] weight-side tensor as an [N, X] array of its stored values (4-bit ones unpacked)."""
     from onnx import TensorProto, helper
 
-    data, where = _raw(t, folder)
+    data = _raw(t, folder)
     dims = [int(d) for d in t.dims]
     count = math.prod(dims)
     if t.data_type in (TensorProto.INT4, TensorProto.UINT4):
         a = _unpack4(data, count, signed=t.data_type == TensorProto.INT4)
     else:
         a = np.frombuffer(data, helper.tensor_dtype_to_np_dtype(t.data_type), count)
-    return a.reshape(dims[0], -1), where
+    return a.reshape(dims[0], -1)
 
 
 def _transposed(store: Store, t: Any, folder: Path, name: str, rows: int = 0, fill: int = 0) -> Any:
@@ -140,12 +154,14 @@ def _transposed(store: Store, t: Any, folder: Path, name: str, rows: int = 0, fi
     added at the end hold `fill`."""
     from onnx import TensorProto
 
-    a, (loc, off) = _matrix(t, folder)
-    at = np.ascontiguousarray(a.T)
-    if rows:
-        at = np.concatenate([at, np.full((rows, at.shape[1]), fill, at.dtype)])
-    four = t.data_type in (TensorProto.INT4, TensorProto.UINT4)
-    return store.put((name, loc, off), list(at.shape), t.data_type, _pack4(at) if four else at.tobytes())
+    def data() -> bytes:
+        at = np.ascontiguousarray(_matrix(t, folder).T)
+        if rows:
+            at = np.concatenate([at, np.full((rows, at.shape[1]), fill, at.dtype)])
+        return _pack4(at) if t.data_type in (TensorProto.INT4, TensorProto.UINT4) else at.tobytes()
+
+    n = int(t.dims[0])
+    return store.put((name, *_source(t)), [math.prod(int(d) for d in t.dims) // n + rows, n], t.data_type, data)
 
 
 def _attr(node: Any, name: str, default: Any = None) -> Any:
