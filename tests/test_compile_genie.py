@@ -390,7 +390,7 @@ def test_info_counts_the_parts_compile_cuts_and_a_refused_cut_is_redone(project:
 def test_compile_refuses_a_project_without_quantized_graphs(tmp_path: Path) -> None:
     with pytest.raises(UserError) as e:
         pipeline.compile_graphs(Project.open(tmp_path / "empty"), CompileOptions(), State())
-    assert "no intact quantize stage" in e.value.problem and "npustudio quantize" in e.value.fix
+    assert "no intact quantized model" in e.value.problem and "npustudio quantize" in e.value.fix
 
 
 def test_a_large_models_verification_opens_one_part_at_a_time(project: Project,

@@ -47,3 +47,24 @@ def test_readme_has_exactly_two_newcomer_commands_and_ci_runs_the_test_one() -> 
     assert len(cmds) == 2
     assert "npustudio run" in cmds[0] and "pytest" in cmds[1]
     assert cmds[1].strip() in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_stages_and_the_wizard_steps_are_listed_only_in_core_stages() -> None:
+    """Adding a stage (a new back-end) means one declaration: no other module keeps its own list of the stages
+    or of the wizard's steps (a tuple, list, set or dict of two or more of their names)."""
+    import ast
+
+    from npustudio.core import stages
+
+    names = set(stages.NAMES) | set(stages.STEP_NAMES)
+    lists = []
+    for f in sorted((ROOT / "npustudio").rglob("*.py")) + sorted((ROOT / "plugins").rglob("*.py")):
+        if f == ROOT / "npustudio" / "core" / "stages.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            items = node.keys if isinstance(node, ast.Dict) else \
+                node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else []
+            words = [e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if len(words) >= 2 and len(words) == len(items) and set(words) <= names:
+                lists.append(f"{f.relative_to(ROOT)}:{node.lineno} {words}")
+    assert not lists, lists

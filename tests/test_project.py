@@ -190,7 +190,7 @@ def test_state_maps_substeps_and_reports_partials() -> None:
 
 
 def test_an_output_edited_in_place_at_the_same_size_reruns_its_stage_and_blocks_the_next(tmp_path: Path) -> None:
-    from npustudio.core import pipeline
+    from npustudio.core import pipeline, stages
 
     p = Project.open(tmp_path / "proj")
     calls: list[str] = []
@@ -199,11 +199,11 @@ def test_an_output_edited_in_place_at_the_same_size_reruns_its_stage_and_blocks_
     out.write_text("z")  # same size, other content: only a hash tells
     assert p.changed("adapt") == ["stages/adapt/result.txt"]
     with pytest.raises(UserError) as e:  # the next stage says what changed and what to rerun
-        pipeline._require(p, "adapt", "adapt", "adapted model")
+        pipeline._require(p, stages.ADAPT)
     assert "stages/adapt/result.txt" in e.value.problem and "npustudio adapt org/m --project" in e.value.fix
     _, ran = p.run_stage("adapt", {"model": {"spec": "org/m"}}, {}, _write_stage("a", calls))
     assert ran and calls == ["a", "a"] and out.read_text() == "a"  # rerun, not skipped
-    assert pipeline._require(p, "adapt", "adapt").status == "done"
+    assert pipeline._require(p, stages.ADAPT).status == "done"
 
 
 def test_unchanged_outputs_are_not_rehashed_and_force_redoes_a_stage(tmp_path: Path,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import stages
 from .errors import UserError
 from .progress import Cancelled, State, StateLike
 
@@ -415,11 +416,9 @@ def release() -> None:
             ray.kill(worker)
 
 
-# what each stage loads first, imported by a new worker while the inputs arrive (seconds a stage would otherwise
-# wait for: torch ~3 s, aimet ~4 s on 2 cores); compile never needs aimet
-LIBRARIES = {"adapt": ("torch", "transformers", "onnx"),
-             "quantize": ("torch", "transformers", "onnx", "onnxruntime", "aimet_torch"),
-             "compile": ("torch", "transformers", "onnx", "onnxruntime")}
+# what each stage loads first (its declaration's `libraries`), imported by a new worker while the inputs arrive
+# (seconds a stage would otherwise wait for: torch ~3 s, aimet ~4 s on 2 cores)
+LIBRARIES = {s.name: s.libraries for s in stages.SPECS if s.remote}
 
 
 def _importing(libraries: tuple[str, ...]) -> threading.Thread:

@@ -15,19 +15,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from . import stages
 from .errors import UserError
 
 REFERENCE_CPUS = 2
 MB = 2**20
-# stage -> (MiB of libraries and buffers, bytes per parameter, seconds, seconds per million parameters) on 2 cores
-# (memory per parameter from the Llama-3.2-1B-shaped runs, 1.24 B parameters: adapt 6,782 MB, quantize 8,014 MB
-# at w8a16 and 8,031 MB at w4a16 -- one rate serves both since w4a16's export keeps its LPBQ block scales as
-# bytes --, compile 5,883 MB peak RSS; the Qwen3-1.7B shape, 1.72 B: adapt 8,820, quantize 10,913, compile 7,078)
-RATES: dict[str, tuple[float, float, float, float]] = {
-    "adapt": (1400, 4.6, 50, 0.05),
-    "quantize": (1600, 5.5, 150, 0.35),
-    "compile": (2200, 3.2, 150, 0.45),
-}
+# stage -> (MiB of libraries and buffers, bytes per parameter, seconds, seconds per million parameters) on 2 cores:
+# each stage's own declaration (core/stages.py) holds its figures and where they were measured
+RATES: dict[str, tuple[float, float, float, float]] = {s.name: s.host_rates for s in stages.SPECS if s.host_rates}
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from . import adapt as adapt_stage
 from . import compile as compile_stage
-from . import host_cost, layout, models, parts
+from . import host_cost, layout, models, parts, stages
 from . import quantize as quantize_stage
 from .cluster import Cluster, Job
 from .config_audit import check_context
@@ -31,7 +31,7 @@ from .progress import State, StateLike, free_big_blocks_at_once
 from .project import Manifest, Project, StageRecord
 from .results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult, Verification
 
-INTAKE = "model"  # the stage that reads the model: its record, not work worth a project folder
+INTAKE = stages.MODEL.name  # the stage that reads the model: its record, not work worth a project folder
 
 
 def default_project_dir() -> Path:
@@ -115,10 +115,10 @@ def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state
 def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike,
              force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
-    arec = _require(project, "adapt", "adapt", "adapted model")
+    arec = _require(project, stages.ADAPT)
 
     def fn(out: Path) -> dict[str, Any]:
-        return _on(cluster, "quantize", _quantize_body, {"adapt": project.stage_dir("adapt")},
+        return _on(cluster, "quantize", _quantize_body, {s: project.stage_dir(s) for s in stages.QUANTIZE.reads},
                    (_card(project), options), out, state, options.device)
 
     rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key, "format": quantize_stage.FORMAT},
@@ -155,9 +155,6 @@ def _card(project: Project) -> models.ArchCard | None:
     return rec.result_as(IntakeResult).card if rec is not None and rec.status == "done" else None
 
 
-STAGES = ("model", "adapt", "quantize", "compile", "bundle")
-
-
 def stage_status(project: Project) -> dict[str, str | None]:
     """Per stage: "done" (outputs intact and current), "stale" (made from an earlier stage's output or a choice that
     has since changed: `stale_reasons` says which), "changed" (outputs edited or gone), "failed"/"cancelled" (last
@@ -169,16 +166,13 @@ def _status(project: Project, m: Manifest) -> tuple[dict[str, str | None], dict[
     """`stage_status` and `stale_reasons` from one reading of the manifest `m`."""
     stale = _stale(m)
     out: dict[str, str | None] = {}
-    for name in STAGES:
+    for name in stages.NAMES:
         rec, att = m.stages.get(name), m.attempts.get(name)
         if rec is not None and rec.status == "done":
             out[name] = "changed" if project.changed(name) else "stale" if name in stale else "done"
         else:
             out[name] = att.status if att is not None else None
     return out, stale
-
-
-STEPS = ("Model", "Target", "Adapt", "Quantize", "Compile", "Deploy")  # the wizard's steps, in order
 
 
 class WizardStep(BaseModel):
@@ -188,25 +182,32 @@ class WizardStep(BaseModel):
 
 
 def wizard_steps(project: Project) -> list[WizardStep]:
-    """The guided flow's steps: done, to do (unlocked) or locked. Model and Target can be done in either order;
-    each later step needs every step before it done. A stage whose output is stale or edited is to do again."""
+    """The guided flow's steps (`stages.STEPS`): done, to do (unlocked) or locked. A free step (Model, Target) can
+    be done in any order; each other step needs every step before it done. A stage whose output is stale or
+    edited is to do again; a choice step is done once chosen (the target also by a finished quantize stage, which
+    was made for one), Deploy once the current bundle is on a device."""
     m = project.load()
     st, stale = _status(project, m)
-    ch, brec = m.choices, m.stages.get("bundle")
-    deployed = ch.get("deployed") or {}
-    deploy_done = bool(brec and deployed.get("bundle") == brec.key)
-    done = [st["model"] == "done", "target" in ch or st["quantize"] == "done", st["adapt"] == "done",
-            st["quantize"] == "done", st["compile"] == "done" and st["bundle"] == "done",
-            deploy_done and st["bundle"] == "done"]
-    why = ["", "", stale.get("adapt", ""), stale.get("quantize", ""),
-           stale.get("compile") or stale.get("bundle", ""),
-           "the bundle changed since it was deployed" if deployed and brec and not deploy_done else ""]
-    for i, stage in ((0, "model"), (2, "adapt"), (3, "quantize"), (4, "compile"), (4, "bundle")):
-        if st[stage] == "changed":
-            why[i] = f"files of the {stage} stage were edited or removed"
-    return [WizardStep(name=n, state="done" if d and (i <= 1 or all(done[:i])) else
-                       "todo" if i <= 1 or all(done[:i]) else "locked", reason=why[i])
-            for i, (n, d) in enumerate(zip(STEPS, done, strict=True))]
+    brec = m.stages.get(stages.BUNDLE.name)
+    deployed = m.choices.get("deployed") or {}
+    deploy_done = bool(brec and deployed.get("bundle") == brec.key) and st[stages.BUNDLE.name] == "done"
+    out: list[WizardStep] = []
+    for step in stages.STEPS:
+        if step.stages:
+            done = all(st[s] == "done" for s in step.stages)
+            why = next((stale[s] for s in step.stages if s in stale), "")
+            edited = next((s for s in step.stages if st[s] == "changed"), None)
+            if edited:
+                why = f"files of the {edited} stage were edited or removed"
+        elif step.choice == "deployed":
+            done = deploy_done
+            why = "the bundle changed since it was deployed" if deployed and brec and not deploy_done else ""
+        else:
+            done, why = step.choice in m.choices or st[stages.QUANTIZE.name] == "done", ""
+        reachable = step.free or all(s.state == "done" for s in out)
+        out.append(WizardStep(name=step.name, state="done" if done and reachable else
+                              "todo" if reachable else "locked", reason=why))
+    return out
 
 
 def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) -> Any:
@@ -216,7 +217,7 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
 
     from .device import deploy as device_deploy
 
-    brec = _require(project, "bundle", "bundle", "Genie bundle")
+    brec = _require(project, stages.BUNDLE)
     folder = project.stage_dir("bundle")
     recorded = {f.name: (fr.bytes, fr.mtime_ns, fr.sha256) for fr in brec.outputs
                 if fr.mtime_ns is not None and (f := project.root / fr.path).parent == folder}
@@ -283,9 +284,6 @@ def project_of_bundle(folder: Path) -> Project | None:
     return Project.open(root, create=False) if root is not None and Path(folder).resolve().name == "bundle" else None
 
 
-UPSTREAM = {"adapt": "model", "quantize": "adapt", "compile": "quantize", "bundle": "compile"}
-
-
 def stale_reasons(project: Project) -> dict[str, str]:
     """The finished stages whose output no longer follows from the project as it is, each with the reason in plain
     words: the stage before was redone (the record keys its inputs by the earlier stage's key), or the user has
@@ -296,7 +294,7 @@ def stale_reasons(project: Project) -> dict[str, str]:
 def _stale(m: Manifest) -> dict[str, str]:
     target = m.choices.get("target")
     out: dict[str, str] = {}
-    for name, up in UPSTREAM.items():
+    for name, up in stages.UPSTREAM.items():
         rec, prev = m.stages.get(name), m.stages.get(up)
         if rec is None or rec.status != "done":
             continue
@@ -315,31 +313,30 @@ def _stale(m: Manifest) -> dict[str, str]:
     return out
 
 
-def _require(project: Project, stage: str, command: str, what: str | None = None) -> StageRecord:
+def _require(project: Project, spec: stages.StageSpec) -> StageRecord:
     """The record of an earlier stage that finished and whose outputs are intact; else say what to rerun."""
-    rec = project.record(stage)
-    what = what or f"{stage} stage"
-    rerun = f"npustudio {command} --project {project.root}"
-    if stage == "adapt" and rec is not None:
+    rec = project.record(spec.name)
+    rerun = f"npustudio {spec.command} --project {project.root}"
+    if spec is stages.ADAPT and rec is not None:
         rerun = f"npustudio adapt {rec.inputs.get('model', {}).get('spec', 'MODEL')} --project {project.root}"
     if rec is None or rec.status != "done":
-        raise UserError(f"The project {project.root} has no intact {what} yet.",
+        raise UserError(f"The project {project.root} has no intact {spec.what} yet.",
                         f"Run `{rerun}` first (or `npustudio run`).")
-    changed = project.changed(stage)
+    changed = project.changed(spec.name)
     if changed:
         shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        raise UserError(f"The {what} in {project.root} was changed after the {stage} stage wrote it ({shown}).",
-                        f"Rerun that stage: `{rerun}` (it redoes the stage), then this command again.")
+        raise UserError(f"The {spec.what} in {project.root} was changed after the {spec.name} stage wrote it "
+                        f"({shown}).", f"Rerun that stage: `{rerun}` (it redoes the stage), then this command again.")
     return rec
 
 
 def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike,
                    force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
-    qrec = _require(project, "quantize", "quantize")
+    qrec = _require(project, stages.QUANTIZE)
 
     def fn(out: Path) -> dict[str, Any]:
-        inputs = {"quantize": project.stage_dir("quantize"), "adapt": project.stage_dir("adapt")}
+        inputs = {s: project.stage_dir(s) for s in stages.COMPILE.reads}
         return _on(cluster, "compile", _compile_body, inputs, (_card(project), options), out, state)
 
     rec, _ = project.run_stage("compile", inputs={"quantize": qrec.key, "format": compile_stage.FORMAT},
@@ -358,7 +355,7 @@ def _compile_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, sta
 def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike,
            force: bool = False) -> StageRecord:
     """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie."""
-    crec = _require(project, "compile", "compile")
+    crec = _require(project, stages.COMPILE)
 
     def fn(out: Path) -> dict[str, Any]:
         res = bundle_stage.run(project.stage_dir("compile"), project.stage_dir("adapt"), options, out, state)

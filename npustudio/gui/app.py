@@ -29,6 +29,7 @@ from ..core import settings as user_settings
 from ..core.device import DeviceInfo
 from ..core.errors import UserError
 from ..core.project import Project
+from ..core.stages import STEP_NAMES
 from . import worker
 from .chat import ChatPanel
 from .devices import DevicePanel
@@ -38,7 +39,7 @@ from .profile_view import ProfileView
 from .settings_dialog import SettingsDialog
 from .widgets import scrolled, show_error
 
-STEPS = pipeline.STEPS
+STEPS = STEP_NAMES
 ICON = Path(__file__).resolve().parents[2] / "resources" / "npustudio.svg"
 
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from .. import layout, parts
+from .. import layout, parts, stages
 from ..errors import UserError
 from ..evaluate import load_corpus, max_abs_diff, nll
 from ..fsutil import atomic_write_json, link_or_copy
@@ -41,7 +41,7 @@ from ..spawned import Spawned
 from ..targets import find_soc
 from . import split
 
-FORMAT = 1  # bumped when the compiled output changes meaning
+FORMAT = stages.COMPILE.format  # bumped in core/stages.py when the output changes meaning
 PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and the verification reference
 KEEP_SESSIONS_BYTES = 2**30  # verification keeps a graph's sessions open below this much weight
 # seconds per weight of one 128-token call on the x86 HTP simulator (SmolLM2-135M: the AR-128 graph took 36 s with

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import layout
+from .. import layout, stages
 from ..errors import UserError
 from ..fsutil import atomic_write_json, link_or_copy, read_json
 from ..graph.graph_io import IOEncoding
@@ -40,7 +40,7 @@ from . import config as genie_config
 from . import libgenie
 from .libgenie import PD_BUDGET_BYTES
 
-FORMAT = 1  # bumped when the bundle's contents change meaning
+FORMAT = stages.BUNDLE.format  # bumped in core/stages.py when the output changes meaning
 DEFAULT_QUESTION = "What is the capital of France?"
 
 

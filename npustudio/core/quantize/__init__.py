@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from .. import compute, forked, layout
+from .. import compute, forked, layout, stages
 from ..compute import Device
 from ..errors import UserError
 from ..evaluate import (
@@ -48,7 +48,7 @@ from .fast_qdq import fast_per_tensor_qdq
 from .presets import Overrides, check_overrides, preset
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
-FORMAT = 6
+FORMAT = stages.QUANTIZE.format  # bumped in core/stages.py when the output changes meaning
 # the tokenizer, and the graphs' names and I/O (the exported graphs are the adapted ones, quantized)
 COPIED_FILES = (layout.TOKENIZER, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                 layout.GRAPHS)

@@ -1,0 +1,85 @@
+"""Every stage of the pipeline, declared once: what it needs, what it makes, how the wizard shows it.
+
+The pipeline, the CLI and the window read these declarations (the order, the stage before each one, the command
+that redoes it, the wizard's steps); nothing else lists the stages. Light on purpose (no torch): `npustudio
+devices` and the window's first paint import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage. `requires` is the stage whose output it is made from (its record keys that stage's key, so
+    redoing that stage makes this one stale); `format` is bumped when the stage's output changes meaning (older
+    outputs are then redone, not misread); `entry` is the stage's one entry point, imported only when it runs."""
+
+    name: str
+    what: str  # the output in the user's words: "The project has no intact {what} yet."
+    command: str  # the `npustudio` command that (re)does it
+    requires: str | None = None
+    format: int | None = None
+    remote: bool = False  # may run on a Ray cluster
+    entry: str = ""  # "module:function"
+    reads: tuple[str, ...] = ()  # the earlier stages' folders its body reads (sent to a cluster worker)
+    libraries: tuple[str, ...] = ()  # what its body imports first: a new cluster worker imports them early
+    # its cost on the reference 2-core machine: (MiB of libraries and buffers, bytes per parameter, seconds,
+    # seconds per million parameters); see `host_cost`
+    host_rates: tuple[float, float, float, float] | None = None
+
+    def body(self) -> Any:
+        """The stage's entry point (imports its heavy module now)."""
+        module, _, fn = self.entry.partition(":")
+        return getattr(importlib.import_module(module), fn)
+
+
+MODEL = StageSpec("model", "model record", "run", entry="npustudio.core.pipeline:describe")
+# host rates: memory per parameter from the Llama-3.2-1B-shaped runs, 1.24 B parameters: adapt 6,782 MB, quantize
+# 8,014 MB at w8a16 and 8,031 MB at w4a16 -- one rate serves both since w4a16's export keeps its LPBQ block scales
+# as bytes --, compile 5,883 MB peak RSS; the Qwen3-1.7B shape, 1.72 B: adapt 8,820, quantize 10,913, compile 7,078
+ADAPT = StageSpec("adapt", "adapted model", "adapt", requires="model", remote=True,
+                  entry="npustudio.core.adapt:run", libraries=("torch", "transformers", "onnx"),
+                  host_rates=(1400, 4.6, 50, 0.05))
+QUANTIZE = StageSpec("quantize", "quantized model", "quantize", requires="adapt", format=6, remote=True,
+                     entry="npustudio.core.quantize:run", reads=("adapt",),
+                     libraries=("torch", "transformers", "onnx", "onnxruntime", "aimet_torch"),
+                     host_rates=(1600, 5.5, 150, 0.35))
+COMPILE = StageSpec("compile", "compiled graphs", "compile", requires="quantize", format=1, remote=True,
+                    entry="npustudio.core.compile:run", reads=("quantize", "adapt"),
+                    libraries=("torch", "transformers", "onnx", "onnxruntime"),  # compile never needs aimet
+                    host_rates=(2200, 3.2, 150, 0.45))
+BUNDLE = StageSpec("bundle", "Genie bundle", "bundle", requires="compile", format=1,
+                   entry="npustudio.core.genie.bundle:run")
+
+SPECS: tuple[StageSpec, ...] = (MODEL, ADAPT, QUANTIZE, COMPILE, BUNDLE)  # in the order they run
+BY_NAME = {s.name: s for s in SPECS}
+NAMES = tuple(BY_NAME)
+UPSTREAM = {s.name: s.requires for s in SPECS if s.requires}
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step of the window's guided flow: the stages it runs (none for a choice or an action on the phone)."""
+
+    name: str
+    stages: tuple[str, ...] = ()
+    choice: str | None = None  # the project choice that marks a step without a stage done
+    free: bool = False  # may be done before the steps above it (Model and Target, in either order)
+
+
+STEPS: tuple[Step, ...] = (Step("Model", ("model",), free=True), Step("Target", choice="target", free=True),
+                           Step("Adapt", ("adapt",)), Step("Quantize", ("quantize",)),
+                           Step("Compile", ("compile", "bundle")), Step("Deploy", choice="deployed"))
+STEP_NAMES = tuple(s.name for s in STEPS)
+
+
+def spec(name: str) -> StageSpec:
+    """The stage called `name` (a KeyError names the known ones)."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no stage {name!r}: the stages are {', '.join(NAMES)}") from None
