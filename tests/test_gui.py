@@ -248,6 +248,23 @@ def test_the_window_fits_a_1366x768_laptop_screen_with_both_docks(qtbot: Any, tm
     assert w.devices.height() >= w.devices.minimumSizeHint().height()
 
 
+def test_the_first_window_keeps_its_title_bar_and_status_line_on_the_screen(qtbot: Any, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window manager frames the window after it is shown (a 20 px title bar at 1366×768): the window then
+    shrinks so its frame fits the free area; the status line was under the screen's edge until maximised."""
+    from PySide6.QtCore import QRect
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    room = w.screen().availableGeometry()
+    w.resize(room.width(), room.height())
+    # what openbox reports once it has framed the window: 1 px sides, a 20 px title bar, a 5 px bottom edge
+    monkeypatch.setattr(w, "frameGeometry", lambda: QRect(room.x(), room.y(), w.width() + 2, w.height() + 25))
+    w.fit_screen()
+    assert (w.width(), w.height()) == (room.width() - 2, room.height() - 25)
+    assert w.pos() == room.topLeft()
+
+
 def test_the_device_properties_read_whole_without_scrolling_at_1366x768(qtbot: Any, tmp_path: Path) -> None:
     """The properties table showed two rows and both scrollbars: it is now as tall as its rows, values wrapped,
     and the console still has room below it."""

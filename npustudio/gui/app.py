@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QSize, Qt, QThreadPool, QTimer
-from PySide6.QtGui import QAction, QCloseEvent, QIcon
+from PySide6.QtGui import QAction, QCloseEvent, QIcon, QMoveEvent, QShowEvent
 from PySide6.QtWidgets import (
     QApplication,
     QDockWidget,
@@ -60,6 +60,7 @@ class MainWindow(QMainWindow):
         self._stopping_to_quit = False
         self.quit_box: QMessageBox | None = None
         self._settings_saves = 0
+        self._fitted = self._fit_pending = False
 
         central = QWidget()
         lay = QHBoxLayout(central)
@@ -282,6 +283,33 @@ class MainWindow(QMainWindow):
             self.settings_refused = None
             self.statusBar().clearMessage()
             self._save_settings()  # the recent projects too
+
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        if not self._fitted:  # the window manager frames the window some time after it is shown (a move)
+            self._fitted = True
+            self._fit_pending = True
+            QTimer.singleShot(5000, lambda: setattr(self, "_fit_pending", False))  # no window manager: no frame
+
+    def moveEvent(self, event: QMoveEvent) -> None:
+        super().moveEvent(event)
+        if self._fit_pending and self.frameGeometry() != self.geometry():
+            self._fit_pending = False
+            self.fit_screen()
+
+    def fit_screen(self) -> None:
+        """Keep the whole first window on the screen, title bar included: `resize` sizes the inside, so a window
+        as tall as the free area put the status line under the screen's edge at 1366×768."""
+        screen = self.screen()
+        if screen is None or self.isMaximized() or self.isFullScreen():
+            return
+        room, frame = screen.availableGeometry(), self.frameGeometry()
+        w = min(self.width(), room.width() - (frame.width() - self.width()))
+        h = min(self.height(), room.height() - (frame.height() - self.height()))
+        if (w, h) != (self.width(), self.height()):
+            self.resize(w, h)
+        if not room.contains(self.frameGeometry()):
+            self.move(room.topLeft())
 
     def closeEvent(self, event: QCloseEvent) -> None:
         """With a stage running, ask first (`quit_box`); then cancel what runs and close without waiting for it:
