@@ -22,7 +22,7 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
     import threading
 
     from ..core.genie import host
-    from ..core.genie.config import check_prompt, read_prompt_file
+    from ..core.genie.config import as_chat_prompt, check_prompt, read_prompt_file
     from ..core.native_io import fd_redirected
 
     prompt = read_prompt_file(Path(a.prompt_file)) if a.prompt_file else a.prompt or ""
@@ -30,8 +30,6 @@ def cmd_genie_run(a: argparse.Namespace) -> int:
     if a.profile:
         host.check_output_file(Path(a.profile), "--profile")
     if not a.raw:
-        from ..core.chat import as_chat_prompt
-
         prompt = as_chat_prompt(Path(a.config).parent, prompt)
     stop = threading.Event()
     # the answer alone on stdout: QNN's and Genie's native banners go to /dev/null (their log comes through
