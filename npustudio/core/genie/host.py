@@ -54,6 +54,36 @@ def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | No
     return _genie(Path(config_path), prompt, on_text, profile_path, log_level, on_log, stop, max_tokens)
 
 
+def until_done(work: Callable[[], Any], stop: threading.Event, on_stop: Callable[[], None] | None = None) -> Any:
+    """`work()` in a thread while this one waits: Ctrl-C sets `stop` (Genie aborts and the run returns what it
+    has; `on_stop` says so) instead of being lost, as a KeyboardInterrupt raised inside Genie's ctypes callback is.
+    Waits on an Event, not Thread.join: an interrupted join can report a live thread as finished (Python 3.11), and
+    leaving while Genie still runs crashes the interpreter at exit."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as e:  # handed to the waiting thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="npustudio-generate", daemon=True).start()
+    while not done.is_set():
+        try:
+            done.wait(0.1)
+        except KeyboardInterrupt:
+            if not stop.is_set():
+                stop.set()
+                if on_stop is not None:
+                    on_stop()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def check_output_file(path: Path, what: str) -> None:
     """Before any work: the file a run will write can be written (checked first, so a failed write after a
     long run cannot hide the run's own result or error)."""
