@@ -1,7 +1,7 @@
 """The desktop runner: a bundle run by the real libGenie on the HTP simulator, or a fast CPU preview.
 
-`run(config_path, prompt, on_text, ...)` is what `npustudio genie-run` (genie-t2t-run compatible), the
-virtual device's `genie-t2t-run` and the chat panel call. Text arrives through `on_text` as Genie
+`run(config_path, prompt, on_text, ...)` is what genie-t2t-run on this computer (`t2t`: `npustudio genie-run`
+and the virtual device's `genie-t2t-run`) and the chat panel call. Text arrives through `on_text` as Genie
 produces it; `stop` (a threading.Event) aborts a query from any thread; the profile JSON Genie writes
 is saved where asked.
 
