@@ -1,13 +1,22 @@
 """genie-t2t-run's protocol (core/genie/t2t.py): what the writer frames the reader reads back, a phone's output is
-read the same way, and the CLI takes the protocol's flags. No model, no adb server."""
+read the same way, and the virtual device starts the runner itself, never a CLI module. No model, no adb server."""
 
 from __future__ import annotations
 
 import io
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from npustudio.core.device import phone_shell
+from npustudio.core.device.virtual import VirtualDevice
 from npustudio.core.genie import t2t
 
 AWKWARD = ["[END]", "[END]\n", "[BEGIN]: ", "[PROMPT]: ", "[EN", "[", "]", "\n", "\r\n", "é", "日本語", "🚀",
@@ -94,3 +103,54 @@ def test_the_cli_and_the_device_take_the_flags_from_one_list() -> None:
     assert set(t2t.device_flags()) == names - {"--preview", "--debug"}
     assert {n for f in t2t.FLAGS if f.qualcomm for n in f.names} == \
         {"-c", "--config", "-p", "--prompt", "--prompt_file", "--profile", "--log"}
+
+
+@pytest.fixture
+def phone(tmp_path: Path) -> Iterator[VirtualDevice]:
+    vd = VirtualDevice(tmp_path / "phone").start()
+    yield vd
+    vd.stop()
+
+
+def _shell(vd: VirtualDevice, line: str) -> str:
+    """One `adb shell LINE` on the device, without an adb server."""
+    out = bytearray()
+    inbox: queue.Queue[bytes | None] = queue.Queue()
+    phone_shell.serve(vd, line, lambda b: out.extend(b) is None, inbox, threading.Event())
+    inbox.put(None)
+    return out.decode()
+
+
+def test_the_devices_genie_t2t_run_starts_the_runner_and_no_cli_module(phone: VirtualDevice,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host process a device line's genie-t2t-run starts: an isolated interpreter that runs `t2t.main` (never
+    `npustudio.cli`, its settings or its other commands), each argument its own argv item, file options inside the
+    sandbox, --preview only from the device's mode."""
+    seen: list[list[str]] = []
+    monkeypatch.setattr(phone_shell.Session, "spawn", lambda _s, argv, _env, _r: seen.append(argv) or 0)
+    tmp = phone.root / "data/local/tmp"
+    assert _shell(phone, "cd /data/local/tmp && genie-t2t-run -c genie_config.json -p 'a; rm -rf / $(x)' "
+                         "--prompt_file p.txt --profile out.json --log info --max-tokens 4 --raw") == ""
+    argv = seen.pop()
+    assert argv[:5] == [sys.executable, "-I", "-c", t2t._LAUNCH, str(Path(t2t.__file__).resolve().parents[3])]
+    assert argv[5:] == ["-c", str(tmp / "genie_config.json"), "-p", "a; rm -rf / $(x)", "--prompt_file",
+                        str(tmp / "p.txt"), "--profile", str(tmp / "out.json"), "--log", "info", "--max-tokens", "4",
+                        "--raw"]
+    assert not any("npustudio.cli" in a or a == "-m" for a in argv)
+    assert "--preview" in _shell(phone, "genie-t2t-run --preview -p hi") and not seen  # refused, nothing started
+    assert "Permission denied" in _shell(phone, "genie-t2t-run -c /system/../../etc/passwd") and not seen
+    phone.preview = True
+    _shell(phone, "genie-t2t-run -c genie_config.json -p hi")
+    assert seen.pop()[5:] == ["--preview", "-c", str(tmp / "genie_config.json"), "-p", "hi"]
+
+
+def test_the_command_the_device_starts_is_this_packages_runner(tmp_path: Path) -> None:
+    """`t2t.command` runs this very package's `main` (not whatever `npustudio` an isolated interpreter would import
+    first): its help names genie-t2t-run, and a refusal is `error:`/`fix:` lines and exit 2, as the CLI says it."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # as the device gives it: no PYTHONPATH
+    res = subprocess.run(t2t.command("--help"), capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0 and res.stdout.startswith("usage: genie-t2t-run"), res.stderr
+    res = subprocess.run(t2t.command("-c", str(tmp_path / "genie_config.json"), "-p", "hi"), capture_output=True,
+                         text=True, timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.startswith("error: No Genie config at") and "\nfix: " in res.stderr

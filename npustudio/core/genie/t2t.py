@@ -16,6 +16,9 @@ has no escape: a prompt may hold `[BEGIN]: ` and an answer `[END]`. The reader g
 exactly; the answer ends at the last `[END]` that ends a line (a run asks one query; one inside a line is text):
 text after such an `[END]` is held until a later one makes it answer or the end of the stream (`close`) makes it
 log, so an answer that says `[END]` arrives whole, its rest once the stream has ended.
+
+The virtual device starts this module's `main` in an isolated interpreter (`command`); its file flags are
+mapped into the device's sandbox there (`core/device/phone_commands.py`), from `FLAGS`.
 """
 
 from __future__ import annotations
@@ -220,6 +223,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: genie-t2t-run failed unexpectedly: {e.__class__.__name__}" + (f": {first}" if first else ""),
               file=sys.stderr)
         return 1
+
+
+# the code `command` runs: this package's folder on sys.path (after the interpreter's own entries: it shadows
+# nothing), then `main` on the arguments; a constant, the folder comes as an argument
+_LAUNCH = ("import sys; sys.path.append(sys.argv.pop(1)); "
+           "from npustudio.core.genie.t2t import main; sys.exit(main(sys.argv[1:]))")
+
+
+def command(*args: str) -> list[str]:
+    """The argv that runs `main(args)` in a fresh interpreter, isolated (-I: no PYTHON* variables, no user site,
+    neither the current folder nor a script's on sys.path), importing this very package: what the virtual device
+    starts for genie-t2t-run. No CLI module, settings file or shell is involved."""
+    return [sys.executable, "-I", "-c", _LAUNCH, str(Path(__file__).resolve().parents[3]), *args]
 
 
 # -- reading ------------------------------------------------------------------------------------
