@@ -226,57 +226,16 @@ class DeviceEngine:
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
             log_level: str = "error") -> tuple[str, bool, str | None]:
         from .device import remote_genie
+        from .genie import t2t
 
+        reader = t2t.Reader(on_text, on_log, prompt)  # genie-t2t-run's output: the answer apart from the log
         with tempfile.TemporaryDirectory() as tmp:
             prof = Path(tmp) / "profile.json"
-            res = remote_genie.run(self.serial, self.remote, prompt, answer_stream(on_text, on_log), stop, prof,
-                                   log=log_level)
+            try:
+                res = remote_genie.run(self.serial, self.remote, prompt, reader.feed, stop, prof, log=log_level)
+            finally:
+                reader.close()
             return res.text, res.status == "stopped", prof.read_text(encoding="utf-8") if res.profile_path else None
-
-
-def answer_stream(on_text: OnText, on_log: OnText | None = None) -> OnText:
-    """genie-t2t-run's output split: what comes after `[BEGIN]: ` up to `[END]` is the answer (to `on_text`);
-    the lines before and after it are Genie's log (to `on_log`, a line at a time), except the `[PROMPT]: …`
-    echo of the prompt, which the caller knows already."""
-    buf, where, echo = "", "before", False  # where: before | answer | after
-
-    def log_lines(text: str) -> str:
-        """Each whole line of `text` to on_log; returns the unfinished rest."""
-        nonlocal echo
-        *whole, rest = text.split("\n")
-        for line in whole:
-            echo = echo or line.startswith("[PROMPT]: ")
-            if on_log is not None and not echo and line.strip():
-                on_log(line.rstrip("\r"))
-        return rest
-
-    def feed(s: str) -> None:
-        nonlocal buf, where, echo
-        if where == "answer":
-            head, end, tail = (buf + s).partition("[END]")
-            buf = ""
-            if not end:  # the end of a chunk may be the start of the marker: held until the next one
-                keep = next((k for k in range(4, 0, -1) if head.endswith("[END]"[:k])), 0)
-                head, buf = (head[:-keep], head[-keep:]) if keep else (head, "")
-            if head:
-                on_text(head)
-            if not end:
-                return
-            where, s = "after", tail
-        buf += s
-        if where == "before":
-            pre, begin, rest = buf.partition("[BEGIN]: ")
-            if not begin:
-                buf = log_lines(pre)  # an unfinished line may yet hold the marker: kept
-                return
-            log_lines(pre + "\n")
-            where, buf, echo = "answer", "", False
-            if rest:
-                feed(rest)
-            return
-        buf = log_lines(buf)
-
-    return feed
 
 
 class ChatSession:
