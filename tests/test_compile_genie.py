@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from npustudio.core import chat, layout, pipeline
+from npustudio.core import layout, pipeline
 from npustudio.core.compile import CompileOptions
 from npustudio.core.errors import UserError
 from npustudio.core.genie import bundle as bundle_stage
@@ -117,7 +117,7 @@ def test_genie_run_streams_begin_end_and_writes_its_profile(project: Project, tm
     prof = tmp_path / "p.json"
     res = _cli("genie-run", "-c", str(cfg), "-p", PROMPT, "--profile", str(prof), "--max-tokens", "6")
     assert res.returncode == 0, res.stderr
-    templated = chat.as_chat_prompt(cfg.parent, PROMPT)  # a bare question goes in the chat template
+    templated = genie_config.as_chat_prompt(cfg.parent, PROMPT)  # a bare question goes in the chat template
     assert templated.startswith("user\n" + PROMPT) and templated.endswith("assistant\n")  # BOS is Genie's
     assert res.stdout.startswith(f"[PROMPT]: {templated}\n\n[BEGIN]: ")
     body = res.stdout.split("[BEGIN]: ", 1)[1]
@@ -448,7 +448,7 @@ def test_a_base_model_without_a_chat_template_gets_a_bundle_asking_the_plain_que
                            out, State())
     assert res.validated
     assert (out / layout.SAMPLE_PROMPT).read_text() == "Paris is"
-    assert chat.as_chat_prompt(out, "Paris is") == "Paris is"
+    assert genie_config.as_chat_prompt(out, "Paris is") == "Paris is"
 
 
 def test_contexts_over_one_protection_domain_are_explained() -> None:

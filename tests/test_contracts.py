@@ -19,6 +19,14 @@ def test_the_import_contracts_hold() -> None:
     assert "0 broken" in r.stdout
 
 
+def test_the_core_starts_no_cli_module_either() -> None:
+    """The contracts see imports only: a core module that ran `python -m npustudio.cli ...` in a child (the virtual
+    device's genie-t2t-run did) would depend on the CLI unseen. No core file names a CLI module at all."""
+    named = [str(f.relative_to(ROOT)) for f in (ROOT / "npustudio" / "core").rglob("*.py")
+             if re.search(r"npustudio[./]cli\b", f.read_text(encoding="utf-8"))]
+    assert named == []
+
+
 def test_mypy_passes_on_the_core() -> None:
     """The type hints of npustudio/core are checked (settings in pyproject.toml), pydantic's plugin included."""
     r = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, cwd=ROOT)

@@ -417,20 +417,3 @@ def test_a_bundle_that_samples_greedily_is_said_to(tmp_path: Path) -> None:
         assert chat.samples_greedily(tmp_path, preview=True)
     cfg.write_text("{")
     assert not chat.samples_greedily(tmp_path)
-
-
-def test_genie_output_over_adb_splits_into_the_answer_and_genies_log_lines() -> None:
-    """genie-t2t-run's one stream (stdout and stderr together): the log lines before and after the answer go to
-    the console's log, the prompt's echo to neither, and the answer stays whole, whatever the chunking."""
-    out = ("Genie Logger created with level : 3\nEntering GenieDialog_create [GenieDialog.cpp:143]\n"
-           "[PROMPT]: <|im_start|>user\nHi\n\nthere<|im_end|>\n<|im_start|>assistant\n\n\n"
-           "[BEGIN]: Hello, **world**\n[END]\nGenieDialog_free done\n")
-    for size in (1, 3, 7, len(out)):
-        text: list[str] = []
-        logs: list[str] = []
-        feed = chat.answer_stream(text.append, logs.append)
-        for i in range(0, len(out), size):
-            feed(out[i:i + size])
-        assert "".join(text) == "Hello, **world**\n", size
-        assert logs == ["Genie Logger created with level : 3", "Entering GenieDialog_create [GenieDialog.cpp:143]",
-                        "GenieDialog_free done"], size

@@ -30,34 +30,10 @@ out = _console(sys.stdout)
 
 
 def until_done(work: Callable[[], Any], stop: Any) -> Any:
-    """`work()` in a thread while this one waits: Ctrl-C sets `stop` (Genie aborts and the run returns what it
-    has) instead of being lost, as a KeyboardInterrupt raised inside Genie's ctypes callback is. Waits on an
-    Event, not Thread.join: an interrupted join can report a live thread as finished (Python 3.11), and
-    leaving while Genie still runs crashes the interpreter at exit."""
-    import threading
+    """`work()` in a thread while this one waits; Ctrl-C stops it (`host.until_done`) and says so."""
+    from ..core.genie import host
 
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            box["value"] = work()
-        except BaseException as e:  # handed to the waiting thread
-            box["error"] = e
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name="npustudio-generate", daemon=True).start()
-    while not done.is_set():
-        try:
-            done.wait(0.1)
-        except KeyboardInterrupt:
-            if not stop.is_set():
-                stop.set()
-                err.print("\n[dim]stopping…[/]")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return host.until_done(work, stop, lambda: err.print("\n[dim]stopping…[/]"))
 
 
 def print_json(obj: Any) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -16,80 +15,10 @@ from .console import err, live_state, out, print_json, until_done
 
 
 def cmd_genie_run(a: argparse.Namespace) -> int:
-    """genie-t2t-run compatible: [PROMPT]/[BEGIN]: ... [END] on stdout, Genie's log on stderr."""
-    import contextlib
-    import ctypes
-    import threading
+    """genie-t2t-run on this computer (`core/genie/t2t.py`: its flags, framing and runner)."""
+    from ..core.genie import t2t
 
-    from ..core.genie import host
-    from ..core.genie.config import check_prompt, read_prompt_file
-    from ..core.native_io import fd_redirected
-
-    prompt = read_prompt_file(Path(a.prompt_file)) if a.prompt_file else a.prompt or ""
-    check_prompt(prompt)
-    if a.profile:
-        host.check_output_file(Path(a.profile), "--profile")
-    if not a.raw:
-        from ..core.chat import as_chat_prompt
-
-        prompt = as_chat_prompt(Path(a.config).parent, prompt)
-    stop = threading.Event()
-    # the answer alone on stdout: QNN's and Genie's native banners go to /dev/null (their log comes through
-    # the logger callback), and so does their stderr outside --log verbose, while our messages keep stderr
-    with contextlib.ExitStack() as stack:
-        tokens_out = stack.enter_context(os.fdopen(os.dup(stack.enter_context(fd_redirected(1))), "w",
-                                                   encoding="utf-8"))
-        if a.log != "verbose":
-            real_err = stack.enter_context(os.fdopen(os.dup(stack.enter_context(fd_redirected(2))), "w",
-                                                     encoding="utf-8"))
-            stack.callback(setattr, err, "file", err.file)
-            err.file = real_err
-        if a.preview:  # before [BEGIN]: over adb, stderr and stdout arrive as one stream
-            err.print("[yellow]preview: the quantized graphs on the CPU, not Genie on the HTP[/]")
-        # Over adb the log and the answer are one stream: Genie's loading log comes before [PROMPT]/[BEGIN]
-        # (written at the first token), and what it logs while answering waits until [END], so a reader
-        # (the window's device console) can tell the answer from the log.
-        begun, held = False, list[str]()
-
-        def begin() -> None:
-            nonlocal begun
-            if not begun:
-                begun = True
-                tokens_out.write(f"[PROMPT]: {prompt}\n\n[BEGIN]: ")
-                tokens_out.flush()
-
-        def text(s: str) -> None:
-            begin()
-            tokens_out.write(s)
-            tokens_out.flush()
-
-        def log(line: str) -> None:
-            if begun:
-                held.append(line)
-            else:
-                err.print(line, markup=False, highlight=False)
-
-        res = None
-        try:
-            res = until_done(lambda: host.run(
-                Path(a.config), prompt, text, Path(a.profile) if a.profile else None, log_level=a.log,
-                on_log=log, stop=stop, max_tokens=a.max_tokens, preview=a.preview), stop)
-        finally:
-            ctypes.CDLL(None).fflush(None)  # native buffers to /dev/null before [END] ends the answer
-            if res is not None:  # as genie-t2t-run: [END] only ends a query that returned, so a reader of the
-                begin()  # stream (a device run) never takes a failure for an answer
-                tokens_out.write("[END]\n")
-            elif begun:
-                tokens_out.write("\n")
-            tokens_out.flush()
-            for line in held:
-                err.print(line, markup=False, highlight=False)
-        if res.status == "aborted":
-            err.print("aborted")
-            return 130
-        elif res.status == "context-full":
-            err.print("Genie stopped: the prompt and the answer filled the model's context. Shorten the prompt.")
-    return 0
+    return t2t.run(a)
 
 
 def cmd_profile(a: argparse.Namespace) -> int:

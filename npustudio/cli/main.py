@@ -14,6 +14,7 @@ from rich.markup import escape
 from .. import __version__
 from ..core import layout, quiet
 from ..core.errors import UserError
+from ..core.genie import t2t
 from ..core.progress import Cancelled
 from . import account, devices, genie, stages
 from .args import (
@@ -142,15 +143,7 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
 
     s = add("genie-run", genie.cmd_genie_run, "run a bundle with the real Genie on the HTP simulator "
             "(genie-t2t-run compatible)")
-    s.add_argument("-c", "--config", type=given, required=True, help=f"the bundle's {layout.GENIE_CONFIG}")
-    s.add_argument("-p", "--prompt", default=None)
-    s.add_argument("--prompt_file", type=given, default=None, help="prompt text file (real newlines)")
-    s.add_argument("--profile", type=given, default=None, help="write Genie's profile JSON here")
-    s.add_argument("--log", default="error", choices=["error", "warn", "info", "verbose"])
-    s.add_argument("--max-tokens", type=int_in(1, MAX_CONTEXT), default=None, help="stop after N generated tokens")
-    s.add_argument("--preview", action="store_true", help="fast preview: the quantized graphs on the CPU, not Genie")
-    s.add_argument("--raw", action="store_true", help="send the prompt exactly as given (genie-t2t-run's way); "
-                   "by default a prompt that is not already in the model's chat template is put into it")
+    t2t.add_flags(s)
 
     s = add("profile", genie.cmd_profile, "read a Genie profile JSON: init, TTFT, rates; roofline with --bundle")
     s.add_argument("file", type=given)

@@ -17,16 +17,13 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
 from . import layout
 from .errors import UserError
 from .fsutil import MiB, TooLarge, atomic_write_json, read_at_most
-
-if TYPE_CHECKING:
-    from .genie.bundle import BundleMeta
 
 OnText = Callable[[str], None]
 
@@ -229,57 +226,16 @@ class DeviceEngine:
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
             log_level: str = "error") -> tuple[str, bool, str | None]:
         from .device import remote_genie
+        from .genie import t2t
 
+        reader = t2t.Reader(on_text, on_log, prompt)  # genie-t2t-run's output: the answer apart from the log
         with tempfile.TemporaryDirectory() as tmp:
             prof = Path(tmp) / "profile.json"
-            res = remote_genie.run(self.serial, self.remote, prompt, answer_stream(on_text, on_log), stop, prof,
-                                   log=log_level)
+            try:
+                res = remote_genie.run(self.serial, self.remote, prompt, reader.feed, stop, prof, log=log_level)
+            finally:
+                reader.close()
             return res.text, res.status == "stopped", prof.read_text(encoding="utf-8") if res.profile_path else None
-
-
-def answer_stream(on_text: OnText, on_log: OnText | None = None) -> OnText:
-    """genie-t2t-run's output split: what comes after `[BEGIN]: ` up to `[END]` is the answer (to `on_text`);
-    the lines before and after it are Genie's log (to `on_log`, a line at a time), except the `[PROMPT]: …`
-    echo of the prompt, which the caller knows already."""
-    buf, where, echo = "", "before", False  # where: before | answer | after
-
-    def log_lines(text: str) -> str:
-        """Each whole line of `text` to on_log; returns the unfinished rest."""
-        nonlocal echo
-        *whole, rest = text.split("\n")
-        for line in whole:
-            echo = echo or line.startswith("[PROMPT]: ")
-            if on_log is not None and not echo and line.strip():
-                on_log(line.rstrip("\r"))
-        return rest
-
-    def feed(s: str) -> None:
-        nonlocal buf, where, echo
-        if where == "answer":
-            head, end, tail = (buf + s).partition("[END]")
-            buf = ""
-            if not end:  # the end of a chunk may be the start of the marker: held until the next one
-                keep = next((k for k in range(4, 0, -1) if head.endswith("[END]"[:k])), 0)
-                head, buf = (head[:-keep], head[-keep:]) if keep else (head, "")
-            if head:
-                on_text(head)
-            if not end:
-                return
-            where, s = "after", tail
-        buf += s
-        if where == "before":
-            pre, begin, rest = buf.partition("[BEGIN]: ")
-            if not begin:
-                buf = log_lines(pre)  # an unfinished line may yet hold the marker: kept
-                return
-            log_lines(pre + "\n")
-            where, buf, echo = "answer", "", False
-            if rest:
-                feed(rest)
-            return
-        buf = log_lines(buf)
-
-    return feed
 
 
 class ChatSession:
@@ -287,9 +243,10 @@ class ChatSession:
                  history_file: Path | None = None) -> None:
         self.bundle_dir, self.engine, self.system = Path(bundle_dir), engine, system
         from .genie.bundle import read_metadata
+        from .genie.config import template_tokenizer
 
         self.meta = read_metadata(self.bundle_dir)
-        self.tok = _template_tokenizer(self.bundle_dir, self.meta)
+        self.tok = template_tokenizer(self.bundle_dir, self.meta)
         self.history_file = history_file or default_history_file(self.bundle_dir)
         self.history = ChatHistory.load(self.history_file)
         self.last_profile: str | None = None  # Genie's profile JSON of the last turn, for the profile view
@@ -398,40 +355,6 @@ def clear_history(bundle_dir: Path) -> None:
     f = default_history_file(bundle_dir)
     if f.exists():
         atomic_write_json(f, {"system": None, "turns": []})
-
-
-def as_chat_prompt(bundle_dir: Path, text: str) -> str:
-    """`text` as one user turn in the bundle's chat template: an instruct model asked a bare question
-    often answers with end-of-turn at once. Left as it is when it already holds one of the tokenizer's
-    special tokens (a prompt written in the template, as genie-t2t-run takes it) or the model has no
-    template (a base model, or a bundle made without NPU Studio's metadata.json)."""
-    from .genie.bundle import read_metadata
-
-    try:
-        meta = read_metadata(Path(bundle_dir))
-    except UserError:
-        return text
-    if not meta.chat_template:
-        return text
-    tok = _template_tokenizer(Path(bundle_dir), meta)
-    if any(t.special and t.content in text for t in tok.added_tokens_decoder.values()):
-        return text
-    from .genie.config import chat_prompt
-
-    return chat_prompt(tok, text)
-
-
-def _template_tokenizer(bundle_dir: Path, meta: BundleMeta) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / layout.TOKENIZER))
-    if meta.bos_id is not None:
-        tok.bos_token = tok.convert_ids_to_tokens(meta.bos_id)
-    tok.eos_token = tok.convert_ids_to_tokens(meta.eos_ids[0])
-    if not meta.chat_template:
-        raise UserError("This model has no chat template.", "Use an instruct/chat model, or genie-run with a prompt.")
-    tok.chat_template = meta.chat_template
-    return tok
 
 
 def _clean(text: str, tok: Any) -> str:

@@ -397,9 +397,9 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
     import threading
 
     from . import device
-    from .chat import answer_stream
     from .device import remote_genie
     from .genie import profile as genie_profile
+    from .genie import t2t
 
     state = state or State()
     folder = project.stage_dir("bundle")
@@ -428,13 +428,16 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
             if len(pieces) >= max_tokens and not dev.virtual:
                 stop.set()
 
-        text = answer_stream(answer)  # genie-t2t-run's output: only what comes between [BEGIN]: and [END]
+        reader = t2t.Reader(answer, prompt=prompt)  # genie-t2t-run's output: only the answer, to `answer`
 
         state.progress(0.3, f"asking on {dev.serial} (Genie on the HTP simulator for the virtual device: slow)")
         # the virtual device's runner stops by itself after max_tokens (and so writes its profile);
         # a phone's genie-t2t-run has no limit: it is stopped once enough text has arrived
-        res = remote_genie.run(dev.serial, pushed.remote_dir, prompt, text, stop=stop, profile_to=prof,
-                               max_tokens=max_tokens if dev.virtual else None)
+        try:
+            res = remote_genie.run(dev.serial, pushed.remote_dir, prompt, reader.feed, stop=stop, profile_to=prof,
+                                   max_tokens=max_tokens if dev.virtual else None)
+        finally:
+            reader.close()
         summary = genie_profile.summarize(genie_profile.read(prof)) if res.profile_path else None
         meta = bundle_stage.read_metadata(folder)
         return SampleAnswer(device=dev.serial, virtual=dev.virtual, question=meta.question, answer=res.text,

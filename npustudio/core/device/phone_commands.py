@@ -2,9 +2,9 @@
 
 Every path is a device path resolved inside the sandbox (`VirtualDevice.host_path`); only `/data/local/tmp`
 is writable, as for the shell user of a phone. Messages follow toybox's. `genie-t2t-run` is the desktop
-runner (`npustudio genie-run`: real Genie on the HTP simulator, or the preview), started as a host child
-with an allow-listed environment (never the device line's LD_*, PYTHON* or QNN_SDK_ROOT), its path options
-mapped into the sandbox.
+runner (`genie.t2t`: real Genie on the HTP simulator, or the preview), started as a host child in an isolated
+interpreter (`t2t.command`) with an allow-listed environment (never the device line's LD_*, PYTHON* or
+QNN_SDK_ROOT), its path options mapped into the sandbox.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import posixpath
 import shutil
 import signal
 import stat
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from ..genie import t2t
 from .phone_shell import Call, Program, Stopped
 
 VIRTUAL_FILES = {"/proc/meminfo": Path("/proc/meminfo")}  # the host's: the device's RAM is this machine's
@@ -361,26 +361,25 @@ def getprop(call: Call) -> int:
     return 0
 
 
-_GENIE_VALUES = {"-c", "--config", "-p", "--prompt", "--prompt_file", "--profile", "--log", "--max-tokens"}
-_GENIE_PATHS = {"-c", "--config", "--prompt_file", "--profile"}
-_GENIE_FLAGS = {"--raw", "-h", "--help"}
-
-
 def genie_t2t_run(call: Call) -> int:
-    """The desktop runner in place of the phone's genie-t2t-run; its file options must stay in the sandbox."""
-    argv = [sys.executable, "-I", "-m", "npustudio.cli", "genie-run"] + (["--preview"] if call.device.preview else [])
+    """genie-t2t-run on this computer (`genie.t2t`) in place of the phone's, started by its own argv (no shell, no
+    CLI); the options a device line may give are `t2t.device_flags()`, and its file options must stay in the
+    sandbox."""
+    flags = t2t.device_flags()
+    argv = t2t.command(*(["--preview"] if call.device.preview else []))
     args: Iterator[str] = iter(call.args)
     for a in args:
-        if a in _GENIE_FLAGS:
+        flag = flags.get(a)
+        if flag is None:
+            return call.error(f"unknown option {a}")
+        if flag.takes == "switch":
             argv.append(a)
             continue
-        if a not in _GENIE_VALUES:
-            return call.error(f"unknown option {a}")
         value = next(args, None)
         if value is None:
             return call.error(f"option {a} needs a value")
-        if a in _GENIE_PATHS:
-            p = _writable(call, value) if a == "--profile" else _path(call, value)
+        if flag.takes in ("input", "output"):
+            p = _writable(call, value) if flag.takes == "output" else _path(call, value)
             if p is None:
                 return 1
             value = str(p)

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_bytes
+from ..genie import t2t
 from . import client
 
 _PID = re.compile(rb"^NPUSTUDIO_PID=(\d+)\n")
@@ -79,17 +80,17 @@ def _read_at_most(d: Any, path: str, limit: int) -> bytes | None:
     return bytes(data)
 
 
-def explain(output: str) -> UserError | None:
+def explain(output: str, prompt: str | None = None) -> UserError | None:
     """None when genie-t2t-run answered: `[BEGIN]: `, the answer, `[END]`, and no `error:` line after it. Anything
     else is a failure (the legacy adb shell carries no exit status, and genie-t2t-run ends only a query that
-    returned with `[END]`): a known one explained, every one with the device's own last lines."""
-    before, begun, rest = output.partition("[BEGIN]:")
-    _answer, ended, after = rest.partition("[END]")
-    # where the device says what went wrong: not the echo of the prompt, not the answer
-    log = before.partition("[PROMPT]: ")[0] + "\n" + (after if ended else rest) if begun else output
-    said = [line.strip() for line in log.splitlines() if line.strip() and not line.startswith("[PROMPT]: ")]
-    if begun and ended and not any(line.lower().startswith("error:") for line in after.splitlines()):
+    returned with `[END]`): a known one explained, every one with the device's own last lines. `prompt`, the
+    prompt sent, tells its echo from the device's words (`t2t.Reader`)."""
+    out = t2t.read(output, prompt)
+    if out.begun and out.ended and not any(line.lower().startswith("error:") for line in out.after):
         return None
+    # where the device says what went wrong: not the echo of the prompt, not the answer
+    log = "\n".join(out.before + (out.after if out.ended else [out.answer])) if out.begun else output
+    said = [line.strip() for line in log.splitlines() if line.strip() and not line.startswith(t2t.PROMPT)]
     tail = " | ".join(line[:300] for line in said[-5:])
     for pattern, problem, fix in FAILURES:
         if re.search(pattern, log, re.IGNORECASE):
@@ -98,10 +99,9 @@ def explain(output: str) -> UserError | None:
                      "Run with --log verbose and look at Genie's messages.")
 
 
-def answer(output: str) -> str:
-    """The generated text between `[BEGIN]:` and `[END]`."""
-    _, _, rest = output.partition("[BEGIN]: ")
-    return rest.split("[END]", 1)[0]
+def answer(output: str, prompt: str | None = None) -> str:
+    """The generated text between `[BEGIN]: ` and `[END]` (`t2t.Reader`)."""
+    return t2t.read(output, prompt).answer
 
 
 def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], None],
@@ -109,8 +109,8 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
         max_tokens: int | None = None) -> DeviceRun:
     """`max_tokens` is for the virtual device only: its genie-t2t-run (our desktop runner) takes
     `--max-tokens`; a phone's genie-t2t-run has no such flag (stop it with `stop` instead)."""
-    if log not in ("error", "warn", "info", "verbose"):
-        raise UserError(f"Unknown log level {log!r}.", "Use error, warn, info or verbose.")
+    if log not in t2t.LOG_LEVELS:
+        raise UserError(f"Unknown log level {log!r}.", f"Use {', '.join(t2t.LOG_LEVELS)}.")
     d = client().device(serial=serial)
     d.sync.push(prompt.encode("utf-8"), posixpath.join(remote_dir, layout.PROMPT_FILE), mode=0o644)
     # the bundle's own genie-t2t-run when it carries the runtime, else the device's; the line keeps to what
@@ -168,10 +168,10 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
             profile_path = str(profile_to)
     status = "stopped" if stopped else "complete"
     if not stopped:
-        err = explain(output)
+        err = explain(output, prompt)
         if err is not None:
             raise err
-    return DeviceRun(text=answer(output), output=output, status=status, profile_path=profile_path,
+    return DeviceRun(text=answer(output, prompt), output=output, status=status, profile_path=profile_path,
                      seconds=round(time.perf_counter() - t0, 3))
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
 from .. import layout
 from ..targets import Soc
+
+if TYPE_CHECKING:
+    from .bundle import BundleMeta
 
 
 class Sampler(BaseModel):
@@ -237,3 +240,39 @@ def chat_prompt(tokenizer: Any, user: str, system: str | None = None, history: l
     if bos_added_by_runtime and bos and text.startswith(bos):
         text = text[len(bos):]
     return text
+
+
+def as_chat_prompt(bundle_dir: Path, text: str) -> str:
+    """`text` as one user turn in the bundle's chat template (what genie-t2t-run here does without --raw): an
+    instruct model asked a bare question often answers with end-of-turn at once. Left as it is when it already
+    holds one of the tokenizer's special tokens (a prompt written in the template, as Qualcomm's genie-t2t-run
+    takes it) or the model has no template (a base model, or a bundle made without NPU Studio's metadata.json)."""
+    from ..errors import UserError
+    from .bundle import read_metadata
+
+    try:
+        meta = read_metadata(Path(bundle_dir))
+    except UserError:
+        return text
+    if not meta.chat_template:
+        return text
+    tok = template_tokenizer(Path(bundle_dir), meta)
+    if any(t.special and t.content in text for t in tok.added_tokens_decoder.values()):
+        return text
+    return chat_prompt(tok, text)
+
+
+def template_tokenizer(bundle_dir: Path, meta: BundleMeta) -> Any:
+    """The bundle's tokenizer with the model's chat template, bos and eos, for rendering prompts."""
+    from transformers import PreTrainedTokenizerFast
+
+    from ..errors import UserError
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / layout.TOKENIZER))
+    if meta.bos_id is not None:
+        tok.bos_token = tok.convert_ids_to_tokens(meta.bos_id)
+    tok.eos_token = tok.convert_ids_to_tokens(meta.eos_ids[0])
+    if not meta.chat_template:
+        raise UserError("This model has no chat template.", "Use an instruct/chat model, or genie-run with a prompt.")
+    tok.chat_template = meta.chat_template
+    return tok

@@ -1,7 +1,7 @@
 """The desktop runner: a bundle run by the real libGenie on the HTP simulator, or a fast CPU preview.
 
-`run(config_path, prompt, on_text, ...)` is what `npustudio genie-run` (genie-t2t-run compatible), the
-virtual device's `genie-t2t-run` and the chat panel call. Text arrives through `on_text` as Genie
+`run(config_path, prompt, on_text, ...)` is what genie-t2t-run on this computer (`t2t`: `npustudio genie-run`
+and the virtual device's `genie-t2t-run`) and the chat panel call. Text arrives through `on_text` as Genie
 produces it; `stop` (a threading.Event) aborts a query from any thread; the profile JSON Genie writes
 is saved where asked.
 
@@ -52,6 +52,36 @@ def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | No
     if preview:
         return _preview(Path(config_path), prompt, on_text, profile_path, stop, max_tokens)
     return _genie(Path(config_path), prompt, on_text, profile_path, log_level, on_log, stop, max_tokens)
+
+
+def until_done(work: Callable[[], Any], stop: threading.Event, on_stop: Callable[[], None] | None = None) -> Any:
+    """`work()` in a thread while this one waits: Ctrl-C sets `stop` (Genie aborts and the run returns what it
+    has; `on_stop` says so) instead of being lost, as a KeyboardInterrupt raised inside Genie's ctypes callback is.
+    Waits on an Event, not Thread.join: an interrupted join can report a live thread as finished (Python 3.11), and
+    leaving while Genie still runs crashes the interpreter at exit."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as e:  # handed to the waiting thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="npustudio-generate", daemon=True).start()
+    while not done.is_set():
+        try:
+            done.wait(0.1)
+        except KeyboardInterrupt:
+            if not stop.is_set():
+                stop.set()
+                if on_stop is not None:
+                    on_stop()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def check_output_file(path: Path, what: str) -> None:
