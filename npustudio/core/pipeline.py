@@ -116,6 +116,7 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
              force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
     arec = _require(project, "adapt", "adapt", "adapted model")
+    options = quantize_stage.resolved(options, project.stage_dir("adapt"))  # one key for the same work
 
     def fn(out: Path) -> dict[str, Any]:
         return _on(cluster, "quantize", _quantize_body, {"adapt": project.stage_dir("adapt")},
