@@ -56,3 +56,31 @@ def test_each_stage_command_after_run_on_the_same_settings_skips_its_stage(
     pipeline.compile_and_bundle(p, CompileOptions(verify_tokens=0, optimize="quick"), State())
     assert _records(p) == after_run
 
+
+def test_the_same_work_spelled_differently_has_one_key(ran: tuple[Path, Project]) -> None:
+    """Each stage's options resolved to what the stage comes to: a default left unset and the value it comes to
+    given are one key (and resolving twice changes nothing); another eval is another key."""
+    from npustudio.core import adapt, compile, quantize
+    from npustudio.core.results import IntakeResult
+
+    _, p = ran
+    card = p.record("model").result_as(IntakeResult).card  # type: ignore[union-attr]
+    adapt_dir, quant_dir = p.stage_dir("adapt"), p.stage_dir("quantize")
+
+    def one_key(resolve, *spellings):  # type: ignore[no-untyped-def]
+        keys = {json.dumps(resolve(o).model_dump(), sort_keys=True) for o in spellings}
+        keys |= {json.dumps(resolve(resolve(o)).model_dump(), sort_keys=True) for o in spellings}
+        assert len(keys) == 1, keys
+        return keys.pop()
+
+    A = adapt.AdaptOptions
+    one_key(lambda o: adapt.resolved(o, card), A(ar=32, cl=128), A(ar=32, cl=128, window=128),
+            A(ar=32, cl=128, eval_tokens=adapt.auto_eval_tokens(card.params)))
+    Q = quantize.QuantizeOptions
+    same = one_key(lambda o: quantize.resolved(o, adapt_dir), Q(), Q(eval_corpus="default"), Q(window=512),
+                   Q(target="sm8750", eval_tokens=64, decode_tokens=4, window=128))
+    assert json.loads(same) == json.loads(same) | {"eval_corpus": "default", "eval_chars": None, "eval_tokens": 64,
+                                                    "window": 128, "decode_tokens": 4, "target": "SM8750"}
+    assert quantize.resolved(Q(decode_tokens=8), adapt_dir).model_dump() != json.loads(same)
+    one_key(lambda o: compile.resolved(o, quant_dir), compile.CompileOptions(),
+            compile.CompileOptions(target="SM8750"))

@@ -91,6 +91,7 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
     source, mrec = intake(project, model, options.cl, state.sub(0.0, 0.05))
     card = mrec.result_as(IntakeResult).card
     adapt_stage.validate(options, card)  # before any weight is loaded
+    options = adapt_stage.resolved(options, card)  # one key for the same work, whichever front end asks
     inputs: dict[str, Path | list[Path]] = {"model": models.files(source)}
 
     def fn(out: Path) -> dict[str, Any]:
@@ -338,6 +339,7 @@ def compile_graphs(project: Project, options: compile_stage.CompileOptions, stat
                    force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
     qrec = _require(project, "quantize", "quantize")
+    options = compile_stage.resolved(options, project.stage_dir("quantize"))  # one key for the same work
 
     def fn(out: Path) -> dict[str, Any]:
         inputs = {"quantize": project.stage_dir("quantize"), "adapt": project.stage_dir("adapt")}
