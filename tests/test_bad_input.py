@@ -116,16 +116,30 @@ def fake_bundle(folder: Path, tiny_llama: Path, template: str = TEMPLATE) -> Pat
 
 
 def adapted_project(root: Path) -> Project:
-    """A project whose adapt stage holds a tiny adapted decoder (written directly: no equivalence run)."""
+    """A project whose adapt stage holds a tiny adapted decoder, its graphs' shapes and its card (written directly:
+    no equivalence run): what the quantize stage reads of it before its options are checked."""
     import torch
 
+    from npustudio.core import layout
+    from npustudio.core.adapt import graph_specs
+    from npustudio.core.fsutil import atomic_write_json
     from npustudio.core.graph import store
     from npustudio.core.graph.decoder import StaticDecoder
+    from npustudio.core.models import ArchCard
 
     spec = TINY_SPEC
+    card = ArchCard(**spec.model_dump(exclude={"rope_attention_scaling"}), architecture="LlamaForCausalLM",
+                    source="tiny", params=100_000, rope_theta=10000.0, rope_scaling=None, max_position=1024, bos_id=1,
+                    eos_ids=[2], chat_template=None)
+
+    def write(out: Path) -> dict:
+        store.save(StaticDecoder(spec), torch.ones(8), out)
+        atomic_write_json(out / layout.GRAPHS, [g.model_dump() for g in graph_specs(spec, 32, 128)])
+        atomic_write_json(out / layout.CARD, card.model_dump())
+        return {}
+
     p = Project.open(root)
-    p.run_stage("adapt", {"model": {"spec": "tiny"}}, {},
-                lambda out: (store.save(StaticDecoder(spec), torch.ones(8), out), {})[1])
+    p.run_stage("adapt", {"model": {"spec": "tiny"}}, {}, write)
     return p
 
 

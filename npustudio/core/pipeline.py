@@ -91,6 +91,7 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
     source, mrec = intake(project, model, options.cl, state.sub(0.0, 0.05))
     card = mrec.result_as(IntakeResult).card
     adapt_stage.validate(options, card)  # before any weight is loaded
+    options = adapt_stage.resolved(options, card)  # one key for the same work, whichever front end asks
     inputs: dict[str, Path | list[Path]] = {"model": models.files(source)}
 
     def fn(out: Path) -> dict[str, Any]:
@@ -116,6 +117,7 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
              force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
     arec = _require(project, stages.ADAPT)
+    options = quantize_stage.resolved(options, project.stage_dir("adapt"))  # one key for the same work
 
     def fn(out: Path) -> dict[str, Any]:
         return _on(cluster, "quantize", _quantize_body, {s: project.stage_dir(s) for s in stages.QUANTIZE.reads},
@@ -334,6 +336,7 @@ def compile_graphs(project: Project, options: compile_stage.CompileOptions, stat
                    force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
     qrec = _require(project, stages.QUANTIZE)
+    options = compile_stage.resolved(options, project.stage_dir("quantize"))  # one key for the same work
 
     def fn(out: Path) -> dict[str, Any]:
         inputs = {s: project.stage_dir(s) for s in stages.COMPILE.reads}

@@ -42,7 +42,7 @@ from ..shape import DecoderSpec
 
 __all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "Equivalence", "Gate", "GraphSpec", "KVCacheRunner",
            "StaticDecoder", "TensorSpec", "TorchGraph",
-           "equivalence_gate", "load_result", "run"]
+           "equivalence_gate", "eval_plan", "load_result", "resolved", "run"]
 
 
 class AdaptOptions(StageOptions):
@@ -115,6 +115,21 @@ def validate(opts: AdaptOptions, card: Any) -> None:
     check_context(card, opts.cl)
 
 
+def eval_plan(options: AdaptOptions, card: Any) -> EvalPlan:
+    """The proof's eval as the stage runs it: the token count sized to the model unless given, the window cut to the
+    context."""
+    return EvalPlan(corpus=options.eval_corpus, chars=options.eval_chars,
+                    tokens=options.eval_tokens or auto_eval_tokens(card.params),
+                    window=min(options.window, options.cl), decode_tokens=options.decode_tokens)
+
+
+def resolved(options: AdaptOptions, card: Any) -> AdaptOptions:
+    """`options` with the values the stage comes to (`eval_plan`) in place of its defaults: the stage key hashes
+    these, so the same work asked for by any front end, with the value given or left to its default, has one key."""
+    plan = eval_plan(options, card)
+    return options.model_copy(update={"eval_tokens": plan.tokens, "window": plan.window})
+
+
 def graph_specs(spec: DecoderSpec, ar: int, cl: int) -> list[GraphSpec]:
     names = graph_names(ar, cl)
     ins_order, outs_order = io_names(spec.layers)
@@ -145,9 +160,7 @@ def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike)
     state.check()
 
     runner = KVCacheRunner.over(model, options.ar, options.cl, inv_freq)
-    plan = EvalPlan(corpus=options.eval_corpus, chars=options.eval_chars,
-                    tokens=options.eval_tokens or auto_eval_tokens(lm.card.params),
-                    window=min(options.window, options.cl), decode_tokens=options.decode_tokens)
+    plan = eval_plan(options, lm.card)
     ids = eval_ids(lm.tokenizer, plan)
     plan.tokens = len(ids)
     kept: list[torch.Tensor] = []  # the adapted model's logits: quantize's float reference, not recomputed there

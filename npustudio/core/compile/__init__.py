@@ -80,6 +80,13 @@ def load_result(stage_dir: Path) -> CompileResult:
     return load_compile(stage_dir)
 
 
+def resolved(options: CompileOptions, quant_dir: Path) -> CompileOptions:
+    """`options` with the values the stage comes to in place of its defaults: the target, by default the quantize
+    stage's, by its part number. The stage key hashes these, so the same work asked for by any front end has one
+    key."""
+    return options.model_copy(update={"target": find_soc(options.target or load_quantize(quant_dir).target).soc})
+
+
 def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path, state: StateLike) -> CompileResult:
     if options.backend == "qairt":
         from . import qairt

@@ -100,7 +100,8 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     ar, cl, graph_list = _adapt_graphs(adapt_dir)
     tok = _tokenizer(adapt_dir)
     spec = model.spec
-    plan, reference = _eval_plan(adapt_dir, options, cl)
+    plan = _eval_plan(adapt_dir, options, cl)
+    reference = _reference(adapt_dir, plan)
     ids = reference.ids if reference else eval_ids(tok, plan)
     calib = _calibration(tok(load_corpus(options.calib_corpus, "calib"))["input_ids"], options, cl)
     del tok  # ~50 MB for a 128k vocabulary, held through the export's peak otherwise
@@ -289,8 +290,19 @@ def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
     return specs["prompt"].ar, specs["prompt"].cl, [specs["prompt"].name, specs["token"].name]
 
 
-def _eval_plan(adapt_dir: Path, o: QuantizeOptions, cl: int) -> tuple[EvalPlan, Reference | None]:
-    """The adapt stage's eval plan with this stage's overrides; its float logits when nothing was overridden."""
+def resolved(options: QuantizeOptions, adapt_dir: Path) -> QuantizeOptions:
+    """`options` with the values the stage comes to in place of its defaults: the target by its part number and the
+    eval as `_eval_plan` makes it from the adapt stage's (unset fields are the adapt stage's plan). The stage key
+    hashes these: `npustudio run` passed its eval corpus ("default") where `npustudio quantize` left it unset, the
+    same eval, and the quantize stage (2-5 min on the default model) was redone for nothing."""
+    plan = _eval_plan(adapt_dir, options, _adapt_graphs(adapt_dir)[1])
+    return options.model_copy(update={
+        "target": find_soc(options.target).soc, "eval_corpus": plan.corpus, "eval_chars": plan.chars,
+        "eval_tokens": plan.tokens, "window": plan.window, "decode_tokens": plan.decode_tokens})
+
+
+def _eval_plan(adapt_dir: Path, o: QuantizeOptions, cl: int) -> EvalPlan:
+    """The adapt stage's eval plan with this stage's overrides (the same plan for `resolved(o)` as for `o`)."""
     adapted = read_plan(adapt_dir)
     params = load_card(adapt_dir).params
     base = adapted or EvalPlan(tokens=auto_eval_tokens(params), window=min(DEFAULT_WINDOW, cl))
@@ -302,10 +314,14 @@ def _eval_plan(adapt_dir: Path, o: QuantizeOptions, cl: int) -> tuple[EvalPlan, 
         upd["tokens"] = o.eval_tokens
     elif {"corpus", "chars"} & upd.keys():
         upd["tokens"] = auto_eval_tokens(params)
-    plan = base.model_copy(update=upd)
-    if adapted is not None and plan == adapted and (adapt_dir / "reference_logits.safetensors").is_file():
-        return plan, Reference(adapt_dir)
-    return plan, None
+    return base.model_copy(update=upd)
+
+
+def _reference(adapt_dir: Path, plan: EvalPlan) -> Reference | None:
+    """The adapt stage's float logits when `plan` is its eval."""
+    if plan == read_plan(adapt_dir) and (adapt_dir / "reference_logits.safetensors").is_file():
+        return Reference(adapt_dir)
+    return None
 
 
 def _tokenizer(folder: Path) -> Any:
