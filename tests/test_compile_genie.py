@@ -502,3 +502,15 @@ def test_the_main_job_plans_precision_and_bundle_form_from_the_recorded_fit(proj
     assert (q.precision, b.prompt_graphs) == ("w8a16", False) and "one token at a time" in plan.why
     plan, q, c, b = pipeline.job_plan(project, QuantizeOptions(), CompileOptions(optimize="phone"))
     assert c.weight_sharing and b.prompt_graphs  # a phone loads weight-shared contexts, prompt graphs kept
+    # from the command line too: `run` without --weight-sharing leaves it to the plan (the flag's default False
+    # used to be taken as the user's word, so a phone job never got its shared weights)
+    from npustudio.cli.args import compile_options
+    from npustudio.cli.main import build_parser
+
+    given = {flags: compile_options(build_parser().parse_args(["run", *flags]))
+             for flags in ((), ("--no-weight-sharing",), ("--weight-sharing",))}
+    assert pipeline.job_plan(project, QuantizeOptions(), given[()].model_copy(update={"optimize": "phone"})
+                             )[2].weight_sharing
+    assert not pipeline.job_plan(project, QuantizeOptions(), given[("--no-weight-sharing",)].model_copy(
+        update={"optimize": "phone"}))[2].weight_sharing
+    assert given[("--weight-sharing",)].weight_sharing

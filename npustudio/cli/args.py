@@ -121,7 +121,11 @@ def compile_args(s: argparse.ArgumentParser, job: bool = False) -> None:
                     "now, else quick: for the simulator)")
     else:
         option(s, O, "optimize", choices=["phone", "quick"])
-    option(s, O, "weight_sharing")
+    if job:  # unset: the job's plan decides (shared weights for a phone when the unshared contexts would not fit)
+        option(s, O, "weight_sharing", action=argparse.BooleanOptionalAction, default=None,
+               help=f"{O.model_fields['weight_sharing'].description} (default: as the plan decides)")
+    else:
+        option(s, O, "weight_sharing")
 
 
 def max_part_arg(s: argparse.ArgumentParser) -> None:
@@ -195,6 +199,7 @@ def compile_options(a: argparse.Namespace) -> CompileOptions:
     from ..core.compile import CompileOptions
 
     chosen = {"optimize": a.optimize} if a.optimize else {}  # `run` decides when it is not given
+    if a.weight_sharing is not None:  # `run` plans it when not given
+        chosen["weight_sharing"] = a.weight_sharing
     return CompileOptions(backend=a.backend, verify_tokens=a.verify_tokens, parts=a.parts,
-                          prompt_check_budget_s=a.prompt_check_budget_s,
-                          max_part_mb=a.max_part_mb, weight_sharing=a.weight_sharing, **chosen)
+                          prompt_check_budget_s=a.prompt_check_budget_s, max_part_mb=a.max_part_mb, **chosen)
