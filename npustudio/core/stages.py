@@ -37,7 +37,7 @@ class StageSpec:
         return getattr(importlib.import_module(module), fn)
 
 
-MODEL = StageSpec("model", "model record", "run", entry="npustudio.core.pipeline:describe")
+MODEL = StageSpec("model", "model record", "run", entry="npustudio.core.pipeline.execute:describe")
 # host rates: memory per parameter from the Llama-3.2-1B-shaped runs, 1.24 B parameters: adapt 6,782 MB, quantize
 # 8,014 MB at w8a16 and 8,031 MB at w4a16 -- one rate serves both since w4a16's export keeps its LPBQ block scales
 # as bytes --, compile 5,883 MB peak RSS; the Qwen3-1.7B shape, 1.72 B: adapt 8,820, quantize 10,913, compile 7,078

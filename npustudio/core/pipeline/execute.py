@@ -1,0 +1,194 @@
+"""Each stage run on a project: skipped when its inputs and options are unchanged, here or on a Ray cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from .. import adapt as adapt_stage
+from .. import compile as compile_stage
+from .. import host_cost, layout, models, parts, stages
+from .. import quantize as quantize_stage
+from ..cluster import Cluster, Job
+from ..config_audit import check_context
+from ..fsutil import atomic_write_json
+from ..genie import bundle as bundle_stage
+from ..progress import StateLike, free_big_blocks_at_once
+from ..project import Project, StageRecord
+from ..results import IntakeResult
+from .status import _require
+
+INTAKE = stages.MODEL.name  # the stage that reads the model: its record, not work worth a project folder
+
+
+def default_project_dir() -> Path:
+    return platformdirs.user_data_path("npustudio") / "projects" / "default"
+
+
+@contextmanager
+def opened(project_dir: Path | str) -> Iterator[Project]:
+    """The project for a command that may create it: when the command fails before any stage but reading the
+    model ran in a project it created, the folder is left as it was (a new folder removed, an empty one emptied
+    again): an option refused after the model stage (`--ar 64 --cl 32`) left a new project behind."""
+    root = Path(project_dir).expanduser().resolve()
+    existed, fresh = root.exists(), not (root / layout.MANIFEST).exists()
+    project = Project.open(root)
+    try:
+        yield project
+    except BaseException:
+        if fresh:
+            project.remove_if_unused(existed, cheap=(INTAKE,))
+        raise
+
+
+def resolve(model: str) -> models.ModelSource:
+    return models.download(models.resolve_source(model))
+
+
+def describe(source: models.ModelSource, cl: int, ar: int = adapt_stage.AdaptOptions().ar,
+             max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> IntakeResult:
+    """A model's card, its fit on phones at context `cl` (parts cut for AR-`ar` graphs under `max_part_mb`) and
+    what each stage will cost this computer: what the model stage records and `npustudio info` shows."""
+    card = models.read_card(source)
+    check_context(card, cl)
+    return IntakeResult(source=source, card=card, fit=models.fit_table(card, cl, ar, max_part_mb),
+                        host=host_cost.estimate(card, gguf=bool(source.gguf_file)))
+
+
+def intake(project: Project, model: str, cl: int, state: StateLike,
+           force: bool = False) -> tuple[models.ModelSource, StageRecord]:
+    state.progress(0.0, f"reading {model}")
+    source = resolve(model)
+    fp = models.fingerprint(source)
+
+    def fn(out: Path) -> dict[str, Any]:
+        res = describe(source, cl)
+        atomic_write_json(out / layout.MODEL_RESULT, res.model_dump())  # the card, the fit and the host cost
+        return res.model_dump()
+
+    rec, _ = project.run_stage(INTAKE, inputs={"model": fp}, options={"cl": cl}, fn=fn, force=force)
+    state.progress(1.0, "model read")
+    return source, rec
+
+
+def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state: StateLike,
+          force: bool = False, cluster: Cluster | None = None) -> StageRecord:
+    """Adapt `model` into the project; `force` redoes it even when the inputs and options are unchanged;
+    `cluster` runs it on that Ray cluster."""
+    source, mrec = intake(project, model, options.cl, state.sub(0.0, 0.05))
+    card = mrec.result_as(IntakeResult).card
+    adapt_stage.validate(options, card)  # before any weight is loaded
+    options = adapt_stage.resolved(options, card)  # one key for the same work, whichever front end asks
+    inputs: dict[str, Path | list[Path]] = {"model": models.files(source)}
+
+    def fn(out: Path) -> dict[str, Any]:
+        return _on(cluster, "adapt", _adapt_body, inputs, (source, card, options), out, state.sub(0.05, 1.0),
+                   options.device)
+
+    rec, _ = project.run_stage("adapt", inputs={"model": mrec.inputs["model"]}, options=options.model_dump(), fn=fn,
+                               force=force, ran_on=_ran_on(cluster))
+    return rec
+
+
+def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
+    """The adapt stage where it runs (here or on a cluster worker, whose memory is then the one checked)."""
+    source, card, options = args
+    host_cost.check_fits(card, "adapt", gguf=bool(source.gguf_file))
+    free_big_blocks_at_once()
+    state.progress(0.0, "loading weights")
+    lm = models.load(source.model_copy(update={"path": str(inputs["model"])}))
+    return adapt_stage.run(lm, options, out, state.sub(0.1, 1.0)).model_dump()
+
+
+def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike,
+             force: bool = False, cluster: Cluster | None = None) -> StageRecord:
+    """Quantize the project's adapted graphs (the adapt stage must have finished)."""
+    arec = _require(project, stages.ADAPT)
+    options = quantize_stage.resolved(options, project.stage_dir("adapt"))  # one key for the same work
+
+    def fn(out: Path) -> dict[str, Any]:
+        return _on(cluster, "quantize", _quantize_body, {s: project.stage_dir(s) for s in stages.QUANTIZE.reads},
+                   (_card(project), options), out, state, options.device)
+
+    rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key, "format": quantize_stage.FORMAT},
+                               options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(cluster))
+    project.choose(target=options.target)  # what the stage was made for is the target now, from the CLI too
+    return rec
+
+
+def _quantize_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
+    card, options = args
+    if card is not None:
+        host_cost.check_fits(card, "quantize")
+    free_big_blocks_at_once()
+    return quantize_stage.run(inputs["adapt"], options, out, state).model_dump()
+
+
+def _on(cluster: Cluster | None, stage: str, body: Any, inputs: Mapping[str, Path | list[Path]], args: Any, out: Path,
+        state: StateLike, device: str = "cpu") -> dict[str, Any]:
+    """`body` here, or on the Ray cluster at `cluster` (the inputs sent, the output folder brought back)."""
+    if cluster is None:
+        here = {k: v if isinstance(v, Path) else v[0].parent for k, v in inputs.items()}
+        return body(here, args, out, state)
+    from .. import cluster as ray_cluster
+
+    return ray_cluster.run(cluster, Job(stage, body, inputs, args, device), out, state)
+
+
+def _ran_on(cluster: Cluster | None) -> str | None:
+    return None if cluster is None else f"Ray cluster at {cluster.address}"
+
+
+def _card(project: Project) -> models.ArchCard | None:
+    rec = project.record("model")
+    return rec.result_as(IntakeResult).card if rec is not None and rec.status == "done" else None
+
+
+def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike,
+                   force: bool = False, cluster: Cluster | None = None) -> StageRecord:
+    """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
+    qrec = _require(project, stages.QUANTIZE)
+    options = compile_stage.resolved(options, project.stage_dir("quantize"))  # one key for the same work
+
+    def fn(out: Path) -> dict[str, Any]:
+        inputs = {s: project.stage_dir(s) for s in stages.COMPILE.reads}
+        return _on(cluster, "compile", _compile_body, inputs, (_card(project), options), out, state)
+
+    rec, _ = project.run_stage("compile", inputs={"quantize": qrec.key, "format": compile_stage.FORMAT},
+                               options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(cluster))
+    return rec
+
+
+def _compile_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
+    card, options = args
+    if card is not None:
+        host_cost.check_fits(card, "compile")
+    free_big_blocks_at_once()
+    return compile_stage.run(inputs["quantize"], inputs["adapt"], options, out, state).model_dump()
+
+
+def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike,
+           force: bool = False) -> StageRecord:
+    """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie."""
+    crec = _require(project, stages.COMPILE)
+
+    def fn(out: Path) -> dict[str, Any]:
+        res = bundle_stage.run(project.stage_dir("compile"), project.stage_dir("adapt"), options, out, state)
+        return res.model_dump() | {"folder": str(project.stage_dir("bundle"))}
+
+    rec, _ = project.run_stage("bundle", inputs={"compile": crec.key, "format": bundle_stage.FORMAT},
+                               options=options.model_dump(), fn=fn, force=force)
+    return rec
+
+
+def compile_and_bundle(project: Project, options: compile_stage.CompileOptions, state: StateLike,
+                       boptions: bundle_stage.BundleOptions | None = None,
+                       force: bool = False, cluster: Cluster | None = None) -> tuple[StageRecord, StageRecord]:
+    """Compile (+ simulator check), then the libGenie-validated bundle: the wizard's Compile step."""
+    crec = compile_graphs(project, options, state.sub(0.0, 0.9), force=force, cluster=cluster)
+    brec = bundle(project, boptions or bundle_stage.BundleOptions(), state.sub(0.9, 1.0), force=force)
+    return crec, brec

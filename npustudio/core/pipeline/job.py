@@ -1,0 +1,95 @@
+"""The main job (`npustudio run`): its plan, then every stage, then the answer on a device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from .. import adapt as adapt_stage
+from .. import compile as compile_stage
+from .. import models
+from .. import quantize as quantize_stage
+from ..cluster import Cluster
+from ..errors import UserError
+from ..genie import bundle as bundle_stage
+from ..progress import State, StateLike
+from ..project import Project
+from ..results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult
+from .execute import adapt, compile_and_bundle, opened, quantize
+from .phone import ask_on_device
+from .summaries import (
+    BundleSummary,
+    RunSummary,
+    StageFigures,
+    adapt_summary,
+    compile_summary,
+    quantize_summary,
+)
+
+
+def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,
+            state: StateLike | None = None, qoptions: quantize_stage.QuantizeOptions | None = None,
+            coptions: compile_stage.CompileOptions | None = None, ask: bool = True,
+            on_text: Any = None, force: bool = False, cluster: Cluster | None = None) -> RunSummary:
+    """The main job on the embedded defaults: intake -> adapt (+ equivalence) -> quantize + export ->
+    compile (+ simulator check) -> bundle (libGenie-validated) -> deploy to a device (the virtual one when
+    no phone is attached) -> the sample prompt there, streamed. `cluster`: adapt, quantize and compile run on
+    that Ray cluster."""
+    options = options or adapt_stage.AdaptOptions()
+    qoptions = qoptions or quantize_stage.QuantizeOptions()
+    coptions = coptions or compile_stage.CompileOptions()
+    if "optimize" not in coptions.model_fields_set:
+        coptions = coptions.model_copy(update={"optimize": graphs_for(ask)})
+    state = state or State()
+    with opened(project_dir) as project:
+        rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force, cluster=cluster)
+    chosen, qoptions, coptions, boptions = job_plan(project, qoptions, coptions)
+    state.partial("plan", message=chosen.why)
+    qrec = quantize(project, qoptions, state.sub(0.3, 0.7), force=force, cluster=cluster)
+    crec, brec = compile_and_bundle(project, coptions, state.sub(0.7, 0.9), boptions, force=force, cluster=cluster)
+    sample = None
+    if ask:
+        sample = ask_on_device(project, on_text=on_text, state=state.sub(0.9, 1.0))
+    m = project.load()
+    b = brec.result_as(BundleResult)
+    return RunSummary(
+        project=str(project.root),
+        model=m.stages["model"].result_as(IntakeResult).card.source,
+        adapt=adapt_summary(rec.result_as(AdaptResult)),
+        quantize=quantize_summary(qrec.result_as(QuantizeResult), project.stage_dir("quantize")),
+        compile=compile_summary(crec.result_as(CompileResult)),
+        bundle=BundleSummary(folder=b.folder, validated=b.validated, files=b.files, genie_api=b.genie_api),
+        sample=sample,
+        stages={n: StageFigures(seconds=round(s.seconds, 2), peak_rss_mb=round(s.peak_rss_mb))
+                for n, s in m.stages.items()},
+        plan=chosen,
+    )
+
+
+def job_plan(project: Project, qoptions: quantize_stage.QuantizeOptions, coptions: compile_stage.CompileOptions
+             ) -> tuple[models.Plan, quantize_stage.QuantizeOptions, compile_stage.CompileOptions,
+                        bundle_stage.BundleOptions]:
+    """What the main job builds so that the bundle loads where it goes (`models.plan` over the model's recorded
+    fit): the precision unless the user chose one, weight sharing for a phone unless told, and for the simulator the
+    prompt graphs only when its contexts fit one protection domain with them."""
+    fit = project.record("model").result_as(IntakeResult).fit  # type: ignore[union-attr]
+    destination: Literal["phone", "simulator"] = "phone" if coptions.optimize == "phone" else "simulator"
+    given = qoptions.precision if "precision" in qoptions.model_fields_set else None
+    chosen = models.plan(fit, destination, given)
+    qoptions = qoptions.model_copy(update={"precision": chosen.precision})
+    if "weight_sharing" not in coptions.model_fields_set:
+        coptions = coptions.model_copy(update={"weight_sharing": chosen.weight_sharing})
+    return chosen, qoptions, coptions, bundle_stage.BundleOptions(prompt_graphs=chosen.prompt_graphs)
+
+
+def graphs_for(ask: bool) -> Literal["phone", "quick"]:
+    """What the main job compiles for: the phone it deploys to when one is attached, else the simulator check
+    (QNN's quicker finalization: the same logits; deploy refuses such a bundle for a phone, with the fix)."""
+    if not ask:
+        return "quick"
+    from .. import device
+
+    try:
+        return "quick" if device.pick(None).virtual else "phone"
+    except UserError:
+        return "quick"  # no device: the job deploys to the virtual one

@@ -1,0 +1,170 @@
+"""The phone side of a project: deploy its bundle, chat with it, ask its sample question, its decode bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel
+
+from .. import layout, stages
+from ..errors import UserError
+from ..fsutil import refuse_link
+from ..genie import bundle as bundle_stage
+from ..genie.profile import Summary as ProfileSummary
+
+if TYPE_CHECKING:
+    from ..chat import ChatSession
+    from ..targets import Soc
+from ..progress import State, StateLike
+from ..project import Project
+from ..results import IntakeResult, QuantizeResult
+from .status import _require, stale_reasons
+
+
+def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) -> Any:
+    """Push the project's bundle to `dev` and record it, with the bundle it was, so the project knows it is
+    deployed (from the window or the CLI alike) and when a newer bundle makes that stale."""
+    import time
+
+    from ..device import deploy as device_deploy
+
+    brec = _require(project, stages.BUNDLE)
+    folder = project.stage_dir("bundle")
+    recorded = {f.name: (fr.bytes, fr.mtime_ns, fr.sha256) for fr in brec.outputs
+                if fr.mtime_ns is not None and (f := project.root / fr.path).parent == folder}
+    res = device_deploy.deploy(folder, dev, state, force=force, recorded=recorded)
+    project.choose(deployed={"device": res.device, "remote_dir": res.remote_dir, "bundle": brec.key,
+                             "at": time.time()})
+    return res
+
+
+def open_chat(bundle: Path, where: Literal["device", "desktop", "preview"], serial: str | None = None,
+              system: str | None = None, state: StateLike | None = None) -> ChatSession:
+    """A chat over a bundle: on a device (the bundle deployed there first: nothing moves when it is there already,
+    and a project's bundle is recorded as deployed), with real Genie on this computer, or with the CPU preview."""
+    from .. import chat, device
+    from ..device import deploy as device_deploy
+
+    bundle = Path(bundle)
+    bundle_stage.read_metadata(bundle)  # "not a bundle" before "no device"
+    engine: chat.Engine
+    if where == "device":
+        dev = device.pick(serial)
+        project = project_of_bundle(bundle)
+        if project is not None:
+            deploy(project, dev, state or State())
+        else:
+            device_deploy.deploy(bundle, dev, state or State())
+        engine = chat.DeviceEngine(dev.serial, bundle)
+    else:
+        engine = chat.DesktopEngine(bundle, preview=where == "preview")
+    return chat.ChatSession(bundle, engine, system=system)
+
+
+def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, float], str]]:
+    """The decode roofline on `target` per precision of the model's fit: (precision, roofline, basis). The
+    precision the project's bundle is current for is measured from that bundle (`profile.bundle_roofline`, the
+    figure the profiles show); the others are estimated from the fit at the chosen context length."""
+    from ..genie import profile
+
+    rec = project.record("model")
+    if rec is None or rec.status != "done":
+        return []
+    intake, cl = rec.result_as(IntakeResult), int(rec.options.get("cl", 1024))
+    built = None
+    quant, bundle = project.record("quantize"), project.record("bundle")
+    if quant and bundle and bundle.status == "done" and "bundle" not in stale_reasons(project):
+        built = quant.result_as(QuantizeResult).precision
+    out = []
+    for f in intake.fit:
+        if f.precision == built:
+            try:
+                out.append((f.precision, profile.bundle_roofline(project.stage_dir("bundle"), target),
+                            "the bundle's binaries"))
+                continue
+            except UserError:  # a bundle folder damaged since: the estimate still holds
+                pass
+        out.append((f.precision, profile.roofline(target, f.weight_bytes, intake.card.kv_bytes_per_token, cl),
+                    "estimate"))
+    return out
+
+
+def project_of_bundle(folder: Path) -> Project | None:
+    """The project whose bundle stage `folder` is, if it is one."""
+    root = layout.project_of_stage(folder)
+    return Project.open(root, create=False) if root is not None and Path(folder).resolve().name == "bundle" else None
+
+
+class SampleAnswer(BaseModel):
+    """The sample prompt asked on a device after `npustudio run`."""
+
+    device: str
+    virtual: bool
+    question: str
+    answer: str
+    stopped_after_tokens: int | None
+    deploy: dict[str, int]  # bytes_sent, bytes_skipped
+    profile: str | None
+    profile_summary: ProfileSummary | None
+
+
+def ask_on_device(project: Project, serial: str | None = None, max_tokens: int = 16, on_text: Any = None,
+                  state: StateLike | None = None) -> SampleAnswer:
+    """Deploy the bundle (to the virtual device when no phone is attached) and ask its sample prompt there.
+
+    genie-t2t-run has no token limit of its own, so the answer is stopped after `max_tokens` pieces.
+    """
+    import threading
+
+    from .. import device
+    from ..device import remote_genie
+    from ..genie import profile as genie_profile
+    from ..genie import t2t
+
+    state = state or State()
+    folder = project.stage_dir("bundle")
+    started = None
+    try:
+        try:
+            dev = device.pick(serial)
+        except UserError:
+            if serial:
+                raise
+            started = device.start_virtual()
+            dev = device.info(started.serial)
+        state.progress(0.0, f"deploying to {dev.serial}")
+        pushed = deploy(project, dev, state.sub(0.0, 0.3))
+        prompt = (folder / layout.SAMPLE_PROMPT).read_text(encoding="utf-8")
+        prof = project.root / layout.RUNS_DIR / layout.SAMPLE_PROFILE
+        refuse_link(prof.parent)
+        prof.parent.mkdir(exist_ok=True)
+        stop = threading.Event()
+        pieces: list[str] = []
+
+        def answer(s: str) -> None:
+            pieces.append(s)
+            if on_text:
+                on_text(s)
+            if len(pieces) >= max_tokens and not dev.virtual:
+                stop.set()
+
+        reader = t2t.Reader(answer, prompt=prompt)  # genie-t2t-run's output: only the answer, to `answer`
+
+        state.progress(0.3, f"asking on {dev.serial} (Genie on the HTP simulator for the virtual device: slow)")
+        # the virtual device's runner stops by itself after max_tokens (and so writes its profile);
+        # a phone's genie-t2t-run has no limit: it is stopped once enough text has arrived
+        try:
+            res = remote_genie.run(dev.serial, pushed.remote_dir, prompt, reader.feed, stop=stop, profile_to=prof,
+                                   max_tokens=max_tokens if dev.virtual else None)
+        finally:
+            reader.close()
+        summary = genie_profile.summarize(genie_profile.read(prof)) if res.profile_path else None
+        meta = bundle_stage.read_metadata(folder)
+        return SampleAnswer(device=dev.serial, virtual=dev.virtual, question=meta.question, answer=res.text,
+                            stopped_after_tokens=max_tokens if res.status == "stopped" or dev.virtual else None,
+                            deploy={"bytes_sent": pushed.bytes_sent, "bytes_skipped": pushed.bytes_skipped},
+                            profile=res.profile_path, profile_summary=summary)
+    finally:
+        if started is not None:
+            device.stop_virtual(started)

@@ -1,0 +1,120 @@
+"""What the CLI and the window show of each stage's result (one shape for both)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from .. import models, parts
+from ..results import AdaptResult, CompileResult, QuantizeResult, Verification
+from .phone import SampleAnswer
+
+
+class AdaptSummary(BaseModel):
+    """What the CLI and the window show of an adapt result (one shape for both)."""
+
+    gate: Literal["passed", "failed, accepted", "not run"]
+    top1_agreement: float
+    max_abs_logit_diff: float
+    positions: int
+    prefill_ar: int
+    decode_steps: int
+    ppl_fp: float
+    ppl_adapted: float
+    eval_tokens: int
+    graphs: list[str]
+
+
+class QuantizeSummary(BaseModel):
+    precision: str
+    target: str
+    seq_mse: bool
+    rotated: bool
+    ppl_fp: float
+    ppl_quant: float
+    ratio: float
+    top1_agreement: float
+    eval_tokens: int
+    folder: str
+    files: list[dict[str, Any]]
+    steps: dict[str, float]
+
+
+class BinarySummary(BaseModel):
+    graph: str
+    file: str
+    bytes: int
+    nodes_on_qnn: int
+    compile_seconds: float
+    estimated_alloc_kb: int | None
+
+
+class CompileSummary(BaseModel):
+    backend: str
+    target: str
+    dsp_arch: str
+    soc_model: int | None
+    optimize: str
+    nodes_on_cpu: int
+    parts: int
+    weight_shared: bool
+    binaries: list[BinarySummary]
+    htp_graph_limit_kb: int
+    recut: list[str]
+    verification: Verification
+    steps: dict[str, float]
+
+
+class BundleSummary(BaseModel):
+    folder: str
+    validated: bool
+    files: list[dict[str, Any]]
+    genie_api: str
+
+
+class StageFigures(BaseModel):
+    seconds: float
+    peak_rss_mb: int
+
+
+class RunSummary(BaseModel):
+    """`npustudio run`: every stage's summary, the sample answer and what each stage cost."""
+
+    project: str
+    model: str
+    adapt: AdaptSummary
+    quantize: QuantizeSummary
+    compile: CompileSummary
+    bundle: BundleSummary
+    sample: SampleAnswer | None
+    stages: dict[str, StageFigures]
+    plan: models.Plan | None = None
+
+
+def adapt_summary(r: AdaptResult) -> AdaptSummary:
+    eq, gate = r.equivalence, r.gate
+    verdict: Literal["passed", "failed, accepted", "not run"] = (
+        "passed" if gate and gate.passed else "failed, accepted" if gate and gate.accepted_mismatch else "not run")
+    return AdaptSummary(gate=verdict, top1_agreement=eq.top1_agreement, max_abs_logit_diff=eq.max_abs_logit_diff,
+                        positions=eq.positions, prefill_ar=eq.prefill_ar, decode_steps=eq.decode_steps,
+                        ppl_fp=r.ppl_fp, ppl_adapted=r.ppl_adapted, eval_tokens=r.eval_tokens,
+                        graphs=[g.name for g in r.graphs])
+
+
+def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:
+    return QuantizeSummary(precision=r.precision, target=r.target, seq_mse=r.seq_mse, rotated=r.rotated,
+                           ppl_fp=r.ppl_fp, ppl_quant=r.ppl_quant, ratio=r.ratio, top1_agreement=r.top1_agreement,
+                           eval_tokens=r.eval_tokens, folder=str(folder), files=r.files, steps=r.steps)
+
+
+def compile_summary(r: CompileResult) -> CompileSummary:
+    return CompileSummary(
+        backend=r.backend, target=r.target, dsp_arch=r.dsp_arch, soc_model=r.soc_model,
+        optimize=r.optimize, nodes_on_cpu=r.nodes_on_cpu, parts=r.parts,
+        weight_shared=r.weight_shared or r.backend == "qairt",
+        binaries=[BinarySummary(graph=g.graph, file=g.context_bin, bytes=g.bin_bytes, nodes_on_qnn=g.nodes_on_qnn,
+                                compile_seconds=g.seconds, estimated_alloc_kb=g.estimated_alloc_kb)
+                  for g in r.graphs],
+        htp_graph_limit_kb=parts.HTP_GRAPH_LIMIT_KB, recut=r.recut, verification=r.verification, steps=r.steps)
