@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +70,21 @@ def test_the_stages_and_the_wizard_steps_are_listed_only_in_core_stages() -> Non
             if len(words) >= 2 and len(words) == len(items) and set(words) <= names:
                 lists.append(f"{f.relative_to(ROOT)}:{node.lineno} {words}")
     assert not lists, lists
+
+
+def test_npustudio_devices_does_not_import_torch(tmp_path: Path) -> None:
+    """`npustudio devices` lists phones: it must not pay torch's seconds of import. Run as a process with no adb
+    (no binary, a port nothing serves, so no server is started): it says so (exit 2), and `-X importtime` lists every
+    module it imported."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free now; nothing serves it
+    env = {k: v for k, v in os.environ.items() if k != "NPUSTUDIO_DEBUG"} | {
+        "ADBUTILS_ADB_PATH": str(tmp_path / "no-adb"), "ANDROID_ADB_SERVER_PORT": str(port)}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "npustudio.cli", "devices"], capture_output=True,
+                       text=True, cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode == 2 and "adb" in r.stderr, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "npustudio.cli.devices" in imported  # the listing is real
+    heavy = {m for m in imported if m.split(".")[0] in ("torch", "transformers", "onnx", "onnxruntime", "aimet_torch")}
+    assert not heavy, sorted(heavy)[:10]
