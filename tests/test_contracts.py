@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import operator
+import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 QT = ("PySide6", "pyqtgraph", "superqt", "qtpy", "PyQt5", "PyQt6")
@@ -76,3 +81,165 @@ def test_the_stages_and_the_wizard_steps_are_listed_only_in_core_stages() -> Non
             if len(words) >= 2 and len(words) == len(items) and set(words) <= names:
                 lists.append(f"{f.relative_to(ROOT)}:{node.lineno} {words}")
     assert not lists, lists
+
+
+# ---------------------------------------------------------------- each option declared once (core/stage_options.py)
+FRONT_ENDS = ("npustudio/gui", "npustudio/cli")
+# calls that set a widget's or a flag's range or value: a literal there re-declares what an options field holds
+SETTERS = {"setRange", "setValue", "setMinimum", "setMaximum", "int_in", "number_in", "spin"}
+CHOICE_SETTERS = {"addItem", "addItems"}
+
+
+def _const(node: ast.AST) -> Any:
+    """The value of a literal or of arithmetic on literals (2**31 - 1), else None."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = _const(node.operand)
+        return -v if isinstance(v, int | float) else None
+    if isinstance(node, ast.BinOp):
+        a, b = _const(node.left), _const(node.right)
+        if isinstance(a, int | float) and isinstance(b, int | float):
+            ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Pow: operator.pow,
+                   ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv}
+            return ops[type(node.op)](a, b) if type(node.op) in ops else None
+    return None
+
+
+def _declared() -> tuple[set[float], set[float], set[str], set[str], set[float]]:
+    """(numbers, bounds, choices, SoC names, rule constants) the core declares: every number an options field holds
+    as its default or bound (bar 0, 1 and 2, which mean none, one and a pair everywhere), the bounds alone, the Literal
+    fields' values, the SoC table's names, and the phone-fit rule's share of RAM and typical phone."""
+    from npustudio.core import stage_options as so
+    from npustudio.core.models import TYPICAL_PHONE_RAM_GB
+    from npustudio.core.targets import APP_RAM_SHARE, KNOWN_SOCS
+
+    numbers: set[float] = set()
+    limits: set[float] = set()
+    choices: set[str] = set()
+    for model in so.OPTION_MODELS:
+        for name, f in model.model_fields.items():
+            if isinstance(f.default, int | float) and not isinstance(f.default, bool):
+                numbers.add(f.default)
+            b = so.bounds(model, name)
+            limits |= {x for x in (b.lo, b.hi) if x is not None}
+            choices |= set(so.choices(model, name) or ())
+    big = {n for n in numbers | limits if abs(n) > 2}
+    return big, limits & big, choices, set(KNOWN_SOCS), {APP_RAM_SHARE, TYPICAL_PHONE_RAM_GB}
+
+
+def redeclared(root: Path) -> list[str]:
+    """`file:line: what` for each literal under the GUI and the CLI that re-declares an option's default, bound or
+    choices, a SoC name, or the phone-fit rule."""
+    numbers, limits, choices, socs, rules = _declared()
+
+    def number(node: ast.AST, among: set[float] = numbers) -> bool:
+        v = _const(node)
+        return isinstance(v, int | float) and not isinstance(v, bool) and v in among
+
+    def soc_text(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and any(s in node.value for s in socs)
+
+    found = []
+    for folder in FRONT_ENDS:
+        for path in sorted((root / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            where = path.relative_to(root)
+
+            def flag(node: ast.AST, what: str, _where: Path = where) -> None:
+                found.append(f"{_where}:{getattr(node, 'lineno', '?')}: {what}")
+
+            for stmt in tree.body:  # a bound as a module constant of its own: MAX_CONTEXT = 131072
+                if isinstance(stmt, ast.Assign | ast.AnnAssign) and stmt.value is not None and number(stmt.value,
+                                                                                                      limits):
+                    flag(stmt, f"module constant {ast.unparse(stmt)}")
+            for node in ast.walk(tree):
+                if soc_text(node):
+                    flag(node, f"SoC name in {node.value!r}")  # type: ignore[attr-defined]
+                if isinstance(node, ast.Compare):  # the phone-fit rule: ram <= 0.5 * phone
+                    for sub in ast.walk(node):
+                        v = _const(sub)
+                        if isinstance(sub, ast.Constant) and isinstance(v, int | float) and v in rules:
+                            flag(sub, f"fit rule {ast.unparse(node)}")
+                if not isinstance(node, ast.Call):
+                    continue
+                fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                call = ast.unparse(node)
+                if fn in SETTERS:
+                    for a in node.args:
+                        if number(a):
+                            flag(node, f"{call}")
+                if fn == "get" and len(node.args) == 2 and number(node.args[1]):  # choices().get("cl", 1024)
+                    flag(node, f"default in {call}")
+                for k in node.keywords:
+                    if k.arg == "default" and (number(k.value) or soc_text(k.value)):
+                        flag(node, f"default= in {call}")
+                    if k.arg == "choices":
+                        for c in ast.walk(k.value):
+                            if isinstance(c, ast.Constant) and c.value in choices:
+                                flag(node, f"choices= in {call}")
+                                break
+                if fn in CHOICE_SETTERS:
+                    if any(isinstance(c, ast.Constant) and c.value in choices for a in node.args for c in ast.walk(a)):
+                        flag(node, f"choices in {call}")
+    return sorted(set(found), key=lambda f: (f.split(":")[0], int(f.split(":")[1])))
+
+
+def test_the_window_and_the_cli_take_every_option_from_its_options_field() -> None:
+    """A default, bound or choice of a stage option, a SoC name and the phone-fit rule are declared in the core
+    (core/stage_options.py, core/targets.py): the GUI and the CLI read them there (gui/fields.py, cli/args.py
+    `option`). Found in the code before this rule: CL 1024 in four places under three ranges, the calibration
+    spins, verify_tokens 128, the precision list, `0.5 * ram`, "SM8750"."""
+    found = redeclared(ROOT)
+    assert not found, "re-declared in a front end, read it from core instead:\n" + "\n".join(found)
+
+
+def test_the_detector_sees_a_redeclared_option(tmp_path: Path) -> None:
+    """The scan above finds each kind of re-declaration (so its passing means something)."""
+    page = tmp_path / "npustudio" / "gui" / "page.py"
+    page.parent.mkdir(parents=True)
+    (tmp_path / "npustudio" / "cli").mkdir()
+    page.write_text("MAX = 131072\n"
+                    "box.setRange(2, 131072)\nbox.setValue(1024)\nspin(1, 256, 4)\nch.get('cl', 1024)\n"
+                    "p.add_argument('--soc', default='SM8750')\nint_in(1, 2**31 - 1)\n"
+                    "combo.addItems(['w8a16', 'w4a16'])\nok = need <= 0.5 * ram\n"
+                    "bar.setRange(0, 1000)\nbar.setValue(0)\nx = min(a, default=0)\n")
+    lines = sorted({f.split(":")[1] for f in redeclared(tmp_path)}, key=int)
+    assert lines == ["1", "2", "3", "4", "5", "6", "7", "8", "9"], lines
+
+
+def test_the_precision_names_are_the_presets() -> None:
+    from npustudio.core import models
+    from npustudio.core.quantize.presets import PRESETS
+    from npustudio.core.stage_options import PRECISION_NAMES, PRECISION_NOTES
+
+    assert tuple(PRESETS) == PRECISION_NAMES == tuple(models.PRECISIONS) == tuple(PRECISION_NOTES)
+
+
+def test_the_stage_options_import_nothing_heavy() -> None:
+    """core/stage_options.py runs on pydantic and the standard library: the CLI's parser and the window's pages read
+    it without torch (the import contract in pyproject.toml says the same for the import graph)."""
+    code = ("import sys; import npustudio.core.stage_options\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    third = {m for m in ast.literal_eval(r.stdout) if not m.startswith("_")} - {"npustudio"}
+    assert third <= {"pydantic", "pydantic_core", "typing_extensions", "annotated_types", "typing_inspection"}, third
+
+
+def test_npustudio_devices_does_not_import_torch(tmp_path: Path) -> None:
+    """`npustudio devices` lists phones: it must not pay torch's seconds of import. Run as a process with no adb
+    (no binary, a port nothing serves, so no server is started): it says so (exit 2), and `-X importtime` lists every
+    module it imported."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free now; nothing serves it
+    env = {k: v for k, v in os.environ.items() if k != "NPUSTUDIO_DEBUG"} | {
+        "ADBUTILS_ADB_PATH": str(tmp_path / "no-adb"), "ANDROID_ADB_SERVER_PORT": str(port)}
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "npustudio.cli", "devices"], capture_output=True,
+                       text=True, cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode == 2 and "adb" in r.stderr, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "npustudio.cli.devices" in imported  # the listing is real
+    heavy = {m for m in imported if m.split(".")[0] in ("torch", "transformers", "onnx", "onnxruntime", "aimet_torch")}
+    assert not heavy, sorted(heavy)[:10]

@@ -1398,3 +1398,22 @@ def test_a_late_progress_message_keeps_stopping_and_a_push_states_one_rate(
     dlg.adb_browse.click()
     assert (dlg.sdk.text(), dlg.adb.text()) == (picked["dir"], picked["file"])
     dlg.reject()
+
+
+def test_the_pages_take_each_options_range_default_and_choices_from_core(qtbot: Any, tmp_path: Path) -> None:
+    """The window declares no option of its own (gui/fields.py reads core/stage_options.py): CL had 1024 in four
+    places under three ranges (the CLI's 2-131072, the Adapt page's 64-32768, the Model page's 128-32768)."""
+    from npustudio.core import stage_options as so
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    q, c = w.quantize_page, w.compile_page
+    for box, model, name in ((w.model_page.cl, so.AdaptOptions, "cl"), (w.adapt_page.cl, so.AdaptOptions, "cl"),
+                             (w.adapt_page.ar, so.AdaptOptions, "ar"), (q.calib_samples, so.QuantizeOptions,
+                             "calib_samples"), (q.calib_len, so.QuantizeOptions, "calib_len"),
+                             (c.verify, so.CompileOptions, "verify_tokens")):
+        assert (box.minimum(), box.maximum()) == so.int_range(model, name), name
+        assert box.value() == getattr(model(), name) and box.toolTip() == model.model_fields[name].description, name
+    assert w.model_page.cl.maximum() == so.MAX_CONTEXT
+    assert tuple(q.precision.itemData(i) for i in range(q.precision.count())) == so.PRECISION_NAMES
+    assert q.options().target == so.QuantizeOptions().target  # no target chosen yet: the field's default

@@ -1,37 +1,39 @@
-"""Argument types and the stage options: each option's default and help come from its pydantic Field, so a
-default changes in one place (the stage's options model) and the CLI follows."""
+"""Argument types and the stage options: each option's default, bounds, choices and help come from its pydantic
+Field (core/stage_options.py), so they change in one place and the CLI follows. That module is light: building
+the parser imports no torch."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import BaseModel
 
+from ..core import stage_options as so
 from ..core.errors import UserError
+from ..core.stage_options import MAX_CONTEXT, AdaptOptions, CompileOptions, QuantizeOptions
 
 if TYPE_CHECKING:
-    from ..core.adapt import AdaptOptions
     from ..core.cluster import Cluster
-    from ..core.compile import CompileOptions
-    from ..core.quantize import QuantizeOptions
 
-MAX_CONTEXT = 131072  # tokens: no phone holds a longer KV cache; larger values are typos (--cl 1e8)
-MAX_PART_MB = 2048  # the HTP refuses a graph over 2 GiB
+__all__ = ["MAX_CONTEXT", "given", "int_in", "number_in", "option"]
 
 
-def number_in(lo: float, hi: float) -> Callable[[str], float]:
-    """An argparse type: a number in [lo, hi], else a plain message (exit 2)."""
+def number_in(lo: float, hi: float, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number in [lo, hi] (`above`: in (lo, hi]), else a plain message (exit 2)."""
+    use = f"more than {lo:g}, up to {hi:g}" if above else f"{lo:g} to {hi:g}"
+
     def parse(text: str) -> float:
         try:
             v = float(text.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number (use {lo:g} to {hi:g})") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"{v:g} is out of range (use {lo:g} to {hi:g})")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number (use {use})") from None
+        if not (lo < v if above else lo <= v) or not v <= hi:
+            raise argparse.ArgumentTypeError(f"{v:g} is out of range (use {use})")
         return v
 
+    parse.__name__ = "number"
     return parse
 
 
@@ -60,67 +62,80 @@ def given(text: str) -> str:
     return text
 
 
+def field_type(model: type[BaseModel], name: str) -> Callable[[str], Any] | None:
+    """The argparse type a number field's bounds make: `int_in`/`number_in` over its range (None: no range)."""
+    b = so.bounds(model, name)
+    if b.lo is None or b.hi is None:
+        return None
+    ann = model.model_fields[name].annotation
+    if int in (get_args(ann) or (ann,)):  # int, or int | None
+        return int_in(*so.int_range(model, name))
+    return number_in(b.lo, b.hi, above=b.lo_open)
+
+
 def option(s: argparse.ArgumentParser, model: type[BaseModel], name: str, *flags: str, **kw: Any) -> None:
-    """`--name` for the field `name` of a stage's options: its default and (unless given) its help are the
-    field's, a flag for a bool; `kw` adds the CLI's own checks (type=, choices=)."""
+    """`--name` for the field `name` of a stage's options: its default, bounds (type=), choices and (unless given)
+    its help are the field's, a flag for a bool; `kw` overrides them."""
     field = model.model_fields[name]
     kw.setdefault("help", field.description)
     if field.annotation is bool:
         kw.setdefault("action", "store_false" if field.default else "store_true")
     else:
-        kw.setdefault("default", field.default)
+        kw.setdefault("default", so.default(model, name))
+        if "type" not in kw and (t := field_type(model, name)) is not None:
+            kw["type"] = t
+        if "choices" not in kw and (c := so.choices(model, name)) is not None:
+            kw["choices"] = list(c)
     s.add_argument(*(flags or (f"--{name.replace('_', '-')}",)), dest=name, **kw)
 
 
 def adapt_args(s: argparse.ArgumentParser) -> None:
-    from ..core.adapt import AdaptOptions as O
+    O = AdaptOptions
 
-    option(s, O, "ar", type=int_in(1, 4096))
-    option(s, O, "cl", type=int_in(2, MAX_CONTEXT))
+    option(s, O, "ar")
+    option(s, O, "cl")
     option(s, O, "eval_corpus", type=given, help="default | text file | datasets:ID")
-    option(s, O, "eval_tokens", type=int_in(2, 10_000_000))
-    option(s, O, "decode_tokens", type=int_in(0, MAX_CONTEXT))
+    option(s, O, "eval_tokens")
+    option(s, O, "decode_tokens")
     option(s, O, "accept_mismatch", help="keep adapted graphs that fail the equivalence gate (recorded in the "
            "project; they will not answer like the original model)")
 
 
 def quantize_args(s: argparse.ArgumentParser) -> None:
-    from ..core.quantize import QuantizeOptions as O
-    from ..core.quantize.presets import PRESETS
     from ..core.targets import KNOWN_SOCS
 
-    option(s, O, "precision", choices=list(PRESETS))
+    O = QuantizeOptions
+    option(s, O, "precision")
     option(s, O, "target", help=f"target SoC ({', '.join(KNOWN_SOCS)})")
     option(s, O, "seq_mse", help="search int4 weight encodings with SeqMSE (slow)")
     option(s, O, "rotate", help="rotate the residual stream before quantizing (QuaRot-style; hurts models that "
            "come from a 4-bit GGUF, such as the default)")
     option(s, O, "calib_corpus", type=given, help="default | text file | datasets:ID")
-    option(s, O, "calib_samples", type=int_in(1, 100_000))
-    option(s, O, "calib_len", type=int_in(2, MAX_CONTEXT))
+    option(s, O, "calib_samples")
+    option(s, O, "calib_len")
     s.add_argument("--overrides", type=given, default=None, help="JSON file of per-module bitwidths (mixed "
                    "precision)")
-    option(s, O, "eval_chars", type=int_in(1, 2**31 - 1), help="evaluate on the first N characters only")
+    option(s, O, "eval_chars", help="evaluate on the first N characters only")
 
 
 def compile_args(s: argparse.ArgumentParser, job: bool = False) -> None:
     """The compile stage's options; `job`: for `run`, which picks what the graphs are for unless told."""
-    from ..core.compile import CompileOptions as O
+    O = CompileOptions
 
-    option(s, O, "backend", choices=["ort-qnn", "qairt"],
-           help="ort-qnn: embedded onnxruntime-qnn (HTP simulator); qairt: the SDK at QNN_SDK_ROOT")
-    option(s, O, "verify_tokens", type=int_in(0, MAX_CONTEXT))
-    option(s, O, "prompt_check_budget_s", "--prompt-check-budget", type=number_in(0, 10**7),
+    option(s, O, "backend", help="ort-qnn: embedded onnxruntime-qnn (HTP simulator); qairt: the SDK at QNN_SDK_ROOT")
+    option(s, O, "verify_tokens")
+    option(s, O, "prompt_check_budget_s", "--prompt-check-budget",
            help="seconds: run the prompt graph on the HTP simulator when its estimated time there is under this "
                 "(over it, the token graph's steps alone are checked and the record says so)")
-    option(s, O, "parts", type=int_in(0, 1024),
+    option(s, O, "parts",
            help="split the model into N contexts `…_i_of_N` (0: as many as keep each under --max-part-mb)")
     max_part_arg(s)
     if job:
-        option(s, O, "optimize", choices=["phone", "quick"], default=None,
+        option(s, O, "optimize", default=None,
                help="what QNN finalizes the graphs for (default: phone when the job deploys to a phone attached "
                     "now, else quick: for the simulator)")
     else:
-        option(s, O, "optimize", choices=["phone", "quick"])
+        option(s, O, "optimize")
     if job:  # unset: the job's plan decides (shared weights for a phone when the unshared contexts would not fit)
         option(s, O, "weight_sharing", action=argparse.BooleanOptionalAction, default=None,
                help=f"{O.model_fields['weight_sharing'].description} (default: as the plan decides)")
@@ -129,18 +144,13 @@ def compile_args(s: argparse.ArgumentParser, job: bool = False) -> None:
 
 
 def max_part_arg(s: argparse.ArgumentParser) -> None:
-    from ..core.compile import CompileOptions
-
-    option(s, CompileOptions, "max_part_mb", type=number_in(0.001, MAX_PART_MB),
+    option(s, CompileOptions, "max_part_mb",
            help="largest estimated HTP allocation of one part's graph, MiB (the HTP refuses graphs over 2 GiB: the "
                 "default keeps a 10%% margin)")
 
 
 def device_arg(s: argparse.ArgumentParser) -> None:
-    from ..core.adapt import AdaptOptions
-    from ..core.compute import DEVICES
-
-    option(s, AdaptOptions, "device", choices=list(DEVICES),
+    option(s, AdaptOptions, "device",
            help="where the torch work runs (auto: the CUDA GPU when torch sees one)")
 
 
@@ -178,14 +188,11 @@ def cluster_of(a: argparse.Namespace) -> Cluster | None:
 
 
 def adapt_options(a: argparse.Namespace) -> AdaptOptions:
-    from ..core.adapt import AdaptOptions
-
     return AdaptOptions(ar=a.ar, cl=a.cl, eval_corpus=a.eval_corpus, eval_tokens=a.eval_tokens,
                         decode_tokens=a.decode_tokens, device=a.device, accept_mismatch=a.accept_mismatch)
 
 
 def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
-    from ..core.quantize import QuantizeOptions
     from ..core.quantize.presets import load_overrides
 
     chosen = {"precision": a.precision} if a.precision else {}  # `run` plans it when neither flag nor settings do
@@ -196,8 +203,6 @@ def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
 
 
 def compile_options(a: argparse.Namespace) -> CompileOptions:
-    from ..core.compile import CompileOptions
-
     chosen = {"optimize": a.optimize} if a.optimize else {}  # `run` decides when it is not given
     if a.weight_sharing is not None:  # `run` plans it when not given
         chosen["weight_sharing"] = a.weight_sharing

@@ -18,7 +18,6 @@ from ..core.genie import t2t
 from ..core.progress import Cancelled
 from . import account, devices, genie, stages
 from .args import (
-    MAX_CONTEXT,
     adapt_args,
     cluster_arg,
     compile_args,
@@ -40,7 +39,8 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     window's settings change (precision, target, device) from `prefs`, by default the settings the window writes
     (a UserError when that file cannot be used)."""
     from ..core import settings as user_settings
-    from ..core.adapt import AdaptOptions
+    from ..core.stage_options import AdaptOptions, BundleOptions
+    from ..core.targets import DEFAULT_SOC
 
     prefs = prefs if prefs is not None else user_settings.load()
     p = argparse.ArgumentParser(prog="npustudio", description=__doc__)
@@ -73,8 +73,8 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
 
     s = add("info", stages.cmd_info, "architecture card and phone-fit estimate of a model")
     s.add_argument("model", type=given, help="default | HF folder | file.gguf | org/name")
-    option(s, AdaptOptions, "cl", type=int_in(2, MAX_CONTEXT), help="context length for the KV-cache estimate")
-    option(s, AdaptOptions, "ar", type=int_in(1, 4096), help="prompt step size (AR-N graph), for the parts estimate")
+    option(s, AdaptOptions, "cl", help="context length for the KV-cache estimate")
+    option(s, AdaptOptions, "ar", help="prompt step size (AR-N graph), for the parts estimate")
     max_part_arg(s)
     json_arg(s)
 
@@ -133,7 +133,7 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
 
     s = add("bundle", stages.cmd_bundle, "write the Genie bundle (config, binaries, tokenizer), validated by libGenie")
     s.add_argument("--project", type=given, required=True)
-    s.add_argument("--question", default="What is the capital of France?", help="the sample prompt's question")
+    option(s, BundleOptions, "question")
     s.add_argument("--sample", action="store_true", help="sample (top-k/top-p) instead of greedy decoding")
     s.add_argument("--token-graphs-only", action="store_true",
                    help="leave the AR-N prompt graphs out: half the contexts (a model over ~3 GB of them loads on "
@@ -156,7 +156,7 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     s = add("virtual-device", devices.cmd_virtual_device, "start a virtual phone the adb server connects to")
     s.add_argument("--port", type=int_in(0, 65535, skip=range(5554, 5586)), default=0,
                    help="TCP port on 127.0.0.1 (not 5554-5585; 0 = any)")
-    s.add_argument("--soc", default="SM8750", help="the SoC it reports (ro.soc.model)")
+    s.add_argument("--soc", default=DEFAULT_SOC, help="the SoC it reports (ro.soc.model)")
     s.add_argument("--preview", action="store_true", help="answer with the fast CPU preview instead of real Genie")
     s.add_argument("--root", type=given, default=None, help="folder holding its file system")
 

@@ -24,9 +24,11 @@ def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str
         t.add_row(k, format_value(card.get(k)))
     t.add_row("chat template", "yes" if card.get("chat_template") else "no")
     out.print(t)
+    from ..core.targets import DEFAULT_SOC
+
     f = Table(title=f"Fit at context {fits[0]['context_length']}")
     for col in ("precision", "weights", "KV cache (8-bit)", "HTP parts", "bundle: phone / simulator", "phone RAM",
-                "fits phones with", "decode bound (SM8750)", "PPL cost (default model)"):
+                "fits phones with", f"decode bound ({DEFAULT_SOC})", "PPL cost (default model)"):
         f.add_column(col)
     for e in fits:
         tier = f"≥ {e['min_phone_ram_gb']} GB" if e["min_phone_ram_gb"] else "none listed (too large)"

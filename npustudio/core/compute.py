@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Literal, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 from .errors import UserError
-
-Device = Literal["auto", "cpu", "cuda"]
-DEVICES = ("auto", "cpu", "cuda")
+from .stage_options import DEVICES as DEVICES  # re-exported: an option's choices, declared there
+from .stage_options import Device as Device
 
 
 def resolve(device: str) -> str:

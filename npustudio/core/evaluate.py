@@ -22,6 +22,8 @@ from pydantic import BaseModel, Field
 from . import forked, layout
 from .errors import UserError
 from .progress import State, StateLike
+from .stage_options import DEFAULT_DECODE as DEFAULT_DECODE  # re-exported: the options' defaults, declared there
+from .stage_options import DEFAULT_WINDOW as DEFAULT_WINDOW
 
 # The eval and calibration slices are disjoint sets of topics (the eval slice is the one the
 # reference measurements used: 8000 chars -> 1862 SmolLM2 tokens, FP32 PPL 14.659).
@@ -29,12 +31,6 @@ EVAL_TOPICS = ("naming", "exceptions", "execmodel", "bltin-type-objects", "truth
                "typesmapping")
 CALIB_TOPICS = ("compound", "function", "class", "import", "raise", "with", "lambda", "yield")
 DEFAULT_EVAL_CHARS = 8000
-DEFAULT_WINDOW = 512
-# AR-1 steps at the end of each eval window: the token graph proven at 16 cache positions per window. It is the
-# prompt graph's module at another shape, so more steps add time (an AR-1 step of the quantsim costs ~0.25 s on the
-# default model, a sixth of an AR-128 chunk) rather than evidence: at 64, 256 of the default eval's 1862 positions
-# were AR-1 steps, 61 s of the quantize stage's 78-s eval.
-DEFAULT_DECODE = 16
 # Parameters x tokens of one float evaluation: the default model keeps its whole eval slice (1862 tokens), a
 # 1B-class model is evaluated on MIN_EVAL_TOKENS (its AR-1 steps alone read 5 GB of weights each).
 EVAL_BUDGET = 3e11

@@ -579,6 +579,7 @@ def files(source: ModelSource) -> list[Path]:
 # ---------------------------------------------------------------- fit estimate
 GiB = 1024**3
 PHONE_RAM_TIERS_GB = (6, 8, 12, 16, 24)
+TYPICAL_PHONE_RAM_GB = 8  # the window's fit colours when no phone is selected
 
 
 class FitEstimate(BaseModel):
@@ -657,9 +658,9 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
         ranges: list[range] | None = parts.plan(pm, int(max_part_mb * 2**20))
     except UserError as e:
         ranges, problem = None, e.problem
-    ram = int(weights * 1.1 + kv + 256 * 1024**2)  # +10 % I/O buffers, +256 MB Genie/QNN runtime
-    from .targets import DEFAULT_SOC, decode_tok_s_bound, find_soc
-    tier = next((g for g in PHONE_RAM_TIERS_GB if ram <= 0.5 * g * GiB), None)
+    from .targets import APP_RAM_SHARE, DEFAULT_SOC, RUNTIME_RAM_BYTES, decode_tok_s_bound, find_soc, fits_phone_ram
+    ram = int(weights * 1.1 + kv + RUNTIME_RAM_BYTES)  # +10 % I/O buffers, + the Genie/QNN runtime
+    tier = next((g for g in PHONE_RAM_TIERS_GB if fits_phone_ram(ram, g * GiB)), None)
     return FitEstimate(
         precision=precision, context_length=context_length, prompt_ar=ar, weight_bytes=weights, kv_cache_bytes=kv,
         parts=len(ranges) if ranges else None, parts_problem=problem,
@@ -671,7 +672,8 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
         ppl_ratio_default_model=MEASURED_PPL_RATIO.get(precision),
         assumptions=("weights at the preset's bitwidths (embedding table 16-bit, LM head 8-bit), 8-bit KV "
                      f"cache, each part's HTP graph under {max_part_mb:,.0f} MiB (the HTP refuses graphs over "
-                     f"{parts.HTP_GRAPH_LIMIT_KB // 1024:,} MiB), an app may use about half of the phone's RAM"),
+                     f"{parts.HTP_GRAPH_LIMIT_KB // 1024:,} MiB), an app may use about "
+                     f"{APP_RAM_SHARE:.0%} of the phone's RAM"),
     )
 
 

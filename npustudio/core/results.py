@@ -21,14 +21,7 @@ from .graph.ort_qnn import Compiled
 from .host_cost import HostEstimate
 from .models import ArchCard, FitEstimate, ModelSource
 from .shape import DecoderSpec
-
-
-class StageOptions(BaseModel):
-    """A stage's options. Defaults are validated like given values: the stage key hashes the dumped options, and an
-    int default of a float field (compile's max_part_mb: 1843) hashed unlike the CLI's parsed 1843.0, so
-    `npustudio compile` redid a compile the window had done."""
-
-    model_config = ConfigDict(validate_default=True)
+from .stage_options import StageOptions as StageOptions  # re-exported: declared with the options models
 
 
 class IntakeResult(BaseModel):

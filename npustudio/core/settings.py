@@ -27,7 +27,7 @@ from .cluster import Cluster
 from .compute import Device
 from .errors import UserError
 from .fsutil import MiB, atomic_write_text, check_keys, read_json
-from .models import PRECISIONS  # the presets' names (the stage itself is out of a helper's reach)
+from .stage_options import PRECISION_NAMES as PRECISIONS  # the presets' names, light (models imports torch)
 from .targets import DEFAULT_SOC, KNOWN_SOCS, find_soc
 
 log = logging.getLogger(__name__)

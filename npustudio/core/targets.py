@@ -31,6 +31,10 @@ KNOWN_SOCS: dict[str, Soc] = {s.soc: s for s in (
     Soc(soc="SC8380XP", product="Snapdragon X Elite / X Plus", soc_model=60, dsp_arch="v73", memory_gb_s=135.0),
 )}
 DEFAULT_SOC = "SM8750"
+# An app may use about half of a phone's RAM: Android keeps the rest for itself and the apps in the background. The
+# phone-fit estimate (core/models.py), deploy's check of a phone (core/device) and the window's fit column read it.
+APP_RAM_SHARE = 0.5
+RUNTIME_RAM_BYTES = 256 * 1024**2  # Genie and QNN's own memory beside the model's
 
 
 def find_soc(name: str) -> Soc:
@@ -40,6 +44,11 @@ def find_soc(name: str) -> Soc:
         raise UserError(f"Unknown target SoC {name!r}.",
                         "Use one of: " + ", ".join(f"{s.soc} ({s.product})" for s in KNOWN_SOCS.values()) + ".")
     return KNOWN_SOCS[key]
+
+
+def fits_phone_ram(need_bytes: float, phone_ram_bytes: float) -> bool:
+    """Whether a model that needs `need_bytes` of RAM loads on a phone with `phone_ram_bytes`."""
+    return need_bytes <= APP_RAM_SHARE * phone_ram_bytes
 
 
 def decode_tok_s_bound(target: Soc, bytes_per_token: float) -> float:

@@ -24,6 +24,7 @@ from ..core import secrets
 from ..core import settings as user_settings
 from ..core.cluster import host_port
 from ..core.errors import UserError
+from ..core.stage_options import DEVICES, PRECISION_NAMES
 from ..core.targets import KNOWN_SOCS
 from . import worker
 
@@ -31,10 +32,10 @@ from . import worker
 def device_choice(current: str) -> QComboBox:
     """Where adapt and quantize run their torch work; the GPU is offered even when absent (it is refused
     then, with the reason)."""
+    labels = {"auto": "Automatic: the CUDA GPU when there is one", "cpu": "CPU", "cuda": "CUDA GPU"}
     box = QComboBox()
-    for key, label in (("auto", "Automatic: the CUDA GPU when there is one"), ("cpu", "CPU"),
-                       ("cuda", "CUDA GPU")):
-        box.addItem(label, key)
+    for key in DEVICES:
+        box.addItem(labels.get(key, key), key)
     box.setCurrentIndex(max(0, box.findData(current)))
     return box
 
@@ -75,7 +76,7 @@ class SettingsDialog(QDialog):
             self.target.addItem(f"{soc.soc} — {soc.product}", soc.soc)
         self.target.setCurrentIndex(max(0, self.target.findData(s.default_target)))
         self.precision = QComboBox()
-        self.precision.addItems(["w8a16", "w4a16"])
+        self.precision.addItems(list(PRECISION_NAMES))
         self.precision.setCurrentText(s.default_precision)
         self.device = device_choice(s.device)
         self.preview = QCheckBox("The virtual device answers with the CPU preview (fast) instead of Genie on the "

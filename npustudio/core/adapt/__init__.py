@@ -13,15 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
 
 from .. import compute, forked, layout
-from ..compute import Device
 from ..config_audit import check_context
 from ..errors import UserError
 from ..evaluate import (
-    DEFAULT_DECODE,
-    DEFAULT_WINDOW,
     EvalPlan,
     auto_eval_tokens,
     compare,
@@ -37,25 +33,13 @@ from ..graph.decoder import StaticDecoder, adapt_weights, graph_names, io_names,
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..models import LoadedModel
 from ..progress import StateLike
-from ..results import AdaptResult, Equivalence, Gate, GraphSpec, StageOptions, TensorSpec, load_adapt
+from ..results import AdaptResult, Equivalence, Gate, GraphSpec, TensorSpec, load_adapt
 from ..shape import DecoderSpec
+from ..stage_options import AdaptOptions
 
 __all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "Equivalence", "Gate", "GraphSpec", "KVCacheRunner",
            "StaticDecoder", "TensorSpec", "TorchGraph",
            "equivalence_gate", "eval_plan", "load_result", "resolved", "run"]
-
-
-class AdaptOptions(StageOptions):
-    ar: int = Field(128, description="tokens per prompt-processing step (AR-N graph)")
-    cl: int = Field(1024, description="context length: KV-cache entries")
-    eval_corpus: str = "default"
-    eval_chars: int | None = None
-    eval_tokens: int | None = Field(None, ge=2, description="tokens of the eval text scored (default: sized to the "
-                                                           "model, at least 256)")
-    window: int = DEFAULT_WINDOW
-    decode_tokens: int = Field(DEFAULT_DECODE, ge=0, description="AR-1 steps at the end of each eval window")
-    device: Device = Field("auto", description="where the proof runs (auto: the CUDA GPU when torch sees one)")
-    accept_mismatch: bool = Field(False, description="keep adapted graphs that fail the equivalence gate")
 
 
 def load_result(stage_dir: Path) -> AdaptResult:

@@ -20,10 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field
 
 from .. import layout, parts, stages
 from ..errors import UserError
@@ -34,10 +33,10 @@ from ..graph.exported import read_test_vectors
 from ..graph.graph_io import IOEncoding
 from ..graph.kv_cache import Cache, KVCacheRunner
 from ..graph.ort_graph import OrtGraph, cpu_session
-from ..parts import DEFAULT_MAX_PART_MB
 from ..progress import Laps, StateLike, peak_rss_mb
-from ..results import CompileResult, StageOptions, Verification, load_compile, load_graphs, load_quantize
+from ..results import CompileResult, Verification, load_compile, load_graphs, load_quantize
 from ..spawned import Spawned
+from ..stage_options import CompileOptions
 from ..targets import find_soc
 from . import split
 
@@ -51,28 +50,6 @@ SIM_SECONDS_PER_WEIGHT = {"int8": 0.268e-6, "int4": 1.54e-6}
 # QNN's compile of a graph uses one core (the default model: AR-128 65 s, AR-1 22 s, one after the other); a 1B
 # model's compile holds ~6 GB per graph, so those stay one at a time
 SIDE_BY_SIDE_BYTES = 2**30
-
-
-class CompileOptions(StageOptions):
-    backend: str = Field("ort-qnn", description="ort-qnn (embedded simulator) or qairt (QNN_SDK_ROOT)")
-    target: str | None = Field(None, description="SoC; default: the quantize stage's target")
-    verify_tokens: int = Field(128, description="eval tokens run through the compiled graphs (0: skip)")
-    verify_decode: int = Field(4, description="of which the last ones run as AR-1 steps")
-    prompt_check_budget_s: float = Field(
-        900, ge=0, description="the prompt graph runs on the simulator when its estimated time there is under this "
-                               "many seconds (an LPBQ layer at 128 tokens is ~6x slower there than int8); over it, "
-                               "only the token graph's steps are checked, and the record says so")
-    parts: int = Field(0, ge=0, description="contexts the model is split into (0: as many as needed)")
-    max_part_mb: float = Field(DEFAULT_MAX_PART_MB, gt=0,
-                             description="largest estimated HTP allocation of one part's graph, MiB (the HTP refuses "
-                                         "graphs over 2 GiB)")
-    optimize: Literal["phone", "quick"] = Field(
-        "phone", description="phone: QNN's longest graph finalization, the fastest graphs on the NPU; quick: its "
-                             "default, about twice as fast to compile, the same results: for a check on the "
-                             "simulator (deploy refuses such a bundle for a phone; qairt always builds for one)")
-    weight_sharing: bool = Field(False, description="one binary per part holding the prompt and token graphs, "
-                                                    "weights once: for a phone (the x86 simulator cannot load it)")
-    eval_corpus: str = "default"
 
 
 def load_result(stage_dir: Path) -> CompileResult:

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from ..errors import UserError
-from ..targets import KNOWN_SOCS
+from ..targets import APP_RAM_SHARE, KNOWN_SOCS, RUNTIME_RAM_BYTES, fits_phone_ram
 
 DEFAULT_PORT = 5037
 REMOTE_ROOT = "/data/local/tmp/npustudio"
@@ -197,9 +197,10 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
     if dev.free_bytes is not None and dev.free_bytes < size:
         problems.append((f"{dev.serial} has {dev.free_bytes / 1e9:.2f} GB free under /data/local/tmp; the bundle "
                          f"needs {size / 1e9:.2f} GB.", "Free space on the phone, then deploy again."))
-    if dev.ram_bytes is not None and dev.ram_bytes < 2 * bins + 512 * 1024**2:
+    need = bins + RUNTIME_RAM_BYTES
+    if dev.ram_bytes is not None and not fits_phone_ram(need, dev.ram_bytes):
         problems.append((f"{dev.serial} has {dev.ram_bytes / 1e9:.1f} GB RAM; this model needs about "
-                         f"{(2 * bins + 512 * 1024**2) / 1e9:.1f} GB.", "Use a smaller model or w4a16, or a "
+                         f"{need / APP_RAM_SHARE / 1e9:.1f} GB.", "Use a smaller model or w4a16, or a "
                          "phone with more memory."))
     if not dev.virtual and meta.optimize != "phone":
         problems.append(("The bundle's graphs were compiled for a quick check on the simulator, not optimized for a "

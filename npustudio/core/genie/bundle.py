@@ -27,7 +27,6 @@ from ..progress import StateLike
 from ..results import (
     BundleResult,
     GraphSpec,
-    StageOptions,
     load_bundle,
     load_card,
     load_compile,
@@ -35,23 +34,14 @@ from ..results import (
     validated,
 )
 from ..shape import DecoderSpec
+from ..stage_options import DEFAULT_QUESTION as DEFAULT_QUESTION  # re-exported: declared with the options
+from ..stage_options import BundleOptions
 from ..targets import Soc, find_soc
 from . import config as genie_config
 from . import libgenie
 from .libgenie import PD_BUDGET_BYTES
 
 FORMAT = stages.BUNDLE.format  # bumped in core/stages.py when the output changes meaning
-DEFAULT_QUESTION = "What is the capital of France?"
-
-
-class BundleOptions(StageOptions):
-    sampler: genie_config.Sampler = Field(default_factory=genie_config.Sampler)
-    question: str = DEFAULT_QUESTION
-    n_threads: int = 2
-    prompt_graphs: bool = Field(True, description="include the AR-N prompt graphs; without them Genie reads a "
-                                                  "prompt one token at a time through the AR-1 graphs, and the "
-                                                  "bundle holds half the contexts (what lets a model over ~3 GB "
-                                                  "of contexts load on the HTP simulator)")
 
 
 def load_result(stage_dir: Path) -> BundleResult:

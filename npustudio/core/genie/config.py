@@ -12,21 +12,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
-
 from .. import layout
+from ..stage_options import Sampler as Sampler  # re-exported: the bundle options' sampler, declared there
 from ..targets import Soc
 
 if TYPE_CHECKING:
     from .bundle import BundleMeta
-
-
-class Sampler(BaseModel):
-    greedy: bool = Field(True, description="deterministic: the same answer on the phone, simulator and preview")
-    temp: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    seed: int = 42
 
 
 def rope(card: dict[str, Any]) -> dict[str, Any]:

@@ -18,10 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
 
 from .. import compute, forked, layout, stages
-from ..compute import Device
 from ..errors import UserError
 from ..evaluate import (
     DEFAULT_WINDOW,
@@ -41,40 +39,18 @@ from ..graph.decoder import io_names
 from ..graph.exported import write_test_vectors
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
-from ..results import QuantizeResult, StageOptions, load_card, load_graphs, load_quantize
-from ..targets import DEFAULT_SOC, find_soc
+from ..results import QuantizeResult, load_card, load_graphs, load_quantize
+from ..stage_options import QuantizeOptions
+from ..targets import find_soc
 from . import export, rotate, simulate
 from .fast_qdq import fast_per_tensor_qdq
-from .presets import Overrides, check_overrides, preset
+from .presets import check_overrides, preset
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
 FORMAT = stages.QUANTIZE.format  # bumped in core/stages.py when the output changes meaning
 # the tokenizer, and the graphs' names and I/O (the exported graphs are the adapted ones, quantized)
 COPIED_FILES = (layout.TOKENIZER, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                 layout.GRAPHS)
-
-
-class QuantizeOptions(StageOptions):
-    precision: str = "w8a16"
-    target: str = DEFAULT_SOC
-    seq_mse: bool = False
-    seq_mse_candidates: int = Field(20, description="grid points per weight in the SeqMSE search")
-    rotate: bool = Field(False, description="rotate the residual stream (random orthogonal, folded into the "
-                                            "weights) before quantizing: spreads outlier channels")
-    calib_corpus: str = "default"
-    calib_samples: int = Field(4, description="calibration sequences")
-    calib_len: int = Field(256, description="tokens per calibration sequence")
-    calib_decode: int = Field(8, description="AR-1 steps at the end of each calibration sequence")
-    overrides: Overrides = Field(default_factory=Overrides, description="per-module bitwidths (mixed precision)")
-    # the perplexity eval: unset fields take the adapt stage's plan, whose float logits are then reused
-    eval_corpus: str | None = Field(None, description="eval text (default: the adapt stage's)")
-    eval_chars: int | None = None
-    eval_tokens: int | None = Field(None, ge=2)
-    window: int | None = Field(None, ge=2)
-    decode_tokens: int | None = Field(None, ge=0, description="AR-1 steps at the end of each eval window")
-    export: bool = True
-    device: Device = Field("auto", description="where calibration, SeqMSE and the evaluations run (auto: the "
-                                               "CUDA GPU when torch sees one)")
 
 
 def load_result(stage_dir: Path) -> QuantizeResult:

@@ -15,10 +15,11 @@ import fnmatch
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..errors import UserError
 from ..fsutil import check_keys, read_json
+from ..stage_options import Overrides as Overrides  # re-exported: a quantize option, declared there
 
 
 class Preset(BaseModel):
@@ -41,26 +42,6 @@ def preset(name: str) -> Preset:
     if name not in PRESETS:
         raise UserError(f"Unknown precision {name!r}.", f"Use one of: {', '.join(PRESETS)}.")
     return PRESETS[name]
-
-
-class Overrides(BaseModel):
-    weights: dict[str, int] = Field(default_factory=dict)
-    activations: dict[str, int] = Field(default_factory=dict)
-
-    def weight_bits(self, module: str, default: int) -> int:
-        return _match(self.weights, module, default)
-
-    def activation_bits(self, module: str, default: int) -> int:
-        return _match(self.activations, module, default)
-
-
-def _match(table: dict[str, int], name: str, default: int) -> int:
-    """The last matching pattern wins, so a file can say `layers.*` first and refine after."""
-    bits = default
-    for pattern, b in table.items():
-        if fnmatch.fnmatchcase(name, pattern):
-            bits = b
-    return bits
 
 
 ALLOWED = {"weights": (4, 8, 16), "activations": (8, 16)}

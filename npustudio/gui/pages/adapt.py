@@ -5,21 +5,14 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from PySide6.QtWidgets import QCheckBox, QSpinBox
+from PySide6.QtWidgets import QCheckBox
 
 from ...core import isolated, pipeline
-from ...core.adapt import AdaptOptions
 from ...core.results import AdaptResult
+from ...core.stage_options import AdaptOptions
 from ..charts import PplChart
+from ..fields import default, spin
 from ..widgets import BAD, Page, fill, table, with_note
-
-
-def spin(lo: int, hi: int, value: int, step: int = 1) -> QSpinBox:
-    s = QSpinBox()
-    s.setRange(lo, hi)
-    s.setSingleStep(step)
-    s.setValue(value)
-    return s
 
 
 class AdaptPage(Page):
@@ -29,8 +22,8 @@ class AdaptPage(Page):
 
     def __init__(self, window: Any) -> None:
         super().__init__(window)
-        self.ar = spin(1, 1024, 128, 32)
-        self.cl = spin(64, 32768, 1024, 128)
+        self.ar = spin(AdaptOptions, "ar", step=32)
+        self.cl = spin(AdaptOptions, "cl", step=128)
         self.form.addRow("Prompt tokens per step (AR):", self.ar)
         self.form.addRow("Context length (CL):", self.cl)
         self.accept_mismatch = QCheckBox("Keep graphs that fail the equivalence gate")
@@ -68,7 +61,7 @@ class AdaptPage(Page):
             self.accept_mismatch.setChecked(bool(rec.options.get("accept_mismatch", False)))
             self.show_result(rec.result_as(AdaptResult))
         else:
-            self.cl.setValue(int(ch.get("cl", 1024)))
+            self.cl.setValue(int(ch.get("cl", default(AdaptOptions, "cl"))))
 
     def show_result(self, r: AdaptResult) -> None:
         s = pipeline.adapt_summary(r)

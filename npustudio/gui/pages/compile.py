@@ -9,12 +9,13 @@ from typing import Any
 from PySide6.QtWidgets import QButtonGroup, QCheckBox, QRadioButton
 
 from ...core import isolated, pipeline
-from ...core.compile import CompileOptions, qairt
+from ...core.compile import qairt
 from ...core.errors import UserError
 from ...core.models import human_bytes
 from ...core.results import BundleResult, CompileResult
+from ...core.stage_options import CompileOptions
+from ..fields import default, spin
 from ..widgets import Page, fill, table, with_note
-from .adapt import spin
 
 
 def sdk_found() -> tuple[str | None, str]:
@@ -40,8 +41,7 @@ class CompilePage(Page):
         self.backend.addButton(self.embedded, 0)
         self.backend.addButton(self.sdk, 1)
         self.embedded.setChecked(True)
-        self.verify = spin(0, 2048, 128, 32)
-        self.verify.setToolTip("eval tokens run through the compiled graphs on the simulator (0: skip; ~0.6 s each)")
+        self.verify = spin(CompileOptions, "verify_tokens", step=32)
         self.form.addRow("Back-end:", self.embedded)
         self.form.addRow("", self.sdk)
         self.share = QCheckBox("Weight sharing (for a phone)")
@@ -91,7 +91,7 @@ class CompilePage(Page):
         self.find_sdk()
         crec, brec = self.project.record("compile"), self.project.record("bundle")
         if crec and crec.status == "done":
-            self.verify.setValue(int(crec.options.get("verify_tokens", 128)))
+            self.verify.setValue(int(crec.options.get("verify_tokens", default(CompileOptions, "verify_tokens"))))
             self.share.setChecked(bool(crec.options.get("weight_sharing", False)))
             (self.sdk if crec.options.get("backend") == "qairt" and self.sdk.isEnabled() else self.embedded
              ).setChecked(True)

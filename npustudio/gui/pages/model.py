@@ -11,12 +11,14 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QRadioButton,
-    QSpinBox,
     QWidget,
 )
 
 from ...core import host_cost, models, pipeline
 from ...core.results import IntakeResult
+from ...core.stage_options import AdaptOptions
+from ...core.targets import fits_phone_ram
+from ..fields import default, spin
 from ..widgets import BAD, GOOD, WARN, Page, fill, status_label, table
 
 KINDS = (("default", "Embedded default"), ("hf_dir", "Local folder"), ("gguf", "GGUF file"),
@@ -48,10 +50,7 @@ class ModelPage(Page):
         rl.setContentsMargins(0, 0, 0, 0)
         rl.addWidget(self.source, 1)
         rl.addWidget(self.browse)
-        self.cl = QSpinBox()
-        self.cl.setRange(128, 32768)
-        self.cl.setSingleStep(128)
-        self.cl.setValue(1024)
+        self.cl = spin(AdaptOptions, "cl", step=128)  # the context the adapt stage builds: its field's range
         self.form.addRow("Source:", kinds)
         self.form.addRow("", row)
         self.form.addRow("Context length (for the estimate):", self.cl)
@@ -116,7 +115,7 @@ class ModelPage(Page):
     def refresh(self) -> None:
         ch = self.project.choices()
         self.set_spec(ch.get("model", "default"))
-        self.cl.setValue(int(ch.get("cl", 1024)))
+        self.cl.setValue(int(ch.get("cl", default(AdaptOptions, "cl"))))
         rec = self.project.record("model")
         if rec and rec.status == "done":
             self.show_result(rec.result_as(IntakeResult))
@@ -140,17 +139,17 @@ class ModelPage(Page):
         self.host.setStyleSheet("" if h.fits else "color: #b00020;")
 
     def show_fit(self) -> None:
-        """Colour each precision by whether it fits: the selected device's RAM if one is picked, else a typical
-        8 GB phone."""
+        """Colour each precision by whether it fits (core's rule, `fits_phone_ram`): the selected device's RAM if
+        one is picked, else a typical phone (`models.TYPICAL_PHONE_RAM_GB`)."""
         dev = self.window_.device
         ram = dev.ram_bytes if dev is not None and dev.ram_bytes else None
         rows, colours = [], []
         for f in self.fits:
             if ram:
-                ok = f.phone_ram_bytes <= 0.5 * ram
+                ok = fits_phone_ram(f.phone_ram_bytes, ram)
                 verdict = f"{'fits' if ok else 'too large for'} {dev.serial} ({models.human_bytes(ram)})"
             else:
-                ok = f.min_phone_ram_gb is not None and f.min_phone_ram_gb <= 8
+                ok = f.min_phone_ram_gb is not None and f.min_phone_ram_gb <= models.TYPICAL_PHONE_RAM_GB
                 verdict = (f"phones with ≥ {f.min_phone_ram_gb} GB" if f.min_phone_ram_gb
                            else "too large for the listed phones")
             colours.append(GOOD if ok else WARN if f.min_phone_ram_gb else BAD)

@@ -8,7 +8,6 @@ from typing import Any
 
 from PySide6.QtWidgets import (
     QCheckBox,
-    QComboBox,
     QFileDialog,
     QHBoxLayout,
     QLineEdit,
@@ -21,15 +20,15 @@ from ...core import isolated, pipeline
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
 from ...core.models import human_bytes
-from ...core.quantize import QuantizeOptions
 from ...core.quantize.presets import load_overrides
 from ...core.results import QuantizeResult
+from ...core.stage_options import PRECISION_NOTES, QuantizeOptions
 from .. import worker
 from ..charts import PplChart
+from ..fields import combo, default, spin
 from ..inspector import Inspector
 from ..settings_dialog import device_choice
 from ..widgets import Page, fill, show_error, table
-from .adapt import spin
 
 
 def _file_row(edit: QLineEdit, title: str, filt: str, parent: QWidget) -> QWidget:
@@ -57,16 +56,14 @@ class QuantizePage(Page):
 
     def __init__(self, window: Any) -> None:
         super().__init__(window)
-        self.precision = QComboBox()
-        self.precision.addItem("w8a16 — int8 weights, 16-bit activations (best quality)", "w8a16")
-        self.precision.addItem("w4a16 — int4 weight blocks, LM head int8 (smallest)", "w4a16")
+        self.precision = combo(QuantizeOptions, "precision", {p: f"{p} — {n}" for p, n in PRECISION_NOTES.items()})
         self.seq_mse = QCheckBox("SeqMSE")
         self.seq_mse.setToolTip("Search weight encodings layer by layer: slower, better at w4")
         self.rotate = QCheckBox("Rotate the residual stream")
         self.rotate.setToolTip("Spreads outlier channels; not for models from a 4-bit GGUF")
-        self.calib_samples = spin(1, 256, 4)
-        self.calib_len = spin(16, 4096, 256, 64)
-        self.calib = QLineEdit("default")
+        self.calib_samples = spin(QuantizeOptions, "calib_samples")
+        self.calib_len = spin(QuantizeOptions, "calib_len", step=64)
+        self.calib = QLineEdit(default(QuantizeOptions, "calib_corpus"))
         self.calib.setToolTip("default (offline text), a UTF-8 text file, or datasets:ID")
         self.overrides = QLineEdit()
         self.overrides.setPlaceholderText("optional: per-module bitwidth overrides (JSON)")
@@ -98,10 +95,10 @@ class QuantizePage(Page):
         self._read_job: worker.Job | None = None
 
     def options(self) -> QuantizeOptions:
-        ch = self.project.choices()
-        return QuantizeOptions(precision=self.precision.currentData(), target=ch.get("target", "SM8750"),
+        target = self.project.choices().get("target", default(QuantizeOptions, "target"))
+        return QuantizeOptions(precision=self.precision.currentData(), target=target,
                                seq_mse=self.seq_mse.isChecked(), rotate=self.rotate.isChecked(),
-                               calib_corpus=self.calib.text().strip() or "default",
+                               calib_corpus=self.calib.text().strip() or default(QuantizeOptions, "calib_corpus"),
                                calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
                                overrides=load_overrides(self.overrides.text().strip() or None),
                                device=self.device.currentData())

@@ -1,0 +1,234 @@
+"""The stages' options, declared once: each field's default, bounds, choices and help.
+
+The CLI derives its flags from these fields (cli/args.py `option`) and the window its spin and combo boxes
+(gui/fields.py), so a default or a bound changes here and both follow. Light on purpose: pydantic, the standard
+library and the core's light helpers (the SoC table, the HTP's part limit), never torch,
+onnx or transformers, not even through another module (pyproject.toml's import contracts and
+tests/test_contracts.py hold it), so `npustudio devices` or a `--help` does not pay for torch. Each stage
+re-exports its own model (`core.adapt.AdaptOptions` …).
+
+The bounds are what the pipeline accepts, one per idea:
+- a context of tokens (CL, and every count of tokens that is cut to fit one: eval window, AR-1 steps, calibration
+  sequence, verification tokens): at most `MAX_CONTEXT`; CL at least 2, since adapt needs 1 ≤ AR < CL (it says so
+  for the pair, and refuses a CL over what the model was trained for);
+- the prompt step AR: 1 to `MAX_AR`;
+- a part's HTP allocation: over 0, at most the HTP's per-graph limit (core/parts.py).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
+
+from .parts import DEFAULT_MAX_PART_MB, HTP_GRAPH_LIMIT_KB
+from .targets import DEFAULT_SOC, find_soc
+
+# tokens: the longest KV cache NPU Studio builds (Llama 3.x's trained context); no phone holds a longer one, so a
+# larger value is a typo (--cl 1e8)
+MAX_CONTEXT = 131_072
+MAX_AR = 4096  # tokens per prompt step: the AR-N graph's activations grow with AR × CL
+MAX_EVAL_TOKENS = 10_000_000  # tokens scored: hours of evaluation on the default model; more is a typo
+MAX_PART_MB = HTP_GRAPH_LIMIT_KB / 1024  # the HTP refuses a graph over 2 GiB
+MAX_PARTS = 1024
+MAX_CHARS = 2**31 - 1
+MAX_CALIB_SAMPLES = 100_000
+MAX_BUDGET_S = 10**7  # seconds: four months
+
+# the eval windows (see core/evaluate.py, which reads them here)
+DEFAULT_WINDOW = 512
+# AR-1 steps at the end of each eval window: the token graph proven at 16 cache positions per window. It is the
+# prompt graph's module at another shape, so more steps add time (an AR-1 step of the quantsim costs ~0.25 s on the
+# default model, a sixth of an AR-128 chunk) rather than evidence: at 64, 256 of the default eval's 1862 positions
+# were AR-1 steps, 61 s of the quantize stage's 78-s eval.
+DEFAULT_DECODE = 16
+
+Precision = Literal["w8a16", "w4a16"]  # the quantize presets (core/quantize/presets.py), best quality first
+PRECISION_NAMES: tuple[str, ...] = get_args(Precision)
+PRECISION_NOTES = {"w8a16": "int8 weights, 16-bit activations (best quality)",
+                   "w4a16": "int4 weight blocks, LM head int8 (smallest)"}
+Backend = Literal["ort-qnn", "qairt"]
+Device = Literal["auto", "cpu", "cuda"]  # where a stage's torch work runs (core/compute.py)
+DEVICES: tuple[str, ...] = get_args(Device)
+DEFAULT_QUESTION = "What is the capital of France?"
+
+
+class StageOptions(BaseModel):
+    """A stage's options. Defaults are validated like given values: the stage key hashes the dumped options, and an
+    int default of a float field (compile's max_part_mb: 1843) hashed unlike the CLI's parsed 1843.0, so
+    `npustudio compile` redid a compile the window had done."""
+
+    model_config = ConfigDict(validate_default=True)
+
+
+def _known_soc(v: str | None) -> str | None:
+    """A SoC of the table (core/targets.py), as given: an unknown one is the table's UserError, before any work."""
+    if v is not None:
+        find_soc(v)
+    return v
+
+
+class AdaptOptions(StageOptions):
+    ar: int = Field(128, ge=1, le=MAX_AR, description="tokens per prompt-processing step (AR-N graph)")
+    cl: int = Field(1024, ge=2, le=MAX_CONTEXT, description="context length: KV-cache entries")
+    eval_corpus: str = "default"
+    eval_chars: int | None = Field(None, ge=1, le=MAX_CHARS)
+    eval_tokens: int | None = Field(None, ge=2, le=MAX_EVAL_TOKENS,
+                                    description="tokens of the eval text scored (default: sized to the model, at "
+                                                "least 256)")
+    window: int = Field(DEFAULT_WINDOW, ge=2, le=MAX_CONTEXT)
+    decode_tokens: int = Field(DEFAULT_DECODE, ge=0, le=MAX_CONTEXT,
+                               description="AR-1 steps at the end of each eval window")
+    device: Device = Field("auto", description="where the proof runs (auto: the CUDA GPU when torch sees one)")
+    accept_mismatch: bool = Field(False, description="keep adapted graphs that fail the equivalence gate")
+
+
+class Overrides(BaseModel):
+    """Per-module bitwidths (mixed precision): read by `core.quantize.presets.load_overrides`."""
+
+    weights: dict[str, int] = Field(default_factory=dict)
+    activations: dict[str, int] = Field(default_factory=dict)
+
+    def weight_bits(self, module: str, default: int) -> int:
+        return _match(self.weights, module, default)
+
+    def activation_bits(self, module: str, default: int) -> int:
+        return _match(self.activations, module, default)
+
+
+def _match(table: dict[str, int], name: str, default: int) -> int:
+    """The last matching pattern wins, so a file can say `layers.*` first and refine after."""
+    bits = default
+    for pattern, b in table.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            bits = b
+    return bits
+
+
+class QuantizeOptions(StageOptions):
+    precision: Precision = Field("w8a16", description="; ".join(f"{k}: {v}" for k, v in PRECISION_NOTES.items()))
+    target: str = Field(DEFAULT_SOC, description="target SoC")
+    seq_mse: bool = False
+    seq_mse_candidates: int = Field(20, ge=1, description="grid points per weight in the SeqMSE search")
+    rotate: bool = Field(False, description="rotate the residual stream (random orthogonal, folded into the "
+                                            "weights) before quantizing: spreads outlier channels")
+    calib_corpus: str = "default"
+    calib_samples: int = Field(4, ge=1, le=MAX_CALIB_SAMPLES, description="calibration sequences")
+    # cut to the context length; a sequence of one token calibrates nothing
+    calib_len: int = Field(256, ge=2, le=MAX_CONTEXT, description="tokens per calibration sequence")
+    calib_decode: int = Field(8, ge=0, le=MAX_CONTEXT, description="AR-1 steps at the end of each calibration "
+                                                                   "sequence")
+    overrides: Overrides = Field(default_factory=Overrides, description="per-module bitwidths (mixed precision)")
+    # the perplexity eval: unset fields take the adapt stage's plan, whose float logits are then reused
+    eval_corpus: str | None = Field(None, description="eval text (default: the adapt stage's)")
+    eval_chars: int | None = Field(None, ge=1, le=MAX_CHARS)
+    eval_tokens: int | None = Field(None, ge=2, le=MAX_EVAL_TOKENS)
+    window: int | None = Field(None, ge=2, le=MAX_CONTEXT)
+    decode_tokens: int | None = Field(None, ge=0, le=MAX_CONTEXT, description="AR-1 steps at the end of each eval "
+                                                                              "window")
+    export: bool = True
+    device: Device = Field("auto", description="where calibration, SeqMSE and the evaluations run (auto: the "
+                                               "CUDA GPU when torch sees one)")
+
+    check_target = field_validator("target")(_known_soc)
+
+
+class CompileOptions(StageOptions):
+    backend: Backend = Field("ort-qnn", description="ort-qnn (embedded simulator) or qairt (QNN_SDK_ROOT)")
+    target: str | None = Field(None, description="SoC; default: the quantize stage's target")
+    verify_tokens: int = Field(128, ge=0, le=MAX_CONTEXT, description="eval tokens run through the compiled graphs "
+                                                                      "on the simulator (0: skip; ~0.6 s each)")
+    verify_decode: int = Field(4, ge=0, le=MAX_CONTEXT, description="of which the last ones run as AR-1 steps")
+    prompt_check_budget_s: float = Field(
+        900, ge=0, le=MAX_BUDGET_S,
+        description="the prompt graph runs on the simulator when its estimated time there is under this many "
+                    "seconds (an LPBQ layer at 128 tokens is ~6x slower there than int8); over it, only the token "
+                    "graph's steps are checked, and the record says so")
+    parts: int = Field(0, ge=0, le=MAX_PARTS, description="contexts the model is split into (0: as many as needed)")
+    max_part_mb: float = Field(DEFAULT_MAX_PART_MB, gt=0, le=MAX_PART_MB,
+                               description="largest estimated HTP allocation of one part's graph, MiB (the HTP "
+                                           "refuses graphs over 2 GiB)")
+    optimize: Literal["phone", "quick"] = Field(
+        "phone", description="phone: QNN's longest graph finalization, the fastest graphs on the NPU; quick: its "
+                             "default, about twice as fast to compile, the same results: for a check on the "
+                             "simulator (deploy refuses such a bundle for a phone; qairt always builds for one)")
+    weight_sharing: bool = Field(False, description="one binary per part holding the prompt and token graphs, "
+                                                    "weights once: for a phone (the x86 simulator cannot load it)")
+    eval_corpus: str = "default"
+
+    check_target = field_validator("target")(_known_soc)
+
+
+class Sampler(BaseModel):
+    greedy: bool = Field(True, description="deterministic: the same answer on the phone, simulator and preview")
+    temp: float = Field(0.8, ge=0)
+    top_k: int = Field(40, ge=1)
+    top_p: float = Field(0.95, gt=0, le=1)
+    seed: int = Field(42, ge=0)
+
+
+class BundleOptions(StageOptions):
+    sampler: Sampler = Field(default_factory=Sampler)
+    question: str = Field(DEFAULT_QUESTION, description="the sample prompt's question")
+    n_threads: int = Field(2, ge=1)
+    prompt_graphs: bool = Field(True, description="include the AR-N prompt graphs; without them Genie reads a "
+                                                  "prompt one token at a time through the AR-1 graphs, and the "
+                                                  "bundle holds half the contexts (what lets a model over ~3 GB "
+                                                  "of contexts load on the HTP simulator)")
+
+
+OPTION_MODELS: tuple[type[BaseModel], ...] = (AdaptOptions, QuantizeOptions, CompileOptions, BundleOptions, Sampler)
+
+
+# ---------------------------------------------------------------- what a front end reads from a field
+@dataclass(frozen=True)
+class Bounds:
+    """A number field's range: `lo`/`hi` (None: unbounded), `lo_open`: the field says gt (more than lo)."""
+
+    lo: float | None
+    hi: float | None
+    lo_open: bool = False
+    hi_open: bool = False
+
+
+def bounds(model: type[BaseModel], name: str) -> Bounds:
+    """The ge/gt/le/lt the field `name` of `model` declares."""
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in model.model_fields[name].metadata:
+        if getattr(m, "ge", None) is not None:
+            lo = m.ge
+        if getattr(m, "gt", None) is not None:
+            lo, lo_open = m.gt, True
+        if getattr(m, "le", None) is not None:
+            hi = m.le
+        if getattr(m, "lt", None) is not None:
+            hi, hi_open = m.lt, True
+    return Bounds(lo, hi, lo_open, hi_open)
+
+
+def int_range(model: type[BaseModel], name: str) -> tuple[int, int]:
+    """A whole-number field's closed range [lo, hi] (an open end moved in by one); both ends must be declared."""
+    b = bounds(model, name)
+    if b.lo is None or b.hi is None:
+        raise ValueError(f"{model.__name__}.{name} declares no range")
+    return int(b.lo) + b.lo_open, int(b.hi) - b.hi_open
+
+
+def choices(model: type[BaseModel], name: str) -> tuple[Any, ...] | None:
+    """The values a Literal field allows (None: not a Literal)."""
+    ann = model.model_fields[name].annotation
+    return get_args(ann) if get_origin(ann) is Literal else None
+
+
+def default(model: type[BaseModel], name: str) -> Any:
+    """The field's default (a factory's value for a mutable one)."""
+    f: FieldInfo = model.model_fields[name]
+    return f.get_default(call_default_factory=True)
+
+
+def help_of(model: type[BaseModel], name: str) -> str | None:
+    return model.model_fields[name].description
