@@ -4,12 +4,17 @@ Builds Hugging Face folders (bf16 safetensors, a tokenizer covering every id) wi
 Llama-3.2-1B and Qwen3-1.7B, then runs each stage as its own `npustudio` command (so each peak is that stage's
 alone): adapt -> quantize -> compile -> bundle, then Genie on the HTP simulator and the CPU preview answer the
 same prompt greedily and their tokens are compared (contexts over one HTP protection domain, a 1B model's, are
-bundled with --token-graphs-only: the simulator's Genie loads those). Random weights: perplexities mean nothing
-here, cost does.
+bundled with --token-graphs-only: the simulator's Genie loads those). Along Genie's answer, our own KV-cache runner
+on the same binaries must pick Genie's token at every step (else Genie and NPU Studio drive the graphs
+differently: the run fails), and the CPU preview may prefer another token only by what the simulator's fp16
+arithmetic measurably moves the logits along that same path (else the run fails). Random weights: perplexities
+mean nothing here, cost does; their logits are flat (top-1/top-2 gaps of 0.004-0.08 logits at the Qwen3-1.7B
+width), so greedy answers part at the first near tie.
 
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --precision w8a16 --json
     .venv/bin/python benchmarks/scale_bench.py --model qwen3-1.7b --precision w8a16,w4a16 --stage adapt,quantize
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --stage compile --work /tmp/scale   # rerun one piece
+    .venv/bin/python benchmarks/scale_bench.py --model qwen3-1.7b:4 --tokens 8   # the 1.7B widths, 4 layers
 
 A stage whose inputs are unchanged is skipped by the project (its figures are then the recorded ones: pass
 --force to measure it again).
@@ -46,6 +51,15 @@ PROMPT = "The Python language reference describes"
 GENIE_TOKENS = 16
 
 
+def variant(name: str) -> tuple[str, int | None]:
+    """`qwen3-1.7b:4` is qwen3-1.7b's shapes with 4 decoder layers: a defect that shows at real width is chased
+    in minutes, not the hour the whole depth takes."""
+    base, _, layers = name.partition(":")
+    if base not in MODELS:
+        raise SystemExit(f"unknown model {base!r}: use {', '.join(MODELS)}")
+    return base, int(layers) if layers else None
+
+
 def build_model(name: str, folder: Path) -> Path:
     """`name`'s random HF folder, built in a child process: a stage's peak RSS is read from its process's rusage,
     which on Linux starts from the high-water mark of the process that spawned it (the exec'd child inherits
@@ -66,8 +80,10 @@ def _build(name: str, folder: Path) -> Path:
     import torch
     import transformers
 
-    spec = MODELS[name]
-    cfg = getattr(transformers, spec["class"][0])(**spec["config"], bos_token_id=1, eos_token_id=2)
+    base, layers = variant(name)
+    spec = MODELS[base]
+    config = spec["config"] | ({"num_hidden_layers": layers} if layers else {})
+    cfg = getattr(transformers, spec["class"][0])(**config, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = getattr(transformers, spec["class"][1])(cfg).to(torch.bfloat16)
     tmp = folder.with_name(folder.name + ".partial")
@@ -124,46 +140,108 @@ def run_stage(cmd: list[str], log: Path, cwd: Path = ROOT, env: dict[str, str] |
     return row
 
 
-def genie_vs_preview(bundle: str, tolerance: float | None) -> dict[str, Any]:
-    """Child process: the same prompt answered greedily by Genie (HTP simulator) and by the CPU preview, then the
-    preview fed Genie's own tokens (teacher-forced): at each step, is Genie's token the preview's greedy choice,
-    and where not, by how many logits does the preview prefer its own (a near tie flips on fp16 rounding: the HTP
-    computes the float parts in fp16, the preview in fp32; after one flip the free-running answers part).
-    `tolerance`: the largest |logit difference| the compile stage measured between these binaries on the simulator
-    and the CPU quantsim; a step whose margin is within it is a tie the two back-ends may break either way."""
+def genie_vs_preview(bundle: str, tolerance: float | None, tokens: int = GENIE_TOKENS) -> dict[str, Any]:
+    """Child process: the same prompt answered greedily by Genie (HTP simulator) and by the CPU preview, then
+    both of our runners fed Genie's own tokens (teacher-forced) over the graphs Genie used (the prompt through the
+    bundle's prompt graph, or one token at a time when it has none; each answer token through the token graph):
+    - `runner_on_simulator`: our KV-cache runner on the same binaries on the simulator. Genie's token must be its
+      top-1 at every step: anything else is Genie and our runner driving the graphs differently (a real defect).
+    - `teacher_forced`: the CPU preview (the prepared graphs in fp32). Where its top-1 is not Genie's token, the
+      margin is set against what the two runners' logits measurably differ by along the same path
+      (`simulator_vs_cpu_max_abs_logit_diff`, d): a margin up to 2·d is a near tie the fp16 arithmetic of the HTP
+      breaks the other way (Genie's token leads on the simulator by ≥ 0, so the CPU can lead by at most 2·d).
+    `tolerance`: the compile stage's own |logit difference| (simulator vs CPU) over its verification text."""
     from npustudio.core.genie import host
 
     out: dict[str, Any] = {}
     pieces: list[str] = []
     t0 = time.perf_counter()
-    r = host.run(Path(bundle) / "genie_config.json", PROMPT, pieces.append, max_tokens=GENIE_TOKENS)
+    r = host.run(Path(bundle) / "genie_config.json", PROMPT, pieces.append, max_tokens=tokens)
     out["genie"] = {"tokens": pieces, "seconds": round(time.perf_counter() - t0, 1), "status": r.status}
     # one preview (its graphs loaded once) answers and is then teacher-forced; built after Genie is done with the
     # simulator, so the two are never in memory together
+    genie_pieces = pieces
     pieces = []
     t0 = time.perf_counter()
     pv = host.Preview(Path(bundle))
-    _text, _event, aborted = pv.query(PROMPT, pieces.append, max_tokens=GENIE_TOKENS)
+    _text, _event, aborted = pv.query(PROMPT, pieces.append, max_tokens=tokens)
     out["preview"] = {"tokens": pieces, "seconds": round(time.perf_counter() - t0, 1),
                       "status": "aborted" if aborted else "complete"}
-    a, b = out["genie"]["tokens"], out["preview"]["tokens"]
+    a, b = genie_pieces, pieces
     same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    return out | {"agreeing_prefix": same, "compared": max(len(a), len(b)),
-                  "teacher_forced": teacher_forced(pv, a, tolerance)}
-
-
-def teacher_forced(pv: Any, pieces: list[str], tolerance: float | None) -> dict[str, Any]:
-    """The preview's logits along Genie's answer: per step, whether Genie's token is its top-1, the margin of its
-    top-1 over Genie's token, and the gap between its own first and second choice (how close a tie it was);
-    `agree_within_tolerance`: the share of steps where Genie's token is the preview's top-1 or trails it by no
-    more than `tolerance` (see genie_vs_preview)."""
-    vocab = pv.tok.get_vocab()
-    genie: list[int] = []
-    for piece in pieces:  # Genie hands out decoded text, one piece per token: a vocabulary entry, or plain text
-        genie += [vocab[piece]] if piece in vocab else pv.tok(piece, add_special_tokens=False)["input_ids"]
     prompt = [pv.bos] + pv.tok(PROMPT, add_special_tokens=False)["input_ids"]
-    pv.runner.reset()
-    logits = pv.runner.prefill(prompt + genie)[len(prompt) - 1:len(prompt) - 1 + len(genie)]
+    genie = token_ids(pv.tok, a)
+    cpu = along(pv.runner, prompt, genie)
+    pv.runner.release()
+    del pv
+    t0 = time.perf_counter()
+    sim = along(simulator_runner(Path(bundle)), prompt, genie)
+    d = float((sim - cpu).abs().max()) if len(genie) else 0.0
+    return out | {"agreeing_prefix": same, "compared": max(len(a), len(b)),
+                  "runner_on_simulator": steps_along(sim, genie, None) | {
+                      "seconds": round(time.perf_counter() - t0, 1)},
+                  "simulator_vs_cpu_max_abs_logit_diff": round(d, 4),
+                  "teacher_forced": steps_along(cpu, genie, tolerance) | {"explained_by_fp16": round(
+                      sum(s["top1"] or s["margin"] <= 2 * d for s in steps_along(cpu, genie, None)["steps"])
+                      / max(1, len(genie)), 4)}}
+
+
+def token_ids(tok: Any, pieces: list[str]) -> list[int]:
+    """Genie hands out decoded text, one piece per token: a vocabulary entry, or plain text."""
+    vocab = tok.get_vocab()
+    ids: list[int] = []
+    for piece in pieces:
+        ids += [vocab[piece]] if piece in vocab else tok(piece, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def along(runner: Any, prompt: list[int], answer: list[int]) -> Any:
+    """The logits that chose each token of `answer`, computed as Genie computes them: the prompt through the
+    prompt graph (the token graph alone when the bundle has no prompt graph), then one token-graph step per
+    answer token."""
+    import torch
+
+    if not answer:
+        return torch.zeros(0)
+    runner.reset()
+    rows = [runner.prefill(prompt)[-1]]
+    for t in answer[:-1]:
+        rows.append(runner.step([t], 1)[-1])
+    return torch.stack(rows)
+
+
+def simulator_runner(bundle: Path) -> Any:
+    """Our KV-cache runner over the bundle's graphs as compiled (each graph the chain of its parts) on the x86
+    HTP simulator: the binaries Genie ran, driven by our code."""
+    import re
+
+    import torch
+
+    from npustudio.core.compile import split
+    from npustudio.core.genie.bundle import read_metadata
+    from npustudio.core.graph import ort_qnn
+    from npustudio.core.graph.kv_cache import KVCacheRunner
+    from npustudio.core.graph.ort_graph import OrtGraph
+
+    meta = read_metadata(bundle)
+    comp = Path(meta.project_compile_dir or "")
+    compiled = [g["graph"] for g in json.loads((comp / "compile.json").read_text())["graphs"]]
+
+    def chain(whole: str) -> split.Chain:
+        parts = sorted((p for p in compiled if re.sub(r"_\d+_of_\d+$", "_1_of_1", p) == whole),
+                       key=lambda p: int(re.findall(r"_(\d+)_of_\d+$", p)[0]))
+        return split.Chain([lambda p=p: OrtGraph(ort_qnn.context_session(comp / f"{p}.onnx", meta.target),
+                                                 meta.io_encodings) for p in parts])
+
+    return KVCacheRunner(meta.decoder, meta.context_length, {g.ar: chain(g.name) for g in meta.graphs},
+                         torch.tensor(meta.rope_inv_freq))
+
+
+def steps_along(logits: Any, genie: list[int], tolerance: float | None) -> dict[str, Any]:
+    """Per step along Genie's answer: whether Genie's token is these logits' top-1, the margin of their top-1
+    over Genie's token, and the gap between their own first and second choice (how close a tie it was);
+    `agree_within_tolerance`: the share of steps where Genie's token is the top-1 or trails it by no more than
+    `tolerance`."""
     steps = []
     for row, g in zip(logits, genie, strict=True):
         top2 = row.topk(2)
@@ -176,6 +254,22 @@ def teacher_forced(pv: Any, pieces: list[str], tolerance: float | None) -> dict[
         tied = sum(s["top1"] or s["margin"] <= tolerance for s in steps)
         out |= {"tolerance": tolerance, "agree_within_tolerance": round(tied / max(1, len(steps)), 4)}
     return out
+
+
+def disagreement(row: dict[str, Any]) -> str | None:
+    """Why the Genie check fails the run: Genie's answer is not our runner's on the same binaries (a real defect:
+    the two drive the graphs differently), or the CPU preview prefers another token by more than the simulator's
+    fp16 arithmetic measurably explains along the same path."""
+    sim, cpu = row.get("runner_on_simulator"), row.get("teacher_forced")
+    if sim is None or cpu is None:
+        return None
+    if sim["top1_agreement"] < 1.0:
+        return (f"Genie's token is not our runner's top-1 on the same binaries at "
+                f"{sum(not s['top1'] for s in sim['steps'])} of {len(sim['steps'])} steps")
+    if cpu["explained_by_fp16"] < 1.0:
+        return (f"the CPU preview prefers another token by more than 2 x the measured simulator-vs-CPU difference "
+                f"({row['simulator_vs_cpu_max_abs_logit_diff']}) at some step (max margin {cpu['max_margin']})")
+    return None
 
 
 def compile_summary(r: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +285,7 @@ def seed_adapted(work: Path, model: str, project: Path) -> None:
     """A new project of `model` starts from another precision's adapted model (hard links): adapt runs once."""
     from npustudio.core.project import Project
 
-    donors = [d for d in work.glob(f"{model}-*") if d != project and (d / "stages" / "adapt").is_dir()]
+    donors = [d for d in work.glob(f"{model}-w*") if d != project and (d / "stages" / "adapt").is_dir()]
     if project.exists() or not donors:
         return
     src = Project(donors[0])
@@ -238,19 +332,22 @@ def over_one_domain(project: Path) -> bool:
     return sum(g["bin_bytes"] for g in graphs) > PD_BUDGET_BYTES
 
 
-def bench(model: str, precision: str, stages: list[str], work: Path, force: bool) -> dict[str, Any]:
+def bench(model: str, precision: str, stages: list[str], work: Path, force: bool,
+          tokens: int = GENIE_TOKENS) -> dict[str, Any]:
     npu = [sys.executable, "-m", "npustudio.cli"]
-    folder = build_model(model, work / "models" / model)
-    project = work / f"{model}-{precision}"
-    log = work / f"{model}-{precision}.log"
-    seed_adapted(work, model, project)
+    name = model.replace(":", "-L")
+    folder = build_model(model, work / "models" / name)
+    project = work / f"{name}-{precision}"
+    log = work / f"{name}-{precision}.log"
+    seed_adapted(work, name, project)
     f = ["--force"] if force else []
     cmds = {
         "adapt": [*npu, "adapt", str(folder), "--project", str(project), "--json", *f],
         "quantize": [*npu, "quantize", "--project", str(project), "--precision", precision, "--json", *f],
         "compile": [*npu, "compile", "--project", str(project), "--json", *f],
         "bundle": [*npu, "bundle", "--project", str(project), "--json", *f],
-        "genie": [sys.executable, __file__, "--child-genie", str(project / "stages" / "bundle")],
+        "genie": [sys.executable, __file__, "--child-genie", str(project / "stages" / "bundle"),
+                  "--tokens", str(tokens)],
     }
     rows: dict[str, Any] = {}
     for stage in [s for s in STAGES if s in stages]:
@@ -271,6 +368,8 @@ def bench(model: str, precision: str, stages: list[str], work: Path, force: bool
                     "compile": compile_summary,
                     "bundle": lambda r: {k: r.get(k) for k in ("validated", "context_bytes", "notes")},
                     "genie": lambda r: r}[stage](res)
+        if stage == "genie" and "error" not in row and (why := disagreement(row)):
+            row["error"] = why
         rows[stage] = row
         if "error" in row:
             break
@@ -282,25 +381,29 @@ def bench(model: str, precision: str, stages: list[str], work: Path, force: bool
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama32-1b", help=f"{', '.join(MODELS)} or all (comma-separated)")
+    ap.add_argument("--model", default="llama32-1b", help=f"{', '.join(MODELS)} or all (comma-separated); "
+                    "NAME:LAYERS keeps NAME's widths with fewer decoder layers")
     ap.add_argument("--precision", default="w8a16", help="w8a16, w4a16 or both (comma-separated)")
     ap.add_argument("--stage", default=",".join(STAGES), help=f"stages to run: {', '.join(STAGES)}")
     ap.add_argument("--work", default=None, help="scratch folder (kept: models and finished stages are reused)")
     ap.add_argument("--force", action="store_true", help="rerun stages the project would skip")
     ap.add_argument("--json", action="store_true", help="print only the JSON")
+    ap.add_argument("--tokens", type=int, default=GENIE_TOKENS,
+                    help="answer tokens Genie and the preview compare (each costs a token-graph call per runner on "
+                         "the simulator: ~70 s at the Qwen3-1.7B width)")
     ap.add_argument("--child-genie", help=argparse.SUPPRESS)
     ap.add_argument("--tolerance", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-build", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child_genie:
-        print(json.dumps(genie_vs_preview(a.child_genie, a.tolerance)))
+        print(json.dumps(genie_vs_preview(a.child_genie, a.tolerance, a.tokens)))
         return
     if a.child_build:
         _build(a.child_build[0], Path(a.child_build[1]))
         return
     work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-scale-"))
     models = list(MODELS) if a.model == "all" else a.model.split(",")
-    results = [bench(m, p, a.stage.split(","), work, a.force) for m in models for p in a.precision.split(",")]
+    results = [bench(m, p, a.stage.split(","), work, a.force, a.tokens) for m in models for p in a.precision.split(",")]
     print(json.dumps({"work": str(work), "cpus": os.cpu_count(), "runs": results}, indent=None if a.json else 2))
     if any("error" in r for run in results for r in run["stages"].values()):
         sys.exit(1)
