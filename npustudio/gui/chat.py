@@ -243,11 +243,14 @@ class ChatPanel(QWidget):
         self.chats.setToolTip("This project's chats, newest first")
         self.chats.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.chats.setMinimumContentsLength(10)
-        self.new_btn = QToolButton(text="New")  # tool buttons: as wide as their word, the list keeps its room
+        self.new_btn = QToolButton()
+        self.new_btn.setText("New")  # tool buttons: as wide as their word, the list keeps its room
         self.new_btn.setToolTip("Start a new chat; this one stays in the list")
-        self.rename_btn = QToolButton(text="Rename…")
+        self.rename_btn = QToolButton()
+        self.rename_btn.setText("Rename…")
         self.rename_btn.setToolTip("Give this chat a name of its own in the list")
-        self.delete_btn = QToolButton(text="Delete…")
+        self.delete_btn = QToolButton()
+        self.delete_btn.setText("Delete…")
         self.delete_btn.setToolTip("Forget this chat (asks first)")
         top.addWidget(self.chats, 1)
         for b in (self.new_btn, self.rename_btn, self.delete_btn):

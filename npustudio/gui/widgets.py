@@ -113,8 +113,9 @@ def fill(t: QTableWidget, rows: Sequence[Sequence[Any]], colours: Sequence[QColo
     for i, row in enumerate(rows):
         for j, v in enumerate(row):
             item = QTableWidgetItem("—" if v is None else str(v))
-            if colours and colours[i] is not None:
-                item.setBackground(colours[i])
+            colour = colours[i] if colours else None
+            if colour is not None:
+                item.setBackground(colour)
             t.setItem(i, j, item)
     t.resizeColumnsToContents()
     t.horizontalHeader().setStretchLastSection(True)
@@ -140,7 +141,8 @@ def fit_rows(t: QTableWidget) -> None:
 
 def cells(t: QTableWidget) -> list[list[str]]:
     """What a person reads in a table (tests assert on it)."""
-    return [[t.item(r, c).text() if t.item(r, c) else "" for c in range(t.columnCount())] for r in range(t.rowCount())]
+    return [[item.text() if (item := t.item(r, c)) else "" for c in range(t.columnCount())]
+            for r in range(t.rowCount())]
 
 
 class RunStrip(QWidget):
@@ -260,6 +262,11 @@ class Page(QWidget):
     @property
     def project(self) -> Any:
         return self.window_.project
+
+    def start(self, force: bool = False) -> None:
+        """Run the page's stage (`force`: again, though its inputs and options are unchanged); the Redo button of
+        `add_strip(redo=True)` calls it, so a page with a Redo button defines it."""
+        raise NotImplementedError(f"{type(self).__name__} runs no stage")
 
     def refresh(self) -> None:
         """Show what the project already holds (called on open and after any stage)."""
