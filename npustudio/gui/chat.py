@@ -39,6 +39,7 @@ from ..core.errors import UserError
 from ..core.models import human_number
 from . import worker
 from .widgets import StatusLine, show_error
+from .window import StudioWindow
 
 RUNNERS = (("device", "The selected device"), ("desktop", "This computer: Genie on the HTP simulator (slow)"),
            ("preview", "This computer: CPU preview (fast, not Genie)"))
@@ -227,7 +228,7 @@ def answer_header(t: Turn) -> str:
 class ChatPanel(QWidget):
     answered = Signal(object)  # Turn
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__()
         self.window_ = window
         self.session: ChatSession | None = None
@@ -360,8 +361,9 @@ class ChatPanel(QWidget):
     def _note_greedy(self, key: tuple[Any, ...] | None) -> None:
         """Regenerate's tooltip says when it cannot bring another answer (greedy decoding)."""
         tip = "Ask the last message again; the new answer replaces the last one"
-        self.greedy = key is not None and chat.samples_greedily(self.window_.project.stage_dir("bundle"),
-                                                                 key[1] == "preview")
+        project = self.window_.project  # not None with a key (`_runner_key`): said for mypy
+        self.greedy = key is not None and project is not None and chat.samples_greedily(project.stage_dir("bundle"),
+                                                                                         key[1] == "preview")
         if self.greedy:
             tip += (". This runner decodes greedily (the likeliest token every time): the same messages bring the "
                     "same answer; edit the message for another one")
@@ -426,14 +428,14 @@ class ChatPanel(QWidget):
         return hist.current.turns if hist is not None else []
 
     def _start(self, text: str, replace_last: bool) -> None:
-        key = self._runner_key()
-        if key is None:
+        key, project = self._runner_key(), self.window_.project  # a key: a project (said for mypy)
+        if key is None or project is None:
             show_error(self, "There is nothing to chat with yet.",
                        "Build the bundle (Compile step) and pick a device, or choose 'This computer'.")
             return
         if key != self._key:
             self.session, self._key = None, key
-        project, kind, serial = self.window_.project, key[1], key[2]
+        kind, serial = key[1], key[2]
         bundle, system = project.stage_dir("bundle"), self.system.text().strip() or None
         self.window_.chat_dock.raise_()  # the answer is to be seen (the device panel shares its place)
         self.stop_event = threading.Event()

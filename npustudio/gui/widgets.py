@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPaintEvent
@@ -25,6 +25,10 @@ from PySide6.QtWidgets import (
 )
 
 from . import worker
+from .window import StudioWindow
+
+if TYPE_CHECKING:
+    from ..core.project import Project
 
 GOOD, BAD, WARN = QColor("#d7f5dd"), QColor("#f8d7da"), QColor("#fff3cd")
 
@@ -239,7 +243,7 @@ class Page(QWidget):
     title = ""
     why = ""
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__()
         self.window_ = window
         self.lay = QVBoxLayout(self)
@@ -260,8 +264,14 @@ class Page(QWidget):
         return self.strip
 
     @property
-    def project(self) -> Any:
-        return self.window_.project
+    def project(self) -> Project:
+        """The window's open project. The pages show and run a project's steps, so they are used once one is open
+        (`MainWindow.refresh` draws none before); reaching here without one is a bug of the caller, said plainly
+        rather than as an `AttributeError` of None further on."""
+        project = self.window_.project
+        if project is None:
+            raise RuntimeError(f"{type(self).__name__} used with no project open")
+        return project
 
     def start(self, force: bool = False) -> None:
         """Run the page's stage (`force`: again, though its inputs and options are unchanged); the Redo button of
