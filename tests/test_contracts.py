@@ -1,4 +1,4 @@
-"""Project-wide rules: import contracts (Qt-free core, layers), mypy on the core, ruff, the README's two commands."""
+"""Project-wide rules: import contracts (Qt-free core, layers), mypy, ruff, the README's two commands."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ def test_the_core_starts_no_cli_module_either() -> None:
     assert named == []
 
 
-def test_mypy_passes_on_the_core() -> None:
-    """The type hints of npustudio/core are checked (settings in pyproject.toml), pydantic's plugin included."""
+def test_mypy_passes_on_the_core_gui_cli_and_plugins() -> None:
+    """The type hints of npustudio/core, npustudio/gui, npustudio/cli and plugins are checked (settings in
+    pyproject.toml), pydantic's plugin included."""
     r = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
 

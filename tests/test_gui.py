@@ -189,7 +189,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     dialog = w2._new_project()
     dialog.name.setText("second")
     dialog.location.setText(str(tmp_path / "new" / "place"))
-    dialog.create.click()
+    dialog.create_button.click()
     assert not dialog.problem.text() and not dialog.isVisible()
     assert w2.project.root == (tmp_path / "new" / "place" / "second").resolve()
     assert marks(w2) == ["todo", "todo", "locked", "locked", "locked", "locked"]

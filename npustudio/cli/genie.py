@@ -59,8 +59,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
     def ask(text: str) -> bool:
         """One turn; Ctrl-C stops the answer (kept in the history as stopped). False when it was stopped."""
         stop = threading.Event()
-        turn = until_done(lambda: session.send(text, lambda s: (sys.stdout.write(s), sys.stdout.flush()), stop),
-                           stop)
+
+        def show(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        turn = until_done(lambda: session.send(text, show, stop), stop)
         rate = f", {turn.generation_tok_s:.2f} tok/s" if turn.generation_tok_s else ""
         err.print(f"\n[dim]({engine.name}{rate}{', stopped' if turn.stopped else ''})[/]")
         return not turn.stopped

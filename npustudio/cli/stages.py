@@ -30,7 +30,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     from ..core.models import plan
 
     fits = [f.model_dump() for f in res.fit]
-    plans = {where: plan(res.fit, where).model_dump() for where in ("phone", "simulator")}  # type: ignore[arg-type]
+    plans = {where: plan(res.fit, where).model_dump() for where in ("phone", "simulator")}
     if a.json:
         print_json(res.card.model_dump() | {"fit": fits, "recommended": plans, "host": res.host.model_dump()})
     else:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from PySide6.QtCore import QSize, Qt, QThreadPool, QTimer
 from PySide6.QtGui import QAction, QCloseEvent, QIcon, QMoveEvent, QShowEvent
@@ -19,6 +20,7 @@ from PySide6.QtWidgets import (
     QListWidget,
     QListWidgetItem,
     QMainWindow,
+    QMenu,
     QMessageBox,
     QStackedWidget,
     QWidget,
@@ -34,12 +36,13 @@ from . import worker
 from .chat import ChatPanel
 from .devices import DevicePanel
 from .new_project import NewProjectDialog
-from .pages import PAGES
+from .pages import PAGES, AdaptPage, CompilePage, DeployPage, ModelPage, QuantizePage, TargetPage
 from .profile_view import ProfileView
 from .settings_dialog import SettingsDialog
-from .widgets import scrolled, show_error
+from .widgets import Page, scrolled, show_error
 
 STEPS = STEP_NAMES
+P = TypeVar("P", bound=Page)
 ICON = Path(__file__).resolve().parents[2] / "resources" / "npustudio.svg"
 
 
@@ -77,8 +80,10 @@ class MainWindow(QMainWindow):
         lay.addWidget(self.stack, 1)
         self.setCentralWidget(central)
         self.steps.currentRowChanged.connect(self._go)
-        (self.model_page, self.target_page, self.adapt_page, self.quantize_page, self.compile_page,
-         self.deploy_page) = self.pages
+        # by class, each typed as its page (unpacked from the list they were all `Page`s to the checker)
+        self.model_page, self.target_page = self._page(ModelPage), self._page(TargetPage)
+        self.adapt_page, self.quantize_page = self._page(AdaptPage), self._page(QuantizePage)
+        self.compile_page, self.deploy_page = self._page(CompilePage), self._page(DeployPage)
 
         self.devices = DevicePanel(self)
         self.chat = ChatPanel(self)
@@ -111,6 +116,9 @@ class MainWindow(QMainWindow):
             self.devices.watch()
             self.devices.refresh()
 
+    def _page(self, cls: type[P]) -> P:
+        return next(p for p in self.pages if isinstance(p, cls))
+
     def _give_profiles_room(self, visible: bool) -> None:
         """Opened, the profiles dock takes 45% of the height below the wizard: its charts readable without
         scrolling (the page above scrolls meanwhile); the chat beside them keeps the full height."""
@@ -138,7 +146,7 @@ class MainWindow(QMainWindow):
         s = bar.addMenu("&Settings")
         self._action(s, "&Preferences and Hugging Face token…", self.open_settings)
 
-    def _action(self, menu: Any, text: str, slot: Any, shortcut: str | None = None) -> QAction:
+    def _action(self, menu: QMenu, text: str, slot: Callable[..., object], shortcut: str | None = None) -> QAction:
         a = QAction(text, self)
         if shortcut:
             a.setShortcut(shortcut)

@@ -39,6 +39,7 @@ from ..core.errors import UserError
 from ..core.models import human_number
 from . import worker
 from .widgets import StatusLine, show_error
+from .window import StudioWindow
 
 RUNNERS = (("device", "The selected device"), ("desktop", "This computer: Genie on the HTP simulator (slow)"),
            ("preview", "This computer: CPU preview (fast, not Genie)"))
@@ -227,7 +228,7 @@ def answer_header(t: Turn) -> str:
 class ChatPanel(QWidget):
     answered = Signal(object)  # Turn
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__()
         self.window_ = window
         self.session: ChatSession | None = None
@@ -243,11 +244,14 @@ class ChatPanel(QWidget):
         self.chats.setToolTip("This project's chats, newest first")
         self.chats.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.chats.setMinimumContentsLength(10)
-        self.new_btn = QToolButton(text="New")  # tool buttons: as wide as their word, the list keeps its room
+        self.new_btn = QToolButton()
+        self.new_btn.setText("New")  # tool buttons: as wide as their word, the list keeps its room
         self.new_btn.setToolTip("Start a new chat; this one stays in the list")
-        self.rename_btn = QToolButton(text="Rename…")
+        self.rename_btn = QToolButton()
+        self.rename_btn.setText("Rename…")
         self.rename_btn.setToolTip("Give this chat a name of its own in the list")
-        self.delete_btn = QToolButton(text="Delete…")
+        self.delete_btn = QToolButton()
+        self.delete_btn.setText("Delete…")
         self.delete_btn.setToolTip("Forget this chat (asks first)")
         top.addWidget(self.chats, 1)
         for b in (self.new_btn, self.rename_btn, self.delete_btn):
@@ -357,8 +361,9 @@ class ChatPanel(QWidget):
     def _note_greedy(self, key: tuple[Any, ...] | None) -> None:
         """Regenerate's tooltip says when it cannot bring another answer (greedy decoding)."""
         tip = "Ask the last message again; the new answer replaces the last one"
-        self.greedy = key is not None and chat.samples_greedily(self.window_.project.stage_dir("bundle"),
-                                                                 key[1] == "preview")
+        project = self.window_.project  # not None with a key (`_runner_key`): said for mypy
+        self.greedy = key is not None and project is not None and chat.samples_greedily(project.stage_dir("bundle"),
+                                                                                         key[1] == "preview")
         if self.greedy:
             tip += (". This runner decodes greedily (the likeliest token every time): the same messages bring the "
                     "same answer; edit the message for another one")
@@ -423,14 +428,14 @@ class ChatPanel(QWidget):
         return hist.current.turns if hist is not None else []
 
     def _start(self, text: str, replace_last: bool) -> None:
-        key = self._runner_key()
-        if key is None:
+        key, project = self._runner_key(), self.window_.project  # a key: a project (said for mypy)
+        if key is None or project is None:
             show_error(self, "There is nothing to chat with yet.",
                        "Build the bundle (Compile step) and pick a device, or choose 'This computer'.")
             return
         if key != self._key:
             self.session, self._key = None, key
-        project, kind, serial = self.window_.project, key[1], key[2]
+        kind, serial = key[1], key[2]
         bundle, system = project.stage_dir("bundle"), self.system.text().strip() or None
         self.window_.chat_dock.raise_()  # the answer is to be seen (the device panel shares its place)
         self.stop_event = threading.Event()

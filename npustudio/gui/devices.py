@@ -27,6 +27,7 @@ from ..core.device import DeviceInfo
 from ..core.models import human_bytes
 from . import worker
 from .widgets import fill, fit_rows, show_error, status_label, table
+from .window import StudioWindow
 
 VIRTUAL = QColor("#e8e0f8")
 LOG_LEVELS = ("error", "warn", "info", "verbose")  # Genie's, as genie-t2t-run --log takes them
@@ -43,7 +44,7 @@ class _Bridge(QObject):
 class DevicePanel(QWidget):
     selected = Signal(object)  # DeviceInfo or None
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__()
         self.window_ = window
         self.devices: list[DeviceInfo] = []

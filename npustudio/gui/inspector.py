@@ -175,7 +175,8 @@ class FrozenNameTable(QTableView):
         if index.column() > 0:
             super().scrollTo(index, hint)
         else:
-            super().scrollTo(index.siblingAtColumn(max(0, self.horizontalHeader().logicalIndexAt(0))), hint)
+            # `sibling`, not `siblingAtColumn`: a QPersistentModelIndex has only the former
+            super().scrollTo(index.sibling(index.row(), max(0, self.horizontalHeader().logicalIndexAt(0))), hint)
 
 
 class TensorFilter(QSortFilterProxyModel):
@@ -200,8 +201,15 @@ class TensorFilter(QSortFilterProxyModel):
             self.flagged_only = flagged_only
         self.endFilterChange(QSortFilterProxyModel.Direction.Rows)
 
+    def tensors(self) -> TensorModel:
+        """The source model: a `TensorModel` (`Inspector` sets one before any row is filtered or read)."""
+        src = self.sourceModel()
+        if not isinstance(src, TensorModel):
+            raise TypeError(f"TensorFilter over {type(src).__name__}, not a TensorModel")
+        return src
+
     def filterAcceptsRow(self, source_row: int, source_parent: Index) -> bool:
-        r: TensorRow = self.sourceModel().rows[source_row]
+        r = self.tensors().rows[source_row]
         return ((not self.text or self.text in r.name.lower()) and (not self.role or r.role == self.role)
                 and (not self.flagged_only or bool(r.flags)))
 
@@ -221,7 +229,7 @@ def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], lis
     worse = (lambda a, b: a < b) if metric in _DB else (lambda a, b: a > b)  # a cell shows its most damaged
     names: dict[tuple[int, int], str] = {}
     for r in table.rows:
-        if r.role not in roles or not shown(r):
+        if r.layer is None or r.role not in roles or not shown(r):  # `shown` holds a layer: said for mypy
             continue
         v = {"weight_bits": float(r.bitwidth), "activation_bits": float(r.bitwidth), "sqnr": r.sqnr_db or 0.0,
              "activation_sqnr": r.sqnr_db or 0.0,
@@ -387,7 +395,7 @@ class Inspector(QWidget):
 
     def visible_rows(self) -> list[TensorRow]:
         """The rows in the table's current order and filter (what a person sees)."""
-        src = self.proxy.sourceModel()
+        src = self.proxy.tensors()
         return [src.rows[self.proxy.mapToSource(self.proxy.index(i, 0)).row()] for i in range(self.proxy.rowCount())]
 
     def sort_by(self, column: str, descending: bool = True) -> None:
@@ -462,12 +470,12 @@ class Inspector(QWidget):
 
     def selected(self) -> TensorRow | None:
         rows = self.view.selectionModel().selectedRows() if self.view.selectionModel() else []
-        return self.proxy.sourceModel().rows[self.proxy.mapToSource(rows[0]).row()] if rows else None
+        return self.proxy.tensors().rows[self.proxy.mapToSource(rows[0]).row()] if rows else None
 
     def _select(self, current: QModelIndex, _prev: QModelIndex) -> None:
         if not current.isValid():
             return
-        r: TensorRow = self.proxy.sourceModel().rows[self.proxy.mapToSource(current).row()]
+        r = self.proxy.tensors().rows[self.proxy.mapToSource(current).row()]
         self.show_detail(r)
 
     def show_detail(self, r: TensorRow) -> None:

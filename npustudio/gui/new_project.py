@@ -39,7 +39,7 @@ class NewProjectDialog(QDialog):
         self.problem.setStyleSheet("color: #b00020")
         form.addRow(self.problem)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Cancel)
-        self.create = buttons.addButton("Create", QDialogButtonBox.ButtonRole.AcceptRole)
+        self.create_button = buttons.addButton("Create", QDialogButtonBox.ButtonRole.AcceptRole)
         buttons.accepted.connect(self._accept)
         buttons.rejected.connect(self.reject)
         form.addRow(buttons)

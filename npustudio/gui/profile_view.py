@@ -144,7 +144,8 @@ class ProfileView(QWidget):
         self.ttft.getAxis("bottom").setTicks([labels])
         prompt = [s.prompt_tok_s for _l, _p, s in self.runs]
         gen = [s.generation_tok_s for _l, _p, s in self.runs]
-        bound = self.roof["decode_tok_s_bound"] if self.roof else None
+        roof = self.roof
+        bound = roof["decode_tok_s_bound"] if roof else None
         known = [v for v in (*prompt, *gen, bound) if v]
         base = math.floor(math.log10(min(known))) if known else 0  # bars rise from the decade below the lowest
         for shift, values, colour in ((-0.18, prompt, PROMPT), (0.18, gen, GENERATE)):
@@ -152,10 +153,10 @@ class ProfileView(QWidget):
             if shown:
                 self.rates.addItem(pg.BarGraphItem(x=[x for x, _v in shown], y0=base, y1=[v for _x, v in shown],
                                                    width=0.35, brush=colour))
-        if bound:
+        if roof and bound:
             self.rates.addItem(pg.InfiniteLine(pos=math.log10(bound), angle=0,
                                                pen=pg.mkPen(ROOF, style=pg.QtCore.Qt.PenStyle.DashLine),
-                                               label=f"{bound} tok/s (phone, {self.roof['memory_gb_s']} GB/s)",
+                                               label=f"{bound} tok/s (phone, {roof['memory_gb_s']} GB/s)",
                                                labelOpts={"position": 0.02, "anchors": [(0, 0), (0, 0)],
                                                           "color": ROOF}))  # below the line: never cut at the top
         self.rates.getAxis("bottom").setTicks([labels])

@@ -3,8 +3,6 @@ system keyring), tool paths and defaults (saved in the platform config dir)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
@@ -18,6 +16,7 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QVBoxLayout,
+    QWidget,
 )
 
 from ..core import secrets
@@ -41,7 +40,7 @@ def device_choice(current: str) -> QComboBox:
 
 
 class SettingsDialog(QDialog):
-    def __init__(self, parent: Any, s: user_settings.Settings) -> None:
+    def __init__(self, parent: QWidget, s: user_settings.Settings) -> None:
         super().__init__(parent)
         self.setWindowTitle("NPU Studio settings")
         self.settings = s

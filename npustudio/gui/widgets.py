@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPaintEvent
@@ -25,6 +25,10 @@ from PySide6.QtWidgets import (
 )
 
 from . import worker
+from .window import StudioWindow
+
+if TYPE_CHECKING:
+    from ..core.project import Project
 
 GOOD, BAD, WARN = QColor("#d7f5dd"), QColor("#f8d7da"), QColor("#fff3cd")
 
@@ -113,8 +117,9 @@ def fill(t: QTableWidget, rows: Sequence[Sequence[Any]], colours: Sequence[QColo
     for i, row in enumerate(rows):
         for j, v in enumerate(row):
             item = QTableWidgetItem("—" if v is None else str(v))
-            if colours and colours[i] is not None:
-                item.setBackground(colours[i])
+            colour = colours[i] if colours else None
+            if colour is not None:
+                item.setBackground(colour)
             t.setItem(i, j, item)
     t.resizeColumnsToContents()
     t.horizontalHeader().setStretchLastSection(True)
@@ -140,7 +145,8 @@ def fit_rows(t: QTableWidget) -> None:
 
 def cells(t: QTableWidget) -> list[list[str]]:
     """What a person reads in a table (tests assert on it)."""
-    return [[t.item(r, c).text() if t.item(r, c) else "" for c in range(t.columnCount())] for r in range(t.rowCount())]
+    return [[item.text() if (item := t.item(r, c)) else "" for c in range(t.columnCount())]
+            for r in range(t.rowCount())]
 
 
 class RunStrip(QWidget):
@@ -237,7 +243,7 @@ class Page(QWidget):
     title = ""
     why = ""
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__()
         self.window_ = window
         self.lay = QVBoxLayout(self)
@@ -258,8 +264,19 @@ class Page(QWidget):
         return self.strip
 
     @property
-    def project(self) -> Any:
-        return self.window_.project
+    def project(self) -> Project:
+        """The window's open project. The pages show and run a project's steps, so they are used once one is open
+        (`MainWindow.refresh` draws none before); reaching here without one is a bug of the caller, said plainly
+        rather than as an `AttributeError` of None further on."""
+        project = self.window_.project
+        if project is None:
+            raise RuntimeError(f"{type(self).__name__} used with no project open")
+        return project
+
+    def start(self, force: bool = False) -> None:
+        """Run the page's stage (`force`: again, though its inputs and options are unchanged); the Redo button of
+        `add_strip(redo=True)` calls it, so a page with a Redo button defines it."""
+        raise NotImplementedError(f"{type(self).__name__} runs no stage")
 
     def refresh(self) -> None:
         """Show what the project already holds (called on open and after any stage)."""

@@ -13,6 +13,7 @@ from ...core.stage_options import AdaptOptions
 from ..charts import PplChart
 from ..fields import default, spin
 from ..widgets import BAD, Page, fill, table, with_note
+from ..window import StudioWindow
 
 
 class AdaptPage(Page):
@@ -20,7 +21,7 @@ class AdaptPage(Page):
     why = ("Rewrites the model into the fixed-shape graphs the NPU runs (prompt graph AR-N and token graph AR-1 over "
            "a KV cache of CL entries) and checks they give the original model's next-token logits.")
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
         self.ar = spin(AdaptOptions, "ar", step=32)
         self.cl = spin(AdaptOptions, "cl", step=128)

@@ -16,6 +16,7 @@ from ...core.results import BundleResult, CompileResult
 from ...core.stage_options import CompileOptions
 from ..fields import default, spin
 from ..widgets import Page, fill, table, with_note
+from ..window import StudioWindow
 
 
 def sdk_found() -> tuple[str | None, str]:
@@ -32,7 +33,7 @@ class CompilePage(Page):
     why = ("Compiles the quantized graphs into Hexagon context binaries (every op must land on the NPU), runs them "
            "on the HTP simulator against the quantsim, and writes the Genie bundle.")
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
         self.backend = QButtonGroup(self)
         self.embedded = QRadioButton("Embedded: onnxruntime-qnn + HTP simulator")

@@ -14,6 +14,7 @@ from ...core.errors import UserError
 from ...core.genie.bundle import read_metadata
 from ...core.models import human_bytes
 from ..widgets import BAD, GOOD, Page, fill, show_error, status_label, table
+from ..window import StudioWindow
 
 
 class DeployPage(Page):
@@ -21,7 +22,7 @@ class DeployPage(Page):
     why = ("Pushes the Genie bundle to the selected device over adb (only changed files; an interrupted push resumes) "
            "and asks it the sample question. With no phone, start the virtual device in the device panel.")
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
         self.target = status_label("No device selected.")
         self.target.setWordWrap(True)
@@ -50,11 +51,11 @@ class DeployPage(Page):
         self.device_changed()
         d = self.project.choices().get("deployed")
         said = f"Deployed to {d['device']}:{d['remote_dir']}" if d else ""
-        if said and not self.strip.busy and not self.strip.status.text().startswith(said):  # keep a push's figures
+        if d and not self.strip.busy and not self.strip.status.text().startswith(said):  # keep a push's figures
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d["at"])) if d.get("at") else "earlier"
             self.strip.status.setText(f"{said} ({when}).")
         dev = self.window_.device
-        self.ask.setEnabled(bool(d) and dev is not None and d.get("device") == dev.serial)
+        self.ask.setEnabled(bool(d and dev is not None and d.get("device") == dev.serial))
 
     def device_changed(self) -> None:
         """The selected device or the bundle changed: show the files and whether it fits."""

@@ -20,6 +20,7 @@ from ...core.stage_options import AdaptOptions
 from ...core.targets import fits_phone_ram
 from ..fields import default, spin
 from ..widgets import BAD, GOOD, WARN, Page, fill, status_label, table
+from ..window import StudioWindow
 
 KINDS = (("default", "Embedded default"), ("hf_dir", "Local folder"), ("gguf", "GGUF file"),
          ("hub", "Hugging Face hub id"))
@@ -30,7 +31,7 @@ class ModelPage(Page):
     why = ("Pick the causal LLM to put on the phone. Its architecture card and a memory estimate per precision "
            "tell at a glance whether it fits.")
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
         self.kind = QButtonGroup(self)
         kinds = QWidget()
@@ -145,7 +146,7 @@ class ModelPage(Page):
         ram = dev.ram_bytes if dev is not None and dev.ram_bytes else None
         rows, colours = [], []
         for f in self.fits:
-            if ram:
+            if dev is not None and ram:  # `ram` is the device's: said for mypy
                 ok = fits_phone_ram(f.phone_ram_bytes, ram)
                 verdict = f"{'fits' if ok else 'too large for'} {dev.serial} ({models.human_bytes(ram)})"
             else:

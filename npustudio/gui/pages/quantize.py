@@ -29,6 +29,7 @@ from ..fields import combo, default, spin
 from ..inspector import Inspector
 from ..settings_dialog import device_choice
 from ..widgets import Page, fill, show_error, table
+from ..window import StudioWindow
 
 
 def _file_row(edit: QLineEdit, title: str, filt: str, parent: QWidget) -> QWidget:
@@ -54,7 +55,7 @@ class QuantizePage(Page):
     why = ("AIMET simulates the NPU's integer arithmetic and calibrates the encodings on sample text; the chart "
            "shows the quantized perplexity per eval window beside the FP line as calibration runs.")
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
         self.precision = combo(QuantizeOptions, "precision", {p: f"{p} — {n}" for p, n in PRECISION_NOTES.items()})
         self.seq_mse = QCheckBox("SeqMSE")

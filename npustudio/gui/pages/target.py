@@ -9,6 +9,7 @@ from PySide6.QtWidgets import QComboBox, QPushButton
 from ...core import device, models, pipeline
 from ...core.targets import DEFAULT_SOC, KNOWN_SOCS, find_soc
 from ..widgets import Page, fill, table
+from ..window import StudioWindow
 
 
 class TargetPage(Page):
@@ -16,7 +17,7 @@ class TargetPage(Page):
     why = ("The phone's Snapdragon decides the Hexagon architecture the graphs are quantized and compiled for. "
            "Pick it, or read it from the connected device.")
 
-    def __init__(self, window: Any) -> None:
+    def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
         self.soc = QComboBox()
         for s in KNOWN_SOCS.values():
