@@ -163,6 +163,16 @@ def test_manifest_is_plain_json_with_stage_records(tmp_path: Path) -> None:
     assert rec["seconds"] >= 0 and rec["peak_rss_mb"] > 0 and rec["status"] == "done"
 
 
+def test_a_records_options_read_back_typed_with_the_defaults_for_what_an_older_record_lacks(tmp_path: Path) -> None:
+    from npustudio.core.stage_options import AdaptOptions, IntakeOptions
+
+    p = Project.open(tmp_path / "proj")
+    rec, _ = p.run_stage("adapt", {"model": "m"}, {"ar": 16, "cl": 256}, _write_stage("a", []))
+    o = p.record("adapt").options_as(AdaptOptions)  # type: ignore[union-attr]
+    assert (o.ar, o.cl, o.accept_mismatch) == (16, 256, AdaptOptions().accept_mismatch)
+    assert rec.options_as(IntakeOptions).cl == 256 and IntakeOptions().cl == AdaptOptions().cl
+
+
 def test_two_processes_cannot_run_stages_on_one_project_at_once(tmp_path: Path) -> None:
     p = Project.open(tmp_path / "proj")
 

@@ -62,6 +62,11 @@ class StageRecord(BaseModel):
         """The stage's result as its typed record (`core/results.py`)."""
         return model.model_validate(self.result)
 
+    def options_as(self, model: type[Record]) -> Record:
+        """The options the stage ran with as its typed model (`core/stage_options.py`): a field an older record
+        lacks reads as the model's default, declared there once."""
+        return model.model_validate(self.options)
+
 
 class Manifest(BaseModel):
     schema_version: int = SCHEMA_VERSION

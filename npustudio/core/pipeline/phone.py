@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 from ..progress import State, StateLike
 from ..project import Project
 from ..results import IntakeResult, QuantizeResult
+from ..stage_options import IntakeOptions
 from .status import _require, stale_reasons
 
 
@@ -71,7 +72,7 @@ def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, fl
     rec = project.record("model")
     if rec is None or rec.status != "done":
         return []
-    intake, cl = rec.result_as(IntakeResult), int(rec.options.get("cl", 1024))
+    intake, cl = rec.result_as(IntakeResult), rec.options_as(IntakeOptions).cl
     built = None
     quant, bundle = project.record("quantize"), project.record("bundle")
     if quant and bundle and bundle.status == "done" and "bundle" not in stale_reasons(project):

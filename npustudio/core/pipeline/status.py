@@ -10,6 +10,7 @@ from .. import stages
 from ..errors import UserError
 from ..project import Manifest, Project, StageRecord
 from ..results import IntakeResult
+from ..stage_options import AdaptOptions, IntakeOptions, QuantizeOptions
 
 
 def stage_status(project: Project) -> dict[str, str | None]:
@@ -87,12 +88,12 @@ def _stale(m: Manifest) -> dict[str, str]:
             out[name] = f"the {up} stage it was made from is gone"
         elif name == "adapt" and rec.inputs.get("model") != prev.inputs.get("model"):
             out[name] = f"another model was read ({prev.result_as(IntakeResult).source.spec})"
-        elif name == "adapt" and rec.options.get("cl") != prev.options.get("cl"):
-            out[name] = f"the context length is now {prev.options.get('cl')} (adapted for {rec.options.get('cl')})"
+        elif name == "adapt" and (cl := rec.options_as(AdaptOptions).cl) != prev.options_as(IntakeOptions).cl:
+            out[name] = f"the context length is now {prev.options_as(IntakeOptions).cl} (adapted for {cl})"
         elif name != "adapt" and rec.inputs.get(up) != prev.key:
             out[name] = f"the {up} stage was run again since"
-        elif name == "quantize" and target and rec.options.get("target") != target:
-            out[name] = f"the target is now {target} (quantized for {rec.options.get('target')})"
+        elif name == "quantize" and target and (made_for := rec.options_as(QuantizeOptions).target) != target:
+            out[name] = f"the target is now {target} (quantized for {made_for})"
     return out
 
 

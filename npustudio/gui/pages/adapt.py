@@ -56,9 +56,10 @@ class AdaptPage(Page):
         rec = self.project.record("adapt")
         ch = self.project.choices()
         if rec and rec.status == "done":
-            self.ar.setValue(int(rec.options["ar"]))
-            self.cl.setValue(int(rec.options["cl"]))
-            self.accept_mismatch.setChecked(bool(rec.options.get("accept_mismatch", False)))
+            o = rec.options_as(AdaptOptions)
+            self.ar.setValue(o.ar)
+            self.cl.setValue(o.cl)
+            self.accept_mismatch.setChecked(o.accept_mismatch)
             self.show_result(rec.result_as(AdaptResult))
         else:
             self.cl.setValue(int(ch.get("cl", default(AdaptOptions, "cl"))))

@@ -123,14 +123,14 @@ class QuantizePage(Page):
     def refresh(self) -> None:
         rec = self.project.record("quantize")
         if rec and rec.status == "done":
-            o = rec.options
-            self.precision.setCurrentIndex(max(0, self.precision.findData(o["precision"])))
-            self.seq_mse.setChecked(bool(o["seq_mse"]))
-            self.rotate.setChecked(bool(o.get("rotate", False)))
-            self.calib_samples.setValue(int(o["calib_samples"]))
-            self.calib_len.setValue(int(o["calib_len"]))
-            self.calib.setText(o["calib_corpus"])
-            self.device.setCurrentIndex(max(0, self.device.findData(o.get("device", "auto"))))
+            o = rec.options_as(QuantizeOptions)
+            self.precision.setCurrentIndex(max(0, self.precision.findData(o.precision)))
+            self.seq_mse.setChecked(o.seq_mse)
+            self.rotate.setChecked(o.rotate)
+            self.calib_samples.setValue(o.calib_samples)
+            self.calib_len.setValue(o.calib_len)
+            self.calib.setText(o.calib_corpus)
+            self.device.setCurrentIndex(max(0, self.device.findData(o.device)))
             self.show_result(rec.result_as(QuantizeResult))
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
