@@ -47,8 +47,8 @@ def wizard_steps(project: Project) -> list[WizardStep]:
     m = project.load()
     st, stale = _status(project, m)
     brec = m.stages.get(stages.BUNDLE.name)
-    deployed = m.choices.get("deployed") or {}
-    deploy_done = bool(brec and deployed.get("bundle") == brec.key) and st[stages.BUNDLE.name] == "done"
+    deployed = m.choices.deployed
+    deploy_done = bool(brec and deployed and deployed.bundle == brec.key) and st[stages.BUNDLE.name] == "done"
     out: list[WizardStep] = []
     for step in stages.STEPS:
         if step.stages:
@@ -61,7 +61,7 @@ def wizard_steps(project: Project) -> list[WizardStep]:
             done = deploy_done
             why = "the bundle changed since it was deployed" if deployed and brec and not deploy_done else ""
         else:
-            done, why = step.choice in m.choices or st[stages.QUANTIZE.name] == "done", ""
+            done, why = m.choices.chosen(step.choice or "") or st[stages.QUANTIZE.name] == "done", ""
         reachable = step.free or all(s.state == "done" for s in out)
         out.append(WizardStep(name=step.name, state="done" if done and reachable else
                               "todo" if reachable else "locked", reason=why))
@@ -76,7 +76,7 @@ def stale_reasons(project: Project) -> dict[str, str]:
 
 
 def _stale(m: Manifest) -> dict[str, str]:
-    target = m.choices.get("target")
+    target = m.choices.target
     out: dict[str, str] = {}
     for name, up in stages.UPSTREAM.items():
         rec, prev = m.stages.get(name), m.stages.get(up)

@@ -95,7 +95,7 @@ class QuantizePage(Page):
         self._read_job: worker.Job | None = None
 
     def options(self) -> QuantizeOptions:
-        target = self.project.choices().get("target", default(QuantizeOptions, "target"))
+        target = self.project.choices().target_soc
         return QuantizeOptions(precision=self.precision.currentData(), target=target,
                                seq_mse=self.seq_mse.isChecked(), rotate=self.rotate.isChecked(),
                                calib_corpus=self.calib.text().strip() or default(QuantizeOptions, "calib_corpus"),
