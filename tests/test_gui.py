@@ -74,7 +74,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert "v75" in table_dict(w.target_page.details)["Hexagon (dsp_arch)"]
     w.target_page.select("SM8750")
     w.target_page.strip.run.click()
-    assert w.project.choices()["target"] == "SM8750"
+    assert w.project.choices().target == "SM8750"
     assert marks(w)[:3] == ["done", "done", "todo"]
 
     # Adapt at AR-32 / CL-128: equivalence shown, the PPL chart drew both series
@@ -1156,7 +1156,7 @@ def test_a_recorded_deploy_shows_as_done_on_the_step_and_its_page_when_reopened(
     qtbot.addWidget(w)
     assert marks(w) == ["done"] * 6
     assert w.deploy_page.strip.status.text().startswith("Deployed to emulator-5554:/data/local/tmp/npustudio/proj")
-    assert w.target_page.strip.status.text() == f"Target set: {p.choices()['target']}."
+    assert w.target_page.strip.status.text() == f"Target set: {p.choices().target}."
 
 
 def test_the_chat_is_ready_as_soon_as_compile_has_built_the_bundle(

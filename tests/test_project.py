@@ -163,6 +163,63 @@ def test_manifest_is_plain_json_with_stage_records(tmp_path: Path) -> None:
     assert rec["seconds"] >= 0 and rec["peak_rss_mb"] > 0 and rec["status"] == "done"
 
 
+def test_a_records_options_read_back_typed_with_the_defaults_for_what_an_older_record_lacks(tmp_path: Path) -> None:
+    from npustudio.core.stage_options import AdaptOptions, IntakeOptions
+
+    p = Project.open(tmp_path / "proj")
+    rec, _ = p.run_stage("adapt", {"model": "m"}, {"ar": 16, "cl": 256}, _write_stage("a", []))
+    o = p.record("adapt").options_as(AdaptOptions)  # type: ignore[union-attr]
+    assert (o.ar, o.cl, o.accept_mismatch) == (16, 256, AdaptOptions().accept_mismatch)
+    assert rec.options_as(IntakeOptions).cl == 256 and IntakeOptions().cl == AdaptOptions().cl
+
+
+def test_an_old_project_file_with_plain_dict_choices_loads_and_is_written_back_as_it_was(tmp_path: Path) -> None:
+    """Choices were a free dict: a file with a key this version does not know, or a pick it now refuses, still
+    opens; the unknown key is kept, the refused pick dropped, and an unpicked field is not written."""
+    from npustudio.core.project import Deployed
+    from npustudio.core.stage_options import AdaptOptions
+
+    root = tmp_path / "proj"
+    root.mkdir()
+    old = {"schema_version": 1, "created": "2025-01-01T00:00:00Z", "stages": {}, "attempts": {},
+           "choices": {"model": "m", "target": "SM8650", "from_a_newer_version": {"x": 1},
+                       "deployed": {"device": "emulator-5554", "remote_dir": "/data/local/tmp/p", "bundle": "k",
+                                    "at": 1.5}}}
+    (root / MANIFEST).write_text(json.dumps(old, indent=2) + "\n")
+    p = Project.open(root, create=False)
+    ch = p.choices()
+    assert (ch.model, ch.target, ch.cl) == ("m", "SM8650", AdaptOptions().cl)  # cl: not picked, the default
+    assert ch.deployed == Deployed(device="emulator-5554", remote_dir="/data/local/tmp/p", bundle="k", at=1.5)
+    assert ch.chosen("target") and not ch.chosen("cl")
+    p.save(p.load())
+    assert json.loads((root / MANIFEST).read_text())["choices"] == old["choices"]  # the same JSON object
+    p.choose(cl=512)
+    assert json.loads((root / MANIFEST).read_text())["choices"] == {**old["choices"], "cl": 512}
+
+    old["choices"] = {"target": "SM0000", "cl": "long", "model": "m"}  # a SoC no longer in the table, a bad value
+    (root / MANIFEST).write_text(json.dumps(old))
+    ch = Project.open(root, create=False).choices()
+    assert (ch.model, ch.target, ch.cl) == ("m", None, AdaptOptions().cl)
+
+
+def test_choosing_an_unknown_target_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    from npustudio.core.stage_options import QuantizeOptions
+
+    p = Project.open(tmp_path / "proj")
+    p.choose(target="SM8650")
+    before = (p.root / MANIFEST).read_text()
+    with pytest.raises(UserError, match="Unknown target SoC 'SM1234'") as e:
+        p.choose(target="SM1234")
+    assert "SM8750" in e.value.fix
+    with pytest.raises(UserError, match="Not a valid project choice"):
+        p.choose(cl="long")
+    with pytest.raises(TypeError, match="not a project choice: tagret"):
+        p.choose(tagret="SM8650")
+    assert (p.root / MANIFEST).read_text() == before
+    assert p.choices().target == "SM8650"
+    assert Project.open(tmp_path / "new").choices().target_soc == QuantizeOptions().target  # nothing picked
+
+
 def test_two_processes_cannot_run_stages_on_one_project_at_once(tmp_path: Path) -> None:
     p = Project.open(tmp_path / "proj")
 

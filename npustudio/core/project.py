@@ -22,12 +22,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+)
 
 from . import layout
 from .errors import UserError
 from .fsutil import atomic_write_text, open_nofollow, refuse_link, sha256_file, sha256_json
 from .progress import Cancelled, peak_rss_mb
+from .stage_options import AdaptOptions, QuantizeOptions, _known_soc, default
 
 SCHEMA_VERSION = 1
 Record = TypeVar("Record", bound=BaseModel)
@@ -62,6 +71,44 @@ class StageRecord(BaseModel):
         """The stage's result as its typed record (`core/results.py`)."""
         return model.model_validate(self.result)
 
+    def options_as(self, model: type[Record]) -> Record:
+        """The options the stage ran with as its typed model (`core/stage_options.py`): a field an older record
+        lacks reads as the model's default, declared there once."""
+        return model.model_validate(self.options)
+
+
+class Deployed(BaseModel):
+    """The project's bundle as it was last put on a device (`pipeline.deploy`)."""
+
+    device: str  # the device's serial
+    remote_dir: str
+    bundle: str  # the bundle stage's key: a newer bundle makes the deploy stale
+    at: float | None = None  # time.time() of the deploy
+
+
+class Choices(BaseModel):
+    """What the user picked before a stage ran, so a reopened project shows it again. Stored as a JSON object
+    holding only the picks made (an unpicked field reads as its default and is not written), so a project file
+    reads as it did before; a key this version does not know is kept as it is, for the version that wrote it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = "default"  # a model spec (core/models.py); "default": the embedded model
+    cl: int = default(AdaptOptions, "cl")
+    target: str | None = None  # a SoC of core/targets.py; None: not picked yet (the Target step is to do)
+    deployed: Deployed | None = None
+
+    check_target = field_validator("target")(_known_soc)  # as the stage options check theirs
+
+    @property
+    def target_soc(self) -> str:
+        """The picked target, else the quantize stage's default one."""
+        return self.target or default(QuantizeOptions, "target")
+
+    def chosen(self, name: str) -> bool:
+        """Whether the user picked `name` (a field's default is no pick)."""
+        return name in self.model_fields_set and getattr(self, name, None) is not None
+
 
 class Manifest(BaseModel):
     schema_version: int = SCHEMA_VERSION
@@ -70,7 +117,29 @@ class Manifest(BaseModel):
     # Failures and cancels are kept apart so they never replace the last good record.
     attempts: dict[str, StageRecord] = Field(default_factory=dict)
     # What the user picked before a stage ran (model, target, ...), so a reopened project shows it again.
-    choices: dict[str, Any] = Field(default_factory=dict)
+    choices: Choices = Field(default_factory=Choices)
+
+    @field_validator("choices", mode="wrap")
+    @classmethod
+    def _keep_the_valid_picks(cls, v: Any, handler: ValidatorFunctionWrapHandler) -> Choices:
+        """A pick this version refuses (a SoC since dropped from the table, a value of another type) is dropped
+        rather than making the whole project unreadable: it is a convenience, picked again in a click."""
+        picks = v
+        while True:
+            try:
+                return handler(picks)
+            except (UserError, ValidationError) as e:
+                if not isinstance(picks, dict):
+                    raise
+                # a UserError: the SoC table's refusal of the target, the one check that raises one
+                bad = {"target"} if isinstance(e, UserError) else {err["loc"][0] for err in e.errors() if err["loc"]}
+                if not bad & picks.keys():
+                    raise
+                picks = {k: x for k, x in picks.items() if k not in bad}
+
+    @field_serializer("choices")
+    def _only_the_picks(self, c: Choices) -> dict[str, Any]:
+        return c.model_dump(mode="json", exclude_unset=True)
 
 
 StageFn = Callable[[Path], dict[str, Any]]
@@ -148,13 +217,21 @@ class Project:
     def record(self, name: str) -> StageRecord | None:
         return self.load().stages.get(name)
 
-    def choices(self) -> dict[str, Any]:
-        return dict(self.load().choices)
+    def choices(self) -> Choices:
+        return self.load().choices
 
     def choose(self, **values: Any) -> None:
-        """Remember the user's picks (JSON values) in the manifest."""
+        """Remember the user's picks (fields of `Choices`) in the manifest; a value it refuses (an unknown SoC)
+        is a UserError, and nothing is written."""
+        unknown = set(values) - set(Choices.model_fields)
+        if unknown:
+            raise TypeError(f"not a project choice: {', '.join(sorted(unknown))}")
         m = self.load()
-        m.choices.update(values)
+        try:
+            m.choices = Choices.model_validate({**m.choices.model_dump(exclude_unset=True), **values})
+        except ValidationError as e:
+            raise UserError(f"Not a valid project choice: {e.errors()[0]['msg']} ({', '.join(values)}).",
+                            "Pick another value.") from e
         self.save(m)
 
     @contextmanager

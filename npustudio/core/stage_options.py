@@ -18,6 +18,7 @@ The bounds are what the pipeline accepts, one per idea:
 from __future__ import annotations
 
 import fnmatch
+from copy import copy
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
@@ -84,6 +85,12 @@ class AdaptOptions(StageOptions):
                                description="AR-1 steps at the end of each eval window")
     device: Device = Field("auto", description="where the proof runs (auto: the CUDA GPU when torch sees one)")
     accept_mismatch: bool = Field(False, description="keep adapted graphs that fail the equivalence gate")
+
+
+class IntakeOptions(StageOptions):
+    """The model stage's (intake): the context length the phone fit is estimated at, the one adapt builds."""
+
+    cl: int = copy(AdaptOptions.model_fields["cl"])  # type: ignore[assignment]  # adapt's field: default, bounds
 
 
 class Overrides(BaseModel):

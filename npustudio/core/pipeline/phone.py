@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from ..chat import ChatSession
     from ..targets import Soc
 from ..progress import State, StateLike
-from ..project import Project
+from ..project import Deployed, Project
 from ..results import IntakeResult, QuantizeResult
+from ..stage_options import IntakeOptions
 from .status import _require, stale_reasons
 
 
@@ -34,8 +35,7 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
     recorded = {f.name: (fr.bytes, fr.mtime_ns, fr.sha256) for fr in brec.outputs
                 if fr.mtime_ns is not None and (f := project.root / fr.path).parent == folder}
     res = device_deploy.deploy(folder, dev, state, force=force, recorded=recorded)
-    project.choose(deployed={"device": res.device, "remote_dir": res.remote_dir, "bundle": brec.key,
-                             "at": time.time()})
+    project.choose(deployed=Deployed(device=res.device, remote_dir=res.remote_dir, bundle=brec.key, at=time.time()))
     return res
 
 
@@ -71,7 +71,7 @@ def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, fl
     rec = project.record("model")
     if rec is None or rec.status != "done":
         return []
-    intake, cl = rec.result_as(IntakeResult), int(rec.options.get("cl", 1024))
+    intake, cl = rec.result_as(IntakeResult), rec.options_as(IntakeOptions).cl
     built = None
     quant, bundle = project.record("quantize"), project.record("bundle")
     if quant and bundle and bundle.status == "done" and "bundle" not in stale_reasons(project):

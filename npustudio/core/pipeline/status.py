@@ -10,6 +10,7 @@ from .. import stages
 from ..errors import UserError
 from ..project import Manifest, Project, StageRecord
 from ..results import IntakeResult
+from ..stage_options import AdaptOptions, IntakeOptions, QuantizeOptions
 
 
 def stage_status(project: Project) -> dict[str, str | None]:
@@ -46,8 +47,8 @@ def wizard_steps(project: Project) -> list[WizardStep]:
     m = project.load()
     st, stale = _status(project, m)
     brec = m.stages.get(stages.BUNDLE.name)
-    deployed = m.choices.get("deployed") or {}
-    deploy_done = bool(brec and deployed.get("bundle") == brec.key) and st[stages.BUNDLE.name] == "done"
+    deployed = m.choices.deployed
+    deploy_done = bool(brec and deployed and deployed.bundle == brec.key) and st[stages.BUNDLE.name] == "done"
     out: list[WizardStep] = []
     for step in stages.STEPS:
         if step.stages:
@@ -60,7 +61,7 @@ def wizard_steps(project: Project) -> list[WizardStep]:
             done = deploy_done
             why = "the bundle changed since it was deployed" if deployed and brec and not deploy_done else ""
         else:
-            done, why = step.choice in m.choices or st[stages.QUANTIZE.name] == "done", ""
+            done, why = m.choices.chosen(step.choice or "") or st[stages.QUANTIZE.name] == "done", ""
         reachable = step.free or all(s.state == "done" for s in out)
         out.append(WizardStep(name=step.name, state="done" if done and reachable else
                               "todo" if reachable else "locked", reason=why))
@@ -75,7 +76,7 @@ def stale_reasons(project: Project) -> dict[str, str]:
 
 
 def _stale(m: Manifest) -> dict[str, str]:
-    target = m.choices.get("target")
+    target = m.choices.target
     out: dict[str, str] = {}
     for name, up in stages.UPSTREAM.items():
         rec, prev = m.stages.get(name), m.stages.get(up)
@@ -87,12 +88,12 @@ def _stale(m: Manifest) -> dict[str, str]:
             out[name] = f"the {up} stage it was made from is gone"
         elif name == "adapt" and rec.inputs.get("model") != prev.inputs.get("model"):
             out[name] = f"another model was read ({prev.result_as(IntakeResult).source.spec})"
-        elif name == "adapt" and rec.options.get("cl") != prev.options.get("cl"):
-            out[name] = f"the context length is now {prev.options.get('cl')} (adapted for {rec.options.get('cl')})"
+        elif name == "adapt" and (cl := rec.options_as(AdaptOptions).cl) != prev.options_as(IntakeOptions).cl:
+            out[name] = f"the context length is now {prev.options_as(IntakeOptions).cl} (adapted for {cl})"
         elif name != "adapt" and rec.inputs.get(up) != prev.key:
             out[name] = f"the {up} stage was run again since"
-        elif name == "quantize" and target and rec.options.get("target") != target:
-            out[name] = f"the target is now {target} (quantized for {rec.options.get('target')})"
+        elif name == "quantize" and target and (made_for := rec.options_as(QuantizeOptions).target) != target:
+            out[name] = f"the target is now {target} (quantized for {made_for})"
     return out
 
 

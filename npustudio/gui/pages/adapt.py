@@ -11,7 +11,7 @@ from ...core import isolated, pipeline
 from ...core.results import AdaptResult
 from ...core.stage_options import AdaptOptions
 from ..charts import PplChart
-from ..fields import default, spin
+from ..fields import spin
 from ..widgets import BAD, Page, fill, table, with_note
 from ..window import StudioWindow
 
@@ -42,7 +42,7 @@ class AdaptPage(Page):
 
     def start(self, force: bool = False) -> None:
         project, opts = self.project, self.options()
-        model = project.choices().get("model", "default")
+        model = project.choices().model
         self.chart.clear()
         self.strip.status.setStyleSheet("")
         cluster = self.window_.settings.cluster  # None: here
@@ -57,12 +57,13 @@ class AdaptPage(Page):
         rec = self.project.record("adapt")
         ch = self.project.choices()
         if rec and rec.status == "done":
-            self.ar.setValue(int(rec.options["ar"]))
-            self.cl.setValue(int(rec.options["cl"]))
-            self.accept_mismatch.setChecked(bool(rec.options.get("accept_mismatch", False)))
+            o = rec.options_as(AdaptOptions)
+            self.ar.setValue(o.ar)
+            self.cl.setValue(o.cl)
+            self.accept_mismatch.setChecked(o.accept_mismatch)
             self.show_result(rec.result_as(AdaptResult))
         else:
-            self.cl.setValue(int(ch.get("cl", default(AdaptOptions, "cl"))))
+            self.cl.setValue(ch.cl)
 
     def show_result(self, r: AdaptResult) -> None:
         s = pipeline.adapt_summary(r)

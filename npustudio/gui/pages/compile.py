@@ -14,7 +14,7 @@ from ...core.errors import UserError
 from ...core.models import human_bytes
 from ...core.results import BundleResult, CompileResult
 from ...core.stage_options import CompileOptions
-from ..fields import default, spin
+from ..fields import spin
 from ..widgets import Page, fill, table, with_note
 from ..window import StudioWindow
 
@@ -92,10 +92,10 @@ class CompilePage(Page):
         self.find_sdk()
         crec, brec = self.project.record("compile"), self.project.record("bundle")
         if crec and crec.status == "done":
-            self.verify.setValue(int(crec.options.get("verify_tokens", default(CompileOptions, "verify_tokens"))))
-            self.share.setChecked(bool(crec.options.get("weight_sharing", False)))
-            (self.sdk if crec.options.get("backend") == "qairt" and self.sdk.isEnabled() else self.embedded
-             ).setChecked(True)
+            o = crec.options_as(CompileOptions)
+            self.verify.setValue(o.verify_tokens)
+            self.share.setChecked(o.weight_sharing)
+            (self.sdk if o.backend == "qairt" and self.sdk.isEnabled() else self.embedded).setChecked(True)
             self._show(crec.result_as(CompileResult),
                        brec.result_as(BundleResult) if brec and brec.status == "done" else None)
 

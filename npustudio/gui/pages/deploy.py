@@ -49,13 +49,13 @@ class DeployPage(Page):
         """The files and the fit, and the deploy the project records (made here or by `npustudio deploy`): a
         reopened project's step list ticked Deploy while this page said it had not run."""
         self.device_changed()
-        d = self.project.choices().get("deployed")
-        said = f"Deployed to {d['device']}:{d['remote_dir']}" if d else ""
+        d = self.project.choices().deployed
+        said = f"Deployed to {d.device}:{d.remote_dir}" if d else ""
         if d and not self.strip.busy and not self.strip.status.text().startswith(said):  # keep a push's figures
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d["at"])) if d.get("at") else "earlier"
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(d.at)) if d.at else "earlier"
             self.strip.status.setText(f"{said} ({when}).")
         dev = self.window_.device
-        self.ask.setEnabled(bool(d and dev is not None and d.get("device") == dev.serial))
+        self.ask.setEnabled(d is not None and dev is not None and d.device == dev.serial)
 
     def device_changed(self) -> None:
         """The selected device or the bundle changed: show the files and whether it fits."""

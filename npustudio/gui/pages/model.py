@@ -18,7 +18,7 @@ from ...core import host_cost, models, pipeline
 from ...core.results import IntakeResult
 from ...core.stage_options import AdaptOptions
 from ...core.targets import fits_phone_ram
-from ..fields import default, spin
+from ..fields import spin
 from ..widgets import BAD, GOOD, WARN, Page, fill, status_label, table
 from ..window import StudioWindow
 
@@ -115,8 +115,8 @@ class ModelPage(Page):
 
     def refresh(self) -> None:
         ch = self.project.choices()
-        self.set_spec(ch.get("model", "default"))
-        self.cl.setValue(int(ch.get("cl", default(AdaptOptions, "cl"))))
+        self.set_spec(ch.model)
+        self.cl.setValue(ch.cl)
         rec = self.project.record("model")
         if rec and rec.status == "done":
             self.show_result(rec.result_as(IntakeResult))

@@ -96,7 +96,7 @@ class QuantizePage(Page):
         self._read_job: worker.Job | None = None
 
     def options(self) -> QuantizeOptions:
-        target = self.project.choices().get("target", default(QuantizeOptions, "target"))
+        target = self.project.choices().target_soc
         return QuantizeOptions(precision=self.precision.currentData(), target=target,
                                seq_mse=self.seq_mse.isChecked(), rotate=self.rotate.isChecked(),
                                calib_corpus=self.calib.text().strip() or default(QuantizeOptions, "calib_corpus"),
@@ -124,14 +124,14 @@ class QuantizePage(Page):
     def refresh(self) -> None:
         rec = self.project.record("quantize")
         if rec and rec.status == "done":
-            o = rec.options
-            self.precision.setCurrentIndex(max(0, self.precision.findData(o["precision"])))
-            self.seq_mse.setChecked(bool(o["seq_mse"]))
-            self.rotate.setChecked(bool(o.get("rotate", False)))
-            self.calib_samples.setValue(int(o["calib_samples"]))
-            self.calib_len.setValue(int(o["calib_len"]))
-            self.calib.setText(o["calib_corpus"])
-            self.device.setCurrentIndex(max(0, self.device.findData(o.get("device", "auto"))))
+            o = rec.options_as(QuantizeOptions)
+            self.precision.setCurrentIndex(max(0, self.precision.findData(o.precision)))
+            self.seq_mse.setChecked(o.seq_mse)
+            self.rotate.setChecked(o.rotate)
+            self.calib_samples.setValue(o.calib_samples)
+            self.calib_len.setValue(o.calib_len)
+            self.calib.setText(o.calib_corpus)
+            self.device.setCurrentIndex(max(0, self.device.findData(o.device)))
             self.show_result(rec.result_as(QuantizeResult))
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))

@@ -49,7 +49,7 @@ class TargetPage(Page):
         self.changed.emit()
 
     def refresh(self) -> None:
-        chosen = self.project.choices().get("target")
+        chosen = self.project.choices().target
         self.select(chosen or self.window_.settings.default_target or DEFAULT_SOC)
         self._show()
         if chosen:  # the step is ticked: the page says so too (it said "Not run yet" on a reopened project)
