@@ -53,7 +53,7 @@ COMPILE = StageSpec("compile", "compiled graphs", "compile", requires="quantize"
                     libraries=("torch", "transformers", "onnx", "onnxruntime"),  # compile never needs aimet
                     host_rates=(2200, 3.2, 150, 0.45))
 BUNDLE = StageSpec("bundle", "Genie bundle", "bundle", requires="compile", format=1,
-                   entry="npustudio.core.genie.bundle:run")
+                   entry="npustudio.core.genie.bundle:run", reads=("compile", "adapt"))
 
 SPECS: tuple[StageSpec, ...] = (MODEL, ADAPT, QUANTIZE, COMPILE, BUNDLE)  # in the order they run
 BY_NAME = {s.name: s for s in SPECS}

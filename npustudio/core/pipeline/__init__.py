@@ -16,6 +16,7 @@ from .execute import (
     opened,
     quantize,
     resolve,
+    run_stage,
 )
 from .job import graphs_for, job_plan, run_all
 from .phone import SampleAnswer, ask_on_device, decode_bounds, deploy, open_chat, project_of_bundle
@@ -38,6 +39,6 @@ __all__ = [
     "RunSummary", "SampleAnswer", "StageFigures", "WizardStep", "_require", "adapt", "adapt_summary",
     "ask_on_device", "bundle", "compile_and_bundle", "compile_graphs", "compile_summary", "decode_bounds",
     "default_project_dir", "deploy", "describe", "graphs_for", "intake", "job_plan", "open_chat", "opened",
-    "project_of_bundle", "quantize", "quantize_summary", "resolve", "run_all", "stage_status", "stale_reasons",
-    "wizard_steps",
+    "project_of_bundle", "quantize", "quantize_summary", "resolve", "run_all", "run_stage", "stage_status",
+    "stale_reasons", "wizard_steps",
 ]

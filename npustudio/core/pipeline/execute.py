@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import platformdirs
 
 from .. import adapt as adapt_stage
 from .. import compile as compile_stage
-from .. import host_cost, layout, models, parts, stages
+from .. import host_cost, isolated, layout, models, parts, stages
 from .. import quantize as quantize_stage
 from ..cluster import Cluster, Job
 from ..config_audit import check_context
@@ -19,7 +20,7 @@ from ..fsutil import atomic_write_json
 from ..genie import bundle as bundle_stage
 from ..progress import StateLike, free_big_blocks_at_once
 from ..project import Project, StageRecord
-from ..results import IntakeResult
+from ..results import IntakeResult, StageOptions
 from .status import _require
 
 INTAKE = stages.MODEL.name  # the stage that reads the model: its record, not work worth a project folder
@@ -107,16 +108,43 @@ def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state
 def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike,
              force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
-    arec = _require(project, stages.ADAPT)
+    _require(project, stages.ADAPT)  # before reading its graphs
     options = quantize_stage.resolved(options, project.stage_dir("adapt"))  # one key for the same work
+    rec = _made_from(project, stages.QUANTIZE, options, state, force, cluster)
+    project.choose(target=options.target)  # what the stage was made for is the target now, from the CLI too
+    return rec
+
+
+def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike,
+                   force: bool = False, cluster: Cluster | None = None) -> StageRecord:
+    """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
+    _require(project, stages.QUANTIZE)  # before reading its options
+    options = compile_stage.resolved(options, project.stage_dir("quantize"))  # one key for the same work
+    return _made_from(project, stages.COMPILE, options, state, force, cluster)
+
+
+def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike,
+           force: bool = False) -> StageRecord:
+    """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie."""
+    return _made_from(project, stages.BUNDLE, options, state, force, None)
+
+
+def _made_from(project: Project, spec: stages.StageSpec, options: StageOptions, state: StateLike, force: bool,
+               cluster: Cluster | None) -> StageRecord:
+    """A stage made from the one before it: its record keys that stage's key and its own output format (redoing
+    the earlier stage, or a new format, makes it stale); its body reads `spec.reads`' folders, here or on the
+    cluster when the stage may run there."""
+    assert spec.requires is not None
+    up = _require(project, stages.spec(spec.requires))
+    where = cluster if spec.remote else None
 
     def fn(out: Path) -> dict[str, Any]:
-        return _on(cluster, "quantize", _quantize_body, {s: project.stage_dir(s) for s in stages.QUANTIZE.reads},
-                   (_card(project), options), out, state, options.device)
+        inputs = {s: project.stage_dir(s) for s in spec.reads}
+        return _on(where, spec.name, BODIES[spec.name], inputs, (_card(project), options), out, state,
+                   getattr(options, "device", "cpu"))
 
-    rec, _ = project.run_stage("quantize", inputs={"adapt": arec.key, "format": quantize_stage.FORMAT},
-                               options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(cluster))
-    project.choose(target=options.target)  # what the stage was made for is the target now, from the CLI too
+    rec, _ = project.run_stage(spec.name, inputs={spec.requires: up.key, "format": spec.format},
+                               options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(where))
     return rec
 
 
@@ -126,6 +154,26 @@ def _quantize_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, st
         host_cost.check_fits(card, "quantize")
     free_big_blocks_at_once()
     return quantize_stage.run(inputs["adapt"], options, out, state).model_dump()
+
+
+def _compile_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
+    card, options = args
+    if card is not None:
+        host_cost.check_fits(card, "compile")
+    free_big_blocks_at_once()
+    return compile_stage.run(inputs["quantize"], inputs["adapt"], options, out, state).model_dump()
+
+
+def _bundle_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
+    _card, options = args
+    res = bundle_stage.run(inputs["compile"], inputs["adapt"], options, out, state)
+    return res.model_dump() | {"folder": str(inputs["compile"].parent / stages.BUNDLE.name)}
+
+
+# each stage's body where it runs (here, or on a cluster worker: a module-level function, pickled by name)
+BODIES: dict[str, Callable[[dict[str, Path], tuple[Any, ...], Path, StateLike], dict[str, Any]]] = {
+    stages.ADAPT.name: _adapt_body, stages.QUANTIZE.name: _quantize_body, stages.COMPILE.name: _compile_body,
+    stages.BUNDLE.name: _bundle_body}
 
 
 def _on(cluster: Cluster | None, stage: str, body: Any, inputs: Mapping[str, Path | list[Path]], args: Any, out: Path,
@@ -148,41 +196,26 @@ def _card(project: Project) -> models.ArchCard | None:
     return rec.result_as(IntakeResult).card if rec is not None and rec.status == "done" else None
 
 
-def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike,
-                   force: bool = False, cluster: Cluster | None = None) -> StageRecord:
-    """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
-    qrec = _require(project, stages.QUANTIZE)
-    options = compile_stage.resolved(options, project.stage_dir("quantize"))  # one key for the same work
-
-    def fn(out: Path) -> dict[str, Any]:
-        inputs = {s: project.stage_dir(s) for s in stages.COMPILE.reads}
-        return _on(cluster, "compile", _compile_body, inputs, (_card(project), options), out, state)
-
-    rec, _ = project.run_stage("compile", inputs={"quantize": qrec.key, "format": compile_stage.FORMAT},
-                               options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(cluster))
-    return rec
-
-
-def _compile_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
-    card, options = args
-    if card is not None:
-        host_cost.check_fits(card, "compile")
-    free_big_blocks_at_once()
-    return compile_stage.run(inputs["quantize"], inputs["adapt"], options, out, state).model_dump()
-
-
-def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike,
-           force: bool = False) -> StageRecord:
-    """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie."""
-    crec = _require(project, stages.COMPILE)
-
-    def fn(out: Path) -> dict[str, Any]:
-        res = bundle_stage.run(project.stage_dir("compile"), project.stage_dir("adapt"), options, out, state)
-        return res.model_dump() | {"folder": str(project.stage_dir("bundle"))}
-
-    rec, _ = project.run_stage("bundle", inputs={"compile": crec.key, "format": bundle_stage.FORMAT},
-                               options=options.model_dump(), fn=fn, force=force)
-    return rec
+def run_stage(project: Project, spec: stages.StageSpec, options: StageOptions, state: StateLike, *,
+              force: bool = False, cluster: Cluster | None = None, model: str | None = None,
+              where: Literal["here", "child"] = "here") -> StageRecord:
+    """Any stage, by its declaration: the one call the window, the CLI and the main job make. `where="child"`
+    runs it in a spawned process (the window: AIMET and the ONNX export hold the GIL for hundreds of ms), with
+    progress, partial results and cancel carried across; `cluster` sends a stage that may run there to Ray."""
+    if where == "child":
+        rec: StageRecord = isolated.run(partial(run_stage, force=force, cluster=cluster, model=model), project,
+                                        spec, options, state=state)
+        return rec
+    if spec == stages.ADAPT:  # equal, not identical: a child process unpickled it
+        return adapt(project, model or project.choices().model, options, state,  # type: ignore[arg-type]
+                     force=force, cluster=cluster)
+    if spec == stages.QUANTIZE:
+        return quantize(project, options, state, force=force, cluster=cluster)  # type: ignore[arg-type]
+    if spec == stages.COMPILE:
+        return compile_graphs(project, options, state, force=force, cluster=cluster)  # type: ignore[arg-type]
+    if spec == stages.BUNDLE:
+        return bundle(project, options, state, force=force)  # type: ignore[arg-type]
+    raise ValueError(f"{spec.name} is not run with options: it is read by `intake`")
 
 
 def compile_and_bundle(project: Project, options: compile_stage.CompileOptions, state: StateLike,

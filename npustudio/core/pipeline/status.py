@@ -101,7 +101,7 @@ def _require(project: Project, spec: stages.StageSpec) -> StageRecord:
     """The record of an earlier stage that finished and whose outputs are intact; else say what to rerun."""
     rec = project.record(spec.name)
     rerun = f"npustudio {spec.command} --project {project.root}"
-    if spec is stages.ADAPT and rec is not None:
+    if spec == stages.ADAPT and rec is not None:
         rerun = f"npustudio adapt {rec.inputs.get('model', {}).get('spec', 'MODEL')} --project {project.root}"
     if rec is None or rec.status != "done":
         raise UserError(f"The project {project.root} has no intact {spec.what} yet.",

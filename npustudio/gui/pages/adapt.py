@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from PySide6.QtWidgets import QCheckBox
 
-from ...core import isolated, pipeline
+from ...core import pipeline, stages
 from ...core.results import AdaptResult
 from ...core.stage_options import AdaptOptions
 from ..charts import PplChart
@@ -48,7 +47,8 @@ class AdaptPage(Page):
         cluster = self.window_.settings.cluster  # None: here
 
         def work(state: Any) -> AdaptResult:
-            rec = isolated.run(partial(pipeline.adapt, force=force, cluster=cluster), project, model, opts, state=state)
+            rec = pipeline.run_stage(project, stages.ADAPT, opts, state, force=force, cluster=cluster, model=model,
+                                     where="child")
             return rec.result_as(AdaptResult)
 
         self.strip.start(work, self.finish, "Adapting", on_partial=self.ppl_point)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ...core import isolated, pipeline
+from ...core import isolated, pipeline, stages
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
 from ...core.models import human_bytes
@@ -116,7 +115,7 @@ class QuantizePage(Page):
         cluster = self.window_.settings.cluster  # None: here
 
         def work(state: Any) -> QuantizeResult:
-            rec = isolated.run(partial(pipeline.quantize, force=force, cluster=cluster), project, opts, state=state)
+            rec = pipeline.run_stage(project, stages.QUANTIZE, opts, state, force=force, cluster=cluster, where="child")
             return rec.result_as(QuantizeResult)
 
         self.strip.start(work, self.finish, "Quantizing", on_partial=self.ppl_point)
