@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from npustudio.core.models import human_number
 from npustudio.core.project import Project
+from npustudio.display import human_number
 
 
 def test_a_stage_run_into_a_pipe_prints_whole_lines_and_no_library_warnings(genie_project: Project,

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from npustudio import display
 from npustudio.core import models
 from npustudio.core.errors import UserError
 from tests.conftest import MemoryKeyring
@@ -211,7 +212,7 @@ def test_card_json_is_what_info_prints(tiny_llama: Path, capsys: pytest.CaptureF
 
 def test_card_values_read_as_people_write_them() -> None:
     """A float32 eps reads 1e-05 on the card, counts get separators, flags stay words."""
-    assert [models.format_value(v) for v in (9.999999747378752e-06, 100000.0, 134515008, True, [2])] == [
+    assert [display.format_value(v) for v in (9.999999747378752e-06, 100000.0, 134515008, True, [2])] == [
         "1e-05", "100000", "134,515,008", "True", "[2]"]
 
 

@@ -30,7 +30,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     if a.json:
         print_json({"summary": summary, "events": [e.model_dump() for e in prof.events], "roofline": roof})
         return 0
-    from ..core.models import human_number as n
+    from ..display import human_number as n
 
     t = Table(title=f"{a.file}  ({summary['runner']})", show_header=False)
     for k, v in summary.items():

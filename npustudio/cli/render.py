@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str, dict[str, Any]] | None = None
                ) -> None:
-    from ..core.models import format_value, human_bytes
+    from ..display import format_value, human_bytes
 
     t = Table(title=f"{card['source']}  —  {card['family']} ({card['architecture']})", show_header=False)
     for k in ("layers", "heads", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "params", "rope_theta",
@@ -48,7 +48,7 @@ def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str
 
 
 def host_table(h: Any) -> None:
-    from ..core.models import human_bytes
+    from ..display import human_bytes
 
     ram = human_bytes(h.machine_ram_bytes) if h.machine_ram_bytes else "unknown"
     t = Table(title=f"This computer ({h.cpus} CPUs, {ram} RAM): estimate per stage")
@@ -63,7 +63,7 @@ def host_table(h: Any) -> None:
 
 
 def print_quantize(q: QuantizeSummary) -> None:
-    from ..core.models import human_bytes
+    from ..display import human_bytes
 
     how = " with SeqMSE" * q.seq_mse + " (stream rotated)" * q.rotated
     out.print(f"Quantized {q.precision} for {q.target}{how}: "
@@ -79,7 +79,7 @@ def print_quantize(q: QuantizeSummary) -> None:
 
 
 def print_compile(c: CompileSummary) -> None:
-    from ..core.models import human_bytes
+    from ..display import human_bytes
 
     out.print(f"Compiled with {c.backend} for {c.target} ({c.dsp_arch}, soc_model {c.soc_model}): "
               f"{c.nodes_on_cpu} nodes on the CPU" + (f", split into {c.parts} parts" if c.parts > 1 else "")

@@ -163,7 +163,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         out.print(f"  [bold]{sm.question}[/] → {sm.answer.strip()!r}{cut}")
         ps = sm.profile_summary
         if ps:
-            from ..core.models import human_number as n
+            from ..display import human_number as n
 
             out.print(f"  Genie profile: init {n(ps.init_s)} s, TTFT {n(ps.ttft_s)} s, prompt "
                       f"{n(ps.prompt_tok_s)} tok/s, generation {n(ps.generation_tok_s)} tok/s  ({sm.profile})")

@@ -36,7 +36,7 @@ from PySide6.QtWidgets import (
 from ..core import chat, layout, pipeline
 from ..core.chat import ChatSession, Turn
 from ..core.errors import UserError
-from ..core.models import human_number
+from ..display import human_number
 from . import worker
 from .widgets import StatusLine, show_error
 from .window import StudioWindow

@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
 
 from ..core import device
 from ..core.device import DeviceInfo
-from ..core.models import human_bytes
+from ..display import human_bytes
 from . import worker
 from .widgets import fill, fit_rows, show_error, status_label, table
 from .window import StudioWindow

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QSi
 
 from ..core.errors import UserError
 from ..core.genie import profile
-from ..core.models import human_number
+from ..display import human_number
 from .charts import Chart
 from .widgets import StatusLine, fill, show_error, table
 

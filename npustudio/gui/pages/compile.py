@@ -11,9 +11,9 @@ from PySide6.QtWidgets import QButtonGroup, QCheckBox, QRadioButton
 from ...core import isolated, pipeline
 from ...core.compile import qairt
 from ...core.errors import UserError
-from ...core.models import human_bytes
 from ...core.results import BundleResult, CompileResult
 from ...core.stage_options import CompileOptions
+from ...display import human_bytes
 from ..fields import spin
 from ..widgets import Page, fill, table, with_note
 from ..window import StudioWindow

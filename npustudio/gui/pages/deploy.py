@@ -12,7 +12,7 @@ from ...core import device, pipeline
 from ...core.device import deploy
 from ...core.errors import UserError
 from ...core.genie.bundle import read_metadata
-from ...core.models import human_bytes
+from ...display import human_bytes
 from ..widgets import BAD, GOOD, Page, fill, show_error, status_label, table
 from ..window import StudioWindow
 

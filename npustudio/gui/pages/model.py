@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ... import display
 from ...core import host_cost, models, pipeline
 from ...core.results import IntakeResult
 from ...core.stage_options import AdaptOptions
@@ -124,7 +125,7 @@ class ModelPage(Page):
     def show_result(self, result: IntakeResult) -> None:
         card = result.card
         self.fits = result.fit
-        rows = [(k, models.format_value(v)) for k, v in card.model_dump().items() if k != "chat_template"]
+        rows = [(k, display.format_value(v)) for k, v in card.model_dump().items() if k != "chat_template"]
         rows.append(("chat template", "yes" if card.chat_template else "no"))
         fill(self.card, rows)
         self.show_fit()
@@ -133,7 +134,7 @@ class ModelPage(Page):
 
     def show_host(self, h: host_cost.HostEstimate) -> None:
         """What the stages will cost this computer (an estimate, said so)."""
-        per = ", ".join(f"{s.stage} {models.human_bytes(s.peak_ram_bytes)} ~{max(1, round(s.seconds / 60))} min"
+        per = ", ".join(f"{s.stage} {display.human_bytes(s.peak_ram_bytes)} ~{max(1, round(s.seconds / 60))} min"
                         for s in h.stages)
         verdict = "fits this computer's memory" if h.fits else "needs more memory than this computer has"
         self.host.setText(f"This computer, estimated: {per} — {verdict}.")
@@ -148,16 +149,16 @@ class ModelPage(Page):
         for f in self.fits:
             if dev is not None and ram:  # `ram` is the device's: said for mypy
                 ok = fits_phone_ram(f.phone_ram_bytes, ram)
-                verdict = f"{'fits' if ok else 'too large for'} {dev.serial} ({models.human_bytes(ram)})"
+                verdict = f"{'fits' if ok else 'too large for'} {dev.serial} ({display.human_bytes(ram)})"
             else:
                 ok = f.min_phone_ram_gb is not None and f.min_phone_ram_gb <= models.TYPICAL_PHONE_RAM_GB
                 verdict = (f"phones with ≥ {f.min_phone_ram_gb} GB" if f.min_phone_ram_gb
                            else "too large for the listed phones")
             colours.append(GOOD if ok else WARN if f.min_phone_ram_gb else BAD)
             ratio = f.ppl_ratio_default_model
-            rows.append((f.precision, models.human_bytes(f.weight_bytes), models.human_bytes(f.kv_cache_bytes),
-                         f.parts, models.human_bytes(f.context_bytes_phone), f"{f.decode_tok_s_bound:,.0f} tok/s",
-                         f"×{ratio:.3f}" if ratio else "—", models.human_bytes(f.phone_ram_bytes), verdict))
+            rows.append((f.precision, display.human_bytes(f.weight_bytes), display.human_bytes(f.kv_cache_bytes),
+                         f.parts, display.human_bytes(f.context_bytes_phone), f"{f.decode_tok_s_bound:,.0f} tok/s",
+                         f"×{ratio:.3f}" if ratio else "—", display.human_bytes(f.phone_ram_bytes), verdict))
         fill(self.fit, rows, colours)
         if self.fits:
             phone, sim = (models.plan(self.fits, where) for where in ("phone", "simulator"))

@@ -18,10 +18,10 @@ from PySide6.QtWidgets import (
 from ...core import isolated, pipeline, stages
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
-from ...core.models import human_bytes
 from ...core.quantize.presets import load_overrides
 from ...core.results import QuantizeResult
 from ...core.stage_options import PRECISION_NOTES, QuantizeOptions
+from ...display import human_bytes
 from .. import worker
 from ..charts import PplChart
 from ..fields import combo, default, spin

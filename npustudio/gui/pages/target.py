@@ -6,7 +6,8 @@ from typing import Any
 
 from PySide6.QtWidgets import QComboBox, QPushButton
 
-from ...core import device, models, pipeline
+from ... import display
+from ...core import device, pipeline
 from ...core.targets import DEFAULT_SOC, KNOWN_SOCS, find_soc
 from ..widgets import Page, fill, table
 from ..window import StudioWindow
@@ -80,5 +81,5 @@ class TargetPage(Page):
                                        ("QNN soc_model", s.soc_model), ("Memory bandwidth", f"{s.memory_gb_s} GB/s")]
         for precision, r, basis in pipeline.decode_bounds(self.project, s) if self.window_.project else []:
             rows.append((f"Decode bound, {precision}", f"≤ {r['decode_tok_s_bound']} tok/s "
-                         f"({models.human_bytes(r['bytes_per_token'])} read per token; {basis})"))
+                         f"({display.human_bytes(r['bytes_per_token'])} read per token; {basis})"))
         fill(self.details, rows)

@@ -1,0 +1,35 @@
+"""How the views (the window and the CLI) write numbers for people: one wording for both."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def format_value(v: Any) -> str:
+    """A card value as people read it: counts with thousands separators, floats without float32 noise
+    (an eps stored as 9.999999747e-06 reads 1e-05), everything else as is."""
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def human_number(x: float | None) -> str:
+    """A measured figure to the precision that matters, three significant digits: 157.0962 → 157, 38.2117 → 38.2,
+    0.81134 → 0.811, 12345.6 → 12,346; "—" for a figure the profile does not have."""
+    if x is None:
+        return "—"
+    if not x or not math.isfinite(x):
+        return f"{x:g}"
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{digits}f}"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n}"
