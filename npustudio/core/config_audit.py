@@ -64,6 +64,10 @@ class Options(BaseModel):
     activation: str  # silu | gelu | gelu_tanh
     sliding_window: int | None  # tokens a query sees; None: full causal attention
     rope_scaling: dict[str, Any] | None  # transformers' parameters, completed with the defaults it applies
+    attention_multiplier: float | None = None  # Granite's attention scale; None: 1/sqrt(head_dim)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
 
 def _refuse(option: str, value: Any, why: str, fix: str) -> UserError:
@@ -90,6 +94,9 @@ def audit(config: Any, recipe: FamilyRecipe) -> Options:
         foreign["mlp_bias"] = (None, False)
     if not recipe.sliding_window:
         foreign |= {"sliding_window": (None,), "use_sliding_window": (None, False)}
+    if recipe.multipliers:
+        for key in MULTIPLIERS:
+            foreign.pop(key)
     for key, neutral in foreign.items():
         value = _set(config, key)
         if value not in neutral:
@@ -104,7 +111,26 @@ def audit(config: Any, recipe: FamilyRecipe) -> Options:
     return Options(qkv_bias=recipe.qkv_bias or attention_bias, o_bias=attention_bias,
                    mlp_bias=recipe.mlp_bias and bool(_set(config, "mlp_bias")), qk_norm=recipe.qk_norm,
                    activation=ACTIVATIONS[act], sliding_window=_window(config, recipe),
-                   rope_scaling=_rope(config))
+                   rope_scaling=_rope(config), **_multipliers(config, recipe))
+
+
+MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def _multipliers(config: Any, recipe: FamilyRecipe) -> dict[str, float]:
+    """Granite's constants, each folded exactly by the adaptation (transformers applies all four, 1.0 included:
+    the attention scale is attention_multiplier, never 1/sqrt(head_dim))."""
+    if not recipe.multipliers:
+        return {}
+    out = {}
+    for key in MULTIPLIERS:
+        value = _set(config, key)
+        value = 1.0 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value == 0:
+            raise _refuse(key, value, "it must be a finite number other than 0.",
+                          "The configuration is damaged: download it again, or fix the named field.")
+        out[key] = float(value)
+    return out
 
 
 def _window(config: Any, recipe: FamilyRecipe) -> int | None:
@@ -212,8 +238,9 @@ ROWS = (
     Row("sliding window < context", lambda r: "refused" if r.sliding_window else "—",
         "Genie builds a fully causal mask"),
     Row("tied / untied embeddings", YES, "`tie_word_embeddings`"),
-    Row("soft-capping, embedding/residual/logit multipliers, LayerNorm, parallel residual", REFUSED,
-        "other architectures' options"),
+    Row("embedding/attention/residual multipliers, `logits_scaling`", lambda r: "yes (always)" if r.multipliers
+        else "—", "folded exactly into the weights: table, q, o/down, final norm"),
+    Row("soft-capping, LayerNorm, parallel residual", REFUSED, "other architectures' options"),
     Row("pre-quantized weights", REFUSED, "`quantization_config`: give the float release"),
 )
 

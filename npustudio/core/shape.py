@@ -24,6 +24,10 @@ class DecoderShape(BaseModel):
     o_bias: bool = False
     mlp_bias: bool = False
     activation: str = "silu"  # silu | gelu | gelu_tanh
+    attention_multiplier: float | None = None  # the attention scale (Granite); None: 1/sqrt(head_dim)
+    embedding_multiplier: float = 1.0  # the embeddings scaled (Granite)
+    residual_multiplier: float = 1.0  # each block's output scaled before it joins the residual stream (Granite)
+    logits_scaling: float = 1.0  # the logits divided (Granite)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -161,15 +161,23 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
     """The static form of a HF model, sharing its weight storage (no second copy of a multi-GB model).
 
     Convs are views of the HF Linear weights (a Linear's (out, in) is a 1x1 conv's (out, in, 1, 1); a head is a
-    run of rows). Only what is rescaled is new memory: the 1/sqrt(hd) softmax scale folded into q (or, with a
-    q-norm, into its gain, which would undo a scaled weight). The HF model must not be changed afterwards.
+    run of rows). Only what is rescaled is new memory: the 1/sqrt(hd) softmax scale (Granite: its attention
+    multiplier) folded into q (or, with a q-norm, into its gain, which would undo a scaled weight), and Granite's
+    constants: the residual multiplier into o_proj and down_proj (weights and biases: a block's output is scaled
+    before it joins the stream), the embedding multiplier into the table, and 1/logits_scaling into the final
+    norm's gain (with a tied table, 1/embedding_multiplier too, undoing the table's scale for the head: the norm's
+    gain scales the head's input: (W·m)·(g/(m·s) ⊙ x̂) = W·(g ⊙ x̂)/s, one table kept).
+    The HF model must not be changed afterwards.
     """
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):  # parameters on the meta device; constants (buffers) real
         m = StaticDecoder(spec)
-    hd, scale = spec.head_dim, 1.0 / math.sqrt(spec.head_dim)
-    _share(m.embed, "weight", recipe.embedding(hf_model))
+    hd = spec.head_dim
+    scale = 1.0 / math.sqrt(hd) if spec.attention_multiplier is None else spec.attention_multiplier
+    emb, res = spec.embedding_multiplier, spec.residual_multiplier
+    table = recipe.embedding(hf_model)
+    _share(m.embed, "weight", table * emb if emb != 1.0 else table)
     for layer, hf_layer in zip(m.blocks, recipe.layers(hf_model), strict=True):
         w = recipe.layer(hf_layer)
         _share(layer.input_norm, "weight", w.input_norm)
@@ -190,12 +198,15 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
             _share(at.k_norm, "weight", w.k_norm)
         for name, conv, wt, b in (("o_proj", at.o, w.o, w.o_bias), ("gate", layer.mlp.gate, w.gate, w.gate_bias),
                                   ("up", layer.mlp.up, w.up, w.up_bias), ("down", layer.mlp.down, w.down, w.down_bias)):
-            _share(conv, "weight", _conv(wt))
+            sc = res if name in ("o_proj", "down") else 1.0
+            _share(conv, "weight", _conv(wt) * sc if sc != 1.0 else _conv(wt))
             if (conv.bias is None) != (b is None):  # never drop (or invent) a bias silently
                 raise ValueError(f"the {name} bias of the weights does not match the card's options")
             if b is not None:
-                _share(conv, "bias", b)
-    _share(m.norm, "weight", recipe.final_norm(hf_model))
+                _share(conv, "bias", b * sc if sc != 1.0 else b)
+    norm = recipe.final_norm(hf_model)
+    head_scale = 1.0 / spec.logits_scaling / (emb if spec.tied_embeddings else 1.0)
+    _share(m.norm, "weight", norm * head_scale if head_scale != 1.0 else norm)
     if spec.tied_embeddings:
         m.tie()
     else:
