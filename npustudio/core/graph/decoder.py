@@ -4,7 +4,8 @@ One set of weights serves every graph: AR and CL are only the shapes of the inpu
 (prompt) and AR-1 (token) graphs are the same module traced at two shapes.
 
 Graph I/O (exactly what Genie binds by name):
-  inputs   input_ids (1,N) int32, attention_mask (1,1,N,CL) additive, position_ids_cos/_sin (1,1,N,hd/2),
+  inputs   input_ids (1,N) int32, attention_mask (1,1,N,CL) additive, position_ids_cos/_sin (1,1,N,rd/2)
+           (rd: the head dims RoPE rotates, hd unless the model's RoPE is partial),
            past_key_{l}_in (KV,1,hd,CL-N), past_value_{l}_in (KV,1,CL-N,hd)
   outputs  logits (1,N,V), past_key_{l}_out (KV,1,hd,N), past_value_{l}_out (KV,1,N,hd)  (new entries only)
 Inside, the residual stream is channel-first (1,D,1,N) so every Linear is a 1x1 Conv2d, and q/k/v are
@@ -41,8 +42,9 @@ class Attention(nn.Module):
         self.v = nn.ModuleList(Conv1x1(z(hd, s.hidden), z(hd) if s.qkv_bias else None) for _ in range(kv))
         self.q_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-1) if s.qk_norm else None
         self.k_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-2) if s.qk_norm else None
-        self.q_rope = Rope(dim=-1)  # q is (KV, G*N, hd)
-        self.k_rope = Rope(dim=-2)  # k is (KV, 1, hd, N): Genie's key layout
+        rd = s.rope_dim
+        self.q_rope = Rope(dim=-1, rotary_dim=rd, head_dim=hd)  # q is (KV, G*N, hd)
+        self.k_rope = Rope(dim=-2, rotary_dim=rd, head_dim=hd)  # k is (KV, 1, hd, N): Genie's key layout
         self.k_cat = Concat(dim=3)
         self.v_cat = Concat(dim=2)
         self.qk = MatMul()
@@ -137,7 +139,7 @@ class StaticDecoder(nn.Module):
                 position_ids_sin: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = input_ids.shape[1]
         g = self.spec.heads // self.spec.kv_heads
-        cos2 = self.cos_cat(position_ids_cos, position_ids_cos)[0, 0]  # (N, hd)
+        cos2 = self.cos_cat(position_ids_cos, position_ids_cos)[0, 0]  # (N, rd)
         sin2 = self.sin_cat(self.sin_neg(position_ids_sin), position_ids_sin)[0, 0]
         rope = (cos2.repeat(g, 1), sin2.repeat(g, 1), cos2.t(), sin2.t())
         h = self.embed(input_ids).permute(0, 2, 1).reshape(1, -1, 1, n)  # (1, D, 1, N)
@@ -240,9 +242,9 @@ def io_names(layers: int) -> tuple[list[str], list[str]]:
 
 
 def io_shapes(spec: DecoderSpec, ar: int, cl: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-    hd, kv = spec.head_dim, spec.kv_heads
+    hd, kv, rd = spec.head_dim, spec.kv_heads, spec.rope_dim
     ins = {"input_ids": [1, ar], "attention_mask": [1, 1, ar, cl],
-           "position_ids_cos": [1, 1, ar, hd // 2], "position_ids_sin": [1, 1, ar, hd // 2]}
+           "position_ids_cos": [1, 1, ar, rd // 2], "position_ids_sin": [1, 1, ar, rd // 2]}
     outs = {"logits": [1, ar, spec.vocab]}
     for i in range(spec.layers):
         ins[f"past_key_{i}_in"] = [kv, 1, hd, cl - ar]
