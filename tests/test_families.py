@@ -7,6 +7,8 @@ original context of 64 so positions past it occur in the prompt):
   Qwen3   attention_bias (q/k/v/o) + q/k norm + gelu (erf) + dynamic RoPE
   Mistral sliding window = CL + yarn RoPE
   Phi-3   fused qkv/gate_up + longrope (context = original_max_position_embeddings)
+  Phi-4-mini-like  Phi-3 + partial_rotary_factor 0.75 (RoPE over 48 of 64 head dims, Genie's rope-dim 24) + longrope
+  Granite embedding/attention/residual multipliers and logits_scaling, folded into the weights (tied table)
 Genie's token proof: its greedy tokens equal those of the host KV-cache runner over the same compiled binaries on
 the HTP simulator, whose RoPE tables come from our stored frequencies (Genie computes its own from the config), and
 the cos/sin tables Genie built equal ours to the uint16 step.
@@ -44,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 16
 SHORT = [round(1 + i * 0.05, 3) for i in range(32)]  # longrope factors per rotary frequency (head_dim 64)
 LONG = [round(1 + i * 0.3, 3) for i in range(32)]
+# Granite 3.x's constants are 12, 1/64 (its head_dim), 0.22 and 8; here off the tiny model's 1/sqrt(64) too
+GRANITE = dict(embedding_multiplier=12.0, attention_multiplier=0.03, residual_multiplier=0.22, logits_scaling=8.0)
 
 
 def rope(kind: str, **params: Any) -> dict[str, Any]:
@@ -80,6 +84,19 @@ def phi3(tmp_path_factory: pytest.TempPathFactory) -> Project:
     return _project(tmp_path_factory, "phi3", pad_token_id=0, max_position_embeddings=512,
                     original_max_position_embeddings=128,
                     rope_parameters=rope("longrope", short_factor=SHORT, long_factor=LONG))
+
+
+@pytest.fixture(scope="module")
+def phi4_mini(tmp_path_factory: pytest.TempPathFactory) -> Project:
+    # Phi-4-mini's partial rotary factor and longrope: 48 of each head's 64 dims rotated, 24 factors per list
+    return _project(tmp_path_factory, "phi3", pad_token_id=0, max_position_embeddings=512,
+                    original_max_position_embeddings=128, partial_rotary_factor=0.75,
+                    rope_parameters=rope("longrope", short_factor=SHORT[:24], long_factor=LONG[:24]))
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory: pytest.TempPathFactory) -> Project:
+    return _project(tmp_path_factory, "granite", **GRANITE)
 
 
 def prompt_text() -> str:
@@ -222,6 +239,67 @@ def test_phi3_fused_weights_and_longrope_run_in_genie_as_adapted(phi3: Project) 
                           "short-factor": SHORT, "long-factor": LONG})
 
 
+def test_phi4_mini_partial_rotary_and_longrope_run_in_genie_as_adapted(phi4_mini: Project) -> None:
+    """Genie's `rope-dim` is the number of rotary frequencies: 24 for RoPE over the first 48 dims of each head. The
+    tables it builds from it (24 wide, theta^(-i/24)) equal transformers' partial tables (theta^(-2i/48))."""
+    card = phi4_mini.record("model").result["card"]
+    assert (card["family"], card["head_dim"], card["rotary_dim"]) == ("Phi-3", 64, 48)
+    spec = json.loads((phi4_mini.stage_dir("adapt") / "decoder.json").read_text())
+    assert spec["rotary_dim"] == 48
+    enc = json.loads((phi4_mini.stage_dir("bundle") / layout.GENIE_CONFIG).read_text())
+    assert enc["dialog"]["engine"]["model"]["positional-encoding"]["rope-dim"] == 24
+    prove_in_genie(phi4_mini, {"rope-type": "longrope", "factor": 4.0, "original-max-position-embeddings": 128,
+                               "short-factor": SHORT[:24], "long-factor": LONG[:24]})
+
+
+def test_partial_rotary_passes_the_gate_only_rotating_the_first_dims(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph's split is proven by the gate: rotating the last 48 dims of each head instead fails it."""
+    model = make_tiny_model(tmp_path / "m", "phi3", pad_token_id=0, partial_rotary_factor=0.75)
+    opts = AdaptOptions(ar=32, cl=128, eval_chars=800, window=128, decode_tokens=4)
+    good = pipeline.adapt(Project.open(tmp_path / "p"), str(model), opts, State())
+    assert good.result["spec"]["rotary_dim"] == 48 and good.result["equivalence"]["top1_agreement"] == 1.0
+
+    def last_dims(self: ops.Rope, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+        rest, rot = torch.split(x, [x.shape[self.dim] - 48, 48], dim=self.dim)
+        return torch.cat([rest, self.rotate(rot, cos2, sin2)], dim=self.dim)
+
+    monkeypatch.setattr(ops.Rope, "forward", last_dims)
+    with pytest.raises(UserError) as e:
+        pipeline.adapt(Project.open(tmp_path / "q"), str(model), opts, State())
+    assert "partial rotary (48 of 64 head dims)" in e.value.problem
+
+
+def test_granite_multipliers_run_in_genie_as_adapted(granite: Project) -> None:
+    """The four constants live in the weights (Genie's config is Llama's): the real Genie answers like our runner."""
+    card = granite.record("model").result["card"]
+    assert card["family"] == "Granite" and card["tied_embeddings"]
+    assert {k: card[k] for k in GRANITE} == GRANITE
+    prove_in_genie(granite, None)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_granite_adapts_exactly_and_fails_the_gate_without_any_one_fold(tmp_path: Path, tied: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate proves each fold: the graphs equal transformers' Granite logits, and with any one constant left
+    out (the card saying 1.0, or 1/sqrt(head_dim) for the attention scale) they do not."""
+    from npustudio.core import config_audit
+
+    model = make_tiny_model(tmp_path / "m", "granite", tie_word_embeddings=tied, attention_bias=True,
+                            mlp_bias=True, **GRANITE)
+    opts = AdaptOptions(ar=32, cl=128, eval_chars=800, window=128, decode_tokens=4)
+    good = pipeline.adapt(Project.open(tmp_path / "p"), str(model), opts, State())
+    assert good.result["gate"]["passed"] and good.result["equivalence"]["top1_agreement"] == 1.0
+    folds = config_audit._multipliers
+    for i, key in enumerate(GRANITE):
+        neutral = None if key == "attention_multiplier" else 1.0
+        monkeypatch.setattr(config_audit, "_multipliers",
+                            lambda config, recipe, key=key, neutral=neutral: {**folds(config, recipe), key: neutral})
+        with pytest.raises(UserError) as e:
+            pipeline.adapt(Project.open(tmp_path / f"p{i}"), str(model), opts, State())
+        assert "do not compute what the original model computes" in e.value.problem, key
+
+
 # ---------------------------------------------------------------- refused at intake
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -244,7 +322,12 @@ def folder_with(weights: Path, dest: Path, arch: str, **config: Any) -> Path:
      "truncate=False"),
     ("Llama", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
     ("Llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config"),
-    ("Phi3", {"partial_rotary_factor": 0.5, "pad_token_id": 0}, "partial_rotary_factor=0.5"),
+    ("Llama", {"rope_parameters": rope("default", partial_rotary_factor=0.5)}, "partial_rotary_factor=0.5"),
+    ("Granite", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ("Phi3", {"partial_rotary_factor": 0.3, "pad_token_id": 0, "hidden_size": 128, "num_attention_heads": 2},
+     "partial_rotary_factor=0.3"),  # 19 of 64 dims: an odd number cannot be rotated in halves
+    ("Llama", {"embedding_multiplier": 12.0}, "embedding_multiplier=12.0"),
+    ("Granite", {"logits_scaling": 0.0}, "logits_scaling=0.0"),
     ("Mistral", {"attention_bias": True}, "attention_bias=True"),
     ("Qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, "sliding_window=64"),
     ("Phi3", {"pad_token_id": 0, "hidden_size": 128, "num_attention_heads": 2, "max_position_embeddings": 512,
@@ -272,7 +355,7 @@ def test_info_refuses_a_window_narrower_than_the_context_and_accepts_it_within(w
 
 def test_the_readme_table_is_rendered_from_the_recipes() -> None:
     table = support_table()
-    assert table.startswith("| option | Llama | Mistral | Phi-3 | Qwen2 | Qwen3 | how |")
+    assert table.startswith("| option | Granite | Llama | Mistral | Phi-3 | Qwen2 | Qwen3 | how |")
     assert table in (ROOT / "README.md").read_text(encoding="utf-8")
 
 

@@ -11,7 +11,9 @@ rotary dims, `attn-factor` multiplied by 1 + 0.1·ln(factor)) and `longrope` (lo
 exceeds `original-max-position-embeddings`, else short; attention factor from `factor`) equal transformers'
 tables to the uint16 step. Genie's attention mask is always fully causal (its `longcontext` sliding window
 evicts cache entries once the context is full; it does not narrow the mask), so a sliding window narrower
-than the context cannot run under it.
+than the context cannot run under it. Partial rotary: Genie's `rope-dim` is the number of rotary frequencies
+(the tables' width; its longrope factor lists must have that length), its frequencies theta^(-i/rope-dim): with
+`rope-dim` half the rotated dims they equal transformers' partial tables, measured the same way.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class Options(BaseModel):
     activation: str  # silu | gelu | gelu_tanh
     sliding_window: int | None  # tokens a query sees; None: full causal attention
     rope_scaling: dict[str, Any] | None  # transformers' parameters, completed with the defaults it applies
+    rotary_dim: int | None = None  # partial rotary: the head dims RoPE rotates; None: all of them
+    attention_multiplier: float | None = None  # Granite's attention scale; None: 1/sqrt(head_dim)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
 
 def _refuse(option: str, value: Any, why: str, fix: str) -> UserError:
@@ -90,6 +97,9 @@ def audit(config: Any, recipe: FamilyRecipe) -> Options:
         foreign["mlp_bias"] = (None, False)
     if not recipe.sliding_window:
         foreign |= {"sliding_window": (None,), "use_sliding_window": (None, False)}
+    if recipe.multipliers:
+        for key in MULTIPLIERS:
+            foreign.pop(key)
     for key, neutral in foreign.items():
         value = _set(config, key)
         if value not in neutral:
@@ -104,7 +114,49 @@ def audit(config: Any, recipe: FamilyRecipe) -> Options:
     return Options(qkv_bias=recipe.qkv_bias or attention_bias, o_bias=attention_bias,
                    mlp_bias=recipe.mlp_bias and bool(_set(config, "mlp_bias")), qk_norm=recipe.qk_norm,
                    activation=ACTIVATIONS[act], sliding_window=_window(config, recipe),
-                   rope_scaling=_rope(config))
+                   rope_scaling=_rope(config), rotary_dim=_rotary_dim(config, recipe),
+                   **_multipliers(config, recipe))
+
+
+MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def _multipliers(config: Any, recipe: FamilyRecipe) -> dict[str, float]:
+    """Granite's constants, each folded exactly by the adaptation (transformers applies all four, 1.0 included:
+    the attention scale is attention_multiplier, never 1/sqrt(head_dim))."""
+    if not recipe.multipliers:
+        return {}
+    out = {}
+    for key in MULTIPLIERS:
+        value = _set(config, key)
+        value = 1.0 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value == 0:
+            raise _refuse(key, value, "it must be a finite number other than 0.",
+                          "The configuration is damaged: download it again, or fix the named field.")
+        out[key] = float(value)
+    return out
+
+
+def _partial(config: Any) -> float:
+    rp = dict(_set(config, "rope_parameters") or _set(config, "rope_scaling") or {})
+    return float(rp.get("partial_rotary_factor", _set(config, "partial_rotary_factor")) or 1.0)
+
+
+def _rotary_dim(config: Any, recipe: FamilyRecipe) -> int | None:
+    """The head dims RoPE rotates, as transformers computes them (int(head_dim · factor)); None: the whole head."""
+    factor = _partial(config)
+    if factor == 1.0:
+        return None
+    hd = _set(config, "head_dim") or config.hidden_size // config.num_attention_heads
+    dim = int(hd * factor)
+    if not recipe.partial_rotary:
+        raise _refuse("partial_rotary_factor", factor, f"transformers' {recipe.display} rotates whole heads and "
+                      "ignores this factor, so these weights were most likely trained as another architecture.",
+                      "Use a checkpoint whose model_type matches its architecture, or a supported family.")
+    if not 0 < factor < 1 or dim % 2 or dim < 2:
+        raise _refuse("partial_rotary_factor", factor, f"RoPE over {dim} of the {hd} head dims needs an even "
+                      "number of dims between 2 and the head dim.", "Fix the model's config.json.")
+    return dim
 
 
 def _window(config: Any, recipe: FamilyRecipe) -> int | None:
@@ -122,10 +174,6 @@ def _window(config: Any, recipe: FamilyRecipe) -> int | None:
 
 def _rope(config: Any) -> dict[str, Any] | None:
     rp = dict(_set(config, "rope_parameters") or _set(config, "rope_scaling") or {})
-    partial = rp.get("partial_rotary_factor", _set(config, "partial_rotary_factor")) or 1.0
-    if partial != 1.0:
-        raise _refuse("partial_rotary_factor", partial, "RoPE over part of each head is not implemented yet.",
-                      "Use a model that rotates whole heads.")
     kind = rp.get("rope_type", rp.get("type", "default")) or "default"
     if kind not in ROPE_TYPES:
         raise _refuse("rope_scaling.rope_type", kind, "Genie has no equivalent of this RoPE scaling "
@@ -207,13 +255,15 @@ ROWS = (
     Row("other activations", REFUSED, "not implemented"),
     *(Row(f"RoPE `{k}`", YES, v) for k, v in ROPE_TYPES.items()),
     Row("other RoPE types", REFUSED, "no Genie equivalent"),
-    Row("`partial_rotary_factor` < 1", REFUSED, "not implemented"),
+    Row("`partial_rotary_factor` < 1", lambda r: "yes" if r.partial_rotary else "—",
+        "RoPE over the first `rotary_dim` of each head, the rest passed through; Genie's `rope-dim` is half of it"),
     Row("sliding window ≥ context", _has("sliding_window"), "exact: the window covers the whole context"),
     Row("sliding window < context", lambda r: "refused" if r.sliding_window else "—",
         "Genie builds a fully causal mask"),
     Row("tied / untied embeddings", YES, "`tie_word_embeddings`"),
-    Row("soft-capping, embedding/residual/logit multipliers, LayerNorm, parallel residual", REFUSED,
-        "other architectures' options"),
+    Row("embedding/attention/residual multipliers, `logits_scaling`", lambda r: "yes (always)" if r.multipliers
+        else "—", "folded exactly into the weights: table, q, o/down, final norm"),
+    Row("soft-capping, LayerNorm, parallel residual", REFUSED, "other architectures' options"),
     Row("pre-quantized weights", REFUSED, "`quantization_config`: give the float release"),
 )
 

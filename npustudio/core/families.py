@@ -65,6 +65,8 @@ class FamilyRecipe:
     qkv_bias: bool = False  # q/k/v biases always there (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     sliding_window: bool = False  # honours config.sliding_window (exact while the window covers the context)
+    partial_rotary: bool = False  # honours partial_rotary_factor: RoPE over the first part of each head (Phi-3)
+    multipliers: bool = False  # embedding/attention/residual multipliers and logits_scaling (Granite)
 
     def layer(self, hf_layer: Any) -> LayerWeights:
         a, m = hf_layer.self_attn, hf_layer.mlp

@@ -299,7 +299,9 @@ def make_card(config: Any, tokenizer: Any, source: ModelSource) -> ArchCard:
         max_position=int(getattr(config, "max_position_embeddings", 0) or 0),
         rms_norm_eps=float(config.rms_norm_eps),
         qkv_bias=options.qkv_bias, qk_norm=options.qk_norm, o_bias=options.o_bias, mlp_bias=options.mlp_bias,
-        activation=options.activation, sliding_window=options.sliding_window,
+        activation=options.activation, sliding_window=options.sliding_window, rotary_dim=options.rotary_dim,
+        attention_multiplier=options.attention_multiplier, embedding_multiplier=options.embedding_multiplier,
+        residual_multiplier=options.residual_multiplier, logits_scaling=options.logits_scaling,
         bos_id=None if bos is None else int(bos), eos_ids=eos,
         chat_template=getattr(tokenizer, "chat_template", None),
     )

@@ -24,6 +24,16 @@ class DecoderShape(BaseModel):
     o_bias: bool = False
     mlp_bias: bool = False
     activation: str = "silu"  # silu | gelu | gelu_tanh
+    rotary_dim: int | None = None  # RoPE over the first rotary_dim of each head, the rest passed through; None: all
+    attention_multiplier: float | None = None  # the attention scale (Granite); None: 1/sqrt(head_dim)
+    embedding_multiplier: float = 1.0  # the embeddings scaled (Granite)
+    residual_multiplier: float = 1.0  # each block's output scaled before it joins the residual stream (Granite)
+    logits_scaling: float = 1.0  # the logits divided (Granite)
+
+    @property
+    def rope_dim(self) -> int:
+        """The head dims RoPE rotates (the cos/sin tables are half as wide)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -1,4 +1,5 @@
-"""Phi-3 family: Phi-3 / Phi-3.5 mini and medium (Phi3ForCausalLM), whose q/k/v and gate/up are fused."""
+"""Phi-3 family: Phi-3 / Phi-3.5 mini and medium and Phi-4-mini (Phi3ForCausalLM), whose q/k/v and gate/up are
+fused; Phi-4-mini rotates the first 3/4 of each head (`partial_rotary_factor` 0.75)."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -21,4 +22,4 @@ class Phi3Recipe(FamilyRecipe):
                             post_norm=hf_layer.post_attention_layernorm.weight.data)
 
 
-RECIPE = Phi3Recipe(name="phi3", display="Phi-3", model_types=("phi3",), sliding_window=True)
+RECIPE = Phi3Recipe(name="phi3", display="Phi-3", model_types=("phi3",), sliding_window=True, partial_rotary=True)

@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 def rope(card: dict[str, Any]) -> dict[str, Any]:
     """Genie's positional-encoding block: Genie computes the cos/sin tables from it, and they must equal the
     ones the host runner computes from the stored frequencies (core/config_audit.py says what was measured).
-    `dynamic` stays plain RoPE: it scales nothing within max_position_embeddings, which bounds the context."""
-    hd = card["head_dim"]
+    `dynamic` stays plain RoPE: it scales nothing within max_position_embeddings, which bounds the context.
+    `rope-dim` is the number of rotary frequencies (the tables' width): half the dims RoPE rotates, which with a
+    partial rotary factor are the first `rotary_dim` of each head; Genie's frequencies are then
+    theta^(-i/rope-dim), transformers' theta^(-2i/rotary_dim) (measured equal, tests/test_families.py)."""
+    hd = card.get("rotary_dim") or card["head_dim"]
     enc: dict[str, Any] = {"type": "rope", "rope-dim": hd // 2, "rope-theta": card["rope_theta"]}
     sc = card.get("rope_scaling") or {}
     kind = sc.get("rope_type") or sc.get("type")

@@ -4,7 +4,8 @@ One set of weights serves every graph: AR and CL are only the shapes of the inpu
 (prompt) and AR-1 (token) graphs are the same module traced at two shapes.
 
 Graph I/O (exactly what Genie binds by name):
-  inputs   input_ids (1,N) int32, attention_mask (1,1,N,CL) additive, position_ids_cos/_sin (1,1,N,hd/2),
+  inputs   input_ids (1,N) int32, attention_mask (1,1,N,CL) additive, position_ids_cos/_sin (1,1,N,rd/2)
+           (rd: the head dims RoPE rotates, hd unless the model's RoPE is partial),
            past_key_{l}_in (KV,1,hd,CL-N), past_value_{l}_in (KV,1,CL-N,hd)
   outputs  logits (1,N,V), past_key_{l}_out (KV,1,hd,N), past_value_{l}_out (KV,1,N,hd)  (new entries only)
 Inside, the residual stream is channel-first (1,D,1,N) so every Linear is a 1x1 Conv2d, and q/k/v are
@@ -41,8 +42,9 @@ class Attention(nn.Module):
         self.v = nn.ModuleList(Conv1x1(z(hd, s.hidden), z(hd) if s.qkv_bias else None) for _ in range(kv))
         self.q_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-1) if s.qk_norm else None
         self.k_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-2) if s.qk_norm else None
-        self.q_rope = Rope(dim=-1)  # q is (KV, G*N, hd)
-        self.k_rope = Rope(dim=-2)  # k is (KV, 1, hd, N): Genie's key layout
+        rd = s.rope_dim
+        self.q_rope = Rope(dim=-1, rotary_dim=rd, head_dim=hd)  # q is (KV, G*N, hd)
+        self.k_rope = Rope(dim=-2, rotary_dim=rd, head_dim=hd)  # k is (KV, 1, hd, N): Genie's key layout
         self.k_cat = Concat(dim=3)
         self.v_cat = Concat(dim=2)
         self.qk = MatMul()
@@ -137,7 +139,7 @@ class StaticDecoder(nn.Module):
                 position_ids_sin: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = input_ids.shape[1]
         g = self.spec.heads // self.spec.kv_heads
-        cos2 = self.cos_cat(position_ids_cos, position_ids_cos)[0, 0]  # (N, hd)
+        cos2 = self.cos_cat(position_ids_cos, position_ids_cos)[0, 0]  # (N, rd)
         sin2 = self.sin_cat(self.sin_neg(position_ids_sin), position_ids_sin)[0, 0]
         rope = (cos2.repeat(g, 1), sin2.repeat(g, 1), cos2.t(), sin2.t())
         h = self.embed(input_ids).permute(0, 2, 1).reshape(1, -1, 1, n)  # (1, D, 1, N)
@@ -161,15 +163,23 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
     """The static form of a HF model, sharing its weight storage (no second copy of a multi-GB model).
 
     Convs are views of the HF Linear weights (a Linear's (out, in) is a 1x1 conv's (out, in, 1, 1); a head is a
-    run of rows). Only what is rescaled is new memory: the 1/sqrt(hd) softmax scale folded into q (or, with a
-    q-norm, into its gain, which would undo a scaled weight). The HF model must not be changed afterwards.
+    run of rows). Only what is rescaled is new memory: the 1/sqrt(hd) softmax scale (Granite: its attention
+    multiplier) folded into q (or, with a q-norm, into its gain, which would undo a scaled weight), and Granite's
+    constants: the residual multiplier into o_proj and down_proj (weights and biases: a block's output is scaled
+    before it joins the stream), the embedding multiplier into the table, and 1/logits_scaling into the final
+    norm's gain (with a tied table, 1/embedding_multiplier too, undoing the table's scale for the head: the norm's
+    gain scales the head's input: (W·m)·(g/(m·s) ⊙ x̂) = W·(g ⊙ x̂)/s, one table kept).
+    The HF model must not be changed afterwards.
     """
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):  # parameters on the meta device; constants (buffers) real
         m = StaticDecoder(spec)
-    hd, scale = spec.head_dim, 1.0 / math.sqrt(spec.head_dim)
-    _share(m.embed, "weight", recipe.embedding(hf_model))
+    hd = spec.head_dim
+    scale = 1.0 / math.sqrt(hd) if spec.attention_multiplier is None else spec.attention_multiplier
+    emb, res = spec.embedding_multiplier, spec.residual_multiplier
+    table = recipe.embedding(hf_model)
+    _share(m.embed, "weight", table * emb if emb != 1.0 else table)
     for layer, hf_layer in zip(m.blocks, recipe.layers(hf_model), strict=True):
         w = recipe.layer(hf_layer)
         _share(layer.input_norm, "weight", w.input_norm)
@@ -190,12 +200,15 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
             _share(at.k_norm, "weight", w.k_norm)
         for name, conv, wt, b in (("o_proj", at.o, w.o, w.o_bias), ("gate", layer.mlp.gate, w.gate, w.gate_bias),
                                   ("up", layer.mlp.up, w.up, w.up_bias), ("down", layer.mlp.down, w.down, w.down_bias)):
-            _share(conv, "weight", _conv(wt))
+            sc = res if name in ("o_proj", "down") else 1.0
+            _share(conv, "weight", _conv(wt) * sc if sc != 1.0 else _conv(wt))
             if (conv.bias is None) != (b is None):  # never drop (or invent) a bias silently
                 raise ValueError(f"the {name} bias of the weights does not match the card's options")
             if b is not None:
-                _share(conv, "bias", b)
-    _share(m.norm, "weight", recipe.final_norm(hf_model))
+                _share(conv, "bias", b * sc if sc != 1.0 else b)
+    norm = recipe.final_norm(hf_model)
+    head_scale = 1.0 / spec.logits_scaling / (emb if spec.tied_embeddings else 1.0)
+    _share(m.norm, "weight", norm * head_scale if head_scale != 1.0 else norm)
     if spec.tied_embeddings:
         m.tie()
     else:
@@ -229,9 +242,9 @@ def io_names(layers: int) -> tuple[list[str], list[str]]:
 
 
 def io_shapes(spec: DecoderSpec, ar: int, cl: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-    hd, kv = spec.head_dim, spec.kv_heads
+    hd, kv, rd = spec.head_dim, spec.kv_heads, spec.rope_dim
     ins = {"input_ids": [1, ar], "attention_mask": [1, 1, ar, cl],
-           "position_ids_cos": [1, 1, ar, hd // 2], "position_ids_sin": [1, 1, ar, hd // 2]}
+           "position_ids_cos": [1, 1, ar, rd // 2], "position_ids_sin": [1, 1, ar, rd // 2]}
     outs = {"logits": [1, ar, spec.vocab]}
     for i in range(spec.layers):
         ins[f"past_key_{i}_in"] = [kv, 1, hd, cl - ar]

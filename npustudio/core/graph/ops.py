@@ -79,18 +79,28 @@ class RMSNorm(nn.Module):
 class Rope(nn.Module):
     """Rotary embedding x·cos + rotate_half(x)·sin, with cos/sin given as graph inputs (tables from the host).
 
-    `dim` is the head-dim axis of x; cos2/sin2 are full-width tables (sin2 carries the rotate-half sign).
+    `dim` is the head-dim axis of x; cos2/sin2 are tables as wide as the rotated dims (sin2 carries the
+    rotate-half sign). Partial rotary (`rotary_dim` < `head_dim`, as transformers' Phi-3): the first rotary_dim
+    dims of each head are rotated, the rest passed through unchanged.
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, rotary_dim: int | None = None, head_dim: int | None = None) -> None:
         super().__init__()
         self.dim = dim
+        self.rotary_dim = rotary_dim if rotary_dim is not None and rotary_dim != head_dim else None
         self.swap = Concat(dim)
         self.mul_cos = Mul()
         self.mul_sin = Mul()
         self.add = Add()
+        self.keep = Concat(dim) if self.rotary_dim else None
 
     def forward(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim and self.keep is not None:
+            rot, rest = torch.split(x, [self.rotary_dim, x.shape[self.dim] - self.rotary_dim], dim=self.dim)
+            return self.keep(self.rotate(rot, cos2, sin2), rest)
+        return self.rotate(x, cos2, sin2)
+
+    def rotate(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
         half = x.shape[self.dim] // 2
         x1, x2 = torch.split(x, half, dim=self.dim)
         return self.add(self.mul_cos(x, cos2), self.mul_sin(self.swap(x2, x1), sin2))

@@ -147,6 +147,8 @@ def _tie_kv(attn: Any, bits: int) -> None:
     kq, vq = _qdq((), bits, False), _qdq((), bits, False)
     kq._npustudio_kv = vq._npustudio_kv = True
     attn.k_rope.add.output_quantizers[0] = kq
+    if attn.k_rope.keep is not None:  # partial rotary: the new entries are the rotated dims joined with the rest
+        attn.k_rope.keep.output_quantizers[0] = kq
     attn.k_cat.input_quantizers[0] = kq
     attn.k_cat.output_quantizers[0] = kq
     for conv in attn.v:
