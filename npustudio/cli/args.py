@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from ..core import stage_options as so
 from ..core.errors import UserError
-from ..core.stage_options import MAX_CONTEXT, AdaptOptions, CompileOptions, QuantizeOptions
+from ..core.stage_options import MAX_CONTEXT, AdaptOptions, BundleOptions, CompileOptions, QuantizeOptions
 
 if TYPE_CHECKING:
     from ..core.cluster import Cluster
@@ -208,3 +208,10 @@ def compile_options(a: argparse.Namespace) -> CompileOptions:
         chosen["weight_sharing"] = a.weight_sharing
     return CompileOptions(backend=a.backend, verify_tokens=a.verify_tokens, parts=a.parts,
                           prompt_check_budget_s=a.prompt_check_budget_s, max_part_mb=a.max_part_mb, **chosen)
+
+
+def bundle_options(a: argparse.Namespace) -> BundleOptions:
+    from ..core.genie.config import Sampler, check_prompt
+
+    return BundleOptions(question=check_prompt(a.question), sampler=Sampler(greedy=not a.sample),
+                         prompt_graphs=not a.token_graphs_only)

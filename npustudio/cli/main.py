@@ -78,7 +78,7 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     max_part_arg(s)
     json_arg(s)
 
-    s = add("adapt", stages.cmd_adapt, "adapt a model to Genie's static graphs and prove it equivalent")
+    s = add("adapt", stages.cmd_stage, "adapt a model to Genie's static graphs and prove it equivalent")
     s.add_argument("model", nargs="?", type=given, default="default")
     s.add_argument("--project", type=given, required=True, help="project folder (created if new)")
     adapt_args(s)
@@ -88,7 +88,7 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     json_arg(s)
     preferred(s)
 
-    s = add("quantize", stages.cmd_quantize, "calibrate and quantize the adapted graphs with AIMET, then export them")
+    s = add("quantize", stages.cmd_stage, "calibrate and quantize the adapted graphs with AIMET, then export them")
     s.add_argument("--project", type=given, required=True, help="project folder with an adapted model")
     quantize_args(s)
     device_arg(s)
@@ -124,14 +124,14 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
             "w8a16 or w4a16 (default: the best quality whose bundle loads where the job deploys, from the model's "
             "fit; said before the long stages)")
 
-    s = add("compile", stages.cmd_compile, "compile the quantized graphs to QNN HTP context binaries and verify them")
+    s = add("compile", stages.cmd_stage, "compile the quantized graphs to QNN HTP context binaries and verify them")
     s.add_argument("--project", type=given, required=True)
     compile_args(s)
     cluster_arg(s, "the stage")
     force_arg(s)
     json_arg(s)
 
-    s = add("bundle", stages.cmd_bundle, "write the Genie bundle (config, binaries, tokenizer), validated by libGenie")
+    s = add("bundle", stages.cmd_stage, "write the Genie bundle (config, binaries, tokenizer), validated by libGenie")
     s.add_argument("--project", type=given, required=True)
     option(s, BundleOptions, "question")
     s.add_argument("--sample", action="store_true", help="sample (top-k/top-p) instead of greedy decoding")

@@ -10,7 +10,9 @@ from rich.table import Table
 from .console import out
 
 if TYPE_CHECKING:
-    from ..core.pipeline import CompileSummary, QuantizeSummary
+    from pathlib import Path
+
+    from ..core.pipeline import AdaptSummary, BundleSummary, CompileSummary, QuantizeSummary
 
 
 def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str, dict[str, Any]] | None = None
@@ -99,3 +101,24 @@ def print_compile(c: CompileSummary) -> None:
     if v.kv_cache_max_diff_steps is not None:
         out.print(f"  the prompt graph's KV cache on the HTP simulator: within {v.kv_cache_max_diff_steps:g} "
                   "quantization steps of the quantsim's")
+
+
+def print_adapt(ad: AdaptSummary, root: Path) -> None:
+    out.print(f"Adapted into {root}: graphs {', '.join(ad.graphs)}")
+    if ad.gate == "failed, accepted":
+        out.print("[bold red]Equivalence gate FAILED; the mismatch was accepted (--accept-mismatch): this model "
+                  "will not answer like the original.[/]")
+    out.print(f"Equivalence vs the original model over {ad.positions} positions "
+              f"(AR-{ad.prefill_ar} prefill + {ad.decode_steps} AR-1 steps): "
+              f"top-1 agreement {ad.top1_agreement:.4f}, max |logit diff| {ad.max_abs_logit_diff:.2e}")
+    out.print(f"Perplexity (fp32): original {ad.ppl_fp:.3f}, adapted {ad.ppl_adapted:.3f} over {ad.eval_tokens} tokens")
+
+
+def print_bundle(b: BundleSummary) -> None:
+    out.print(f"Bundle {b.folder} (validated by libGenie {b.genie_api})")
+    for f in b.files:
+        out.print(f"  {f['file']:<40} {f['bytes']:>12,d} B")
+    if b.runtime_missing:
+        out.print("  phone runtime not included (set QNN_SDK_ROOT): " + ", ".join(b.runtime_missing))
+    for note in b.notes:
+        out.print(f"  [bold]note:[/] {escape(note)}")

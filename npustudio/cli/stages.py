@@ -1,24 +1,18 @@
-"""The stage commands: info, adapt, quantize, compile, bundle, run, and the encodings table."""
+"""The stage commands: info, each stage (adapt, quantize, compile, bundle), run, and the encodings table."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-from rich.markup import escape
 from rich.table import Table
 
-from ..core.progress import State
-from .args import adapt_options, cluster_of, compile_options, quantize_options
+from .args import adapt_options, bundle_options, cluster_of, compile_options, quantize_options
 from .console import err, live_state, out, print_json, stdout_is_for
-from .render import card_table, host_table, print_compile, print_quantize
-
-if TYPE_CHECKING:
-    from pydantic import BaseModel
-
-S = TypeVar("S", bound="BaseModel")
+from .render import card_table, host_table, print_adapt, print_bundle, print_compile, print_quantize
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -39,58 +33,34 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_adapt(a: argparse.Namespace) -> int:
-    from ..core import pipeline
-
-    with pipeline.opened(a.project) as project, live_state(quiet=a.json) as st, stdout_is_for(a.json):
-        rec = pipeline.adapt(project, a.model, adapt_options(a), st, force=a.force, cluster=cluster_of(a))
-    from ..core.results import AdaptResult
-
-    res = rec.result_as(AdaptResult)
-    summary = pipeline.adapt_summary(res)
-    if a.json:
-        print_json(summary.model_dump() | {"project": str(project.root), "seconds": round(rec.seconds, 1)})
-    else:
-        eq = res.equivalence
-        out.print(f"Adapted into {project.root}")
-        for g in res.graphs:
-            out.print(f"  graph {g.name}: {len(g.inputs)} inputs, {len(g.outputs)} outputs")
-        if summary.gate == "failed, accepted":
-            out.print("[bold red]Equivalence gate FAILED; the mismatch was accepted (--accept-mismatch): this model "
-                      "will not answer like the original.[/]")
-        out.print(f"Equivalence vs the original model over {eq.positions} positions "
-                  f"(AR-{eq.prefill_ar} prefill + {eq.decode_steps} AR-1 steps): "
-                  f"top-1 agreement {eq.top1_agreement:.4f}, max |logit diff| {eq.max_abs_logit_diff:.2e}")
-        out.print(f"Perplexity (fp32): original {res.ppl_fp:.3f}, adapted {res.ppl_adapted:.3f} "
-                  f"over {res.eval_tokens} tokens")
-    return 0
-
-
-def cmd_quantize(a: argparse.Namespace) -> int:
-    from ..core import pipeline
-    from ..core.results import QuantizeResult
-
-    opts = quantize_options(a)
-    return stage_command(a, lambda p, st: pipeline.quantize(p, opts, st, force=a.force, cluster=cluster_of(a)),
-                          lambda rec, p: pipeline.quantize_summary(rec.result_as(QuantizeResult),
-                                                                   p.stage_dir("quantize")),
-                          print_quantize)
-
-
-def stage_command(a: argparse.Namespace, run: Callable[[Any, State], Any],
-                   summarize: Callable[[Any, Any], S], show: Callable[[S], None]) -> int:
-    """A stage on an existing project (--project, --json): live progress, then its summary as JSON or tables."""
+def cmd_stage(a: argparse.Namespace) -> int:
+    """`npustudio adapt|quantize|compile|bundle --project P`: the stage by its declaration (skipped when its inputs
+    and options are unchanged), live progress, then one envelope: its summary, the project, seconds and peak RSS
+    (as JSON with --json, else as tables)."""
+    from ..core import pipeline, stages
     from ..core.project import Project
 
-    project = Project.open(a.project, create=False)
-    with live_state(quiet=a.json) as st, stdout_is_for(a.json):
-        rec = run(project, st)
-    summary = summarize(rec, project)
+    spec = stages.spec(a.cmd)
+    options = {"adapt": adapt_options, "quantize": quantize_options, "compile": compile_options,
+               "bundle": bundle_options}[spec.name](a)
+    creates = spec == stages.ADAPT  # the first stage with a project makes it; the later ones need it made
+    with (pipeline.opened(a.project) if creates else contextlib.nullcontext(Project.open(a.project, create=False))
+          ) as project, live_state(quiet=a.json) as st, stdout_is_for(a.json):
+        cluster = cluster_of(a) if spec.remote else None
+        rec = pipeline.run_stage(project, spec, options, st, force=a.force, cluster=cluster,
+                                 model=getattr(a, "model", None))
+    summary = pipeline.summary(spec.name, rec, project)
     if a.json:
-        print_json(summary.model_dump() | {"seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)})
+        print_json(summary.model_dump() | {"stage": spec.name, "project": str(project.root),
+                                           "seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)})
     else:
-        show(summary)
+        SHOW[spec.name](summary, project.root)
     return 0
+
+
+SHOW: dict[str, Callable[[Any, Path], None]] = {"adapt": print_adapt, "quantize": lambda s, _root: print_quantize(s),
+                                                "compile": lambda s, _root: print_compile(s),
+                                                "bundle": lambda s, _root: print_bundle(s)}
 
 
 def cmd_encodings(a: argparse.Namespace) -> int:
@@ -167,39 +137,4 @@ def cmd_run(a: argparse.Namespace) -> int:
 
             out.print(f"  Genie profile: init {n(ps.init_s)} s, TTFT {n(ps.ttft_s)} s, prompt "
                       f"{n(ps.prompt_tok_s)} tok/s, generation {n(ps.generation_tok_s)} tok/s  ({sm.profile})")
-    return 0
-
-
-def cmd_compile(a: argparse.Namespace) -> int:
-    from ..core import pipeline
-    from ..core.results import CompileResult
-
-    opts = compile_options(a)
-    return stage_command(a, lambda p, st: pipeline.compile_graphs(p, opts, st, force=a.force, cluster=cluster_of(a)),
-                          lambda rec, _p: pipeline.compile_summary(rec.result_as(CompileResult)), print_compile)
-
-
-def cmd_bundle(a: argparse.Namespace) -> int:
-    from ..core import pipeline
-    from ..core.genie.bundle import BundleOptions
-    from ..core.genie.config import Sampler, check_prompt
-    from ..core.project import Project
-    from ..core.results import BundleResult
-
-    project = Project.open(a.project, create=False)
-    opts = BundleOptions(question=check_prompt(a.question), sampler=Sampler(greedy=not a.sample),
-                         prompt_graphs=not a.token_graphs_only)
-    with live_state(quiet=a.json) as st, stdout_is_for(a.json):
-        rec = pipeline.bundle(project, opts, st, force=a.force)
-    if a.json:
-        print_json(rec.result_as(BundleResult).model_dump())
-    else:
-        b = rec.result_as(BundleResult)
-        out.print(f"Bundle {b.folder} (validated by libGenie {b.genie_api})")
-        for f in b.files:
-            out.print(f"  {f['file']:<40} {f['bytes']:>12,d} B")
-        if b.runtime_missing:
-            out.print("  phone runtime not included (set QNN_SDK_ROOT): " + ", ".join(b.runtime_missing))
-        for note in b.notes:
-            out.print(f"  [bold]note:[/] {escape(note)}")
     return 0

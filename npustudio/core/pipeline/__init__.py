@@ -30,15 +30,17 @@ from .summaries import (
     RunSummary,
     StageFigures,
     adapt_summary,
+    bundle_summary,
     compile_summary,
     quantize_summary,
+    summary,
 )
 
 __all__ = [
     "INTAKE", "AdaptSummary", "BinarySummary", "BundleSummary", "CompileSummary", "IntakeResult", "QuantizeSummary",
-    "RunSummary", "SampleAnswer", "StageFigures", "WizardStep", "_require", "adapt", "adapt_summary",
-    "ask_on_device", "bundle", "compile_and_bundle", "compile_graphs", "compile_summary", "decode_bounds",
+    "RunSummary", "SampleAnswer", "StageFigures", "WizardStep", "_require", "adapt", "adapt_summary", "ask_on_device",
+    "bundle", "bundle_summary", "compile_and_bundle", "compile_graphs", "compile_summary", "decode_bounds",
     "default_project_dir", "deploy", "describe", "graphs_for", "intake", "job_plan", "open_chat", "opened",
     "project_of_bundle", "quantize", "quantize_summary", "resolve", "run_all", "run_stage", "stage_status",
-    "stale_reasons", "wizard_steps",
+    "stale_reasons", "summary", "wizard_steps",
 ]

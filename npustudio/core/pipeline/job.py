@@ -18,10 +18,10 @@ from ..results import AdaptResult, BundleResult, CompileResult, IntakeResult, Qu
 from .execute import adapt, compile_and_bundle, opened, quantize
 from .phone import ask_on_device
 from .summaries import (
-    BundleSummary,
     RunSummary,
     StageFigures,
     adapt_summary,
+    bundle_summary,
     compile_summary,
     quantize_summary,
 )
@@ -58,7 +58,7 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
         adapt=adapt_summary(rec.result_as(AdaptResult)),
         quantize=quantize_summary(qrec.result_as(QuantizeResult), project.stage_dir("quantize")),
         compile=compile_summary(crec.result_as(CompileResult)),
-        bundle=BundleSummary(folder=b.folder, validated=b.validated, files=b.files, genie_api=b.genie_api),
+        bundle=bundle_summary(b),
         sample=sample,
         stages={n: StageFigures(seconds=round(s.seconds, 2), peak_rss_mb=round(s.peak_rss_mb))
                 for n, s in m.stages.items()},

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from .. import models, parts
-from ..results import AdaptResult, CompileResult, QuantizeResult, Verification
+from .. import models, parts, stages
+from ..project import Project, StageRecord
+from ..results import AdaptResult, BundleResult, CompileResult, QuantizeResult, Verification
 from .phone import SampleAnswer
 
 
@@ -72,6 +73,9 @@ class BundleSummary(BaseModel):
     validated: bool
     files: list[dict[str, Any]]
     genie_api: str
+    context_bytes: int = 0
+    runtime_missing: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
 
 
 class StageFigures(BaseModel):
@@ -118,3 +122,19 @@ def compile_summary(r: CompileResult) -> CompileSummary:
                                 compile_seconds=g.seconds, estimated_alloc_kb=g.estimated_alloc_kb)
                   for g in r.graphs],
         htp_graph_limit_kb=parts.HTP_GRAPH_LIMIT_KB, recut=r.recut, verification=r.verification, steps=r.steps)
+
+
+def bundle_summary(r: BundleResult) -> BundleSummary:
+    return BundleSummary(folder=r.folder, validated=r.validated, files=r.files, genie_api=r.genie_api,
+                         context_bytes=r.context_bytes, runtime_missing=r.runtime_missing, notes=r.notes)
+
+
+def summary(stage: str, rec: StageRecord, project: Project) -> BaseModel:
+    """What the views show of a finished stage's record: one shape per stage, for the tables and `--json`."""
+    if stage == stages.ADAPT.name:
+        return adapt_summary(rec.result_as(AdaptResult))
+    if stage == stages.QUANTIZE.name:
+        return quantize_summary(rec.result_as(QuantizeResult), project.stage_dir(stage))
+    if stage == stages.COMPILE.name:
+        return compile_summary(rec.result_as(CompileResult))
+    return bundle_summary(rec.result_as(BundleResult))
