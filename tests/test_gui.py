@@ -265,6 +265,18 @@ def test_the_first_window_keeps_its_title_bar_and_status_line_on_the_screen(qtbo
     assert w.pos() == room.topLeft()
 
 
+def test_the_perplexity_tab_is_as_tall_as_itself_not_as_the_inspector(qtbot: Any, tmp_path: Path) -> None:
+    """A tab widget is as tall as its tallest tab: the inspector's heatmap and table made the Quantize page's
+    perplexity chart ~1,250 px tall in a scrolling page, its axis out of view; it now sizes to the tab shown."""
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    tabs = w.quantize_page.tabs
+    inspector = tabs.widget(1).sizeHint().height()
+    assert tabs.currentIndex() == 0 and tabs.sizeHint().height() < inspector
+    tabs.setCurrentIndex(1)  # the inspector, when shown, gets its room
+    assert tabs.sizeHint().height() >= inspector
+
+
 def test_the_device_properties_read_whole_without_scrolling_at_1366x768(qtbot: Any, tmp_path: Path) -> None:
     """The properties table showed two rows and both scrollbars: it is now as tall as its rows, values wrapped,
     and the console still has room below it."""

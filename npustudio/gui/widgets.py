@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPaintEvent
 from PySide6.QtWidgets import (
     QFormLayout,
@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QSizePolicy,
     QTableWidget,
     QTableWidgetItem,
+    QTabWidget,
     QVBoxLayout,
     QWidget,
 )
@@ -110,6 +111,27 @@ def table(headers: Sequence[str], stretch_last: bool = True) -> QTableWidget:
     t.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
     t.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
     return t
+
+
+class TabsSizedToShown(QTabWidget):
+    """Tabs as tall as the one shown: a QTabWidget is as tall as its tallest tab, so in a scrolling page the
+    encodings inspector's heatmap and table made the perplexity tab ~1,250 px tall, its chart's axis out of view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.currentChanged.connect(lambda _i: self.updateGeometry())
+
+    def _with_bar(self, inner: QSize) -> QSize:
+        bar = self.tabBar().sizeHint()
+        return QSize(max(inner.width(), bar.width()), inner.height() + bar.height() + 4)
+
+    def sizeHint(self) -> QSize:
+        w = self.currentWidget()
+        return super().sizeHint() if w is None else self._with_bar(w.sizeHint())
+
+    def minimumSizeHint(self) -> QSize:
+        w = self.currentWidget()
+        return super().minimumSizeHint() if w is None else self._with_bar(w.minimumSizeHint())
 
 
 def fill(t: QTableWidget, rows: Sequence[Sequence[Any]], colours: Sequence[QColor | None] | None = None) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QCheckBox,
     QFileDialog,
     QHBoxLayout,
+    QHeaderView,
     QLineEdit,
     QPushButton,
-    QTabWidget,
     QWidget,
 )
 
@@ -27,7 +28,7 @@ from ..charts import PplChart
 from ..fields import combo, default, spin
 from ..inspector import Inspector
 from ..settings_dialog import device_choice
-from ..widgets import Page, fill, show_error, table
+from ..widgets import Page, TabsSizedToShown, fill, show_error, table
 from ..window import StudioWindow
 
 
@@ -77,11 +78,12 @@ class QuantizePage(Page):
         self.form.addRow("Mixed precision:", _file_row(self.overrides, "Overrides", "JSON (*.json)", self))
         self.form.addRow("Compute on:", self.device)
         self.add_strip("Quantize", redo=True)
-        self.tabs = QTabWidget()
+        self.tabs = TabsSizedToShown()
         live = QWidget()
         ll = QHBoxLayout(live)
         self.chart = PplChart()
         self.results = table(["Result", "Value"])
+        self.results.setTextElideMode(Qt.TextElideMode.ElideMiddle)
         ll.addWidget(self.chart, 3)
         ll.addWidget(self.results, 2)
         self.inspector = Inspector()
@@ -146,6 +148,10 @@ class QuantizePage(Page):
                 ("Ratio", f"×{s.ratio:.4f}"), ("Top-1 agreement", f"{s.top1_agreement:.3f}")]
         rows += [(f["file"], human_bytes(f["bytes"])) for f in s.files]
         fill(self.results, rows)
+        head = self.results.horizontalHeader()  # the values whole; long file names shortened in the middle
+        head.setStretchLastSection(False)
+        head.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        head.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
         self.strip.status.setText(f"{s.precision}: PPL {s.ppl_quant:.3f} vs FP {s.ppl_fp:.3f} "
                                   f"(×{s.ratio:.4f}).")
         graphs = r.graphs
