@@ -275,6 +275,11 @@ def test_the_perplexity_tab_is_as_tall_as_itself_not_as_the_inspector(qtbot: Any
     assert tabs.currentIndex() == 0 and tabs.sizeHint().height() < inspector
     tabs.setCurrentIndex(1)  # the inspector, when shown, gets its room
     assert tabs.sizeHint().height() >= inspector
+    from npustudio.gui.widgets import fill
+
+    long_name = "test_vectors/prompt_ar128_cl1024_1_of_1.npz"  # shortened in the middle to fit: whole on hover
+    fill(w.quantize_page.results, [(long_name, "135.9 KB")])
+    assert w.quantize_page.results.item(0, 0).toolTip() == long_name
 
 
 def test_the_device_properties_read_whole_without_scrolling_at_1366x768(qtbot: Any, tmp_path: Path) -> None:

@@ -139,6 +139,8 @@ def fill(t: QTableWidget, rows: Sequence[Sequence[Any]], colours: Sequence[QColo
     for i, row in enumerate(rows):
         for j, v in enumerate(row):
             item = QTableWidgetItem("—" if v is None else str(v))
+            if len(item.text()) > 24:  # a long name may be shortened to fit its column: whole on hover
+                item.setToolTip(item.text())
             colour = colours[i] if colours else None
             if colour is not None:
                 item.setBackground(colour)
