@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
+from ..core import stages
 from .args import adapt_options, bundle_options, cluster_of, compile_options, quantize_options
 from .console import err, live_state, out, print_json, stdout_is_for
 from .render import card_table, host_table, print_adapt, print_bundle, print_compile, print_quantize
@@ -37,12 +38,11 @@ def cmd_stage(a: argparse.Namespace) -> int:
     """`npustudio adapt|quantize|compile|bundle --project P`: the stage by its declaration (skipped when its inputs
     and options are unchanged), live progress, then one envelope: its summary, the project, seconds and peak RSS
     (as JSON with --json, else as tables)."""
-    from ..core import pipeline, stages
+    from ..core import pipeline
     from ..core.project import Project
 
     spec = stages.spec(a.cmd)
-    options = {"adapt": adapt_options, "quantize": quantize_options, "compile": compile_options,
-               "bundle": bundle_options}[spec.name](a)
+    options = OPTIONS[spec.name](a)
     creates = spec == stages.ADAPT  # the first stage with a project makes it; the later ones need it made
     with (pipeline.opened(a.project) if creates else contextlib.nullcontext(Project.open(a.project, create=False))
           ) as project, live_state(quiet=a.json) as st, stdout_is_for(a.json):
@@ -58,9 +58,13 @@ def cmd_stage(a: argparse.Namespace) -> int:
     return 0
 
 
-SHOW: dict[str, Callable[[Any, Path], None]] = {"adapt": print_adapt, "quantize": lambda s, _root: print_quantize(s),
-                                                "compile": lambda s, _root: print_compile(s),
-                                                "bundle": lambda s, _root: print_bundle(s)}
+# per stage (keyed by its declaration's name): its options from the flags, and its summary as tables
+OPTIONS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    stages.ADAPT.name: adapt_options, stages.QUANTIZE.name: quantize_options,
+    stages.COMPILE.name: compile_options, stages.BUNDLE.name: bundle_options}
+SHOW: dict[str, Callable[[Any, Path], None]] = {
+    stages.ADAPT.name: print_adapt, stages.QUANTIZE.name: lambda s, _root: print_quantize(s),
+    stages.COMPILE.name: lambda s, _root: print_compile(s), stages.BUNDLE.name: lambda s, _root: print_bundle(s)}
 
 
 def cmd_encodings(a: argparse.Namespace) -> int:
