@@ -67,6 +67,7 @@ class FamilyRecipe:
     sliding_window: bool = False  # honours config.sliding_window (exact while the window covers the context)
     partial_rotary: bool = False  # honours partial_rotary_factor: RoPE over the first part of each head (Phi-3)
     multipliers: bool = False  # embedding/attention/residual multipliers and logits_scaling (Granite)
+    no_rope_layers: bool = False  # honours no_rope_layers: layers whose q/k are not rotated (SmolLM3)
 
     def layer(self, hf_layer: Any) -> LayerWeights:
         a, m = hf_layer.self_attn, hf_layer.mlp

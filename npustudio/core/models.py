@@ -302,6 +302,7 @@ def make_card(config: Any, tokenizer: Any, source: ModelSource) -> ArchCard:
         activation=options.activation, sliding_window=options.sliding_window, rotary_dim=options.rotary_dim,
         attention_multiplier=options.attention_multiplier, embedding_multiplier=options.embedding_multiplier,
         residual_multiplier=options.residual_multiplier, logits_scaling=options.logits_scaling,
+        nope_layers=options.nope_layers,
         bos_id=None if bos is None else int(bos), eos_ids=eos,
         chat_template=getattr(tokenizer, "chat_template", None),
     )

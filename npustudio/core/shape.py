@@ -29,6 +29,7 @@ class DecoderShape(BaseModel):
     embedding_multiplier: float = 1.0  # the embeddings scaled (Granite)
     residual_multiplier: float = 1.0  # each block's output scaled before it joins the residual stream (Granite)
     logits_scaling: float = 1.0  # the logits divided (Granite)
+    nope_layers: list[int] = []  # the layers whose q/k are not rotated (SmolLM3's NoPE layers); the rest use RoPE
 
     @property
     def rope_dim(self) -> int:

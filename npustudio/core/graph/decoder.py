@@ -31,7 +31,9 @@ class Neg(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    """`rope` False: a NoPE layer (SmolLM3), whose q/k are not rotated; the cos/sin inputs serve the other layers."""
+
+    def __init__(self, spec: DecoderSpec, rope: bool = True) -> None:
         super().__init__()
         s = spec
         hd, kv, g = s.head_dim, s.kv_heads, s.heads // s.kv_heads
@@ -43,8 +45,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-1) if s.qk_norm else None
         self.k_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-2) if s.qk_norm else None
         rd = s.rope_dim
-        self.q_rope = Rope(dim=-1, rotary_dim=rd, head_dim=hd)  # q is (KV, G*N, hd)
-        self.k_rope = Rope(dim=-2, rotary_dim=rd, head_dim=hd)  # k is (KV, 1, hd, N): Genie's key layout
+        self.q_rope = Rope(dim=-1, rotary_dim=rd, head_dim=hd) if rope else None  # q is (KV, G*N, hd)
+        self.k_rope = Rope(dim=-2, rotary_dim=rd, head_dim=hd) if rope else None  # k (KV, 1, hd, N): Genie's layout
         self.k_cat = Concat(dim=3)
         self.v_cat = Concat(dim=2)
         self.qk = MatMul()
@@ -65,8 +67,9 @@ class Attention(nn.Module):
         v = torch.stack([self.v[j](x).reshape(hd, n).t().reshape(1, n, hd) for j in range(kv)])
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.q_rope(q, cos_q, sin_q)
-        k = self.k_rope(k, cos_k, sin_k)
+        if self.q_rope is not None and self.k_rope is not None:
+            q = self.q_rope(q, cos_q, sin_q)
+            k = self.k_rope(k, cos_k, sin_k)
         keys = self.k_cat(past_k, k).reshape(kv, hd, -1)  # (KV, hd, CL)
         vals = self.v_cat(past_v, v).reshape(kv, -1, hd)  # (KV, CL, hd)
         scores = self.qk(q, keys).reshape(1, kv * g, n, -1)  # the mask broadcasts over one axis only (HTP)
@@ -92,11 +95,11 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, rope: bool = True) -> None:
         super().__init__()
         z = torch.zeros(spec.hidden)
         self.input_norm = RMSNorm(z, spec.rms_norm_eps, dim=1)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, rope)
         self.attn_add = Add()
         self.post_norm = RMSNorm(z, spec.rms_norm_eps, dim=1)
         self.mlp = MLP(spec)
@@ -119,7 +122,7 @@ class StaticDecoder(nn.Module):
         self.cos_cat = Concat(dim=-1)
         self.sin_cat = Concat(dim=-1)
         self.sin_neg = Neg()
-        self.layers = nn.ModuleList(Layer(s) for _ in range(s.layers))
+        self.layers = nn.ModuleList(Layer(s, rope=i not in s.nope_layers) for i in range(s.layers))
         self.norm = RMSNorm(torch.zeros(s.hidden), s.rms_norm_eps, dim=1)
         self.lm_head = Conv1x1(torch.zeros(s.vocab, s.hidden))
         if s.tied_embeddings:

@@ -146,9 +146,13 @@ def _tie_kv(attn: Any, bits: int) -> None:
     """One 8-bit encoding per layer for K and one for V: past_*_in, the new entries and the joined cache."""
     kq, vq = _qdq((), bits, False), _qdq((), bits, False)
     kq._npustudio_kv = vq._npustudio_kv = True
-    attn.k_rope.add.output_quantizers[0] = kq
-    if attn.k_rope.keep is not None:  # partial rotary: the new entries are the rotated dims joined with the rest
-        attn.k_rope.keep.output_quantizers[0] = kq
+    if attn.k_rope is None:  # a NoPE layer: the new entries are the k convs' outputs (or their q/k norm's)
+        for op in [attn.k_norm] if attn.k_norm is not None else attn.k:
+            op.output_quantizers[0] = kq
+    else:
+        attn.k_rope.add.output_quantizers[0] = kq
+        if attn.k_rope.keep is not None:  # partial rotary: the new entries are the rotated dims joined with the rest
+            attn.k_rope.keep.output_quantizers[0] = kq
     attn.k_cat.input_quantizers[0] = kq
     attn.k_cat.output_quantizers[0] = kq
     for conv in attn.v:
