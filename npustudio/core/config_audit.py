@@ -72,6 +72,8 @@ class Options(BaseModel):
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     nope_layers: list[int] = []  # layers that do not rotate q/k (SmolLM3's no_rope_layers zeros)
+    qk_norm_full: bool = False  # the q/k norm spans the whole projection (OLMo 2)
+    post_norms: bool = False  # post-norm blocks (OLMo 2)
 
 
 def _refuse(option: str, value: Any, why: str, fix: str) -> UserError:
@@ -113,7 +115,9 @@ def audit(config: Any, recipe: FamilyRecipe) -> Options:
                       f"{', '.join(ACTIVATIONS)}).", "Use a model with one of the supported activations.")
     attention_bias = recipe.attention_bias and bool(_set(config, "attention_bias"))
     return Options(qkv_bias=recipe.qkv_bias or attention_bias, o_bias=attention_bias,
-                   mlp_bias=recipe.mlp_bias and bool(_set(config, "mlp_bias")), qk_norm=recipe.qk_norm,
+                   mlp_bias=recipe.mlp_bias and bool(_set(config, "mlp_bias")),
+                   qk_norm=recipe.qk_norm or recipe.qk_norm_full, qk_norm_full=recipe.qk_norm_full,
+                   post_norms=recipe.post_norms,
                    activation=ACTIVATIONS[act], sliding_window=_window(config, recipe),
                    rope_scaling=_rope(config), rotary_dim=_rotary_dim(config, recipe),
                    nope_layers=_nope_layers(config, recipe), **_multipliers(config, recipe))
@@ -274,6 +278,10 @@ ROWS = (
     Row("o_proj bias", _has("attention_bias"), "`attention_bias`"),
     Row("MLP biases", _has("mlp_bias"), "`mlp_bias`"),
     Row("q/k RMSNorm", lambda r: "yes (always)" if r.qk_norm else "—", "per head, before RoPE"),
+    Row("q/k RMSNorm over the whole projection", lambda r: "yes (always)" if r.qk_norm_full else "—",
+        "all heads at once (the per-head convs joined, normed, split), before RoPE"),
+    Row("post-norm blocks", lambda r: "yes (always)" if r.post_norms else "—",
+        "no norm before attention/MLP; RMSNorm on each one's output before the residual add"),
     Row("`hidden_act` " + ", ".join(ACTIVATIONS), YES, "tanh GELU as x·sigmoid(…), erf GELU as the HTP's Gelu"),
     Row("other activations", REFUSED, "not implemented"),
     *(Row(f"RoPE `{k}`", YES, v) for k, v in ROPE_TYPES.items()),

@@ -118,8 +118,14 @@ def configure(model: Any, preset: Preset, ov: Overrides) -> None:
         for op in (layer.attn_add, layer.mlp_add):
             _clear(op.input_quantizers)
             _clear(op.output_quantizers)
-        for op in (layer.input_norm, layer.post_norm):
-            _clear(op.input_quantizers)
+        if layer.input_norm is None:  # post-norm (OLMo 2): the convs read the float stream, one encoding a block
+            for readers in ((*layer.attn.q, *layer.attn.k, *layer.attn.v), (layer.mlp.gate, layer.mlp.up)):
+                q = _qdq((), preset.activation_bits, False)
+                for conv in readers:
+                    conv.input_quantizers[0] = q
+        else:
+            for op in (layer.input_norm, layer.post_norm):
+                _clear(op.input_quantizers)
         _tie_kv(layer.attn, preset.kv_bits)
     _clear(model.norm.input_quantizers)
     _share_mask(model)
