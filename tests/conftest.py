@@ -81,7 +81,7 @@ TINY = {
 
 
 ARCH = {"llama": "Llama", "llama64": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "phi3": "Phi3",
-        "granite": "Granite"}
+        "granite": "Granite", "smollm3": "SmolLM3", "olmo2": "Olmo2"}
 
 
 def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **config: object) -> Path:

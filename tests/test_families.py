@@ -9,6 +9,8 @@ original context of 64 so positions past it occur in the prompt):
   Phi-3   fused qkv/gate_up + longrope (context = original_max_position_embeddings)
   Phi-4-mini-like  Phi-3 + partial_rotary_factor 0.75 (RoPE over 48 of 64 head dims, Genie's rope-dim 24) + longrope
   Granite embedding/attention/residual multipliers and logits_scaling, folded into the weights (tied table)
+  SmolLM3 no_rope_layers [1, 0] (layer 1 NoPE: q/k not rotated) + attention_bias + its rope_theta 2e6
+  OLMo 2  post-norm blocks + q/k RMSNorm over the whole projection + attention_bias (q/k/v/o)
 Genie's token proof: its greedy tokens equal those of the host KV-cache runner over the same compiled binaries on
 the HTP simulator, whose RoPE tables come from our stored frequencies (Genie computes its own from the config), and
 the cos/sin tables Genie built equal ours to the uint16 step.
@@ -97,6 +99,17 @@ def phi4_mini(tmp_path_factory: pytest.TempPathFactory) -> Project:
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory: pytest.TempPathFactory) -> Project:
     return _project(tmp_path_factory, "granite", **GRANITE)
+
+
+@pytest.fixture(scope="module")
+def smollm3(tmp_path_factory: pytest.TempPathFactory) -> Project:
+    # transformers' own rule (a NoPE layer every `no_rope_layer_interval`) gives no_rope_layers [1, 0]
+    return _project(tmp_path_factory, "smollm3", pad_token_id=0, no_rope_layer_interval=2, attention_bias=True)
+
+
+@pytest.fixture(scope="module")
+def olmo2(tmp_path_factory: pytest.TempPathFactory) -> Project:
+    return _project(tmp_path_factory, "olmo2", pad_token_id=0, attention_bias=True)
 
 
 def prompt_text() -> str:
@@ -300,6 +313,97 @@ def test_granite_adapts_exactly_and_fails_the_gate_without_any_one_fold(tmp_path
         assert "do not compute what the original model computes" in e.value.problem, key
 
 
+def test_smollm3_nope_layers_run_in_genie_as_adapted(smollm3: Project) -> None:
+    """Layer 1 is NoPE: its q/k are not rotated while Genie feeds the same cos/sin inputs (its config is Llama's,
+    with SmolLM3's rope_theta); the real Genie answers like our runner on the same binaries."""
+    card = smollm3.record("model").result["card"]
+    assert (card["family"], card["nope_layers"], card["o_bias"]) == ("SmolLM3", [1], True)
+    spec = json.loads((smollm3.stage_dir("adapt") / "decoder.json").read_text())
+    assert spec["nope_layers"] == [1]
+    enc = json.loads((smollm3.stage_dir("bundle") / layout.GENIE_CONFIG).read_text())
+    assert enc["dialog"]["engine"]["model"]["positional-encoding"]["rope-theta"] == 2_000_000.0
+    prove_in_genie(smollm3, None)
+
+
+def test_smollm3_fails_the_gate_when_its_nope_layers_are_rotated(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate proves the NoPE layers: with them rotated like the others (the card listing none) it fails."""
+    from npustudio.core import config_audit
+
+    model = make_tiny_model(tmp_path / "m", "smollm3", pad_token_id=0, num_hidden_layers=4)  # layer 3 NoPE
+    opts = AdaptOptions(ar=32, cl=128, eval_chars=800, window=128, decode_tokens=4)
+    good = pipeline.adapt(Project.open(tmp_path / "p"), str(model), opts, State())
+    assert good.result["spec"]["nope_layers"] == [3] and good.result["equivalence"]["top1_agreement"] == 1.0
+    monkeypatch.setattr(config_audit, "_nope_layers", lambda config, recipe: [])
+    with pytest.raises(UserError) as e:
+        pipeline.adapt(Project.open(tmp_path / "q"), str(model), opts, State())
+    assert "do not compute what the original model computes" in e.value.problem
+
+
+def test_olmo2_post_norms_and_whole_projection_qk_norm_run_in_genie_as_adapted(olmo2: Project) -> None:
+    """No norm before the attention or the MLP, their outputs normed before each residual add, and q/k normed over
+    all heads at once: built by the graphs (Genie's config is Llama's); the real Genie answers like our runner."""
+    card = olmo2.record("model").result["card"]
+    assert (card["family"], card["post_norms"], card["qk_norm"], card["qk_norm_full"]) == ("OLMo 2", True, True, True)
+    spec = json.loads((olmo2.stage_dir("adapt") / "decoder.json").read_text())
+    assert (spec["post_norms"], spec["qk_norm_full"], spec["o_bias"]) == (True, True, True)
+    prove_in_genie(olmo2, None)
+
+
+def test_olmo2_fails_the_gate_with_pre_norms_or_per_head_qk_norms(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate proves both changes: the same weights with the block norms placed before the attention and the MLP
+    (as Llama's), or with the q/k norm taken per head, do not compute what transformers' OLMo 2 computes."""
+    from npustudio.core.graph import decoder
+
+    # 4 heads of 64 over hidden 128: the q/k projections (256 wide) hold several heads
+    model = make_tiny_model(tmp_path / "m", "olmo2", pad_token_id=0, num_attention_heads=4, num_key_value_heads=4,
+                            head_dim=64)
+    opts = AdaptOptions(ar=32, cl=128, eval_chars=800, window=128, decode_tokens=4)
+    good = pipeline.adapt(Project.open(tmp_path / "p"), str(model), opts, State())
+    assert good.result["spec"]["post_norms"] and good.result["equivalence"]["top1_agreement"] == 1.0
+
+    def pre_norms(self: decoder.Layer, h: torch.Tensor, rope: tuple[torch.Tensor, ...], mask: torch.Tensor,
+                  past_k: torch.Tensor, past_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        assert self.mlp_norm is not None
+        a, k, v = self.attn(self.post_norm(h), rope, mask, past_k, past_v)
+        h = self.attn_add(h, a)
+        return self.mlp_add(h, self.mlp(self.mlp_norm(h))), k, v
+
+    whole = ops.RMSNorm.forward
+
+    def per_head(self: ops.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        if self.dim != 1 or x.shape[1] == 128:  # the stream's norms (hidden 128) stay; q/k (256): per 64-wide head
+            return whole(self, x)
+        heads = x.shape[1] // 64
+        y = x.reshape(heads, 64, 1, -1).transpose(0, 1)
+        w = self.weight.reshape(heads, 64).t().reshape(-1)
+        out = whole(type(self)(w.new_ones(64), self.eps, dim=0), y).transpose(0, 1).reshape(x.shape)
+        return out * self.weight.reshape(1, -1, 1, 1)
+
+    for i, (cls, name, fn) in enumerate(((decoder.Layer, "forward", pre_norms), (ops.RMSNorm, "forward", per_head))):
+        with monkeypatch.context() as mp:
+            mp.setattr(cls, name, fn)
+            with pytest.raises(UserError) as e:
+                pipeline.adapt(Project.open(tmp_path / f"q{i}"), str(model), opts, State())
+        assert "do not compute what the original model computes" in e.value.problem, name
+
+
+def test_residual_rotation_is_refused_for_post_norm_blocks() -> None:
+    """quantize --rotate folds the residual rotation through the writers; a post-norm block's output norm sits
+    between its writer and the stream, so the fold would not be exact: refused, naming the reason."""
+    from npustudio.core.graph.decoder import StaticDecoder
+    from npustudio.core.quantize import rotate
+    from npustudio.core.shape import DecoderSpec
+
+    spec = DecoderSpec(family="OLMo 2", model_type="olmo2", layers=1, heads=2, kv_heads=1, head_dim=32, hidden=64,
+                       intermediate=128, vocab=384, rms_norm_eps=1e-6, tied_embeddings=False, qkv_bias=False,
+                       qk_norm=True, qk_norm_full=True, post_norms=True)
+    with pytest.raises(UserError) as e:
+        rotate.rotate_residual(StaticDecoder(spec))
+    assert "post-norm blocks" in e.value.problem and "without --rotate" in e.value.fix
+
+
 # ---------------------------------------------------------------- refused at intake
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -328,6 +432,9 @@ def folder_with(weights: Path, dest: Path, arch: str, **config: Any) -> Path:
      "partial_rotary_factor=0.3"),  # 19 of 64 dims: an odd number cannot be rotated in halves
     ("Llama", {"embedding_multiplier": 12.0}, "embedding_multiplier=12.0"),
     ("Granite", {"logits_scaling": 0.0}, "logits_scaling=0.0"),
+    ("Llama", {"no_rope_layers": [1, 0]}, "no_rope_layers=[1, 0]"),
+    ("SmolLM3", {"pad_token_id": 0, "num_hidden_layers": 2, "no_rope_layers": [0, 0]}, "no_rope_layers=[0, 0]"),
+    ("SmolLM3", {"pad_token_id": 0, "num_hidden_layers": 2, "no_rope_layers": [1, 2]}, "no_rope_layers=[1, 2]"),
     ("Mistral", {"attention_bias": True}, "attention_bias=True"),
     ("Qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, "sliding_window=64"),
     ("Phi3", {"pad_token_id": 0, "hidden_size": 128, "num_attention_heads": 2, "max_position_embeddings": 512,
@@ -355,7 +462,7 @@ def test_info_refuses_a_window_narrower_than_the_context_and_accepts_it_within(w
 
 def test_the_readme_table_is_rendered_from_the_recipes() -> None:
     table = support_table()
-    assert table.startswith("| option | Granite | Llama | Mistral | Phi-3 | Qwen2 | Qwen3 | how |")
+    assert table.startswith("| option | Granite | Llama | Mistral | OLMo 2 | Phi-3 | Qwen2 | Qwen3 | SmolLM3 | how |")
     assert table in (ROOT / "README.md").read_text(encoding="utf-8")
 
 

@@ -112,7 +112,7 @@ def test_unsupported_architecture_names_the_supported_families(tmp_path: Path) -
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(d)
     (d / "tokenizer.json").write_text("{}")
     with pytest.raises(UserError, match=r"GPT2LMHeadModel \(gpt2\) is not supported yet; supported "
-                                        r"families: Granite, Llama, Mistral, Phi-3, Qwen2, Qwen3"):
+                                        r"families: Granite, Llama, Mistral, OLMo 2, Phi-3, Qwen2, Qwen3, SmolLM3\."):
         models.read_card(models.resolve_source(str(d)))
 
 

@@ -71,6 +71,9 @@ class Options(BaseModel):
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    nope_layers: list[int] = []  # layers that do not rotate q/k (SmolLM3's no_rope_layers zeros)
+    qk_norm_full: bool = False  # the q/k norm spans the whole projection (OLMo 2)
+    post_norms: bool = False  # post-norm blocks (OLMo 2)
 
 
 def _refuse(option: str, value: Any, why: str, fix: str) -> UserError:
@@ -112,10 +115,12 @@ def audit(config: Any, recipe: FamilyRecipe) -> Options:
                       f"{', '.join(ACTIVATIONS)}).", "Use a model with one of the supported activations.")
     attention_bias = recipe.attention_bias and bool(_set(config, "attention_bias"))
     return Options(qkv_bias=recipe.qkv_bias or attention_bias, o_bias=attention_bias,
-                   mlp_bias=recipe.mlp_bias and bool(_set(config, "mlp_bias")), qk_norm=recipe.qk_norm,
+                   mlp_bias=recipe.mlp_bias and bool(_set(config, "mlp_bias")),
+                   qk_norm=recipe.qk_norm or recipe.qk_norm_full, qk_norm_full=recipe.qk_norm_full,
+                   post_norms=recipe.post_norms,
                    activation=ACTIVATIONS[act], sliding_window=_window(config, recipe),
                    rope_scaling=_rope(config), rotary_dim=_rotary_dim(config, recipe),
-                   **_multipliers(config, recipe))
+                   nope_layers=_nope_layers(config, recipe), **_multipliers(config, recipe))
 
 
 MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
@@ -135,6 +140,28 @@ def _multipliers(config: Any, recipe: FamilyRecipe) -> dict[str, float]:
                           "The configuration is damaged: download it again, or fix the named field.")
         out[key] = float(value)
     return out
+
+
+def _nope_layers(config: Any, recipe: FamilyRecipe) -> list[int]:
+    """SmolLM3's `no_rope_layers`: one flag per layer, 1 = the layer uses RoPE, 0 = NoPE (transformers'
+    `use_rope = no_rope_layers[layer_idx]`); the NoPE layers' indices. The graph leaves their q/k unrotated while
+    Genie feeds the same cos/sin inputs, which is exact."""
+    flags = _set(config, "no_rope_layers")
+    if flags is None or (not recipe.no_rope_layers and isinstance(flags, list | tuple) and set(flags) <= {1}):
+        return []
+    if not recipe.no_rope_layers:
+        raise _refuse("no_rope_layers", flags, f"transformers' {recipe.display} rotates q/k in every layer and "
+                      "ignores this list, so these weights were most likely trained as another architecture.",
+                      "Use a checkpoint whose model_type matches its architecture, or a supported family.")
+    layers = config.num_hidden_layers
+    if not isinstance(flags, list | tuple) or len(flags) < layers or any(f not in (0, 1) for f in flags[:layers]):
+        raise _refuse("no_rope_layers", flags, f"it must hold 1 (RoPE) or 0 (NoPE) for each of the {layers} "
+                      "layers.", "The configuration is damaged: download it again, or fix the named field.")
+    nope = [i for i in range(layers) if not flags[i]]
+    if len(nope) == layers:
+        raise _refuse("no_rope_layers", flags, "no layer uses RoPE, so the graphs would have no use for the cos/sin "
+                      "inputs Genie binds by name.", "Use a model with at least one RoPE layer.")
+    return nope
 
 
 def _partial(config: Any) -> float:
@@ -251,12 +278,18 @@ ROWS = (
     Row("o_proj bias", _has("attention_bias"), "`attention_bias`"),
     Row("MLP biases", _has("mlp_bias"), "`mlp_bias`"),
     Row("q/k RMSNorm", lambda r: "yes (always)" if r.qk_norm else "—", "per head, before RoPE"),
+    Row("q/k RMSNorm over the whole projection", lambda r: "yes (always)" if r.qk_norm_full else "—",
+        "all heads at once (the per-head convs joined, normed, split), before RoPE"),
+    Row("post-norm blocks", lambda r: "yes (always)" if r.post_norms else "—",
+        "no norm before attention/MLP; RMSNorm on each one's output before the residual add"),
     Row("`hidden_act` " + ", ".join(ACTIVATIONS), YES, "tanh GELU as x·sigmoid(…), erf GELU as the HTP's Gelu"),
     Row("other activations", REFUSED, "not implemented"),
     *(Row(f"RoPE `{k}`", YES, v) for k, v in ROPE_TYPES.items()),
     Row("other RoPE types", REFUSED, "no Genie equivalent"),
     Row("`partial_rotary_factor` < 1", lambda r: "yes" if r.partial_rotary else "—",
         "RoPE over the first `rotary_dim` of each head, the rest passed through; Genie's `rope-dim` is half of it"),
+    Row("NoPE layers (`no_rope_layers`)", _has("no_rope_layers"),
+        "q/k not rotated in those layers; Genie's cos/sin inputs unchanged (exact)"),
     Row("sliding window ≥ context", _has("sliding_window"), "exact: the window covers the whole context"),
     Row("sliding window < context", lambda r: "refused" if r.sliding_window else "—",
         "Genie builds a fully causal mask"),

@@ -31,8 +31,8 @@ class LayerWeights:
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: no norm before the attention (OLMo 2's post-norm blocks)
+    post_norm: torch.Tensor  # before the MLP; in a post-norm block, on the attention's output
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
@@ -42,6 +42,7 @@ class LayerWeights:
     gate_bias: torch.Tensor | None = None
     up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    post_ff_norm: torch.Tensor | None = None  # on the MLP's output before the residual add (post-norm blocks)
 
 
 def bias(lin: Any) -> torch.Tensor | None:
@@ -67,6 +68,9 @@ class FamilyRecipe:
     sliding_window: bool = False  # honours config.sliding_window (exact while the window covers the context)
     partial_rotary: bool = False  # honours partial_rotary_factor: RoPE over the first part of each head (Phi-3)
     multipliers: bool = False  # embedding/attention/residual multipliers and logits_scaling (Granite)
+    no_rope_layers: bool = False  # honours no_rope_layers: layers whose q/k are not rotated (SmolLM3)
+    qk_norm_full: bool = False  # RMSNorm of q and of k over the whole projection (all heads at once; OLMo 2)
+    post_norms: bool = False  # post-norm blocks: RMSNorm on the attention's and MLP's outputs, none before (OLMo 2)
 
     def layer(self, hf_layer: Any) -> LayerWeights:
         a, m = hf_layer.self_attn, hf_layer.mlp

@@ -302,6 +302,7 @@ def make_card(config: Any, tokenizer: Any, source: ModelSource) -> ArchCard:
         activation=options.activation, sliding_window=options.sliding_window, rotary_dim=options.rotary_dim,
         attention_multiplier=options.attention_multiplier, embedding_multiplier=options.embedding_multiplier,
         residual_multiplier=options.residual_multiplier, logits_scaling=options.logits_scaling,
+        nope_layers=options.nope_layers, qk_norm_full=options.qk_norm_full, post_norms=options.post_norms,
         bos_id=None if bos is None else int(bos), eos_ids=eos,
         chat_template=getattr(tokenizer, "chat_template", None),
     )
@@ -632,7 +633,8 @@ def part_model(card: ArchCard, precision: str, ar: int, cl: int) -> parts.PartMo
     weights, channels = _layer_params(card)
     per_channel = 5 * channels  # float32 scale + 8-bit zero point per output channel
     block_scales = weights // 64 if b["layer"] < 8 else 0  # LPBQ: one 8-bit scale per block of 64
-    norms = 2 * d * 4 + (2 * hd * 4 if card.qk_norm else 0) + ((card.heads + 2 * kv) * hd * 4 if card.qkv_bias else 0)
+    qk_norms = (card.heads + kv) * hd if card.qk_norm_full else 2 * hd if card.qk_norm else 0  # OLMo 2: all heads
+    norms = 2 * d * 4 + qk_norms * 4 + ((card.heads + 2 * kv) * hd * 4 if card.qkv_bias else 0)
     layer_w = parts.weight_bytes(weights + per_channel + block_scales + norms)  # 4-bit counted as 8-bit
     layer_io = 2 * kv * hd * (cl - ar) + 2 * kv * hd * ar  # 8-bit K and V read and written
     largest = 2 * max(card.heads * ar * cl, ar * card.intermediate, ar * d)  # 16-bit activations

@@ -29,6 +29,9 @@ class DecoderShape(BaseModel):
     embedding_multiplier: float = 1.0  # the embeddings scaled (Granite)
     residual_multiplier: float = 1.0  # each block's output scaled before it joins the residual stream (Granite)
     logits_scaling: float = 1.0  # the logits divided (Granite)
+    qk_norm_full: bool = False  # the q/k norm spans the whole projection (all heads at once, OLMo 2), not a head
+    post_norms: bool = False  # post-norm blocks (OLMo 2): no input norm; the attention's and MLP's outputs normed
+    nope_layers: list[int] = []  # the layers whose q/k are not rotated (SmolLM3's NoPE layers); the rest use RoPE
 
     @property
     def rope_dim(self) -> int:

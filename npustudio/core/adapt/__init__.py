@@ -58,9 +58,12 @@ def likely_causes(card: Any) -> list[str]:
            f"sliding_window {card.sliding_window}" if card.sliding_window else "",
            f"hidden_act {card.activation}" if card.activation != "silu" else "",
            "o_proj bias (attention_bias)" if card.o_bias else "", "MLP biases (mlp_bias)" if card.mlp_bias else "",
-           "q/k/v biases" if card.qkv_bias else "", "q/k norm" if card.qk_norm else "",
+           "q/k/v biases" if card.qkv_bias else "",
+           "q/k norm over the whole projection" if card.qk_norm_full else "q/k norm" if card.qk_norm else "",
+           "post-norm blocks" if card.post_norms else "",
            "untied LM head" if not card.tied_embeddings else "",
            f"partial rotary ({card.rotary_dim} of {card.head_dim} head dims)" if card.rotary_dim else "",
+           f"no RoPE in layers {card.nope_layers}" if card.nope_layers else "",
            f"attention_multiplier {card.attention_multiplier}" if card.attention_multiplier is not None else "",
            *(f"{k} {getattr(card, k)}" for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling")
              if getattr(card, k) != 1.0)]

@@ -31,7 +31,9 @@ class Neg(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    """`rope` False: a NoPE layer (SmolLM3), whose q/k are not rotated; the cos/sin inputs serve the other layers."""
+
+    def __init__(self, spec: DecoderSpec, rope: bool = True) -> None:
         super().__init__()
         s = spec
         hd, kv, g = s.head_dim, s.kv_heads, s.heads // s.kv_heads
@@ -40,11 +42,16 @@ class Attention(nn.Module):
         self.q = nn.ModuleList(Conv1x1(z(hd, s.hidden), z(hd) if s.qkv_bias else None) for _ in range(s.heads))
         self.k = nn.ModuleList(Conv1x1(z(hd, s.hidden), z(hd) if s.qkv_bias else None) for _ in range(kv))
         self.v = nn.ModuleList(Conv1x1(z(hd, s.hidden), z(hd) if s.qkv_bias else None) for _ in range(kv))
-        self.q_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-1) if s.qk_norm else None
-        self.k_norm = RMSNorm(z(hd), s.rms_norm_eps, dim=-2) if s.qk_norm else None
+        self.full_norm = s.qk_norm and s.qk_norm_full  # OLMo 2: over the joined heads (1, H*hd, 1, N), channel axis
+        self.q_join = Concat(dim=1) if self.full_norm else None
+        self.k_join = Concat(dim=1) if self.full_norm else None
+        self.q_norm = RMSNorm(z(s.heads * hd if self.full_norm else hd), s.rms_norm_eps,
+                              dim=1 if self.full_norm else -1) if s.qk_norm else None
+        self.k_norm = RMSNorm(z(kv * hd if self.full_norm else hd), s.rms_norm_eps,
+                              dim=1 if self.full_norm else -2) if s.qk_norm else None
         rd = s.rope_dim
-        self.q_rope = Rope(dim=-1, rotary_dim=rd, head_dim=hd)  # q is (KV, G*N, hd)
-        self.k_rope = Rope(dim=-2, rotary_dim=rd, head_dim=hd)  # k is (KV, 1, hd, N): Genie's key layout
+        self.q_rope = Rope(dim=-1, rotary_dim=rd, head_dim=hd) if rope else None  # q is (KV, G*N, hd)
+        self.k_rope = Rope(dim=-2, rotary_dim=rd, head_dim=hd) if rope else None  # k (KV, 1, hd, N): Genie's layout
         self.k_cat = Concat(dim=3)
         self.v_cat = Concat(dim=2)
         self.qk = MatMul()
@@ -59,14 +66,21 @@ class Attention(nn.Module):
         hd, kv, g = self.hd, self.kv, self.g
         cos_q, sin_q, cos_k, sin_k = rope
         # (1,hd,1,N) per head -> q (KV, G*N, hd); k (KV,1,hd,N); v (KV,1,N,hd)
-        q = torch.stack([torch.cat([self.q[j * g + i](x).reshape(hd, n).t() for i in range(g)], 0)
-                         for j in range(kv)])
-        k = torch.stack([self.k[j](x).reshape(1, hd, n) for j in range(kv)])
         v = torch.stack([self.v[j](x).reshape(hd, n).t().reshape(1, n, hd) for j in range(kv)])
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = self.q_rope(q, cos_q, sin_q)
-        k = self.k_rope(k, cos_k, sin_k)
+        if self.q_join is not None and self.k_join is not None and self.q_norm is not None and self.k_norm is not None:
+            # the norm over the whole projection: the heads joined on the channel axis, normed, then split as below
+            qa = self.q_norm(self.q_join(*[c(x) for c in self.q]))  # (1, H*hd, 1, N), head h = j*G + i
+            q = qa.reshape(kv, g, hd, n).transpose(2, 3).reshape(kv, g * n, hd)
+            k = self.k_norm(self.k_join(*[c(x) for c in self.k])).reshape(kv, 1, hd, n)
+        else:
+            q = torch.stack([torch.cat([self.q[j * g + i](x).reshape(hd, n).t() for i in range(g)], 0)
+                             for j in range(kv)])
+            k = torch.stack([self.k[j](x).reshape(1, hd, n) for j in range(kv)])
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_rope is not None and self.k_rope is not None:
+            q = self.q_rope(q, cos_q, sin_q)
+            k = self.k_rope(k, cos_k, sin_k)
         keys = self.k_cat(past_k, k).reshape(kv, hd, -1)  # (KV, hd, CL)
         vals = self.v_cat(past_v, v).reshape(kv, -1, hd)  # (KV, CL, hd)
         scores = self.qk(q, keys).reshape(1, kv * g, n, -1)  # the mask broadcasts over one axis only (HTP)
@@ -92,18 +106,29 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    """Pre-norm (input_norm before the attention, post_norm before the MLP) or, with `spec.post_norms` (OLMo 2),
+    post-norm: the attention and the MLP read the stream itself, post_norm and mlp_norm norm their outputs before
+    each residual add."""
+
+    def __init__(self, spec: DecoderSpec, rope: bool = True) -> None:
         super().__init__()
         z = torch.zeros(spec.hidden)
-        self.input_norm = RMSNorm(z, spec.rms_norm_eps, dim=1)
-        self.attn = Attention(spec)
+        self.input_norm = None if spec.post_norms else RMSNorm(z, spec.rms_norm_eps, dim=1)
+        self.attn = Attention(spec, rope)
         self.attn_add = Add()
         self.post_norm = RMSNorm(z, spec.rms_norm_eps, dim=1)
         self.mlp = MLP(spec)
+        self.mlp_norm = RMSNorm(z, spec.rms_norm_eps, dim=1) if spec.post_norms else None
         self.mlp_add = Add()
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, ...], mask: torch.Tensor,
                 past_k: torch.Tensor, past_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.mlp_norm is not None:  # post-norm
+            a, k, v = self.attn(h, rope, mask, past_k, past_v)
+            h = self.attn_add(h, self.post_norm(a))
+            h = self.mlp_add(h, self.mlp_norm(self.mlp(h)))
+            return h, k, v
+        assert self.input_norm is not None
         a, k, v = self.attn(self.input_norm(h), rope, mask, past_k, past_v)
         h = self.attn_add(h, a)
         h = self.mlp_add(h, self.mlp(self.post_norm(h)))
@@ -119,7 +144,7 @@ class StaticDecoder(nn.Module):
         self.cos_cat = Concat(dim=-1)
         self.sin_cat = Concat(dim=-1)
         self.sin_neg = Neg()
-        self.layers = nn.ModuleList(Layer(s) for _ in range(s.layers))
+        self.layers = nn.ModuleList(Layer(s, rope=i not in s.nope_layers) for i in range(s.layers))
         self.norm = RMSNorm(torch.zeros(s.hidden), s.rms_norm_eps, dim=1)
         self.lm_head = Conv1x1(torch.zeros(s.vocab, s.hidden))
         if s.tied_embeddings:
@@ -182,7 +207,12 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
     _share(m.embed, "weight", table * emb if emb != 1.0 else table)
     for layer, hf_layer in zip(m.blocks, recipe.layers(hf_model), strict=True):
         w = recipe.layer(hf_layer)
-        _share(layer.input_norm, "weight", w.input_norm)
+        if (layer.input_norm is None) != (w.input_norm is None) or (layer.mlp_norm is None) != (w.post_ff_norm is None):
+            raise ValueError("the block's norms (pre- or post-norm) do not match the card's options")
+        if layer.input_norm is not None and w.input_norm is not None:
+            _share(layer.input_norm, "weight", w.input_norm)
+        if layer.mlp_norm is not None and w.post_ff_norm is not None:
+            _share(layer.mlp_norm, "weight", w.post_ff_norm)
         _share(layer.post_norm, "weight", w.post_norm)
         at = layer.attn
         q_scale = 1.0 if spec.qk_norm else scale

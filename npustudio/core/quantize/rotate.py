@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..graph.decoder import StaticDecoder
 
 
@@ -29,6 +30,9 @@ def random_orthogonal(n: int, seed: int) -> torch.Tensor:
 def rotate_residual(model: StaticDecoder, seed: int = 0) -> None:
     """Rotate `model`'s residual stream in place. The LM head gets its own weight (the tie is broken: the
     final norm's gain is folded into the head, not into the embedding)."""
+    if model.spec.post_norms:  # a norm on a block's output sits between the writer and the stream: no fold
+        raise UserError("Rotating the residual stream is not implemented for post-norm blocks (OLMo 2): their "
+                        "output norms' gains cannot be folded through the rotation.", "Quantize without --rotate.")
     d = model.spec.hidden
     q = random_orthogonal(d, seed)
 

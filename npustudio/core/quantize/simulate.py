@@ -118,8 +118,14 @@ def configure(model: Any, preset: Preset, ov: Overrides) -> None:
         for op in (layer.attn_add, layer.mlp_add):
             _clear(op.input_quantizers)
             _clear(op.output_quantizers)
-        for op in (layer.input_norm, layer.post_norm):
-            _clear(op.input_quantizers)
+        if layer.input_norm is None:  # post-norm (OLMo 2): the convs read the float stream, one encoding a block
+            for readers in ((*layer.attn.q, *layer.attn.k, *layer.attn.v), (layer.mlp.gate, layer.mlp.up)):
+                q = _qdq((), preset.activation_bits, False)
+                for conv in readers:
+                    conv.input_quantizers[0] = q
+        else:
+            for op in (layer.input_norm, layer.post_norm):
+                _clear(op.input_quantizers)
         _tie_kv(layer.attn, preset.kv_bits)
     _clear(model.norm.input_quantizers)
     _share_mask(model)
@@ -146,9 +152,13 @@ def _tie_kv(attn: Any, bits: int) -> None:
     """One 8-bit encoding per layer for K and one for V: past_*_in, the new entries and the joined cache."""
     kq, vq = _qdq((), bits, False), _qdq((), bits, False)
     kq._npustudio_kv = vq._npustudio_kv = True
-    attn.k_rope.add.output_quantizers[0] = kq
-    if attn.k_rope.keep is not None:  # partial rotary: the new entries are the rotated dims joined with the rest
-        attn.k_rope.keep.output_quantizers[0] = kq
+    if attn.k_rope is None:  # a NoPE layer: the new entries are the k convs' outputs (or their q/k norm's)
+        for op in [attn.k_norm] if attn.k_norm is not None else attn.k:
+            op.output_quantizers[0] = kq
+    else:
+        attn.k_rope.add.output_quantizers[0] = kq
+        if attn.k_rope.keep is not None:  # partial rotary: the new entries are the rotated dims joined with the rest
+            attn.k_rope.keep.output_quantizers[0] = kq
     attn.k_cat.input_quantizers[0] = kq
     attn.k_cat.output_quantizers[0] = kq
     for conv in attn.v:
