@@ -615,6 +615,11 @@ def test_qt_calls_do_not_drain_the_reference_count_of_none(qtbot: Any) -> None:
     assert sys.getrefcount(None) - before > -100
 
 
+def stage_asked(fn: Any, args: tuple[Any, ...]) -> str:
+    """What a page asked the child process to run: a stage by its declaration (run_stage's spec), or a step."""
+    return args[1].name if fn.func.__name__ == "run_stage" else fn.func.__name__
+
+
 def test_redo_on_each_stage_page_reruns_its_stage_with_force(qtbot: Any, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Run skips an unchanged stage; Redo passes force=True to the pipeline (the CLI's --force)."""
@@ -623,7 +628,7 @@ def test_redo_on_each_stage_page_reruns_its_stage_with_force(qtbot: Any, tmp_pat
     asked: list[tuple[str, bool]] = []
 
     def fake_run(fn: Any, *args: Any, state: Any, **kw: Any) -> Any:
-        asked.append((fn.func.__name__, fn.keywords["force"]))
+        asked.append((stage_asked(fn, args), fn.keywords["force"]))
         raise UserError("not run in this test", "")
 
     monkeypatch.setattr(isolated, "run", fake_run)
@@ -648,7 +653,7 @@ def test_the_cluster_switch_in_settings_sends_the_heavy_stages_to_that_cluster(q
 
     def fake_run(fn: Any, *args: Any, state: Any, **kw: Any) -> Any:
         c = fn.keywords["cluster"]
-        asked.append((fn.func.__name__, c and c.address))
+        asked.append((stage_asked(fn, args), c and c.address))
         raise UserError("not run in this test", "")
 
     monkeypatch.setattr(isolated, "run", fake_run)
