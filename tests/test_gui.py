@@ -1209,7 +1209,12 @@ def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
 
     root = tmp_path / "proj"
     shutil.copytree(genie_project.root, root)
-    Project.open(root, create=False).choose(target="SM8650")
+    p = Project.open(root, create=False)
+    # deployed before the target changed (as another test may have left the shared project): the device still
+    # holds this very bundle, so Deploy has nothing to explain and stays shut
+    p.choose(deployed={"device": "emulator-5554", "remote_dir": "/data/local/tmp/x",
+                       "bundle": p.record("bundle").key, "at": 0.0})
+    p.choose(target="SM8650")
     w = MainWindow(root, watch_devices=False)
     qtbot.addWidget(w)
     w.show()

@@ -48,7 +48,7 @@ def wizard_steps(project: Project) -> list[WizardStep]:
     st, stale = _status(project, m)
     brec = m.stages.get(stages.BUNDLE.name)
     deployed = m.choices.deployed
-    deploy_done = bool(brec and deployed and deployed.bundle == brec.key) and st[stages.BUNDLE.name] == "done"
+    pushed = bool(brec and deployed and deployed.bundle == brec.key)  # the bundle on the device is the current one
     out: list[WizardStep] = []
     for step in stages.STEPS:
         if step.stages:
@@ -58,8 +58,8 @@ def wizard_steps(project: Project) -> list[WizardStep]:
             if edited:
                 why = f"files of the {edited} stage were edited or removed"
         elif step.choice == "deployed":
-            done = deploy_done
-            why = "the bundle changed since it was deployed" if deployed and brec and not deploy_done else ""
+            done = pushed and st[stages.BUNDLE.name] == "done"
+            why = "the bundle changed since it was deployed" if deployed and brec and not pushed else ""
         else:
             done, why = m.choices.chosen(step.choice or "") or st[stages.QUANTIZE.name] == "done", ""
         reachable = step.free or all(s.state == "done" for s in out)
