@@ -108,9 +108,9 @@ def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state
 def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike,
              force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
-    _require(project, stages.ADAPT)  # before reading its graphs
+    up = _require(project, stages.ADAPT)  # before reading its graphs
     options = quantize_stage.resolved(options, project.stage_dir("adapt"))  # one key for the same work
-    rec = _made_from(project, stages.QUANTIZE, options, state, force, cluster)
+    rec = _made_from(project, stages.QUANTIZE, up, options, state, force, cluster)
     project.choose(target=options.target)  # what the stage was made for is the target now, from the CLI too
     return rec
 
@@ -118,24 +118,24 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
 def compile_graphs(project: Project, options: compile_stage.CompileOptions, state: StateLike,
                    force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
-    _require(project, stages.QUANTIZE)  # before reading its options
+    up = _require(project, stages.QUANTIZE)  # before reading its options
     options = compile_stage.resolved(options, project.stage_dir("quantize"))  # one key for the same work
-    return _made_from(project, stages.COMPILE, options, state, force, cluster)
+    return _made_from(project, stages.COMPILE, up, options, state, force, cluster)
 
 
 def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike,
            force: bool = False) -> StageRecord:
     """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie."""
-    return _made_from(project, stages.BUNDLE, options, state, force, None)
+    return _made_from(project, stages.BUNDLE, _require(project, stages.COMPILE), options, state, force, None)
 
 
-def _made_from(project: Project, spec: stages.StageSpec, options: StageOptions, state: StateLike, force: bool,
-               cluster: Cluster | None) -> StageRecord:
+def _made_from(project: Project, spec: stages.StageSpec, up: StageRecord, options: StageOptions, state: StateLike,
+               force: bool, cluster: Cluster | None) -> StageRecord:
     """A stage made from the one before it: its record keys that stage's key and its own output format (redoing
     the earlier stage, or a new format, makes it stale); its body reads `spec.reads`' folders, here or on the
-    cluster when the stage may run there."""
+    cluster when the stage may run there. `up`: the intact record of the stage it requires (`_require`, checked
+    once by the caller, which reads that stage's folder before this)."""
     assert spec.requires is not None
-    up = _require(project, stages.spec(spec.requires))
     where = cluster if spec.remote else None
 
     def fn(out: Path) -> dict[str, Any]:
