@@ -7,6 +7,7 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -87,3 +88,84 @@ def test_every_commands_help_runs_as_a_process(command: str) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(f"usage: npustudio{' ' + command if command else ''}"), res.stdout
     assert "Traceback" not in res.stderr, res.stderr
+
+
+def desktop_exec_argv(value: str) -> list[str]:
+    """An Exec value read as a desktop launcher reads it (Desktop Entry 1.5): the string escapes first, then the
+    arguments, a double-quoted one with `"`, `` ` ``, `$` and `\\` escaped by a backslash; field codes dropped."""
+    value = re.sub(r"\\(.)", lambda m: {"s": " ", "n": "\n", "t": "\t", "r": "\r"}.get(m[1], m[1]), value)
+    argv, cur, quoted, i, started = [], "", False, 0, False
+    while i < len(value):
+        c = value[i]
+        if quoted and c == "\\":
+            cur, i = cur + value[i + 1], i + 2
+            continue
+        if c == '"':
+            quoted, started = not quoted, True
+        elif c == " " and not quoted:
+            if started:
+                argv.append(cur)
+            cur, started = "", False
+        else:
+            cur, started = cur + c, True
+        i += 1
+    if started:
+        argv.append(cur)
+    return [a.replace("%%", "%") for a in argv if not re.fullmatch(r"%[a-zA-Z]", a)]
+
+
+def test_the_shipped_desktop_file_is_the_menu_entrys_text() -> None:
+    from npustudio.core import desktop_entry
+
+    assert (ROOT / "packaging" / "npustudio.desktop").read_text() == desktop_entry.text(["npustudio", "gui"])
+
+
+@pytest.mark.parametrize("argv", [["/opt/my apps/np$u \"studio\"/bin/npustudio", "gui"],
+                                  ["/a\\b/`x`/100%/npustudio", "gui"], ["/plain/npustudio", "gui"]])
+def test_an_exec_line_reads_back_as_the_same_command(argv: list[str]) -> None:
+    from npustudio.core import desktop_entry
+
+    assert desktop_exec_argv(desktop_entry.exec_value(argv)) == argv
+
+
+def test_desktop_entry_install_gives_a_menu_entry_that_opens_the_window(tmp_path: Path, window_env: None) -> None:
+    """The venv route: `npustudio desktop-entry install` writes the user's entry, whose Exec (this installation's
+    launcher by absolute path) opens the window as a process; `remove` takes the entry and its icons away."""
+    data = tmp_path / "my data"
+    env = _env(XDG_DATA_HOME=str(data))
+    res = subprocess.run([str(SCRIPT), "desktop-entry", "install"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    entry_file = data / "applications" / "npustudio.desktop"
+    entry = configparser.ConfigParser(interpolation=None)
+    entry.optionxform = str  # type: ignore[assignment,method-assign]
+    entry.read(entry_file, encoding="utf-8")
+    fields = entry["Desktop Entry"]
+    argv = desktop_exec_argv(fields["Exec"])
+    assert Path(argv[0]).is_absolute() and Path(argv[0]) == SCRIPT, argv
+    assert fields["TryExec"] == str(SCRIPT) and fields["Icon"] == "npustudio"
+    icon = data / "icons" / "hicolor" / "256x256" / "apps" / "npustudio.png"
+    assert icon.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(entry_file) in res.stderr
+    win = _open_window(argv, tmp_path)
+    assert str(win["title"]).startswith("NPU Studio")
+
+    res = subprocess.run([str(SCRIPT), "desktop-entry", "remove"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert not entry_file.exists() and not icon.exists()
+    res = subprocess.run([str(SCRIPT), "desktop-entry", "remove"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and "No menu entry to remove" in res.stderr, res.stderr
+
+
+def test_desktop_entry_keeps_an_entry_it_did_not_write(tmp_path: Path) -> None:
+    entry_file = tmp_path / "applications" / "npustudio.desktop"
+    entry_file.parent.mkdir(parents=True)
+    entry_file.write_text("[Desktop Entry]\nType=Application\nName=NPU Studio\nExec=/opt/npustudio/AppRun\n")
+    before = entry_file.read_bytes()
+    for action in ("install", "remove"):
+        res = subprocess.run([str(SCRIPT), "desktop-entry", action], env=_env(XDG_DATA_HOME=str(tmp_path)),
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and "was not written by `npustudio desktop-entry`" in res.stderr, res.stderr
+        assert entry_file.read_bytes() == before

@@ -1,4 +1,4 @@
-"""The Hugging Face token (system keyring only) and the window."""
+"""The Hugging Face token (system keyring only), the window and its menu entry."""
 
 from __future__ import annotations
 
@@ -34,3 +34,19 @@ def cmd_gui(a: argparse.Namespace) -> int:
     from ..gui.app import main as gui_main
 
     return gui_main([a.project] if getattr(a, "project", None) else [])
+
+
+def cmd_desktop_entry(a: argparse.Namespace) -> int:
+    from ..core import desktop_entry
+
+    if a.action == "install":
+        w = desktop_entry.install()
+        if w.replaced:
+            err.print(f"Replaced the entry of the installation in {w.replaced}.")
+        err.print(f"Menu entry written: {w.entry}\n  starts: {' '.join(w.exec_argv)}\n  icons: "
+                  + ", ".join(str(i) for i in w.icons))
+    else:
+        gone = desktop_entry.remove()
+        err.print(f"Menu entry removed: {gone}" if gone else
+                  f"No menu entry to remove ({desktop_entry.entry_path()} does not exist).")
+    return 0

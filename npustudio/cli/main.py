@@ -181,6 +181,10 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
 
     s = add("gui", account.cmd_gui, "open the desktop application")
     s.add_argument("--project", type=given, default=None, help="project folder to open (default: the last one)")
+
+    s = add("desktop-entry", account.cmd_desktop_entry,
+            "add NPU Studio to the desktop's application menu (this installation), or take it away")
+    s.add_argument("action", choices=["install", "remove"])
     return p
 
 

@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core import layout, pipeline
+from ..core import desktop_entry, layout, pipeline
 from ..core import settings as user_settings
 from ..core.device import DeviceInfo
 from ..core.errors import UserError
@@ -43,7 +43,7 @@ from .widgets import Page, scrolled, show_error
 
 STEPS = STEP_NAMES
 P = TypeVar("P", bound=Page)
-ICON = Path(__file__).resolve().parents[2] / "resources" / "npustudio.svg"
+ICON = desktop_entry.ICONS["scalable"]
 
 
 class MainWindow(QMainWindow):
