@@ -9,10 +9,15 @@ then clicks Quantize and measures while it runs:
 - closing the window during a stage (Quantize redone; "Stop and quit"): the seconds until it closes, the stalls
   meanwhile, and whether the project kept its last good stage and no scratch folder;
 - quitting right after opening a finished project (a new window on it, closed 0.2 s later while the inspector's
-  encodings read runs): how long the close holds the GUI thread, and when the cancelled reads have ended.
+  encodings read runs): how long the close holds the GUI thread, and when the cancelled reads have ended;
+- opening a finished project as `npustudio gui --project` does (devices watched) and the seconds after it: the
+  stalls while the window's background reads run, each named with the jobs that were running;
+- a chat turn with a finished project's bundle, on this computer's Genie and then on the virtual device
+  (deployed first): the stalls while the answer comes.
 Prints JSON. `--model tiny` (default, ~1 min) uses a small random Llama; `--model default` the real SmolLM2.
 `--quick` skips the Adapt/Quantize timings: the project switch, then the window closed during Adapt, then (with
-`--finished PROJECT`, a project through Quantize) the quit right after opening that project.
+`--finished PROJECT`, a project through Quantize) the quit right after opening that project and the opening
+itself, and (when PROJECT has a bundle) the chat turns; `--chat desktop,device` picks the runners.
 
     python benchmarks/gui_responsiveness.py [--model tiny|default|PATH] [--quick] [--finished PROJECT]
 """
@@ -74,8 +79,11 @@ class StallMeter:
         now = time.perf_counter()
         gap = (now - self.last) * 1000 - TICK_MS
         self.gaps.append(gap)
-        if gap > STALL_MS:
-            self.where.append((round(gap), self.step))  # what the stage was doing when the loop stalled
+        if gap > STALL_MS:  # what the stage was doing when the loop stalled, and which background jobs ran
+            from npustudio.gui import worker
+
+            jobs = ", ".join(sorted({j.name for j in worker.running()}))
+            self.where.append((round(gap), f"{self.step} [{jobs}]" if jobs else self.step))
         self.last = now
 
     def summary(self) -> dict[str, float]:
@@ -195,6 +203,68 @@ def quit_after_opening(app: object, root: Path, after_s: float = 0.2) -> dict[st
             "closed": not w.isVisible(), "seconds_until_jobs_ended": round(time.perf_counter() - t1, 2)}
 
 
+def opening(app: object, root: Path, seconds: float = 8.0) -> tuple[object, dict[str, object]]:
+    """Open the finished project `root` as `npustudio gui --project` does (devices watched: the adb server is
+    started and the device list read; the inspector's read and the pages' own), then let it settle for `seconds`:
+    the ms the window's construction blocks, and the stalls meanwhile, named with the jobs running then."""
+    from npustudio.gui.app import MainWindow, freeze_startup_objects
+
+    meter = StallMeter()
+    t0 = time.perf_counter()
+    w = MainWindow(root)
+    w.resize(1366, 768)
+    w.show()
+    freeze_startup_objects()  # as `main` does
+    blocked = (time.perf_counter() - t0) * 1000
+    meter.step = "after opening"
+    meter.start()
+    settle(app, seconds)
+    meter.stop()
+    return w, {"open_blocked_ms": round(blocked, 1), "settled_s": seconds, **meter.summary()}
+
+
+def chat_turn(app: object, w: object, runner: str, question: str = "What is the capital of France?",
+              timeout_s: float = 1800) -> dict[str, object]:
+    """Ask `question` in the chat panel with `runner` (desktop: this computer's Genie; device: the virtual device,
+    started first, the bundle deployed there as the chat does) and wait for the answer: the stalls meanwhile."""
+    chat = w.chat  # type: ignore[attr-defined]
+    meter = StallMeter()
+    if runner == "device" and w.device is None:  # type: ignore[attr-defined]
+        meter.step = "starting the virtual device"
+        meter.start()
+        w.devices.start_virtual.click()  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        while w.device is None and time.perf_counter() - t0 < 120:  # type: ignore[attr-defined]
+            app.processEvents()  # type: ignore[attr-defined]
+            time.sleep(0.002)
+        settle(app, 1.0)
+        meter.stop()
+        if w.device is None:  # type: ignore[attr-defined]
+            raise SystemExit("the virtual device did not come up")
+        started = meter.summary()
+    else:
+        started = None
+    chat.runner.setCurrentIndex(chat.runner.findData(runner))
+    meter.step = f"chat on {runner}"
+    meter.start()
+    t0 = time.perf_counter()
+    chat.ask(question)
+    while chat.busy and time.perf_counter() - t0 < timeout_s:
+        app.processEvents()  # type: ignore[attr-defined]
+        time.sleep(0.002)
+    secs = time.perf_counter() - t0
+    settle(app, 0.5)
+    meter.stop()
+    if chat.busy:
+        chat.stop()
+        raise SystemExit(f"no answer from {runner} in {timeout_s:.0f} s")
+    out: dict[str, object] = {"runner": runner, "seconds": round(secs, 1), "answer": chat.last_answer[:80],
+                              "status": chat.stats.text()[:160], **meter.summary()}
+    if started is not None:
+        out["starting_virtual_device"] = started
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
@@ -202,6 +272,8 @@ def main() -> int:
                     help="no Adapt/Quantize timings: the project switch, then the window closed during Adapt")
     ap.add_argument("--finished", type=Path, default=None,
                     help="with --quick: a project through Quantize, opened and quit at once (copied first)")
+    ap.add_argument("--chat", default="desktop,device",
+                    help="with --finished: the chat runners to time a turn on (desktop, device; '' for none)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="baseline: leave start-up objects to the cyclic GC, as before the app froze them")
     a = ap.parse_args()
@@ -215,6 +287,7 @@ def main() -> int:
     app = QApplication.instance() or QApplication([])
     tmp = Path(tempfile.mkdtemp(prefix="npustudio-gui-bench-"))
     os.environ["XDG_CONFIG_HOME"] = str(tmp / "config")  # never the user's recent projects
+    os.environ["XDG_DATA_HOME"] = str(tmp / "data")  # nor the user's virtual device
     model = a.model
     if model == "tiny":
         from tests.conftest import make_tiny_model
@@ -284,6 +357,16 @@ def main() -> int:
             finished = tmp / "finished"
             shutil.copytree(a.finished, finished)  # the window writes nothing there, but never the caller's
             out["quit_after_opening"] = quit_after_opening(app, finished)
+            win, out["opening"] = opening(app, finished)
+            from npustudio.core import layout
+
+            if (finished / layout.STAGES_DIR / "bundle" / layout.GENIE_CONFIG).is_file():
+                for runner in filter(None, a.chat.split(",")):
+                    out[f"chat_{runner}"] = chat_turn(app, win, runner)
+            win.close()  # type: ignore[attr-defined]
+            from npustudio.gui import worker
+
+            worker.cancel_all(wait_ms=30_000)  # the virtual device stops, as `main` waits for it
         print(json.dumps(out, indent=2))
         return 0
     run(w.adapt_page, "adapt", adapt_setup)

@@ -921,17 +921,19 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
 def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid_stage(
         tmp_path: Path, genie_project: Project) -> None:
     """`benchmarks/gui_responsiveness.py --quick` opens another project and back, then quits during Adapt, then
-    quits right after opening a finished project: it reports what it measured (no timing is judged here) and that
-    the window asked when a stage ran, did not when only the encodings read did, closed and left no scratch."""
+    quits right after opening a finished project, then opens it and asks its bundle a question on this computer's
+    Genie and on the virtual device: it reports what it measured (no timing is judged here), that the window asked
+    when a stage ran, did not when only the encodings read did, closed and left no scratch, and both answers."""
     import subprocess
     import sys
 
     root = Path(__file__).parent.parent
-    res = subprocess.run([sys.executable, str(root / "benchmarks" / "gui_responsiveness.py"), "--quick",
+    res = subprocess.run([sys.executable, "-X", "faulthandler",  # a crash shows where each thread was
+                          str(root / "benchmarks" / "gui_responsiveness.py"), "--quick",
                           "--finished", str(genie_project.root)],
                          capture_output=True, text=True, timeout=600, cwd=root,
                          env={**os.environ, "QT_QPA_PLATFORM": "offscreen", "TMPDIR": str(tmp_path)})
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.returncode == 0, res.stderr[-6000:]
     out = json.loads(res.stdout)
     for leg in ("to_other", "back"):
         assert out["switch_project"][leg]["open_blocked_ms"] > 0 and out["switch_project"][leg]["ticks"] > 0
@@ -941,6 +943,12 @@ def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid
     quit_ = out["quit_after_opening"]
     assert "Reading encodings" in quit_["running_at_close"] and quit_["close_blocked_ms"] > 0
     assert quit_["closed"] and not quit_["asked_before_quitting"] and quit_["seconds_until_jobs_ended"] >= 0
+    assert out["opening"]["open_blocked_ms"] > 0 and out["opening"]["ticks"] > 0
+    for runner, said in (("desktop", "desktop Genie on the HTP simulator: "), ("device", "device 127.0.0.1:")):
+        turn = out[f"chat_{runner}"]
+        assert turn["runner"] == runner and turn["ticks"] > 0 and turn["status"].startswith(said), turn
+        assert "tok/s" in turn["status"], turn  # an answer came, with Genie's profile
+    assert out["chat_device"]["starting_virtual_device"]["ticks"] > 0
     assert "Traceback" not in res.stderr
 
 
