@@ -190,6 +190,34 @@ def test_stop_aborts_a_genie_query(project: Project) -> None:
     assert 1 <= len(seen) < 100
 
 
+def test_genie_apart_answers_as_in_process_streams_its_log_and_stops(project: Project) -> None:
+    """The window's desktop chat runs Genie in a child process at a lower priority: the same greedy answer, its
+    pieces and Genie's log arriving here as they come, an answer the user stops ended there (aborted, with the
+    text so far), and Genie's refusal the same UserError."""
+    import os
+
+    cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
+    here = host.run(cfg, PROMPT, lambda _s: None, max_tokens=8)
+    pieces: list[str] = []
+    log: list[str] = []
+    apart = host.run_apart(cfg, PROMPT, pieces.append, max_tokens=8, log_level="info", on_log=log.append)
+    assert apart.status == "complete" and apart.text == here.text == "".join(pieces) != ""
+    assert any("GenieDialog_create" in line for line in log) and apart.profile and "GenieDialog" not in apart.text
+    assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the caller's own priority is untouched
+
+    stop = threading.Event()
+    seen: list[str] = []
+
+    def on_text(s: str) -> None:
+        seen.append(s)
+        stop.set()  # the user presses Stop once text appears
+
+    res = host.run_apart(cfg, PROMPT, on_text, stop=stop, max_tokens=100)
+    assert res.status == "aborted" and 1 <= len(seen) < 100 and res.text == "".join(seen)
+    with pytest.raises(UserError, match="context holds"):
+        host.run_apart(cfg, "word " * 400, lambda _s: None)
+
+
 def test_ctrl_c_stops_a_desktop_chat_and_the_history_keeps_the_turn_as_stopped(project: Project,
                                                                                tmp_path: Path) -> None:
     """Ctrl-C while libGenie runs: it was raised inside Genie's ctypes callback and swallowed, the answer ran on

@@ -195,8 +195,11 @@ class Engine(Protocol):
 class DesktopEngine:
     """The bundle on this computer: real Genie on the HTP simulator, or the CPU preview (kept loaded)."""
 
-    def __init__(self, bundle_dir: Path, preview: bool = False, max_tokens: int | None = None) -> None:
-        self.bundle_dir, self.preview, self.max_tokens = Path(bundle_dir), preview, max_tokens
+    def __init__(self, bundle_dir: Path, preview: bool = False, max_tokens: int | None = None,
+                 apart: bool = False) -> None:
+        """`apart`: real Genie runs in a child process at a lower CPU priority (`host.run_apart`), for a caller
+        whose own thread must stay responsive (the window)."""
+        self.bundle_dir, self.preview, self.max_tokens, self.apart = Path(bundle_dir), preview, max_tokens, apart
         self.name = "desktop preview on the CPU" if preview else "desktop Genie on the HTP simulator"  # shown in ( )
         self._preview: Any = None
 
@@ -209,8 +212,9 @@ class DesktopEngine:
                 self._preview = host.Preview(self.bundle_dir)
             text, event, aborted = self._preview.query(prompt, on_text, stop, self.max_tokens)
             return text, aborted, self._preview.profile([event])
-        res = host.run(self.bundle_dir / layout.GENIE_CONFIG, prompt, on_text, stop=stop, max_tokens=self.max_tokens,
-                       log_level=log_level, on_log=on_log)
+        res = (host.run_apart if self.apart else host.run)(self.bundle_dir / layout.GENIE_CONFIG, prompt, on_text,
+                                                           stop=stop, max_tokens=self.max_tokens,
+                                                           log_level=log_level, on_log=on_log)
         return res.text, res.status == "aborted", res.profile or None
 
 

@@ -458,7 +458,7 @@ class ChatPanel(QWidget):
         def work(state: Any) -> tuple[ChatSession, Turn]:
             nonlocal session
             if session is None:
-                session = pipeline.open_chat(bundle, kind, serial, system)
+                session = pipeline.open_chat(bundle, kind, serial, system, apart=True)  # Genie away from the window
             session.system = system
             turn = session.send(text, lambda s: state.partial("text", text=s), stop, replace_last=replace_last,
                                 on_log=lambda line: state.partial("log", line=line), log_level=level)

@@ -54,6 +54,63 @@ def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | No
     return _genie(Path(config_path), prompt, on_text, profile_path, log_level, on_log, stop, max_tokens)
 
 
+def run_apart(config_path: Path, prompt: str, on_text: OnText, stop: threading.Event | None = None,
+              max_tokens: int | None = None, log_level: str = "error",
+              on_log: Callable[[str], None] | None = None) -> RunResult:
+    """`run` with real Genie in a child process at a lower CPU priority (`isolated.run`), its text and log
+    arriving here as Genie produces them and `stop` aborting it there. For the window: in its process the HTP
+    simulator's threads took both cores at the window's own priority for minutes, and the tokenizer's load held
+    the GIL, and its event loop stalled 60-150 ms a dozen times per answer (the default model, 2 cores)."""
+    from ..isolated import run as run_isolated
+    from ..progress import State
+
+    state = State()
+
+    def forward(ev: Any) -> None:
+        kind = getattr(ev, "kind", None)
+        if kind == "text":
+            on_text(ev.data["text"])
+        elif kind == "log" and on_log is not None:
+            on_log(ev.data["line"])
+
+    state.subscribe(forward)
+    ended = threading.Event()
+
+    def relay_stop() -> None:  # the caller's stop becomes the child's cancel (Genie aborts there)
+        while not ended.is_set():
+            if stop is not None and stop.wait(0.05):
+                state.cancel()
+                return
+
+    if stop is not None:
+        threading.Thread(target=relay_stop, daemon=True, name="npustudio-genie-stop").start()
+    try:
+        result: RunResult = run_isolated(_run_in_child, Path(config_path), prompt, max_tokens, log_level,
+                                         on_log is not None, state=state)
+        return result
+    finally:
+        ended.set()
+
+
+def _run_in_child(config_path: Path, prompt: str, max_tokens: int | None, log_level: str, with_log: bool,
+                  state: Any) -> RunResult:
+    """`run_apart`'s child: the parent's stop arrives as `state`'s cancel."""
+    stop = threading.Event()
+
+    def relay_cancel() -> None:
+        while not stop.is_set():
+            if state.cancelled:
+                stop.set()
+            time.sleep(0.05)
+
+    threading.Thread(target=relay_cancel, daemon=True).start()
+    try:
+        return run(config_path, prompt, lambda s: state.partial("text", text=s), stop=stop, max_tokens=max_tokens,
+                   log_level=log_level, on_log=(lambda line: state.partial("log", line=line)) if with_log else None)
+    finally:
+        stop.set()  # ends the relay
+
+
 def until_done(work: Callable[[], Any], stop: threading.Event, on_stop: Callable[[], None] | None = None) -> Any:
     """`work()` in a thread while this one waits: Ctrl-C sets `stop` (Genie aborts and the run returns what it
     has; `on_stop` says so) instead of being lost, as a KeyboardInterrupt raised inside Genie's ctypes callback is.

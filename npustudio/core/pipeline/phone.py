@@ -40,9 +40,10 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
 
 
 def open_chat(bundle: Path, where: Literal["device", "desktop", "preview"], serial: str | None = None,
-              system: str | None = None, state: StateLike | None = None) -> ChatSession:
+              system: str | None = None, state: StateLike | None = None, apart: bool = False) -> ChatSession:
     """A chat over a bundle: on a device (the bundle deployed there first: nothing moves when it is there already,
-    and a project's bundle is recorded as deployed), with real Genie on this computer, or with the CPU preview."""
+    and a project's bundle is recorded as deployed), with real Genie on this computer (`apart`: in a child process
+    at a lower CPU priority), or with the CPU preview."""
     from .. import chat, device
     from ..device import deploy as device_deploy
 
@@ -58,7 +59,7 @@ def open_chat(bundle: Path, where: Literal["device", "desktop", "preview"], seri
             device_deploy.deploy(bundle, dev, state or State())
         engine = chat.DeviceEngine(dev.serial, bundle)
     else:
-        engine = chat.DesktopEngine(bundle, preview=where == "preview")
+        engine = chat.DesktopEngine(bundle, preview=where == "preview", apart=apart)
     return chat.ChatSession(bundle, engine, system=system)
 
 
