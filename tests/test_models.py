@@ -87,6 +87,26 @@ def test_corrupt_gguf_is_reported(tmp_path: Path) -> None:
         models.read_card(models.resolve_source(str(f)))
 
 
+def test_a_gguf_read_that_fails_on_an_import_blames_the_installation_not_the_file(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packaged build without transformers' lazily imported modules said the default GGUF was damaged and told
+    the user to download it again; the missing module is what is wrong."""
+    import transformers
+
+    def fail(*_a: object, **_k: object) -> None:
+        try:
+            raise ModuleNotFoundError("No module named 'transformers.models.llama.configuration_llama'")
+        except ModuleNotFoundError as inner:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'. Are this object's requirements "
+                                      "defined correctly?") from inner
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fail)
+    with pytest.raises(UserError) as e:
+        models.load_config_and_tokenizer(models.resolve_source("default"))
+    assert "cannot be imported" in e.value.problem and "configuration_llama" in e.value.problem
+    assert "download it again" not in e.value.fix and "Reinstall" in e.value.fix
+
+
 def test_truncated_gguf_is_reported(tmp_path: Path) -> None:
     import gguf
 

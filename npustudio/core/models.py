@@ -309,6 +309,15 @@ def make_card(config: Any, tokenizer: Any, source: ModelSource) -> ArchCard:
 
 
 def _gguf_error(path: Path, e: Exception) -> UserError:
+    root: BaseException = e
+    while root.__cause__ is not None or root.__context__ is not None:  # the innermost error says what failed
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    if isinstance(e, ImportError) or isinstance(root, ImportError):  # not the file: this installation
+        cause = f"; caused by {root.__class__.__name__}: {str(root)[:200]}" if root is not e else ""
+        return UserError(f"Reading {path.name} needs a part of this installation that cannot be imported "
+                         f"({e.__class__.__name__}: {str(e).splitlines()[0][:160]}{cause}).",
+                         "Reinstall NPU Studio (bash packaging/bootstrap.sh). In a packaged build this is a "
+                         "packaging fault: rebuild it, or report it with the output of `--debug`.")
     return UserError(f"{path} is not a readable GGUF file ({e.__class__.__name__}: {str(e)[:120]}).",
                      "The file is damaged or incomplete: download it again.")
 

@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# AppImage of NPU Studio from the PyInstaller one-folder build.
-#   bash packaging/appimage/build.sh         -> dist/NPU_Studio-x86_64.AppImage
-# Needs: .venv (bootstrap.sh), pyinstaller (installed here), appimagetool on PATH or as APPIMAGETOOL
-# (https://github.com/AppImage/appimagetool/releases; fetched by you, this script never downloads).
+# NPU Studio as an application: the PyInstaller one-folder build, then an AppImage of it.
+#   bash packaging/appimage/build.sh   -> dist/npustudio/ (run dist/npustudio/npustudio),
+#                                         and dist/NPU_Studio-x86_64.AppImage when appimagetool is there
+# Needs: .venv (bootstrap.sh); pyinstaller is installed into it here. appimagetool on PATH or as APPIMAGETOOL
+# (https://github.com/AppImage/appimagetool/releases; fetched by you, this script never downloads). Headless:
+# nothing in the build opens a window. Check the result with: bash packaging/smoke.sh dist/npustudio
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 .venv/bin/python -m pip --disable-pip-version-check -q install "pyinstaller>=6.10"
 .venv/bin/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller packaging/npustudio.spec
+echo "dist/npustudio ($(du -sh dist/npustudio | cut -f1))"
+tool=${APPIMAGETOOL:-$(command -v appimagetool || true)}
+if [ -z "$tool" ]; then  # the one-folder build is the application; the AppImage only packs it into one file
+  echo "No AppImage: appimagetool was not found (install it, or set APPIMAGETOOL, and run this again)." >&2
+  exit 0
+fi
 app=build/AppDir
 rm -rf "$app"
 mkdir -p "$app/usr/lib" "$app/usr/share/applications" "$app/usr/share/icons/hicolor/256x256/apps"
@@ -22,10 +30,6 @@ if [ $# -eq 0 ]; then set -- gui; fi
 exec "$here/usr/lib/npustudio/npustudio" "$@"
 RUN
 chmod +x "$app/AppRun"
-tool=${APPIMAGETOOL:-$(command -v appimagetool || true)}
-if [ -z "$tool" ]; then
-  echo "AppDir ready in $app; install appimagetool (or set APPIMAGETOOL) to pack it into an AppImage." >&2
-  exit 2
-fi
 ARCH=x86_64 "$tool" "$app" dist/NPU_Studio-x86_64.AppImage
+rm -rf "$app"
 echo "dist/NPU_Studio-x86_64.AppImage"
