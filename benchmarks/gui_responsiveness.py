@@ -46,12 +46,12 @@ class StallMeter:
         from PySide6.QtCore import QTimer
 
         self.gaps: list[float] = []
-        self.where: list[tuple[int, str]] = []
+        self.where: list[tuple[int, float, str]] = []
         self.step = ""
         self.timer = QTimer()
         self.timer.setInterval(TICK_MS)
         self.timer.timeout.connect(self._tick)
-        self.last = 0.0
+        self.last = self.t0 = 0.0
         self.gc_ms: list[float] = []
         self._gc_t0 = 0.0
         import gc
@@ -69,7 +69,7 @@ class StallMeter:
         self.gaps.clear()
         self.where.clear()
         self.gc_ms.clear()
-        self.last = time.perf_counter()
+        self.last = self.t0 = time.perf_counter()
         self.timer.start()
 
     def stop(self) -> None:
@@ -83,7 +83,8 @@ class StallMeter:
             from npustudio.gui import worker
 
             jobs = ", ".join(sorted({j.name for j in worker.running()}))
-            self.where.append((round(gap), f"{self.step} [{jobs}]" if jobs else self.step))
+            self.where.append((round(gap), round(now - self.t0, 1),  # when, in s from the start
+                               f"{self.step} [{jobs}]" if jobs else self.step))
         self.last = now
 
     def summary(self) -> dict[str, float]:
