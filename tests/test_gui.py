@@ -575,6 +575,16 @@ def test_the_profiles_read_at_1366x768_with_a_phones_rate_beside_the_roofline(qt
     line = next(i for i in view.rates.getPlotItem().items if isinstance(i, pg.InfiniteLine))
     assert math.isclose(10 ** line.value(), 420.3) and lo <= line.value() <= hi
 
+    one = ProfileView()  # one run: its axes read "run (x0.001)" under a "1" (pyqtgraph's SI prefix on no unit)
+    qtbot.addWidget(one)
+    one.resize(1003, 345)
+    one.show()
+    one.add("chat 1 (device 127.0.0.1:5555)", run(0.05))
+    qtbot.wait(100)
+    for chart in (one.timeline, one.ttft, one.rates):
+        for side in ("left", "bottom"):
+            assert "(x" not in chart.getAxis(side).labelString(), (chart, side)
+
 
 def test_closing_the_window_cancels_the_running_stage_cleanly(qtbot: Any, tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "m", "llama64")

@@ -23,6 +23,8 @@ class Chart(pg.PlotWidget):
         super().__init__(*args, **kwargs)
         plot = self.getPlotItem()
         plot.hideButtons()
+        for side in ("left", "bottom"):  # no chart has units to prefix: a run number read "1" under "run (x0.001)"
+            plot.getAxis(side).enableAutoSIPrefix(False)
         self.reset_view = QPushButton("Reset view", self)
         self.reset_view.setObjectName("reset_view")
         self.reset_view.setToolTip("Fit the chart to its data again. Ctrl+wheel zooms, dragging pans; the wheel "

@@ -68,10 +68,8 @@ class ProfileView(QWidget):
         charts = QHBoxLayout()
         self.timeline = Chart(title="Timeline per run")
         self.timeline.setLabel("bottom", "seconds from the run's first event")
-        self.timeline.getAxis("bottom").enableAutoSIPrefix(False)  # seconds, not "(x0.001)" after the label
         self.timeline.setLabel("left", "run")
         self.ttft = Chart(title="Time to first token (s)")
-        self.ttft.getAxis("left").enableAutoSIPrefix(False)  # seconds as seconds, not "(x0.001)" beside the axis
         self.ttft.setLabel("bottom", "run")
         self.rates = Chart(title="Tokens per second")
         self.rates.setLabel("bottom", "run")
