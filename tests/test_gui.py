@@ -1198,6 +1198,13 @@ def test_a_recorded_deploy_shows_as_done_on_the_step_and_its_page_when_reopened(
     assert w.deploy_page.strip.status.text().startswith("Deployed to emulator-5554:/data/local/tmp/npustudio/proj")
     assert w.target_page.strip.status.text() == f"Target set: {p.choices().target}."
 
+    # a chat turn on another device deploys there first (core records it): once the answer is in, the page says so
+    # (it kept naming the earlier device until the project was reopened)
+    p.choose(deployed={"device": "127.0.0.1:40215", "remote_dir": "/data/local/tmp/npustudio/proj",
+                       "bundle": p.load().stages["bundle"].key, "at": 1_700_000_100.0})
+    w.chat.answered.emit(None)
+    assert w.deploy_page.strip.status.text().startswith("Deployed to 127.0.0.1:40215:/data/local/tmp/npustudio/proj")
+
 
 def test_the_chat_is_ready_as_soon_as_compile_has_built_the_bundle(
         qtbot: Any, genie_project: Project, tmp_path: Path) -> None:

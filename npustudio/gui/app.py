@@ -87,6 +87,8 @@ class MainWindow(QMainWindow):
 
         self.devices = DevicePanel(self)
         self.chat = ChatPanel(self)
+        # a chat on a device deploys the bundle there first: the Deploy page says so once the answer is in
+        self.chat.answered.connect(lambda _turn: self.deploy_page.refresh())
         self.profiles = ProfileView()
         # the right column runs the window's full height: the profiles open below the wizard, never below the chat
         # (they left its messages ~70 px and pushed Send and Stop out of view at 1366x768)
