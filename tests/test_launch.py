@@ -169,3 +169,16 @@ def test_desktop_entry_keeps_an_entry_it_did_not_write(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and "was not written by `npustudio desktop-entry`" in res.stderr, res.stderr
         assert entry_file.read_bytes() == before
+
+
+def test_the_packaged_launcher_runs_a_module_as_python_m_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packaged app is its own interpreter: the pipeline's helper processes (`python -m MODULE`: each graph's
+    compile, the virtual device's genie-t2t-run) start it with `-m`, which its launcher must run as python does
+    (the frozen compile stage died with "invalid choice: 'npustudio…'" when `-m` reached the CLI)."""
+    from npustudio.core.genie import t2t
+
+    res = subprocess.run([sys.executable, str(ROOT / "packaging" / "launcher.py"), "-m", "npustudio.core.genie.t2t",
+                          "--help"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("usage: genie-t2t-run"), res.stderr
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    assert t2t.command("-c", "cfg.json") == [sys.executable, "-m", "npustudio.core.genie.t2t", "-c", "cfg.json"]

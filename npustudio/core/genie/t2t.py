@@ -234,7 +234,10 @@ _LAUNCH = ("import sys; sys.path.append(sys.argv.pop(1)); "
 def command(*args: str) -> list[str]:
     """The argv that runs `main(args)` in a fresh interpreter, isolated (-I: no PYTHON* variables, no user site,
     neither the current folder nor a script's on sys.path), importing this very package: what the virtual device
-    starts for genie-t2t-run. No CLI module, settings file or shell is involved."""
+    starts for genie-t2t-run. No CLI module, settings file or shell is involved. A packaged app is its own
+    interpreter, whose launcher runs `-m MODULE` as python does (and has no other sys.path)."""
+    if getattr(sys, "frozen", False):
+        return [sys.executable, "-m", __name__, *args]
     return [sys.executable, "-I", "-c", _LAUNCH, str(Path(__file__).resolve().parents[3]), *args]
 
 
@@ -385,3 +388,7 @@ def read(output: str, prompt: str | None = None) -> Output:
     r = Reader(prompt=prompt)
     r.feed(output)
     return r.close()
+
+
+if __name__ == "__main__":  # `command` in a packaged app
+    sys.exit(main(sys.argv[1:]))
