@@ -40,9 +40,12 @@ def launcher() -> list[str]:
     if getattr(sys, "frozen", False):
         return [sys.executable]
     script = Path(sys.executable).parent / "npustudio"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script.absolute()), "gui"]
-    return [str(Path(sys.executable).absolute()), "-m", "npustudio.cli", "gui"]
+    if not (script.is_file() and os.access(script, os.X_OK)):
+        raise UserError(f"This installation has no `npustudio` command beside its Python ({script} is missing), so "
+                        "a menu entry would have nothing to start.",
+                        "Install NPU Studio with its commands (bash packaging/bootstrap.sh), then run "
+                        "`.venv/bin/npustudio desktop-entry install`.")
+    return [str(script.absolute()), "gui"]
 
 
 def exec_value(argv: list[str]) -> str:
@@ -103,7 +106,7 @@ def install() -> Written:
     """Write the user's entry for this installation (replacing one this command wrote for any installation) and
     its icons. An entry of the same name that this command did not write (a package's, an AppImage's) is kept."""
     _check_platform()
-    entry, here = entry_path(), sys.prefix
+    entry, here, argv = entry_path(), sys.prefix, launcher()  # refused before anything is written
     replaced = None
     if entry.exists():
         owner = _owner(entry)
@@ -121,7 +124,6 @@ def install() -> Written:
         dest.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(dest, src.read_bytes())
         icons.append(dest)
-    argv = launcher()
     entry.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(entry, text(argv, here))
     return Written(entry, icons, argv, replaced)
