@@ -2,8 +2,8 @@
 # Smoke test of a packaged build, run as a user runs it:
 #   bash packaging/smoke.sh dist/npustudio
 # --version; `info default` (the embedded GGUF through transformers); a tiny random Llama through adapt → quantize →
-# compile → bundle; `genie-run --preview`; `virtual-device` + `devices`; and `gui`, whose window must appear under
-# Xvfb and close on Ctrl+Q. The tiny model is written by this checkout's .venv (test data; the build under test is
+# compile → bundle; `genie-run --preview`; `virtual-device` + `devices` + a `chat` there; and `gui`, whose window
+# must appear under Xvfb and close on Ctrl+Q. The tiny model is written by this checkout's .venv (test data; the build under test is
 # DIST alone). Needs xvfb-run and xdotool for the window (Debian: xvfb, xdotool).
 set -euo pipefail
 [ $# -eq 1 ] || { echo "usage: bash packaging/smoke.sh DIST_FOLDER" >&2; exit 2; }
@@ -58,6 +58,10 @@ vd_pid=$!
 for _ in $(seq 120); do grep -q "connected" "$work/vd.log" 2>/dev/null && break; sleep 0.5; done
 "$app" devices --json > "$work/devices.json"
 python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); v=[x for x in d if x.get("virtual")]; assert v, d; print("virtual device:", v[0]["serial"], v[0]["soc"])' "$work/devices.json"
+serial="$(python3 -c 'import json,sys; print([x for x in json.load(open(sys.argv[1])) if x.get("virtual")][0]["serial"])' "$work/devices.json")"
+
+step "chat on the virtual device (the bundle deployed there, Genie on the HTP simulator)"
+"$app" chat --device "$serial" --bundle "$work/p/stages/bundle" "Hello" < /dev/null
 kill "$vd_pid"; wait "$vd_pid" 2>/dev/null || true; vd_pid=""
 
 step "gui: the window opens and closes on Ctrl+Q"
