@@ -3,8 +3,8 @@
 #   bash packaging/smoke.sh dist/npustudio
 # --version; `info default` (the embedded GGUF through transformers); a tiny random Llama through adapt → quantize →
 # compile → bundle; `genie-run --preview`; `virtual-device` + `devices` + a `chat` there; and `gui`, whose window
-# must appear under Xvfb and close on Ctrl+Q. The tiny model is written by this checkout's .venv (test data; the build under test is
-# DIST alone). Needs xvfb-run and xdotool for the window (Debian: xvfb, xdotool).
+# must appear under Xvfb and close on Ctrl+Q. The tiny model is written by this checkout's .venv (test data; the
+# build under test is DIST alone). Needs xvfb-run and xdotool for the window (Debian: xvfb, xdotool).
 set -euo pipefail
 [ $# -eq 1 ] || { echo "usage: bash packaging/smoke.sh DIST_FOLDER" >&2; exit 2; }
 root="$(cd "$(dirname "$0")/.." && pwd)"
