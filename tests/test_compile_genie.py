@@ -176,7 +176,9 @@ def test_speed_benchmark_reports_the_preview_and_the_phone_roofline(project: Pro
     assert "genie_htp_simulator" not in out and out["phone_roofline"]["decode_tok_s_bound"] > 0
 
 
-def test_stop_aborts_a_genie_query(project: Project) -> None:
+@pytest.mark.parametrize("run", [host.run, host.run_apart], ids=["in-process", "apart"])
+def test_stop_aborts_a_genie_query(project: Project, run: Any) -> None:
+    """In this process, or in the child the window's chat uses: aborted there, with the text so far."""
     cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
     stop = threading.Event()
     seen: list[str] = []
@@ -185,15 +187,15 @@ def test_stop_aborts_a_genie_query(project: Project) -> None:
         seen.append(s)
         stop.set()  # the user presses stop once text appears
 
-    res = host.run(cfg, PROMPT, on_text, stop=stop, max_tokens=100)
+    res = run(cfg, PROMPT, on_text, stop=stop, max_tokens=100)
     assert res.status == "aborted"
-    assert 1 <= len(seen) < 100
+    assert 1 <= len(seen) < 100 and res.text == "".join(seen)
 
 
 def test_genie_apart_answers_as_in_process_streams_its_log_and_stops(project: Project) -> None:
     """The window's desktop chat runs Genie in a child process at a lower priority: the same greedy answer, its
-    pieces and Genie's log arriving here as they come, an answer the user stops ended there (aborted, with the
-    text so far), and Genie's refusal the same UserError."""
+    pieces and Genie's log arriving here as they come, and Genie's refusal the same UserError (its Stop:
+    `test_stop_aborts_a_genie_query`)."""
     import os
 
     cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
@@ -204,16 +206,6 @@ def test_genie_apart_answers_as_in_process_streams_its_log_and_stops(project: Pr
     assert apart.status == "complete" and apart.text == here.text == "".join(pieces) != ""
     assert any("GenieDialog_create" in line for line in log) and apart.profile and "GenieDialog" not in apart.text
     assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the caller's own priority is untouched
-
-    stop = threading.Event()
-    seen: list[str] = []
-
-    def on_text(s: str) -> None:
-        seen.append(s)
-        stop.set()  # the user presses Stop once text appears
-
-    res = host.run_apart(cfg, PROMPT, on_text, stop=stop, max_tokens=100)
-    assert res.status == "aborted" and 1 <= len(seen) < 100 and res.text == "".join(seen)
     with pytest.raises(UserError, match="context holds"):
         host.run_apart(cfg, "word " * 400, lambda _s: None)
 

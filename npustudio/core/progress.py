@@ -49,6 +49,16 @@ class State:
     message: str = ""
     partials: list[Partial] = field(default_factory=list)
 
+    @classmethod
+    def stopped_by(cls, stop: threading.Event) -> State:
+        """A state whose cancel request is `stop` itself: whoever holds the Event (a chat's Stop) cancels it."""
+        return cls(_cancel=stop)
+
+    @property
+    def stop_event(self) -> threading.Event:
+        """The cancel request as an Event, for code that waits on one (Genie's abort watcher)."""
+        return self._cancel
+
     def subscribe(self, fn: Listener) -> None:
         self.listeners.append(fn)
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_text
+from ..progress import State
 from . import config as genie_config
 from . import libgenie
 
@@ -62,9 +63,8 @@ def run_apart(config_path: Path, prompt: str, on_text: OnText, stop: threading.E
     simulator's threads took both cores at the window's own priority for minutes, and the tokenizer's load held
     the GIL, and its event loop stalled 60-150 ms a dozen times per answer (the default model, 2 cores)."""
     from ..isolated import run as run_isolated
-    from ..progress import State
 
-    state = State()
+    state = State.stopped_by(stop) if stop is not None else State()  # the caller's Stop cancels the child
 
     def forward(ev: Any) -> None:
         kind = getattr(ev, "kind", None)
@@ -74,41 +74,17 @@ def run_apart(config_path: Path, prompt: str, on_text: OnText, stop: threading.E
             on_log(ev.data["line"])
 
     state.subscribe(forward)
-    ended = threading.Event()
-
-    def relay_stop() -> None:  # the caller's stop becomes the child's cancel (Genie aborts there)
-        while not ended.is_set():
-            if stop is not None and stop.wait(0.05):
-                state.cancel()
-                return
-
-    if stop is not None:
-        threading.Thread(target=relay_stop, daemon=True, name="npustudio-genie-stop").start()
-    try:
-        result: RunResult = run_isolated(_run_in_child, Path(config_path), prompt, max_tokens, log_level,
-                                         on_log is not None, state=state)
-        return result
-    finally:
-        ended.set()
+    result: RunResult = run_isolated(_run_in_child, Path(config_path), prompt, max_tokens, log_level,
+                                     on_log is not None, state=state)
+    return result
 
 
 def _run_in_child(config_path: Path, prompt: str, max_tokens: int | None, log_level: str, with_log: bool,
-                  state: Any) -> RunResult:
-    """`run_apart`'s child: the parent's stop arrives as `state`'s cancel."""
-    stop = threading.Event()
-
-    def relay_cancel() -> None:
-        while not stop.is_set():
-            if state.cancelled:
-                stop.set()
-            time.sleep(0.05)
-
-    threading.Thread(target=relay_cancel, daemon=True).start()
-    try:
-        return run(config_path, prompt, lambda s: state.partial("text", text=s), stop=stop, max_tokens=max_tokens,
-                   log_level=log_level, on_log=(lambda line: state.partial("log", line=line)) if with_log else None)
-    finally:
-        stop.set()  # ends the relay
+                  state: State) -> RunResult:
+    """`run_apart`'s child: the parent's stop arrives as `state`'s cancel, which Genie's abort watcher waits on."""
+    return run(config_path, prompt, lambda s: state.partial("text", text=s), stop=state.stop_event,
+               max_tokens=max_tokens, log_level=log_level,
+               on_log=(lambda line: state.partial("log", line=line)) if with_log else None)
 
 
 def until_done(work: Callable[[], Any], stop: threading.Event, on_stop: Callable[[], None] | None = None) -> Any:
