@@ -21,7 +21,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from npustudio.core.evaluate import load_corpus
-    from npustudio.core.graph import ort_qnn, store
+    from npustudio.core.graph import embedding_lut, ort_qnn, store
     from npustudio.core.graph.graph_io import IOEncoding
     from npustudio.core.graph.kv_cache import KVCacheRunner
     from npustudio.core.graph.ort_graph import cpu_session, quantize
@@ -37,7 +37,11 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(stages / "quantize"), trust_remote_code=False)
     ids = tok(load_corpus("default", "eval"))["input_ids"][:ar]
     feeds = KVCacheRunner(spec, cl, {ar: None}, inv_freq).feeds(ids, ar)  # type: ignore[dict-item]
-    q = {n: quantize(t.numpy(), io[n]) for n, t in feeds.items()}
+    q = {n: quantize(t.numpy(), io[n]) for n, t in feeds.items() if n in io}
+    if embedding_lut.INPUT in io:  # the graphs start from the embedding table's rows, as Genie feeds them
+        lut = stages / "compile" / "prepared" / embedding_lut.LUT
+        rows = embedding_lut.load(lut, io[embedding_lut.INPUT], spec.hidden)
+        q[embedding_lut.INPUT] = rows[feeds["input_ids"].numpy()]
     outs, secs = {}, {}
     target = find_soc(comp["target"])
     for label, sess in (("cpu", cpu_session(stages / "compile" / "prepared" / f"{graph}.onnx")),

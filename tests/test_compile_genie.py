@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from npustudio.core import layout, pipeline
 from npustudio.core.compile import CompileOptions
@@ -19,6 +20,10 @@ from npustudio.core.errors import UserError
 from npustudio.core.genie import bundle as bundle_stage
 from npustudio.core.genie import config as genie_config
 from npustudio.core.genie import host, libgenie, profile
+from npustudio.core.graph.embedding_lut import LUT
+from npustudio.core.graph.exported import read_test_vectors
+from npustudio.core.graph.graph_io import IOEncoding
+from npustudio.core.graph.ort_graph import OrtGraph, cpu_session
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 
@@ -46,8 +51,8 @@ def test_every_node_lands_on_the_htp_and_the_binaries_are_written(project: Proje
 
 def test_graph_io_is_quantized_as_genie_needs(project: Project) -> None:
     io = project.record("compile").result["io"]
-    assert io["input_ids"]["dtype"] == "int32"
-    for name in ("attention_mask", "position_ids_cos", "position_ids_sin", "logits"):
+    assert "input_ids" not in io  # the embedding table left the graphs: Genie looks the rows up on the CPU
+    for name in ("inputs_embeds", "attention_mask", "position_ids_cos", "position_ids_sin", "logits"):
         assert io[name]["dtype"] == "uint16", name
     for layer in range(2):
         for kind in ("key", "value"):
@@ -71,12 +76,30 @@ def test_compile_cli_json_lists_binaries_and_nodes_on_cpu(project: Project, tmp_
     # on a copy: the CLI's options are not the fixture's, so the stage runs again, and on the session's project
     # that left its bundle out of date for every later test that reads it as built
     copy = shutil.copytree(project.root, tmp_path / "p")
-    res = _cli("compile", "--project", str(copy), "--json")
+    res = _cli("compile", "--project", str(copy), "--no-embedding-lut", "--json")
     assert res.returncode == 0, res.stderr
     c = json.loads(res.stdout)
     assert c["nodes_on_cpu"] == 0 and c["dsp_arch"] == "v79"
     assert all(b["bytes"] > 0 for b in c["binaries"])
     assert "nll_htp" in c["verification"]
+
+    # the table in the graphs (as asked) against the session's project, whose graphs read Genie's lookup table:
+    # each binary holds the 16-bit table (384 x 128) more (to QNN's 4 KiB alignment), and both forms compute the
+    # same logits to the bit
+    table = 384 * 128 * 2
+    lut_form = {g["graph"]: g["bin_bytes"] for g in project.record("compile").result["graphs"]}
+    for b in c["binaries"]:
+        assert table - 8192 <= b["bytes"] - lut_form[b["graph"]] <= table + 8192, b
+    io = Project.open(copy).record("compile").result["io"]
+    assert io["input_ids"]["dtype"] == "int32" and "inputs_embeds" not in io
+    for g in lut_form:
+        vectors = read_test_vectors(project.stage_dir("quantize") / layout.TEST_VECTORS / f"{g}.npz")["in"]
+        feeds = {k: torch.from_numpy(v) for k, v in vectors.items()}
+        logits = [OrtGraph(cpu_session(p.stage_dir("compile") / "prepared" / f"{g}.onnx"),
+                           {k: IOEncoding(**v) for k, v in p.record("compile").result["io"].items()},
+                           p.stage_dir("compile") / "prepared" / LUT)(feeds)["logits"]
+                  for p in (project, Project.open(copy))]
+        assert torch.equal(*logits)
 
 
 def test_bundle_holds_a_genie_config_libgenie_accepts(project: Project) -> None:

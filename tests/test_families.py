@@ -134,8 +134,12 @@ def genie_run(bundle: Path, prompt: str, n: int, encoding: dict[str, Any] | None
     finally:
         dialog.close()
         dialog.free_profile()
-    fed = sorted(dump.rglob("*_in_input_ids"), key=lambda f: f.name)  # 000_…, 001_…: the graph calls in order
-    steps = [np.fromfile(f, dtype=np.int32).tolist() for f in fed]
+    # the graph calls in order (000_…, 001_…), each fed its tokens' rows of the embedding table: read back as ids
+    fed = sorted(dump.rglob("*_in_inputs_embeds*"), key=lambda f: f.name)
+    width = cfg["dialog"]["embedding"]["size"]
+    table = np.fromfile(bundle / cfg["dialog"]["embedding"]["lut-path"], dtype=np.uint16).reshape(-1, width)
+    token_of = {row.tobytes(): t for t, row in reversed(list(enumerate(table)))}
+    steps = [[token_of[r.tobytes()] for r in np.fromfile(f, dtype=np.uint16).reshape(-1, width)] for f in fed]
     prompt_ids = [t for s in steps if len(s) > 1 for t in s]  # the AR-32 chunks, padded
     tables = {k: np.fromfile(next(dump.rglob(f"position_ids_{k}.u16.dat")), dtype=np.uint16) for k in ("cos", "sin")}
     shutil.rmtree(dump)
@@ -146,11 +150,13 @@ def htp_runner(project: Project) -> KVCacheRunner:
     """The host KV-cache runner over the project's compiled binaries on the HTP simulator (our RoPE tables)."""
     from npustudio.core.genie.bundle import read_metadata
     from npustudio.core.graph import ort_qnn
+    from npustudio.core.graph.embedding_lut import LUT
     from npustudio.core.graph.ort_graph import OrtGraph
 
     meta = read_metadata(project.stage_dir("bundle"))
-    graphs = {g.ar: OrtGraph(ort_qnn.context_session(project.stage_dir("compile") / f"{g.name}.onnx", meta.target),
-                             meta.io_encodings) for g in meta.graphs}
+    compiled = project.stage_dir("compile")
+    graphs = {g.ar: OrtGraph(ort_qnn.context_session(compiled / f"{g.name}.onnx", meta.target), meta.io_encodings,
+                             compiled / "prepared" / LUT) for g in meta.graphs}
     return KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
                          torch.tensor(meta.rope_inv_freq))
 

@@ -1469,3 +1469,6 @@ def test_the_pages_take_each_options_range_default_and_choices_from_core(qtbot: 
     assert w.model_page.cl.maximum() == so.MAX_CONTEXT
     assert tuple(q.precision.itemData(i) for i in range(q.precision.count())) == so.PRECISION_NAMES
     assert q.options().target == so.QuantizeOptions().target  # no target chosen yet: the field's default
+    assert c.options().embedding_lut == so.CompileOptions().embedding_lut  # the table leaves the graphs by default
+    c.lut.setChecked(False)
+    assert not c.options().embedding_lut

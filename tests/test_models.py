@@ -180,9 +180,10 @@ def _card(**kw) -> models.ArchCard:
 def test_fit_estimate_for_a_llama_3_2_1b_shape() -> None:
     w8, w4 = models.fit_table(_card(), 4096)
     assert w8.kv_cache_bytes == 2 * 16 * 8 * 64 * 4096  # 8-bit K and V, every layer, CL entries
-    # 1.8 GB of w8 weights: over one HTP graph's 2 GiB once a quarter for QNN's own buffers, the KV cache and
-    # the activations are counted, so two parts (Qualcomm cuts its own 1B into three)
-    assert w8.parts == w4.parts == 2 and w8.largest_part_mb < 1843
+    # 1.2 GB of w8 weights on the HTP (the embedding table is Genie's lookup table on the CPU): under one HTP
+    # graph's 2 GiB with a quarter for QNN's own buffers, the KV cache and the activations, so one part
+    assert w8.parts == w4.parts == 1 and w8.largest_part_mb < 1843 and w4.largest_part_mb < 1843
+    assert 0.55 < w4.context_bytes_phone / w8.context_bytes_phone < 0.65  # the int8 LM head does not shrink
     assert 1.5e9 < w8.weight_bytes < 2.0e9 and w4.weight_bytes < 0.75 * w8.weight_bytes
     assert w8.phone_ram_bytes > w8.weight_bytes + w8.kv_cache_bytes
     assert w8.min_phone_ram_gb == 6
@@ -197,15 +198,23 @@ def test_fit_estimate_splits_big_models_into_parts_and_says_when_no_phone_fits()
     assert w8.min_phone_ram_gb is None
 
 
+QWEN3_17B = dict(layers=28, heads=16, kv_heads=8, head_dim=128, hidden=2048, intermediate=6144, vocab=151936,
+                 qk_norm=True)
+
+
 def test_the_plan_picks_the_best_precision_whose_bundle_loads_where_it_goes() -> None:
-    """The 1B shape: at w8a16 the simulator's two graphs per part (each with its weights) are over one protection
-    domain, so the simulator gets w4a16; a phone's weight-shared contexts fit at w8a16; the default-sized model
-    takes w8a16 everywhere; a choice the user made is kept, and left out prompt graphs are said."""
-    fit = models.fit_table(_card(), 1024)
+    """The Qwen3-1.7B shape: at w8a16 the simulator's two graphs per part (each with its weights) are over one
+    protection domain, so the simulator gets w4a16; a phone's weight-shared contexts fit at w8a16. The 1B shape,
+    its embedding table a lookup table on the CPU, fits one domain at w8a16 with its prompt graphs; the
+    default-sized model takes w8a16 everywhere; a choice the user made is kept, and left out prompt graphs are
+    said."""
+    fit = models.fit_table(_card(**QWEN3_17B), 1024)
     sim, phone = models.plan(fit, "simulator"), models.plan(fit, "phone")
     assert (sim.precision, sim.weight_sharing) == ("w4a16", False)
     assert "w8a16" in sim.why and "protection domain" in sim.why
     assert (phone.precision, phone.weight_sharing, phone.prompt_graphs) == ("w8a16", True, True)
+    one_b = models.plan(models.fit_table(_card(), 1024), "simulator")
+    assert (one_b.precision, one_b.weight_sharing, one_b.prompt_graphs) == ("w8a16", False, True)
     small = models.fit_table(_card(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152), 1024)
     assert models.plan(small, "simulator").precision == "w8a16"
     small_phone = models.plan(small, "phone")  # fits without sharing: one binary per graph, as the simulator checks

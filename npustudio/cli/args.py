@@ -141,6 +141,7 @@ def compile_args(s: argparse.ArgumentParser, job: bool = False) -> None:
                help=f"{O.model_fields['weight_sharing'].description} (default: as the plan decides)")
     else:
         option(s, O, "weight_sharing")
+    option(s, O, "embedding_lut", action=argparse.BooleanOptionalAction, default=True)
 
 
 def max_part_arg(s: argparse.ArgumentParser) -> None:
@@ -207,7 +208,8 @@ def compile_options(a: argparse.Namespace) -> CompileOptions:
     if a.weight_sharing is not None:  # `run` plans it when not given
         chosen["weight_sharing"] = a.weight_sharing
     return CompileOptions(backend=a.backend, verify_tokens=a.verify_tokens, parts=a.parts,
-                          prompt_check_budget_s=a.prompt_check_budget_s, max_part_mb=a.max_part_mb, **chosen)
+                          prompt_check_budget_s=a.prompt_check_budget_s, max_part_mb=a.max_part_mb,
+                          embedding_lut=a.embedding_lut, **chosen)
 
 
 def bundle_options(a: argparse.Namespace) -> BundleOptions:

@@ -11,7 +11,8 @@ A project folder::
     logs/                       tracebacks of unexpected errors (the CLI's)
 
 A Genie bundle (a project's stages/bundle, or any folder `npustudio bundle` wrote) holds GENIE_CONFIG,
-HTP_EXT_CONFIG, TOKENIZER, METADATA, SAMPLE_PROMPT, the context binaries and, once chatted with, CHAT_HISTORY.
+HTP_EXT_CONFIG, TOKENIZER, METADATA, SAMPLE_PROMPT, the context binaries, EMBEDDING_LUT when the graphs start from
+token embeddings, and, once chatted with, CHAT_HISTORY.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ TOKENIZER = "tokenizer.json"
 METADATA = "metadata.json"
 BUNDLE_RESULT = "bundle.json"
 SAMPLE_PROMPT = "sample_prompt.txt"
+EMBEDDING_LUT = "embedding_lut.dat"  # the token-embedding rows Genie looks up on the CPU (also in compile/prepared)
 CHAT_HISTORY = "chat_history.json"
 CHAT_HISTORY_ASIDE = "chat_history.unreadable-*.json"  # an unreadable history, set aside by the chat (a glob)
 

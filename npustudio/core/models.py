@@ -620,8 +620,9 @@ class FitEstimate(BaseModel):
 MEASURED_PPL_RATIO = {"w8a16": 1.0069, "w4a16": 1.3383}
 
 PRECISIONS = {
-    # bits per weight for the decoder layers, the LM head and the embedding table (a Gather whose table
-    # takes the 16-bit activation encoding on HTP); w4 adds LPBQ per-block 4-bit scales (block 64).
+    # bits per weight for the decoder layers, the LM head and the embedding table (Genie's lookup table on the
+    # CPU, in the 16-bit encoding of the first graph's input: not in the HTP contexts); w4 adds LPBQ per-block
+    # 4-bit scales (block 64).
     "w8a16": {"layer": 8.0, "lm_head": 8.0, "embed": 16.0},
     "w4a16": {"layer": 4.0 + 4.0 / 64, "lm_head": 8.0, "embed": 16.0},
 }
@@ -648,7 +649,7 @@ def part_model(card: ArchCard, precision: str, ar: int, cl: int) -> parts.PartMo
     layer_io = 2 * kv * hd * (cl - ar) + 2 * kv * hd * ar  # 8-bit K and V read and written
     largest = 2 * max(card.heads * ar * cl, ar * card.intermediate, ar * d)  # 16-bit activations
     return parts.PartModel(
-        first=parts.weight_bytes(card.vocab * d * b["embed"] / 8) + 4 * ar,
+        first=2 * d * ar,  # the 16-bit embeddings in: the table itself is Genie's lookup table on the CPU
         layers=[layer_w + layer_io] * card.layers,
         last=parts.weight_bytes(card.vocab * d * b["lm_head"] / 8 + 5 * card.vocab + 4 * d) + 2 * ar * card.vocab,
         each=2 * ar * cl + 2 * ar * hd + 2 * 4 * d * ar + 2 * largest)
@@ -663,6 +664,7 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
     embed = card.vocab * d * b["embed"] / 8
     head = card.vocab * d * b["lm_head"] / 8
     weights = int(embed + head + card.layers * layer_bytes)
+    on_htp = weights - int(embed)  # the lookup table stays on the CPU, and decode reads one row of it
     kv = card.kv_bytes_per_token * context_length
     ar = min(ar, max(1, context_length - 1))
     pm = part_model(card, precision, ar, context_length)
@@ -679,11 +681,12 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
         parts=len(ranges) if ranges else None, parts_problem=problem,
         largest_part_mb=parts.mib(max(pm.estimate(r) for r in ranges)) if ranges else None,
         phone_ram_bytes=ram, min_phone_ram_gb=tier,
-        context_bytes_phone=int(weights * parts.CONTEXT_PER_WEIGHT),
-        context_bytes_simulator=int(2 * weights * parts.CONTEXT_PER_WEIGHT),
-        decode_tok_s_bound=decode_tok_s_bound(find_soc(DEFAULT_SOC), weights + kv),
+        context_bytes_phone=int(on_htp * parts.CONTEXT_PER_WEIGHT),
+        context_bytes_simulator=int(2 * on_htp * parts.CONTEXT_PER_WEIGHT),
+        decode_tok_s_bound=decode_tok_s_bound(find_soc(DEFAULT_SOC), on_htp + kv),
         ppl_ratio_default_model=MEASURED_PPL_RATIO.get(precision),
-        assumptions=("weights at the preset's bitwidths (embedding table 16-bit, LM head 8-bit), 8-bit KV "
+        assumptions=("weights at the preset's bitwidths (LM head 8-bit; the embedding table a 16-bit lookup table "
+                     "on the CPU, outside the HTP contexts), 8-bit KV "
                      f"cache, each part's HTP graph under {max_part_mb:,.0f} MiB (the HTP refuses graphs over "
                      f"{parts.HTP_GRAPH_LIMIT_KB // 1024:,} MiB), an app may use about "
                      f"{APP_RAM_SHARE:.0%} of the phone's RAM"),

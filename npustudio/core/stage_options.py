@@ -164,6 +164,9 @@ class CompileOptions(StageOptions):
                              "simulator (deploy refuses such a bundle for a phone; qairt always builds for one)")
     weight_sharing: bool = Field(False, description="one binary per part holding the prompt and token graphs, "
                                                     "weights once: for a phone (the x86 simulator cannot load it)")
+    embedding_lut: bool = Field(True, description="the token-embedding table as Genie's lookup table on the CPU, "
+                                                  "not in the NPU graphs (ort-qnn; each graph of the first part "
+                                                  "would hold the 16-bit table)")
     eval_corpus: str = "default"
 
     check_target = field_validator("target")(_known_soc)

@@ -28,7 +28,7 @@ from .. import layout, parts, stages
 from ..errors import UserError
 from ..evaluate import load_corpus, max_abs_diff, nll
 from ..fsutil import atomic_write_json, link_or_copy
-from ..graph import compile_process, graph_io, lpbq_matmul, ort_qnn, store
+from ..graph import compile_process, embedding_lut, graph_io, lpbq_matmul, ort_qnn, store
 from ..graph.exported import read_test_vectors
 from ..graph.graph_io import IOEncoding
 from ..graph.kv_cache import Cache, KVCacheRunner
@@ -95,6 +95,13 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
             io.update(enc)
     if not lpbq.tensors:
         lpbq.path.unlink()
+    if options.embedding_lut:  # the table leaves the graphs: Genie reads its rows from a file on the CPU
+        state.progress(0.08, "the embedding table out of the graphs, into Genie's lookup table")
+        for i, g in enumerate(graphs):
+            rows = embedding_lut.cut(prep / f"{g}.onnx", prep / embedding_lut.LUT if i == 0 else None)
+            _check_same_io(io, {embedding_lut.INPUT: rows}, g)
+            io[embedding_lut.INPUT] = rows
+        io.pop(embedding_lut.IDS, None)
     _check_kv_tied(io)
     spec, _ = store.load_spec(adapt_dir)
     shapes = load_graphs(quant_dir)
@@ -277,7 +284,8 @@ def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str,
     out = {}
     for g in graphs:
         tv = read_test_vectors(quant_dir / layout.TEST_VECTORS / f"{g}.npz")
-        got = OrtGraph(session(prep / f"{g}.onnx"), io)({k: torch.from_numpy(v) for k, v in tv["in"].items()})
+        graph = OrtGraph(session(prep / f"{g}.onnx"), io, prep / embedding_lut.LUT)
+        got = graph({k: torch.from_numpy(v) for k, v in tv["in"].items()})
         ref = torch.from_numpy(tv["quant"]["logits"])
         out[f"{g}_max_abs_logit_diff"] = round(max_abs_diff(got["logits"][0], ref[0]), 5)
         out[f"{g}_top1_agreement"] = round(float((got["logits"].argmax(-1) == ref.argmax(-1)).float().mean()), 4)
@@ -366,14 +374,16 @@ def _on_cpu(text: _VerifyText, prep: Path, graphs: list[str], io: dict[str, IOEn
             parts: dict[str, list[str]] | None, session: Callable[[Path], Any] = cpu_session) -> _Run:
     """The verification text through the prepared graphs on the CPU (= the quantsim), the token graph's steps
     going on from the prompt graph's cache."""
-    make = _chains(prep, _graph_names(graphs, parts), _keep_sessions(prep), lambda f: OrtGraph(session(f), io))
+    lut = prep / embedding_lut.LUT
+    make = _chains(prep, _graph_names(graphs, parts), _keep_sessions(prep), lambda f: OrtGraph(session(f), io, lut))
     prompt, cache = text.prefill(graphs[0], make)
     return _Run(prompt, cache, text.steps(graphs[1], make, cache) if text.decode else None)
 
 
 def _simulator(out_dir: Path, names: dict[str, list[str]], keep: bool, io: dict[str, IOEncoding], target: Any
                ) -> Callable[[str], split.Chain]:
-    return _chains(out_dir, names, keep, lambda f: OrtGraph(ort_qnn.context_session(f, target), io))
+    lut = out_dir / PREPARED / embedding_lut.LUT
+    return _chains(out_dir, names, keep, lambda f: OrtGraph(ort_qnn.context_session(f, target), io, lut))
 
 
 def _steps_on_simulator(text: _VerifyText, graph: str, out_dir: Path, names: dict[str, list[str]], keep: bool,

@@ -60,7 +60,8 @@ def part_model(prepared: Path, graphs: list[str], spec: Any, ars: dict[str, int]
         for vi in [*model.graph.input, *model.graph.output]:
             tt = vi.type.tensor_type
             m = re.fullmatch(r"past_(?:key|value)_(\d+)_(?:in|out)", vi.name)
-            where = int(m.group(1)) if m else {"input_ids": "first", "logits": "last"}.get(vi.name, "each")
+            where = int(m.group(1)) if m else {"input_ids": "first", "inputs_embeds": "first",
+                                               "logits": "last"}.get(vi.name, "each")
             size[where] += _numel([d.dim_value for d in tt.shape.dim]) * _BYTES.get(tt.elem_type, 4)
         ar = ars[g]
         size["each"] += 2 * 4 * spec.hidden * ar  # the float residual passed between parts, in and out
@@ -106,6 +107,7 @@ def split(prepared: Path, graph: str, ranges: list[range], hidden: int, ar: int)
         g.value_info.append(helper.make_tensor_value_info(new, TensorProto.FLOAT, [1, hidden, 1, ar]))
         cuts[k] = new
     inputs = [i.name for i in g.input]
+    tokens = next(n for n in inputs if n in ("input_ids", "inputs_embeds"))  # token ids, or their embeddings
     outputs = [o.name for o in g.output]
 
     def kv(names: list[str], r: range, end: str) -> list[str]:
@@ -114,7 +116,7 @@ def split(prepared: Path, graph: str, ranges: list[range], hidden: int, ar: int)
     base, names = base_name(graph), []
     for i, r in enumerate(ranges):
         first, last = i == 0, i == count - 1
-        ins = (["input_ids"] if first else [cuts[r[0] - 1]]) + [n for n in SHARED_INPUTS if n in inputs]
+        ins = ([tokens] if first else [cuts[r[0] - 1]]) + [n for n in SHARED_INPUTS if n in inputs]
         outs = (["logits"] if last else [cuts[r[-1]]]) + kv(outputs, r, "out")
         sub = Extractor(model).extract_model(ins + kv(inputs, r, "in"), outs)
         name = f"{base}_{i + 1}_of_{count}"
@@ -169,7 +171,7 @@ class Chain:
         out: dict[str, torch.Tensor] = {}
         for i, make in enumerate(self.makers):
             p = self.open[i] if self.keep else make()
-            res = p({x.name: known[x.name] for x in p.session.get_inputs()})
+            res = p({x: known[x] for x in p.inputs})
             known.update(res)
             out.update(res)
             if not self.keep:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .. import layout
 from ..errors import UserError
 from ..targets import APP_RAM_SHARE, KNOWN_SOCS, RUNTIME_RAM_BYTES, fits_phone_ram
 
@@ -194,6 +195,7 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
                          "bundle again."))
     size = sum(p.stat().st_size for p in bundle_dir.iterdir() if p.is_file())
     bins = sum(p.stat().st_size for p in bundle_dir.glob("*.bin"))
+    bins += sum(p.stat().st_size for p in bundle_dir.glob(layout.EMBEDDING_LUT))  # Genie's lookup table: RAM too
     if dev.free_bytes is not None and dev.free_bytes < size:
         problems.append((f"{dev.serial} has {dev.free_bytes / 1e9:.2f} GB free under /data/local/tmp; the bundle "
                          f"needs {size / 1e9:.2f} GB.", "Free space on the phone, then deploy again."))

@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import layout, stages
 from ..errors import UserError
 from ..fsutil import atomic_write_json, link_or_copy, read_json
+from ..graph.embedding_lut import INPUT as LUT_INPUT
+from ..graph.embedding_lut import LUT
 from ..graph.graph_io import IOEncoding
 from ..progress import StateLike
 from ..results import (
@@ -163,8 +165,13 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
             link_or_copy(compile_dir / g.context_bin, out_dir / name)
             bins.append(name)
     shutil.copy2(adapt_dir / layout.TOKENIZER, out_dir / layout.TOKENIZER)
+    embedding = None
+    if LUT_INPUT in comp.io:  # the graphs start from the embedding table's rows: Genie looks them up on the CPU
+        link_or_copy(compile_dir / "prepared" / LUT, out_dir / LUT)
+        embedding = genie_config.embedding_config(LUT, card.hidden, comp.io[LUT_INPUT])
 
-    cfg = genie_config.dialog_config(card.model_dump(), cl, bins, options.sampler, options.n_threads, htp_ext=True)
+    cfg = genie_config.dialog_config(card.model_dump(), cl, bins, options.sampler, options.n_threads, htp_ext=True,
+                                     embedding=embedding)
     atomic_write_json(out_dir / layout.GENIE_CONFIG, cfg)
     atomic_write_json(out_dir / layout.HTP_EXT_CONFIG, genie_config.htp_ext_config(target, shared))
 

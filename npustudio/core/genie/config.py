@@ -17,6 +17,7 @@ from ..stage_options import Sampler as Sampler  # re-exported: the bundle option
 from ..targets import Soc
 
 if TYPE_CHECKING:
+    from ..graph.graph_io import IOEncoding
     from .bundle import BundleMeta
 
 
@@ -53,8 +54,16 @@ def rope(card: dict[str, Any]) -> dict[str, Any]:
     return enc
 
 
+def embedding_config(lut: str, width: int, enc: IOEncoding) -> dict[str, Any]:
+    """Genie's dialog `embedding` block for a lookup table of the graph input's own quantized rows: with the
+    input's scale and offset (QNN's offset is minus the zero point), Genie copies each row as stored."""
+    return {"version": 1, "size": width, "type": "lut", "lut-path": lut,
+            "datatype": {"uint16": "ufixed16", "uint8": "ufixed8"}[enc.dtype],
+            "quant-param": {"scale": enc.scale, "offset": -enc.zero_point}}
+
+
 def dialog_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: Sampler, n_threads: int = 2,
-                 htp_ext: bool = False) -> dict[str, Any]:
+                  htp_ext: bool = False, embedding: dict[str, Any] | None = None) -> dict[str, Any]:
     eos = card["eos_ids"]
     qnn = {"version": 1, "use-mmap": False, "spill-fill-bufsize": 0, "mmap-budget": 0, "poll": False,
            "cpu-mask": "0x3", "kv-dim": card["head_dim"], "allow-async-init": False}
@@ -65,7 +74,7 @@ def dialog_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: S
                             "top-p": sampler.top_p}
     if sampler.greedy:  # Genie samples from top-k unless k is 1
         samp.update({"greedy": True, "top-k": 1})
-    return {"dialog": {
+    dialog = {
         "version": 1, "type": "basic",
         "context": {"version": 1, "size": cl, "n-vocab": card["vocab"], "bos-token": card["bos_id"],
                     "eos-token": eos[0] if len(eos) == 1 else eos},
@@ -73,7 +82,10 @@ def dialog_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: S
         "tokenizer": {"version": 1, "path": layout.TOKENIZER},
         "engine": {"version": 1, "n-threads": n_threads, "backend": backend,
                    "model": {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": ctx_bins},
-                             "positional-encoding": rope(card)}}}}
+                             "positional-encoding": rope(card)}}}
+    if embedding:
+        dialog["embedding"] = embedding
+    return {"dialog": dialog}
 
 
 def htp_ext_config(target: Soc, weight_sharing: bool) -> dict[str, Any]:
@@ -99,6 +111,8 @@ def absolute(config: dict[str, Any], folder: Path) -> dict[str, Any]:
         d["tokenizer"]["path"] = _file(folder, d["tokenizer"]["path"])
         binary = d["engine"]["model"]["binary"]
         binary["ctx-bins"] = [_file(folder, b) for b in binary["ctx-bins"]]
+        if "lut-path" in d.get("embedding", {}):  # Genie opens it from its working folder, not the config's
+            d["embedding"]["lut-path"] = _file(folder, d["embedding"]["lut-path"])
         backend = d["engine"]["backend"]
         if "extensions" in backend:
             backend["extensions"] = _file(folder, backend["extensions"])

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UserError
+from . import embedding_lut
 from .graph_io import IOEncoding
 
 # Genie rounds its RoPE tables down into their encoding (measured: floor(x/scale) + zero point matches its
@@ -35,17 +37,31 @@ def dequantize(q: np.ndarray, enc: IOEncoding) -> np.ndarray:
 
 
 class OrtGraph:
-    """`GraphFn` over a session whose I/O follows `io` (name -> encoding)."""
+    """`GraphFn` over a session whose I/O follows `io` (name -> encoding). A graph that starts from
+    `inputs_embeds` is fed the `lut`'s rows of the token ids, as Genie feeds it (`embedding_lut`)."""
 
-    def __init__(self, session: Any, io: dict[str, IOEncoding]) -> None:
+    def __init__(self, session: Any, io: dict[str, IOEncoding], lut: Path | None = None) -> None:
         self.session, self.io = session, io
         self.outputs = [o.name for o in session.get_outputs()]
+        names = [i.name for i in session.get_inputs()]
+        self.lut: np.ndarray | None = None
+        if embedding_lut.INPUT in names:
+            shape = next(i.shape for i in session.get_inputs() if i.name == embedding_lut.INPUT)
+            if lut is None or not lut.is_file():
+                raise UserError(f"These graphs start from token embeddings, and their lookup table "
+                                f"{lut or embedding_lut.LUT} is missing.", "Re-run the compile stage.")
+            self.lut = embedding_lut.load(lut, io[embedding_lut.INPUT], int(shape[-1]))
+        # what a caller feeds: token ids where the graph reads their embeddings
+        self.inputs = [embedding_lut.IDS if n == embedding_lut.INPUT else n for n in names]
         self.calls, self.seconds = 0, 0.0
 
     def __call__(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         import time
 
-        q = {n: quantize(t.numpy(), self.io[n], n in FLOORED) for n, t in feeds.items()}
+        q = {n: quantize(t.numpy(), self.io[n], n in FLOORED) for n, t in feeds.items()
+             if not (self.lut is not None and n == embedding_lut.IDS)}
+        if self.lut is not None:
+            q[embedding_lut.INPUT] = self.lut[feeds[embedding_lut.IDS].numpy().astype(np.int64)]
         t0 = time.perf_counter()
         out = self.session.run(self.outputs, q)
         self.seconds += time.perf_counter() - t0

@@ -52,6 +52,10 @@ class CompilePage(Page):
         self.quick = QCheckBox("Quick compile (for the simulator)")
         self.form.addRow("", with_note(self.quick, "QNN's default graph finalization: about twice as fast, the same "
                                                    "answers; deploy to a phone asks for a compile for the phone."))
+        self.lut = QCheckBox("Embedding table on the CPU (Genie's lookup table)")
+        self.lut.setChecked(CompileOptions().embedding_lut)
+        self.form.addRow("", with_note(self.lut, "Keeps the 16-bit table out of the NPU contexts, where each graph of "
+                                                 "the first part would hold it; Genie copies each token's row in."))
         self.add_strip("Compile and bundle", redo=True)
         self.binaries = table(["Graph", "Context binary", "Size", "Ops on the NPU", "Compile time"])
         self.results = table(["Result", "Value"])
@@ -71,7 +75,7 @@ class CompilePage(Page):
 
     def options(self) -> CompileOptions:
         return CompileOptions(backend="qairt" if self.sdk.isChecked() else "ort-qnn", verify_tokens=self.verify.value(),
-                              weight_sharing=self.share.isChecked(),
+                              weight_sharing=self.share.isChecked(), embedding_lut=self.lut.isChecked(),
                               optimize="quick" if self.quick.isChecked() else "phone")
 
     def start(self, force: bool = False) -> None:
@@ -95,6 +99,7 @@ class CompilePage(Page):
             o = crec.options_as(CompileOptions)
             self.verify.setValue(o.verify_tokens)
             self.share.setChecked(o.weight_sharing)
+            self.lut.setChecked(o.embedding_lut)
             (self.sdk if o.backend == "qairt" and self.sdk.isEnabled() else self.embedded).setChecked(True)
             self._show(crec.result_as(CompileResult),
                        brec.result_as(BundleResult) if brec and brec.status == "done" else None)
