@@ -59,9 +59,12 @@ def load_result(stage_dir: Path) -> CompileResult:
 
 def resolved(options: CompileOptions, quant_dir: Path) -> CompileOptions:
     """`options` with the values the stage comes to in place of its defaults: the target, by default the quantize
-    stage's, by its part number. The stage key hashes these, so the same work asked for by any front end has one
-    key."""
-    return options.model_copy(update={"target": find_soc(options.target or load_quantize(quant_dir).target).soc})
+    stage's, by its part number; the embedding table in the graphs for qairt. The stage key hashes these, so the
+    same work asked for by any front end has one key."""
+    update: dict[str, Any] = {"target": find_soc(options.target or load_quantize(quant_dir).target).soc}
+    if options.backend == "qairt":  # the SDK's converter keeps the table in the graph: the record says so
+        update["embedding_lut"] = False
+    return options.model_copy(update=update)
 
 
 def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path, state: StateLike) -> CompileResult:
