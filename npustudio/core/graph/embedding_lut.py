@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import layout
 from ..errors import UserError
-from ..fsutil import atomic_write_bytes
+from ..fsutil import atomic_write_bytes, atomic_writer
 from .graph_io import IOEncoding
 
 LUT = layout.EMBEDDING_LUT  # rows of the graph input's quantized values, token-major, native byte order
@@ -105,11 +105,12 @@ def _write_rows(model: Any, folder: Path, lookup: list[Any], out: tuple[str, int
         so = ort.SessionOptions()
         so.log_severity_level = 3
         session = ort.InferenceSession(str(tmp), so, providers=["CPUExecutionProvider"])
-        rows = [session.run(None, {IDS: np.arange(s, min(s + _CHUNK, vocab), dtype=np.int32)[None]})[0][0]
-                for s in range(0, vocab, _CHUNK)]
+        with atomic_writer(lut) as f:  # a chunk at a time: a 1B's table is 525 MB
+            for s in range(0, vocab, _CHUNK):
+                ids = np.arange(s, min(s + _CHUNK, vocab), dtype=np.int32)[None]
+                f.write(np.ascontiguousarray(session.run(None, {IDS: ids})[0][0]).tobytes())
     finally:
         tmp.unlink(missing_ok=True)
-    atomic_write_bytes(lut, np.ascontiguousarray(np.concatenate(rows)).tobytes())
 
 
 def _prune(g: Any) -> None:
