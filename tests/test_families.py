@@ -42,7 +42,7 @@ from npustudio.core.graph.kv_cache import KVCacheRunner, rope_tables
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 from npustudio.core.results import AdaptResult
-from tests.conftest import genie_pipeline, make_tiny_model
+from tests.conftest import genie_pipeline, make_tiny_model, make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 16
@@ -464,6 +464,24 @@ def test_info_refuses_a_window_narrower_than_the_context_and_accepts_it_within(w
     res = subprocess.run([*run, "--cl", "64"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["sliding_window"] == 64
+
+
+def test_gemma3_is_refused_at_intake_for_its_two_rope_bases(tmp_path: Path) -> None:
+    """Gemma 3 rotates its sliding and its full layers with two RoPE bases, which Genie's one positional encoding
+    cannot feed: `npustudio info` exits 2 saying so, and names the families that do run."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                        max_position_embeddings=512, sliding_window=128)
+    folder = tmp_path / "gemma3"
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(str(folder))
+    make_tokenizer(folder)
+    res = subprocess.run([sys.executable, "-m", "npustudio.cli", "info", str(folder)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert "Gemma 3 models" in res.stderr and "rope_local_base_freq" in res.stderr and "one base" in res.stderr
+    assert "Llama-3.2-1B" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_the_readme_table_is_rendered_from_the_recipes() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .errors import UserError
-from .families import FamilyRecipe, registry
+from .families import FamilyRecipe, registry, supported
 
 # hidden_act -> what the decoder builds (transformers' gelu_new and gelu_pytorch_tanh are the same tanh formula)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
@@ -304,8 +304,10 @@ ROWS = (
 def support_table(recipes: list[FamilyRecipe] | None = None) -> str:
     """Family × option as a Markdown table, rendered from the recipes and the audit's declarations."""
     if recipes is None:
-        recipes = sorted({id(r): r for r in registry().values()}.values(), key=lambda r: r.display)
+        recipes = supported()
     head = "| option | " + " | ".join(r.display for r in recipes) + " | how |"
     sep = "|---" * (len(recipes) + 2) + "|"
     body = [f"| {row.option} | " + " | ".join(row.cell(r) for r in recipes) + f" | {row.how} |" for row in ROWS]
-    return "\n".join([head, sep, *body])
+    refused = sorted({id(r): r for r in registry().values() if r.refused}.values(), key=lambda r: r.display)
+    notes = [f"Refused at intake: **{r.display}** ({', '.join(r.model_types)}): {r.refused}." for r in refused]
+    return "\n".join([head, sep, *body, *([""] if notes else []), *notes])

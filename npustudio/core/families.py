@@ -71,6 +71,8 @@ class FamilyRecipe:
     no_rope_layers: bool = False  # honours no_rope_layers: layers whose q/k are not rotated (SmolLM3)
     qk_norm_full: bool = False  # RMSNorm of q and of k over the whole projection (all heads at once; OLMo 2)
     post_norms: bool = False  # post-norm blocks: RMSNorm on the attention's and MLP's outputs, none before (OLMo 2)
+    refused: str = ""  # why no checkpoint of the family can run exactly under Genie: intake refuses it, saying so
+    refused_fix: str = ""
 
     def layer(self, hf_layer: Any) -> LayerWeights:
         a, m = hf_layer.self_attn, hf_layer.mlp
@@ -117,11 +119,21 @@ def registry() -> dict[str, FamilyRecipe]:
 def recipe_for(model_type: str, architecture: str = "") -> FamilyRecipe:
     reg = registry()
     if model_type not in reg:
-        names = ", ".join(sorted({r.display for r in reg.values()})) or "none (no plugin installed)"
+        names = ", ".join(r.display for r in supported()) or "none (no plugin installed)"
         what = f"{architecture} ({model_type})" if architecture else model_type
         raise UserError(
             f"The model architecture {what} is not supported yet; supported families: {names}.",
             "Pick a model of a supported family, or install a plugin that adds this family "
             f"(entry point group '{ENTRY_POINT_GROUP}').",
         )
-    return reg[model_type]
+    recipe = reg[model_type]
+    if recipe.refused:
+        what = f"{architecture} ({model_type})" if architecture else model_type
+        raise UserError(f"{recipe.display} models ({what}) cannot run exactly on the NPU under Genie: "
+                        f"{recipe.refused}.", recipe.refused_fix)
+    return recipe
+
+
+def supported() -> list[FamilyRecipe]:
+    """The recipes of the families that run (not those refused at intake), by display name."""
+    return sorted({id(r): r for r in registry().values() if not r.refused}.values(), key=lambda r: r.display)
