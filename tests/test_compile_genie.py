@@ -112,6 +112,13 @@ def test_bundle_holds_a_genie_config_libgenie_accepts(project: Project) -> None:
     assert (cfg["context"]["bos-token"], cfg["context"]["eos-token"]) == (1, 2)
     assert cfg["engine"]["backend"]["QnnHtp"]["kv-dim"] == 64
     assert cfg["engine"]["model"]["positional-encoding"]["rope-dim"] == 32
+    # the embedding table as Genie's lookup table: every token's 16-bit row, in the graph input's own encoding
+    emb, io = cfg["embedding"], project.record("compile").result["io"]["inputs_embeds"]
+    assert (emb["type"], emb["size"], emb["datatype"]) == ("lut", 128, "ufixed16")
+    assert emb["quant-param"] == {"scale": io["scale"], "offset": -io["zero_point"]}
+    rec = project.record("bundle").result
+    assert (b / emb["lut-path"]).stat().st_size == rec["embedding_lut_bytes"] == 384 * 128 * 2
+    assert any("lookup table on the CPU" in n for n in rec["notes"])
     absolute = genie_config.absolute(json.loads((b / layout.GENIE_CONFIG).read_text()), b)
     status, _ = libgenie.validate_config(json.dumps(absolute))
     assert status == 0

@@ -152,6 +152,7 @@ class BundleResult(BaseModel):
     runtime_files: list[str]
     runtime_missing: list[str]
     context_bytes: int = 0
+    embedding_lut_bytes: int = Field(0, description="Genie's embedding lookup table (CPU memory, not in the contexts)")
     notes: list[str] = Field(default_factory=list, description="what a person should know before running it")
 
 

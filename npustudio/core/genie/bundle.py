@@ -202,11 +202,12 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
                         + "\n".join(log[-10:]), "This is a bug in the bundle writer; please report it with the log.")
     files = [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(out_dir.iterdir()) if p.is_file()]
     context_bytes = sum((out_dir / b).stat().st_size for b in bins)
+    lut_bytes = (out_dir / LUT).stat().st_size if embedding else 0
     state.progress(1.0, "bundle ready")
     res = BundleResult(folder=str(out_dir), target=target.soc, dsp_arch=target.dsp_arch, files=files,
                        genie_api=libgenie.api_version(), validated=True, runtime_files=copied,
-                       runtime_missing=missing, context_bytes=context_bytes,
-                       notes=_notes(context_bytes, shared, options.prompt_graphs))
+                       runtime_missing=missing, context_bytes=context_bytes, embedding_lut_bytes=lut_bytes,
+                       notes=_notes(context_bytes, shared, options.prompt_graphs, lut_bytes))
     atomic_write_json(out_dir / layout.BUNDLE_RESULT, res.model_dump())
     return res
 
@@ -230,7 +231,7 @@ def _kept_graphs(graphs: list[GraphSpec], prompt_graphs: bool, shared: bool) -> 
     return token
 
 
-def _notes(context_bytes: int, shared: bool, prompt_graphs: bool) -> list[str]:
+def _notes(context_bytes: int, shared: bool, prompt_graphs: bool, lut_bytes: int) -> list[str]:
     notes = []
     if not prompt_graphs:
         notes.append("Prompt graphs left out: Genie reads each prompt one token at a time (slower first token).")
@@ -239,6 +240,9 @@ def _notes(context_bytes: int, shared: bool, prompt_graphs: bool) -> list[str]:
                      f"domain takes (about {PD_BUDGET_BYTES / 2**30:.0f} GiB): Genie will fail to load them "
                      "(error 1002). For a phone, compile with --weight-sharing; on the HTP simulator, bundle with "
                      "--token-graphs-only.")
+    if lut_bytes:
+        notes.append(f"The embedding table is Genie's lookup table on the CPU ({LUT}, {lut_bytes / 1e6:,.1f} MB), not "
+                     "in the NPU contexts.")
     return notes
 
 

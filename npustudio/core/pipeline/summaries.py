@@ -74,6 +74,7 @@ class BundleSummary(BaseModel):
     files: list[dict[str, Any]]
     genie_api: str
     context_bytes: int = 0
+    embedding_lut_bytes: int = 0
     runtime_missing: list[str] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
 
@@ -126,7 +127,8 @@ def compile_summary(r: CompileResult) -> CompileSummary:
 
 def bundle_summary(r: BundleResult) -> BundleSummary:
     return BundleSummary(folder=r.folder, validated=r.validated, files=r.files, genie_api=r.genie_api,
-                         context_bytes=r.context_bytes, runtime_missing=r.runtime_missing, notes=r.notes)
+                         context_bytes=r.context_bytes, embedding_lut_bytes=r.embedding_lut_bytes,
+                         runtime_missing=r.runtime_missing, notes=r.notes)
 
 
 def summary(stage: str, rec: StageRecord, project: Project) -> BaseModel:
