@@ -45,6 +45,19 @@ MODELS: dict[str, dict[str, Any]] = {
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
         max_position_embeddings=40960, rope_theta=1_000_000.0)},
+    "qwen3-4b": {"class": ("Qwen3Config", "Qwen3ForCausalLM"), "config": dict(
+        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope_theta=1_000_000.0)},
+    # Phi-4-mini-instruct's shapes: partial rotary 0.75 (rotary_dim 96), LongRoPE over 48 frequencies (its factors
+    # here a made-up ramp: the short ones, all 1.0, are what a context <= 4096 uses)
+    "phi4-mini": {"class": ("Phi3Config", "Phi3ForCausalLM"), "config": dict(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+        num_key_value_heads=8, vocab_size=200064, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        partial_rotary_factor=0.75, max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_theta=10000.0, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48,
+                                          "long_factor": [1.0 + i / 8 for i in range(48)]},
+        pad_token_id=199999, bos_token_id=199999, eos_token_id=199999)},
 }
 STAGES = ("adapt", "quantize", "compile", "bundle", "genie")
 PROMPT = "The Python language reference describes"
