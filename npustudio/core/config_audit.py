@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .errors import UserError
-from .families import FamilyRecipe, registry, supported
+from .families import FamilyRecipe, recipes
 
 # hidden_act -> what the decoder builds (transformers' gelu_new and gelu_pytorch_tanh are the same tanh formula)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
@@ -301,13 +301,13 @@ ROWS = (
 )
 
 
-def support_table(recipes: list[FamilyRecipe] | None = None) -> str:
+def support_table(families: list[FamilyRecipe] | None = None) -> str:
     """Family × option as a Markdown table, rendered from the recipes and the audit's declarations."""
-    if recipes is None:
-        recipes = supported()
-    head = "| option | " + " | ".join(r.display for r in recipes) + " | how |"
-    sep = "|---" * (len(recipes) + 2) + "|"
-    body = [f"| {row.option} | " + " | ".join(row.cell(r) for r in recipes) + f" | {row.how} |" for row in ROWS]
-    refused = sorted({id(r): r for r in registry().values() if r.refused}.values(), key=lambda r: r.display)
-    notes = [f"Refused at intake: **{r.display}** ({', '.join(r.model_types)}): {r.refused}." for r in refused]
+    if families is None:
+        families = recipes()
+    head = "| option | " + " | ".join(r.display for r in families) + " | how |"
+    sep = "|---" * (len(families) + 2) + "|"
+    body = [f"| {row.option} | " + " | ".join(row.cell(r) for r in families) + f" | {row.how} |" for row in ROWS]
+    notes = [f"Refused at intake: **{r.display}** ({', '.join(r.model_types)}): {r.refused}."
+             for r in recipes(refused=True)]
     return "\n".join([head, sep, *body, *([""] if notes else []), *notes])

@@ -119,7 +119,7 @@ def registry() -> dict[str, FamilyRecipe]:
 def recipe_for(model_type: str, architecture: str = "") -> FamilyRecipe:
     reg = registry()
     if model_type not in reg:
-        names = ", ".join(r.display for r in supported()) or "none (no plugin installed)"
+        names = ", ".join(r.display for r in recipes()) or "none (no plugin installed)"
         what = f"{architecture} ({model_type})" if architecture else model_type
         raise UserError(
             f"The model architecture {what} is not supported yet; supported families: {names}.",
@@ -134,6 +134,8 @@ def recipe_for(model_type: str, architecture: str = "") -> FamilyRecipe:
     return recipe
 
 
-def supported() -> list[FamilyRecipe]:
-    """The recipes of the families that run (not those refused at intake), by display name."""
-    return sorted({id(r): r for r in registry().values() if not r.refused}.values(), key=lambda r: r.display)
+def recipes(refused: bool = False) -> list[FamilyRecipe]:
+    """Each installed recipe once, by display name: the families that run, or (`refused`) those refused at
+    intake."""
+    return sorted({id(r): r for r in registry().values() if bool(r.refused) == refused}.values(),
+                  key=lambda r: r.display)
