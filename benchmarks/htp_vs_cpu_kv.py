@@ -20,6 +20,7 @@ def main() -> None:
     import numpy as np
     from transformers import AutoTokenizer
 
+    from npustudio.core import layout
     from npustudio.core.evaluate import load_corpus
     from npustudio.core.graph import embedding_lut, ort_qnn, store
     from npustudio.core.graph.graph_io import IOEncoding
@@ -39,7 +40,7 @@ def main() -> None:
     feeds = KVCacheRunner(spec, cl, {ar: None}, inv_freq).feeds(ids, ar)  # type: ignore[dict-item]
     q = {n: quantize(t.numpy(), io[n]) for n, t in feeds.items() if n in io}
     if embedding_lut.INPUT in io:  # the graphs start from the embedding table's rows, as Genie feeds them
-        lut = stages / "compile" / "prepared" / embedding_lut.LUT
+        lut = stages / "compile" / layout.PREPARED / layout.EMBEDDING_LUT
         rows = embedding_lut.load(lut, io[embedding_lut.INPUT], spec.hidden)
         q[embedding_lut.INPUT] = rows[feeds["input_ids"].numpy()]
     outs, secs = {}, {}

@@ -230,9 +230,10 @@ def simulator_runner(bundle: Path) -> Any:
 
     import torch
 
+    from npustudio.core import layout
     from npustudio.core.compile import split
     from npustudio.core.genie.bundle import read_metadata
-    from npustudio.core.graph import embedding_lut, ort_qnn
+    from npustudio.core.graph import ort_qnn
     from npustudio.core.graph.kv_cache import KVCacheRunner
     from npustudio.core.graph.ort_graph import OrtGraph
 
@@ -244,7 +245,7 @@ def simulator_runner(bundle: Path) -> Any:
         parts = sorted((p for p in compiled if re.sub(r"_\d+_of_\d+$", "_1_of_1", p) == whole),
                        key=lambda p: int(re.findall(r"_(\d+)_of_\d+$", p)[0]))
         return split.Chain([lambda p=p: OrtGraph(ort_qnn.context_session(comp / f"{p}.onnx", meta.target),
-                                                 meta.io_encodings, comp / "prepared" / embedding_lut.LUT)
+                                                 meta.io_encodings, comp / layout.PREPARED / layout.EMBEDDING_LUT)
                             for p in parts])
 
     return KVCacheRunner(meta.decoder, meta.context_length, {g.ar: chain(g.name) for g in meta.graphs},

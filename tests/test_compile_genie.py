@@ -20,7 +20,6 @@ from npustudio.core.errors import UserError
 from npustudio.core.genie import bundle as bundle_stage
 from npustudio.core.genie import config as genie_config
 from npustudio.core.genie import host, libgenie, profile
-from npustudio.core.graph.embedding_lut import LUT
 from npustudio.core.graph.exported import read_test_vectors
 from npustudio.core.graph.graph_io import IOEncoding
 from npustudio.core.graph.ort_graph import OrtGraph, cpu_session
@@ -97,7 +96,7 @@ def test_compile_cli_json_lists_binaries_and_nodes_on_cpu(project: Project, tmp_
         feeds = {k: torch.from_numpy(v) for k, v in vectors.items()}
         logits = [OrtGraph(cpu_session(p.stage_dir("compile") / "prepared" / f"{g}.onnx"),
                            {k: IOEncoding(**v) for k, v in p.record("compile").result["io"].items()},
-                           p.stage_dir("compile") / "prepared" / LUT)(feeds)["logits"]
+                           p.stage_dir("compile") / "prepared" / layout.EMBEDDING_LUT)(feeds)["logits"]
                   for p in (project, Project.open(copy))]
         assert torch.equal(*logits)
 

@@ -150,13 +150,12 @@ def htp_runner(project: Project) -> KVCacheRunner:
     """The host KV-cache runner over the project's compiled binaries on the HTP simulator (our RoPE tables)."""
     from npustudio.core.genie.bundle import read_metadata
     from npustudio.core.graph import ort_qnn
-    from npustudio.core.graph.embedding_lut import LUT
     from npustudio.core.graph.ort_graph import OrtGraph
 
     meta = read_metadata(project.stage_dir("bundle"))
     compiled = project.stage_dir("compile")
     graphs = {g.ar: OrtGraph(ort_qnn.context_session(compiled / f"{g.name}.onnx", meta.target), meta.io_encodings,
-                             compiled / "prepared" / LUT) for g in meta.graphs}
+                             compiled / "prepared" / layout.EMBEDDING_LUT) for g in meta.graphs}
     return KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
                          torch.tensor(meta.rope_inv_freq))
 

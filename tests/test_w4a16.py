@@ -15,7 +15,6 @@ from npustudio.core import layout
 from npustudio.core.genie import bundle as bundle_stage
 from npustudio.core.genie import host
 from npustudio.core.graph import ort_qnn
-from npustudio.core.graph.embedding_lut import LUT
 from npustudio.core.graph.kv_cache import KVCacheRunner
 from npustudio.core.graph.lpbq_matmul import LPBQ_WEIGHTS
 from npustudio.core.graph.ort_graph import OrtGraph
@@ -77,7 +76,7 @@ def test_genie_answers_with_the_host_runners_greedy_tokens_on_the_same_binaries(
     meta = bundle_stage.read_metadata(bundle)
     target = find_soc(w4.record("compile").result["target"])
     graphs = {g.ar: OrtGraph(ort_qnn.context_session(w4.stage_dir("compile") / f"{g.name}.onnx", target),
-                             meta.io_encodings, bundle / LUT) for g in meta.graphs}
+                             meta.io_encodings, bundle / layout.EMBEDDING_LUT) for g in meta.graphs}
     runner = KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
                            torch.tensor(meta.rope_inv_freq))
     tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle / layout.TOKENIZER))

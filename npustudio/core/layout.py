@@ -51,6 +51,7 @@ TEST_VECTORS = "test_vectors"  # folder: {graph}.npz
 
 # ----- compile
 COMPILE_RESULT = "compile.json"
+PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and the verification reference
 COMPILE_COMMANDS = "compile_commands.json"
 
 # ----- a Genie bundle

@@ -41,7 +41,6 @@ from ..targets import find_soc
 from . import split
 
 FORMAT = stages.COMPILE.format  # bumped in core/stages.py when the output changes meaning
-PREPARED = "prepared"  # the Genie-ready graphs (uint I/O): the CPU preview and the verification reference
 KEEP_SESSIONS_BYTES = 2**30  # verification keeps a graph's sessions open below this much weight
 # seconds per weight of one 128-token call on the x86 HTP simulator (SmolLM2-135M: the AR-128 graph took 36 s with
 # 134 M int8 weights at w8a16, 187 s with 116 M int4 LPBQ weights and the 28 M int8 LM head at w4a16)
@@ -85,7 +84,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     steps = lap.steps
 
     weights = quant_dir / layout.WEIGHTS
-    prep = out_dir / PREPARED
+    prep = out_dir / layout.PREPARED
     prep.mkdir(exist_ok=True)
     link_or_copy(weights, prep / layout.WEIGHTS)  # the prepared graphs read the quantize stage's weights
     io: dict[str, IOEncoding] = {}
@@ -101,7 +100,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     if options.embedding_lut:  # the table leaves the graphs: Genie reads its rows from a file on the CPU
         state.progress(0.08, "the embedding table out of the graphs, into Genie's lookup table")
         for i, g in enumerate(graphs):
-            rows = embedding_lut.cut(prep / f"{g}.onnx", prep / embedding_lut.LUT if i == 0 else None)
+            rows = embedding_lut.cut(prep / f"{g}.onnx", prep / layout.EMBEDDING_LUT if i == 0 else None)
             _check_same_io(io, {embedding_lut.INPUT: rows}, g)
             io[embedding_lut.INPUT] = rows
         io.pop(embedding_lut.IDS, None)
@@ -287,7 +286,7 @@ def _check_vectors(quant_dir: Path, prep: Path, graphs: list[str], io: dict[str,
     out = {}
     for g in graphs:
         tv = read_test_vectors(quant_dir / layout.TEST_VECTORS / f"{g}.npz")
-        graph = OrtGraph(session(prep / f"{g}.onnx"), io, prep / embedding_lut.LUT)
+        graph = OrtGraph(session(prep / f"{g}.onnx"), io, prep / layout.EMBEDDING_LUT)
         got = graph({k: torch.from_numpy(v) for k, v in tv["in"].items()})
         ref = torch.from_numpy(tv["quant"]["logits"])
         out[f"{g}_max_abs_logit_diff"] = round(max_abs_diff(got["logits"][0], ref[0]), 5)
@@ -377,7 +376,7 @@ def _on_cpu(text: _VerifyText, prep: Path, graphs: list[str], io: dict[str, IOEn
             parts: dict[str, list[str]] | None, session: Callable[[Path], Any] = cpu_session) -> _Run:
     """The verification text through the prepared graphs on the CPU (= the quantsim), the token graph's steps
     going on from the prompt graph's cache."""
-    lut = prep / embedding_lut.LUT
+    lut = prep / layout.EMBEDDING_LUT
     make = _chains(prep, _graph_names(graphs, parts), _keep_sessions(prep), lambda f: OrtGraph(session(f), io, lut))
     prompt, cache = text.prefill(graphs[0], make)
     return _Run(prompt, cache, text.steps(graphs[1], make, cache) if text.decode else None)
@@ -385,7 +384,7 @@ def _on_cpu(text: _VerifyText, prep: Path, graphs: list[str], io: dict[str, IOEn
 
 def _simulator(out_dir: Path, names: dict[str, list[str]], keep: bool, io: dict[str, IOEncoding], target: Any
                ) -> Callable[[str], split.Chain]:
-    lut = out_dir / PREPARED / embedding_lut.LUT
+    lut = out_dir / layout.PREPARED / layout.EMBEDDING_LUT
     return _chains(out_dir, names, keep, lambda f: OrtGraph(ort_qnn.context_session(f, target), io, lut))
 
 

@@ -23,7 +23,6 @@ from .. import layout, stages
 from ..errors import UserError
 from ..fsutil import atomic_write_json, link_or_copy, read_json
 from ..graph.embedding_lut import INPUT as LUT_INPUT
-from ..graph.embedding_lut import LUT
 from ..graph.graph_io import IOEncoding
 from ..progress import StateLike
 from ..results import (
@@ -167,8 +166,8 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     shutil.copy2(adapt_dir / layout.TOKENIZER, out_dir / layout.TOKENIZER)
     embedding = None
     if LUT_INPUT in comp.io:  # the graphs start from the embedding table's rows: Genie looks them up on the CPU
-        link_or_copy(compile_dir / "prepared" / LUT, out_dir / LUT)
-        embedding = genie_config.embedding_config(LUT, card.hidden, comp.io[LUT_INPUT])
+        link_or_copy(compile_dir / layout.PREPARED / layout.EMBEDDING_LUT, out_dir / layout.EMBEDDING_LUT)
+        embedding = genie_config.embedding_config(layout.EMBEDDING_LUT, card.hidden, comp.io[LUT_INPUT])
 
     cfg = genie_config.dialog_config(card.model_dump(), cl, bins, options.sampler, options.n_threads, htp_ext=True,
                                      embedding=embedding)
@@ -202,7 +201,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
                         + "\n".join(log[-10:]), "This is a bug in the bundle writer; please report it with the log.")
     files = [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(out_dir.iterdir()) if p.is_file()]
     context_bytes = sum((out_dir / b).stat().st_size for b in bins)
-    lut_bytes = (out_dir / LUT).stat().st_size if embedding else 0
+    lut_bytes = (out_dir / layout.EMBEDDING_LUT).stat().st_size if embedding else 0
     state.progress(1.0, "bundle ready")
     res = BundleResult(folder=str(out_dir), target=target.soc, dsp_arch=target.dsp_arch, files=files,
                        genie_api=libgenie.api_version(), validated=True, runtime_files=copied,
@@ -241,8 +240,8 @@ def _notes(context_bytes: int, shared: bool, prompt_graphs: bool, lut_bytes: int
                      "(error 1002). For a phone, compile with --weight-sharing; on the HTP simulator, bundle with "
                      "--token-graphs-only.")
     if lut_bytes:
-        notes.append(f"The embedding table is Genie's lookup table on the CPU ({LUT}, {lut_bytes / 1e6:,.1f} MB), not "
-                     "in the NPU contexts.")
+        notes.append(f"The embedding table is Genie's lookup table on the CPU ({layout.EMBEDDING_LUT}, "
+                     f"{lut_bytes / 1e6:,.1f} MB), not in the NPU contexts.")
     return notes
 
 

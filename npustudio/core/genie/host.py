@@ -208,19 +208,18 @@ class Preview:
         import torch
         from transformers import PreTrainedTokenizerFast
 
-        from ..graph import embedding_lut
         from ..graph.kv_cache import KVCacheRunner
         from ..graph.ort_graph import OrtGraph, cpu_session
 
         t0 = self.origin = time.perf_counter()  # profile times count from here, as Genie's do from create
         meta = _metadata(bundle_dir)
-        prepared = Path(meta.project_compile_dir) / "prepared" if meta.project_compile_dir else None
+        prepared = Path(meta.project_compile_dir) / layout.PREPARED if meta.project_compile_dir else None
         if prepared is None or not prepared.is_dir():
             raise UserError(f"The preview needs the project that built this bundle "
                             f"({prepared or 'its compile folder'} is missing).",
                             "Run without --preview (real Genie), or rebuild the bundle from its project.")
         graphs = {g.ar: OrtGraph(cpu_session(prepared / f"{g.name}.onnx"), meta.io_encodings,
-                                 prepared / embedding_lut.LUT) for g in meta.graphs}
+                                 prepared / layout.EMBEDDING_LUT) for g in meta.graphs}
         self.runner = KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
                                     torch.tensor(meta.rope_inv_freq))
         self.tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / layout.TOKENIZER))

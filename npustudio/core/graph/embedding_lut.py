@@ -16,12 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_bytes, atomic_writer
 from .graph_io import IOEncoding
 
-LUT = layout.EMBEDDING_LUT  # rows of the graph input's quantized values, token-major, native byte order
 INPUT = "inputs_embeds"  # the name Genie's qnn-htp engine looks for in the first part's inputs
 IDS = "input_ids"
 _CHUNK = 8192  # token ids per call when the rows are computed
@@ -129,7 +127,8 @@ def _prune(g: Any) -> None:
 
 
 def load(path: Path, enc: IOEncoding, width: int) -> np.ndarray:
-    """The LUT at `path` as a read-only (vocab, width) array of the input's dtype, mapped."""
+    """The lookup table at `path` (layout.EMBEDDING_LUT: the input's quantized rows, token-major, native byte
+    order) as a read-only (vocab, width) array of the input's dtype, mapped."""
     rows = np.memmap(path, dtype=np.dtype(enc.dtype), mode="r")
     if rows.size % width:
         raise UserError(f"{path} does not hold rows of {width} values.", "Re-run the compile stage.")

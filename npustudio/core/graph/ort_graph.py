@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import layout
 from ..errors import UserError
 from . import embedding_lut
 from .graph_io import IOEncoding
@@ -49,7 +50,7 @@ class OrtGraph:
             shape = next(i.shape for i in session.get_inputs() if i.name == embedding_lut.INPUT)
             if lut is None or not lut.is_file():
                 raise UserError(f"These graphs start from token embeddings, and their lookup table "
-                                f"{lut or embedding_lut.LUT} is missing.", "Re-run the compile stage.")
+                                f"{lut or layout.EMBEDDING_LUT} is missing.", "Re-run the compile stage.")
             self.lut = embedding_lut.load(lut, io[embedding_lut.INPUT], int(shape[-1]))
         # what a caller feeds: token ids where the graph reads their embeddings
         self.inputs = [embedding_lut.IDS if n == embedding_lut.INPUT else n for n in names]
