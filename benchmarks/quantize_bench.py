@@ -20,9 +20,10 @@ from pathlib import Path
 
 W4 = {"precision": "w4a16"}
 VARIANTS: dict[str, dict] = {
-    "w8a16": {"precision": "w8a16"}, "w4a16": W4, "w4a16+seqmse": W4 | {"seq_mse": True},
-    "w4a16+rotate": W4 | {"rotate": True}, "w4a16+rotate+seqmse": W4 | {"rotate": True, "seq_mse": True},
+    "w8a16": {"precision": "w8a16"}, "w4a16": W4, "w4a16+seqmse": W4 | {"recipe": "seqmse"},
+    "w4a16+rotate": W4 | {"rotate": True}, "w4a16+rotate+seqmse": W4 | {"rotate": True, "recipe": "seqmse"},
     "w8a16+rotate": {"precision": "w8a16", "rotate": True},
+    "w4a16+adascale": W4 | {"recipe": "adascale"},
     # mixed precision, one group of weights kept int8 (which group costs the most at int4?)
     "w4a16/attn8": W4 | {"overrides": {"weights": {"layers.*.attn.*": 8}}},
     "w4a16/qk8": W4 | {"overrides": {"weights": {"layers.*.attn.q.*": 8, "layers.*.attn.k.*": 8}}},
@@ -80,7 +81,7 @@ def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
     return out
 
 
-FLAGS = {"seqmse": {"seq_mse": True}, "rotate": {"rotate": True}}
+FLAGS = {"seqmse": {"recipe": "seqmse"}, "adascale": {"recipe": "adascale"}, "rotate": {"rotate": True}}
 
 
 def _variant(name: str) -> dict:

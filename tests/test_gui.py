@@ -89,6 +89,10 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     # Quantize: cancelled as soon as the first PPL point arrives -> the project keeps no quantize stage
     q = w.quantize_page
     w.go("Quantize")
+    # each recipe says what it adds to this model's quantize stage here, before anything runs
+    labels = {q.recipe.itemData(i): q.recipe.itemText(i) for i in range(q.recipe.count())}
+    assert q.recipe.currentData() == "plain" and "estimated" not in labels["plain"]
+    assert "AdaScale" in labels["adascale"] and "here, estimated)" in labels["adascale"]
     q.calib_samples.setValue(2)
     q.calib_len.setValue(64)
     points: list[dict] = []

@@ -260,6 +260,11 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     assert all(b.peak_ram_bytes > s.peak_ram_bytes and b.seconds > s.seconds
                for s, b in zip(small.stages, big.stages, strict=True))
     assert 6e9 < big.stages[0].peak_ram_bytes < 9e9  # adapt of a 1B model (measured 6.8 GB)
+    # each quantize recipe's extra time is said before the run: none for plain, more for a bigger model
+    assert [r["recipe"] for r in host["recipes"]] == ["plain", "seqmse", "adascale"]
+    three_b = host_cost.estimate(_card(params=3_212_749_824, hidden=3072, layers=28, intermediate=8192))
+    costs = [{r.recipe: r.seconds for r in e.recipes} for e in (big, three_b)]
+    assert costs[0]["plain"] == 0 and all(0 < costs[0][r] < costs[1][r] for r in ("seqmse", "adascale"))
 
     monkeypatch.setattr(host_cost, "machine_ram", lambda: 2**28)  # a 256 MiB computer
     loaded: list[object] = []

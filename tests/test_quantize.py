@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -257,21 +259,27 @@ def test_test_vectors_are_plain_arrays(w8: tuple[Project, list[Partial]]) -> Non
         assert z["in/input_ids"].shape == (1, 1)
 
 
-def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("recipe", ["seqmse", "adascale"])
+def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Path, recipe: str) -> None:
+    """Each recipe's weights still export as LPBQ (AdaScale learns plain blocks: they are grouped again)."""
     ov = tmp_path / "ov.json"
     ov.write_text(json.dumps({"weights": {"layers.1.mlp.*": 8}}))
     shutil.copytree(adapted_project, tmp_path / "p")
     p = Project.open(tmp_path / "p")
     st = State()
-    pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov), seq_mse=True,
-                                         seq_mse_candidates=4, rotate=True, **FAST), st)
+    pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov),
+                                         recipe=recipe, adascale_iterations=4, seq_mse_candidates=4,
+                                         rotate=True, **FAST), st)
     r = p.record("quantize").result
-    assert r["seq_mse"] and r["rotated"] and 0.8 < r["ratio"] < 1.3
-    assert any("quant+seqmse_ppl" in e.data for e in st.partials if e.kind == "ppl")
+    assert r["recipe"] == recipe and r["rotated"] and 0.8 < r["ratio"] < 1.3
+    assert {"seqmse": "seq_mse"}.get(recipe, recipe) in r["steps"]
+    assert any(f"quant+{recipe}_ppl" in e.data for e in st.partials if e.kind == "ppl")
     t = _table(p)
     params = {r.name: r for r in t.rows if r.kind == "param"}
     down0 = params["layers.0.mlp.down.weight"]  # 128 input channels: LPBQ blocks of 64
     assert (down0.bitwidth, down0.granularity, down0.block_size) == (4, "block", 64)
+    raw = json.loads(next(p.stage_dir("quantize").glob(f"{PROMPT}.encodings")).read_text())
+    assert {e["name"]: e["enc_type"] for e in raw["param_encodings"]}["layers.0.mlp.down.weight"] == "LPBQ"
     assert params["layers.0.attn.q.0.weight"].bitwidth == 4
     assert params["layers.1.mlp.down.weight"].bitwidth == 8  # the override file kept it 8-bit
     assert params["layers.1.mlp.gate.weight"].bitwidth == 8
@@ -504,3 +512,26 @@ def test_shipped_override_files_load_and_every_pattern_names_a_module() -> None:
     assert files
     for f in files:
         check_overrides(load_overrides(f), model)  # raises, naming the pattern, when one matches nothing
+
+
+def test_encodings_against_another_run_shows_what_a_recipe_changed(adapted_project: Path, tmp_path: Path) -> None:
+    """`npustudio encodings AFTER --against BEFORE`, run as a user runs it: each tensor's SQNR in both runs."""
+    files = {}
+    for recipe in ("plain", "adascale"):
+        shutil.copytree(adapted_project, tmp_path / recipe)
+        p = Project.open(tmp_path / recipe)
+        pipeline.quantize(p, QuantizeOptions(precision="w4a16", recipe=recipe, adascale_iterations=20, **FAST),
+                          State())
+        files[recipe] = next(p.stage_dir("quantize").glob(f"{PROMPT}.encodings"))
+    cli = [str(Path(sys.executable).parent / "npustudio"), "encodings", str(files["adascale"]), "--against",
+           str(files["plain"])]
+    rows = {r["name"]: r for r in json.loads(subprocess.run([*cli, "--json"], capture_output=True, text=True,
+                                                            check=True).stdout)}
+    down = rows["layers.0.mlp.down.weight"]
+    assert down["change_db"] == pytest.approx(down["after_db"] - down["before_db"])
+    # AdaScale moved the decoder layers' weight encodings and left the LM head's (outside every layer) as it was
+    assert any(abs(r["change_db"]) > 0.01 for n, r in rows.items() if n.startswith("layers.") and n.endswith("weight")
+               and r["change_db"] is not None)
+    assert rows["lm_head.weight"]["change_db"] == 0
+    table = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+    assert "the most damaged first" in table and "tensors gained" in table

@@ -107,7 +107,8 @@ def quantize_args(s: argparse.ArgumentParser) -> None:
     O = QuantizeOptions
     option(s, O, "precision")
     option(s, O, "target", help=f"target SoC ({', '.join(KNOWN_SOCS)})")
-    option(s, O, "seq_mse", help="search int4 weight encodings with SeqMSE (slow)")
+    option(s, O, "recipe", help="weight-encoding recipe: " + "; ".join(f"{k}: {v}" for k, v in so.RECIPE_NOTES.items()))
+    option(s, O, "adascale_iterations")
     option(s, O, "rotate", help="rotate the residual stream before quantizing (QuaRot-style; hurts models that "
            "come from a 4-bit GGUF, such as the default)")
     option(s, O, "calib_corpus", type=given, help="default | text file | datasets:ID")
@@ -197,7 +198,7 @@ def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
     from ..core.quantize.presets import load_overrides
 
     chosen = {"precision": a.precision} if a.precision else {}  # `run` plans it when neither flag nor settings do
-    return QuantizeOptions(target=a.target, seq_mse=a.seq_mse, rotate=a.rotate,
+    return QuantizeOptions(target=a.target, recipe=a.recipe, adascale_iterations=a.adascale_iterations, rotate=a.rotate,
                            calib_corpus=a.calib_corpus, calib_samples=a.calib_samples, calib_len=a.calib_len,
                            overrides=load_overrides(a.overrides), eval_chars=a.eval_chars, device=a.device,
                            eval_corpus=getattr(a, "eval_corpus", None), **chosen)

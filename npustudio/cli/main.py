@@ -103,6 +103,9 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     s.add_argument("--sqnr", action="store_true", help="each tensor's quantization error (SQNR, dB): weights "
                                                        "against the float weights of the file's project, "
                                                        "activations over a short eval; the worst first")
+    s.add_argument("--against", type=given, default=None, metavar="BEFORE.encodings",
+                   help="what changed from another run's encodings (another project's: a recipe, an override file): "
+                        "each tensor's SQNR in both, the most damaged by the change first")
     json_arg(s)
 
     s = add("run", stages.cmd_run, "the whole job on the embedded defaults")

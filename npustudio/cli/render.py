@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 from rich.table import Table
 
+from ..core.progress import about_duration
 from .console import out
 
 if TYPE_CHECKING:
@@ -57,9 +58,11 @@ def host_table(h: Any) -> None:
     for col in ("stage", "peak memory", "time"):
         t.add_column(col)
     for s in h.stages:
-        t.add_row(s.stage, human_bytes(s.peak_ram_bytes), f"~{s.seconds / 60:.0f} min" if s.seconds >= 90
-                  else f"~{s.seconds:.0f} s")
+        t.add_row(s.stage, human_bytes(s.peak_ram_bytes), about_duration(s.seconds))
     out.print(t)
+    if h.recipes:
+        out.print("quantize recipes (--recipe), time added to the quantize stage: "
+                  + ", ".join(f"{r.recipe} +{about_duration(r.seconds)}" for r in h.recipes))
     out.print(("fits this computer's memory" if h.fits else "[bold red]needs more memory than this computer has[/]")
               + f" ({h.note})")
 
@@ -67,7 +70,7 @@ def host_table(h: Any) -> None:
 def print_quantize(q: QuantizeSummary) -> None:
     from ..display import human_bytes
 
-    how = " with SeqMSE" * q.seq_mse + " (stream rotated)" * q.rotated
+    how = f" with the {q.recipe} recipe" * (q.recipe != "plain") + " (stream rotated)" * q.rotated
     out.print(f"Quantized {q.precision} for {q.target}{how}: "
               f"PPL {q.ppl_quant:.3f} vs FP {q.ppl_fp:.3f} (ratio {q.ratio:.4f}), "
               f"top-1 agreement {q.top1_agreement:.3f} over {q.eval_tokens} tokens")

@@ -70,6 +70,8 @@ SHOW: dict[str, Callable[[Any, Path], None]] = {
 def cmd_encodings(a: argparse.Namespace) -> int:
     from ..core.graph import encodings
 
+    if a.against:
+        return _sqnr_changes(encodings.sqnr_changes(a.against, a.file), a)
     table = encodings.read(a.file, sqnr=a.sqnr)
     if a.json:
         print_json(table.model_dump())
@@ -97,6 +99,28 @@ def cmd_encodings(a: argparse.Namespace) -> int:
                   ",".join(map(str, layer.weight_bits)), ",".join(map(str, layer.activation_bits)),
                   f"{layer.max_scale_spread:.1f}", str(layer.flagged))
     out.print(s)
+    return 0
+
+
+def _sqnr_changes(changes: list[Any], a: argparse.Namespace) -> int:
+    if a.json:
+        print_json([c.model_dump() for c in changes])
+        return 0
+    t = Table(title=f"SQNR of {Path(a.file).name} against {Path(a.against).name} (dB; the most damaged first)")
+    for col in ("tensor", "kind", "before", "after", "change"):
+        t.add_column(col, overflow="fold")
+
+    def db(x: float | None) -> str:
+        return "—" if x is None else f"{x:.1f}"
+
+    for c in changes:
+        t.add_row(c.name, c.kind, db(c.before_db), db(c.after_db),
+                  "—" if c.change_db is None else f"{c.change_db:+.1f}")
+    out.print(t)
+    moved = [c.change_db for c in changes if c.change_db is not None]
+    if moved:
+        out.print(f"{sum(x > 0 for x in moved)} tensors gained, {sum(x < 0 for x in moved)} lost; "
+                  f"mean change {sum(moved) / len(moved):+.2f} dB")
     return 0
 
 

@@ -23,6 +23,11 @@ MB = 2**20
 # stage -> (MiB of libraries and buffers, bytes per parameter, seconds, seconds per million parameters) on 2 cores:
 # each stage's own declaration (core/stages.py) holds its figures and where they were measured
 RATES: dict[str, tuple[float, float, float, float]] = {s.name: s.host_rates for s in stages.SPECS if s.host_rates}
+# the weight-encoding recipes, measured with benchmarks/recipe_bench.py on the default model (106 M decoder
+# parameters, 30 layers, 4 x 256 calibration tokens): seconds per million decoder parameters
+ADASCALE_S_PER_MPARAM_STEP = 0.09
+ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN = 2.2e-5  # each layer's inputs: a prompt pass of the whole model
+SEQMSE_S_PER_MPARAM_CANDIDATE = 0.1
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
 
 
@@ -32,10 +37,16 @@ class StageCost(BaseModel):
     seconds: float
 
 
+class RecipeCost(BaseModel):
+    recipe: str
+    seconds: float  # added to the quantize stage's estimate
+
+
 class HostEstimate(BaseModel):
     """For any precision: the stages hold float weights whatever the target bitwidth."""
 
     stages: list[StageCost]
+    recipes: list[RecipeCost] = []
     peak_ram_bytes: int
     seconds: float
     machine_ram_bytes: int | None
@@ -72,12 +83,32 @@ def stage_cost(stage: str, params: int, gguf: bool = False, cpus: int | None = N
     return StageCost(stage=stage, peak_ram_bytes=int(ram), seconds=round((secs + per_mparam * params / 1e6) * scale))
 
 
+def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None = None) -> float:
+    """What a weight-encoding recipe adds to the quantize stage: each step's time grows with the decoder's weights
+    (all but the embedding table), the tokens it reads and, for AdaScale, its optimizer steps per layer."""
+    from .stage_options import RECIPE_STEPS, QuantizeOptions
+
+    o = options or QuantizeOptions()
+    decoder_m = max(0, card.params - card.vocab * card.hidden) / 1e6
+    tokens = o.calib_samples * o.calib_len
+    per = {"adascale": ADASCALE_S_PER_MPARAM_STEP * decoder_m * o.adascale_iterations
+           + ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * card.params / 1e6 * tokens * card.layers,
+           "seq_mse": SEQMSE_S_PER_MPARAM_CANDIDATE * decoder_m * o.seq_mse_candidates}
+    scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
+    steps = RECIPE_STEPS[recipe]
+    return max(1, round(sum(per[step] for step in steps) * scale)) if steps else 0
+
+
 def estimate(card: Any, gguf: bool = False) -> HostEstimate:
+    from .stage_options import RECIPE_NAMES
+
     cpus = os.cpu_count() or 1
     stages = [stage_cost(s, card.params, gguf, cpus) for s in RATES]
     peak = max(s.peak_ram_bytes for s in stages)
     ram = machine_ram()
     return HostEstimate(stages=stages, peak_ram_bytes=peak,
+                        recipes=[RecipeCost(recipe=r, seconds=recipe_seconds(r, card, cpus=cpus))
+                                 for r in RECIPE_NAMES],
                         seconds=round(sum(s.seconds for s in stages)), machine_ram_bytes=ram, cpus=cpus,
                         fits=ram is None or peak <= ram)
 

@@ -227,3 +227,8 @@ class Laps:
         self.steps[name] = round(now - self._t, 2)
         self.peaks[name] = round(peak_rss_mb())
         self._t = now
+
+
+def about_duration(seconds: float) -> str:
+    """An estimated or remaining time as people read it: "~40 s", "~12 min"."""
+    return f"~{seconds / 60:.0f} min" if seconds >= 90 else f"~{seconds:.0f} s"

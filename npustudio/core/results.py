@@ -84,7 +84,7 @@ class QuantizeResult(BaseModel):
     precision: str
     target: str
     dsp_arch: str
-    seq_mse: bool
+    recipe: str = "plain"  # the weight-encoding recipe (stage_options.RECIPE_STEPS)
     rotated: bool = False
     ppl_fp: float
     ppl_quant: float

@@ -51,6 +51,14 @@ Precision = Literal["w8a16", "w4a16"]  # the quantize presets (core/quantize/pre
 PRECISION_NAMES: tuple[str, ...] = get_args(Precision)
 PRECISION_NOTES = {"w8a16": "int8 weights, 16-bit activations (best quality)",
                    "w4a16": "int4 weight blocks, LM head int8 (smallest)"}
+# the weight-encoding recipes of the quantize stage, each a sequence of aimet-torch's own PTQ algorithms run after the
+# quantsim is built and before activations are calibrated (core/quantize/__init__.py runs the steps)
+Recipe = Literal["plain", "seqmse", "adascale"]
+RECIPE_NAMES: tuple[str, ...] = get_args(Recipe)
+RECIPE_STEPS: dict[str, tuple[str, ...]] = {"plain": (), "seqmse": ("seq_mse",), "adascale": ("adascale",)}
+RECIPE_NOTES = {"plain": "min-max weight encodings (fastest)",
+                "seqmse": "SeqMSE: each weight's encodings searched against its layer's output",
+                "adascale": "AdaScale: each decoder layer's weight scales learned against the float layer"}
 Backend = Literal["ort-qnn", "qairt"]
 Device = Literal["auto", "cpu", "cuda"]  # where a stage's torch work runs (core/compute.py)
 DEVICES: tuple[str, ...] = get_args(Device)
@@ -118,7 +126,9 @@ def _match(table: dict[str, int], name: str, default: int) -> int:
 class QuantizeOptions(StageOptions):
     precision: Precision = Field("w8a16", description="; ".join(f"{k}: {v}" for k, v in PRECISION_NOTES.items()))
     target: str = Field(DEFAULT_SOC, description="target SoC")
-    seq_mse: bool = False
+    recipe: Recipe = Field("plain", description="; ".join(f"{k}: {v}" for k, v in RECIPE_NOTES.items()))
+    adascale_iterations: int = Field(150, ge=1, le=100_000, description="AdaScale optimizer steps per decoder "
+                                                                         "layer")
     seq_mse_candidates: int = Field(20, ge=1, description="grid points per weight in the SeqMSE search")
     rotate: bool = Field(False, description="rotate the residual stream (random orthogonal, folded into the "
                                             "weights) before quantizing: spreads outlier channels")

@@ -44,7 +44,7 @@ MODEL = StageSpec("model", "model record", "run", entry="npustudio.core.pipeline
 ADAPT = StageSpec("adapt", "adapted model", "adapt", requires="model", remote=True,
                   entry="npustudio.core.adapt:run", libraries=("torch", "transformers", "onnx"),
                   host_rates=(1400, 4.6, 50, 0.05))
-QUANTIZE = StageSpec("quantize", "quantized model", "quantize", requires="adapt", format=6, remote=True,
+QUANTIZE = StageSpec("quantize", "quantized model", "quantize", requires="adapt", format=7, remote=True,
                      entry="npustudio.core.quantize:run", reads=("adapt",),
                      libraries=("torch", "transformers", "onnx", "onnxruntime", "aimet_torch"),
                      host_rates=(1600, 5.5, 150, 0.35))

@@ -128,6 +128,29 @@ def read(path: str | Path, sqnr: bool = False, kinds: tuple[str, ...] = ("activa
                           excluded=[str(x) for x in excluded])
 
 
+class SqnrChange(BaseModel):
+    name: str
+    kind: str
+    before_db: float | None
+    after_db: float | None
+    change_db: float | None  # after - before; None where either has no finite figure
+
+
+def sqnr_changes(before: str | Path, after: str | Path) -> list[SqnrChange]:
+    """What another quantize run (a recipe, an override file) did to each tensor both files encode: their SQNR
+    side by side, each against its own project's float weights and eval, the most damaged by the change first."""
+    old = {r.name: r for r in read(before, sqnr=True).rows}
+    rows = []
+    for r in read(after, sqnr=True).rows:
+        o = old.get(r.name)
+        if o is None:
+            continue
+        a, b = o.sqnr_db, r.sqnr_db
+        change = b - a if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) else None
+        rows.append(SqnrChange(name=r.name, kind=r.kind, before_db=a, after_db=b, change_db=change))
+    return sorted(rows, key=lambda c: (c.change_db is None, c.change_db or 0.0))
+
+
 def _entries(section: Any, version: str) -> Any:
     if isinstance(section, list):  # 1.0.0: [{name, ...}]
         for e in section:

@@ -31,7 +31,7 @@ class AdaptSummary(BaseModel):
 class QuantizeSummary(BaseModel):
     precision: str
     target: str
-    seq_mse: bool
+    recipe: str
     rotated: bool
     ppl_fp: float
     ppl_quant: float
@@ -109,7 +109,7 @@ def adapt_summary(r: AdaptResult) -> AdaptSummary:
 
 
 def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:
-    return QuantizeSummary(precision=r.precision, target=r.target, seq_mse=r.seq_mse, rotated=r.rotated,
+    return QuantizeSummary(precision=r.precision, target=r.target, recipe=r.recipe, rotated=r.rotated,
                            ppl_fp=r.ppl_fp, ppl_quant=r.ppl_quant, ratio=r.ratio, top1_agreement=r.top1_agreement,
                            eval_tokens=r.eval_tokens, folder=str(folder), files=r.files, steps=r.steps)
 

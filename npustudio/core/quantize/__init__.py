@@ -1,9 +1,10 @@
 """Quantize stage: calibrate the adapted graphs with aimet-torch, measure perplexity live, export for the compilers.
 
 Entry point: `run(adapt_dir, options, out_dir, state) -> QuantizeResult`. Steps: FP reference over the
-eval text (points labelled "fp"), quantsim built for the preset and target arch, optional SeqMSE,
-weights folded, activation encodings calibrated through the same host KV-cache runner Genie's loop
-mirrors (AR-N prefill + AR-1 steps), quantized evaluation (points labelled "quant"), then export.
+eval text (points labelled "fp"), quantsim built for the preset and target arch, the recipe's weight-encoding
+algorithms (aimet's AdaScale, SeqMSE), weights folded, activation encodings calibrated through the same host
+KV-cache runner Genie's loop mirrors (AR-N prefill + AR-1 steps), quantized evaluation (points labelled
+"quant"), then export.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from ..graph.exported import write_test_vectors
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
 from ..results import QuantizeResult, load_card, load_graphs, load_quantize
-from ..stage_options import QuantizeOptions
+from ..stage_options import RECIPE_STEPS, QuantizeOptions
 from ..targets import find_soc
-from . import export, rotate, simulate
+from . import adascale, export, rotate, simulate
 from .fast_qdq import fast_per_tensor_qdq
 from .presets import check_overrides, preset
 
@@ -112,10 +113,15 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     sim = simulate.build(model, dummy, pre, target, options.overrides)
     del dummy  # the prompt graph's feeds (its KV inputs: ~60 MB on a 1B model) go with the export's first graph
     lap("build_sim")
-    if options.seq_mse:
-        state.progress(0.2, "SeqMSE: searching weight encodings layer by layer")
-        _seq_mse(sim, calib, runner, options)
-        lap("seq_mse")
+    steps_of_recipe = RECIPE_STEPS[options.recipe]
+    for i, step in enumerate(steps_of_recipe):  # between 0.2 and 0.45 of the stage, a share each
+        share = state.sub(0.2 + 0.25 * i / len(steps_of_recipe), 0.2 + 0.25 * (i + 1) / len(steps_of_recipe))
+        if step == "adascale":
+            adascale.apply(sim, calib, lambda m, ids: runner(m).prefill(ids), options.adascale_iterations, share)
+        else:
+            share.progress(0.0, "SeqMSE: searching weight encodings layer by layer")
+            _seq_mse(sim, calib, runner, options)
+        lap(step)
     state.check()
     state.progress(0.45, "quantizing weights")
     simulate.fold(sim)
@@ -148,7 +154,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     sim.compute_encodings(calibrate, None)
     lap("calibrate")
 
-    label = "quant+seqmse" if options.seq_mse else "quant"
+    label = "quant" if options.recipe == "plain" else f"quant+{options.recipe}"
     if options.export:
         (out_dir / layout.TEST_VECTORS).mkdir(exist_ok=True)
     exports: list[Forked] = []
@@ -210,7 +216,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         lap("export")
     rows = export.write_manifest(out_dir, files) if files else []
     res = QuantizeResult(
-        precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, seq_mse=options.seq_mse,
+        precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
         rotated=options.rotate,
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
 
 from ... import display
 from ...core import host_cost, models, pipeline
+from ...core.progress import about_duration
 from ...core.results import IntakeResult
 from ...core.stage_options import AdaptOptions
 from ...core.targets import fits_phone_ram
@@ -137,7 +138,9 @@ class ModelPage(Page):
         per = ", ".join(f"{s.stage} {display.human_bytes(s.peak_ram_bytes)} ~{max(1, round(s.seconds / 60))} min"
                         for s in h.stages)
         verdict = "fits this computer's memory" if h.fits else "needs more memory than this computer has"
-        self.host.setText(f"This computer, estimated: {per} — {verdict}.")
+        recipes = ", ".join(f"{r.recipe} +{about_duration(r.seconds)}" for r in h.recipes if r.seconds)
+        self.host.setText(f"This computer, estimated: {per} — {verdict}."
+                          + (f" Quantize recipes add: {recipes}." if recipes else ""))
         self.host.setStyleSheet("" if h.fits else "color: #b00020;")
 
     def show_fit(self) -> None:

@@ -19,9 +19,10 @@ from PySide6.QtWidgets import (
 from ...core import isolated, pipeline, stages
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
+from ...core.progress import about_duration
 from ...core.quantize.presets import load_overrides
-from ...core.results import QuantizeResult
-from ...core.stage_options import PRECISION_NOTES, QuantizeOptions
+from ...core.results import IntakeResult, QuantizeResult
+from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions
 from ...display import human_bytes
 from .. import worker
 from ..charts import PplChart
@@ -58,8 +59,9 @@ class QuantizePage(Page):
     def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
         self.precision = combo(QuantizeOptions, "precision", {p: f"{p} — {n}" for p, n in PRECISION_NOTES.items()})
-        self.seq_mse = QCheckBox("SeqMSE")
-        self.seq_mse.setToolTip("Search weight encodings layer by layer: slower, better at w4")
+        self.recipe = combo(QuantizeOptions, "recipe", {r: f"{r} — {n}" for r, n in RECIPE_NOTES.items()})
+        self.recipe.setToolTip("How the weight encodings are found: Qualcomm's algorithms from aimet-torch, "
+                               "slower and better at w4a16")
         self.rotate = QCheckBox("Rotate the residual stream")
         self.rotate.setToolTip("Spreads outlier channels; not for models from a 4-bit GGUF")
         self.calib_samples = spin(QuantizeOptions, "calib_samples")
@@ -70,7 +72,7 @@ class QuantizePage(Page):
         self.overrides.setPlaceholderText("optional: per-module bitwidth overrides (JSON)")
         self.device = device_choice(window.settings.device)
         self.form.addRow("Precision:", self.precision)
-        self.form.addRow("", self.seq_mse)
+        self.form.addRow("Recipe:", self.recipe)
         self.form.addRow("", self.rotate)
         self.form.addRow("Calibration sequences:", self.calib_samples)
         self.form.addRow("Tokens per sequence:", self.calib_len)
@@ -99,7 +101,7 @@ class QuantizePage(Page):
     def options(self) -> QuantizeOptions:
         target = self.project.choices().target_soc
         return QuantizeOptions(precision=self.precision.currentData(), target=target,
-                               seq_mse=self.seq_mse.isChecked(), rotate=self.rotate.isChecked(),
+                               recipe=self.recipe.currentData(), rotate=self.rotate.isChecked(),
                                calib_corpus=self.calib.text().strip() or default(QuantizeOptions, "calib_corpus"),
                                calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
                                overrides=load_overrides(self.overrides.text().strip() or None),
@@ -123,11 +125,12 @@ class QuantizePage(Page):
         self.strip.start(work, self.finish, "Quantizing", on_partial=self.ppl_point)
 
     def refresh(self) -> None:
+        self.show_recipe_costs()
         rec = self.project.record("quantize")
         if rec and rec.status == "done":
             o = rec.options_as(QuantizeOptions)
             self.precision.setCurrentIndex(max(0, self.precision.findData(o.precision)))
-            self.seq_mse.setChecked(o.seq_mse)
+            self.recipe.setCurrentIndex(max(0, self.recipe.findData(o.recipe)))
             self.rotate.setChecked(o.rotate)
             self.calib_samples.setValue(o.calib_samples)
             self.calib_len.setValue(o.calib_len)
@@ -137,12 +140,22 @@ class QuantizePage(Page):
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
 
+    def show_recipe_costs(self) -> None:
+        """Each recipe's estimated extra time for the chosen model on this computer, beside its name."""
+        rec = self.project.record("model")
+        costs = ({c.recipe: c.seconds for c in rec.result_as(IntakeResult).host.recipes}
+                 if rec and rec.status == "done" else {})
+        for i in range(self.recipe.count()):
+            name = self.recipe.itemData(i)
+            extra = f" (+{about_duration(costs[name])} here, estimated)" if costs.get(name) else ""
+            self.recipe.setItemText(i, f"{name} — {RECIPE_NOTES[name]}{extra}")
+
     def show_result(self, r: QuantizeResult) -> None:
         folder = self.project.stage_dir("quantize")
         s = pipeline.quantize_summary(r, folder)
         if not self.chart.series:
             self.chart.extend(list(r.per_window))
-        rows = [("Precision / target", f"{s.precision} / {s.target}{' + SeqMSE' if s.seq_mse else ''}"
+        rows = [("Precision / target", f"{s.precision} / {s.target}{'' if s.recipe == 'plain' else ' + ' + s.recipe}"
                                       f"{' + rotation' if s.rotated else ''}"),
                 ("Perplexity FP", f"{s.ppl_fp:.3f}"), ("Perplexity quantized", f"{s.ppl_quant:.3f}"),
                 ("Ratio", f"×{s.ratio:.4f}"), ("Top-1 agreement", f"{s.top1_agreement:.3f}")]

@@ -1,0 +1,99 @@
+"""Every weight-encoding recipe at w4a16 on the default model, printed as JSON: quality, 4-bit share, cost.
+
+Each recipe runs the quantize stage in its own process (quantize_bench's child, so peaks do not mix) with the
+w4a16 preset untouched: every decoder linear is LPBQ int4 (blocks of 64), the LM head int8. Per recipe: the
+perplexity ratio against FP measured in the same run, top-1 agreement, the share of the decoder's linear weights
+at 4 bits (read back from the exported encodings), minutes and peak RSS. `--llama-1b` adds the cost of one recipe
+on a random Llama-3.2-1B-shaped model (its quality means nothing: random weights).
+
+    .venv/bin/python benchmarks/recipe_bench.py --json
+    .venv/bin/python benchmarks/recipe_bench.py --recipes plain,adascale --llama-1b adascale --work /tmp/rb
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quantize_bench
+
+from npustudio.core.stage_options import RECIPE_NAMES
+
+
+def four_bit_share(adapt_dir: str, recipe: str) -> float:
+    """Child: the share of the decoder layers' linear weights (by count) a w4a16 export encodes at 4 bits."""
+    import torch
+
+    from npustudio.core.graph import encodings, store
+    from npustudio.core.graph.ops import Conv1x1
+    from npustudio.core.progress import State
+    from npustudio.core.quantize import QuantizeOptions, run
+
+    torch.set_num_threads(2)
+    model, _ = store.load(Path(adapt_dir))
+    sizes = {f"{n}.weight": m.weight.numel() for n, m in model.named_modules()
+             if isinstance(m, Conv1x1) and n.startswith("layers.")}
+    del model
+    with tempfile.TemporaryDirectory() as out:
+        r = run(Path(adapt_dir), QuantizeOptions(precision="w4a16", recipe=recipe), Path(out), State())
+        enc = next(Path(out).glob("*.encodings"))
+        bits = {row.name: row.bitwidth for row in encodings.read(enc, kinds=("param",)).rows}
+    four = sum(n for name, n in sizes.items() if bits.get(name) == 4)
+    print(json.dumps({"recipe": recipe, "ppl_fp": round(r.ppl_fp, 4), "ppl_quant": round(r.ppl_quant, 4),
+                      "ratio": round(r.ratio, 4), "top1_agreement": round(r.top1_agreement, 4),
+                      "int4_share": round(four / sum(sizes.values()), 4), "eval_tokens": r.eval_tokens,
+                      "steps_s": r.steps, "minutes": round(sum(r.steps.values()) / 60, 2),
+                      "peak_rss_mb": r.peak_rss_mb}))
+
+
+def _child(args: list[str]) -> dict:
+    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if p.returncode:
+        return {"error": p.stderr.strip().splitlines()[-1:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipes", default=",".join(RECIPE_NAMES))
+    ap.add_argument("--llama-1b", default=None, metavar="RECIPE", help="also the cost of RECIPE on a random "
+                                                                       "Llama-3.2-1B-shaped model")
+    ap.add_argument("--work", default=None, help="scratch folder (kept, so reruns skip the adapt step)")
+    ap.add_argument("--json", action="store_true", help="print only the JSON")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        four_bit_share(*a.child)
+        return
+    work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-recipes-"))
+    src = quantize_bench.adapted_default(work)
+    rows = []
+    for recipe in a.recipes.split(","):
+        rows.append({"recipe": recipe} | _child(["--child", str(src), recipe]))
+        if not a.json:
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    out: dict = {"model": "SmolLM2-135M-Instruct (default)", "precision": "w4a16", "results": rows}
+    good = [r for r in rows if "error" not in r]
+    if good:
+        out["best"] = min(good, key=lambda r: r["ratio"])["recipe"]
+    if a.llama_1b:
+        big = quantize_bench.llama_1b_shaped(work, src)
+        p = subprocess.run([sys.executable, quantize_bench.__file__, "--child", str(big),
+                            f"w4a16+{a.llama_1b}" if a.llama_1b != "plain" else "w4a16", "0", "0"],
+                           capture_output=True, text=True)
+        one = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {
+            "error": p.stderr.strip().splitlines()[-1:]}
+        out["llama_1b_shaped"] = {"recipe": a.llama_1b} | {k: one[k] for k in ("total_s", "peak_rss_mb", "steps_s",
+                                                                               "error") if k in one}
+    print(json.dumps(out, indent=2))
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
