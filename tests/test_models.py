@@ -265,6 +265,8 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     three_b = host_cost.estimate(_card(params=3_212_749_824, hidden=3072, layers=28, intermediate=8192))
     costs = [{r.recipe: r.seconds for r in e.recipes} for e in (big, three_b)]
     assert costs[0]["plain"] == 0 and all(0 < costs[0][r] < costs[1][r] for r in ("seqmse", "adascale"))
+    ram = {r.recipe: r.ram_bytes for r in big.recipes}  # AdaScale holds each layer's inputs: ~0.7 GB on a 1B model
+    assert ram["plain"] == ram["seqmse"] == 0 and 0.4e9 < ram["adascale"] < 1.2e9
 
     monkeypatch.setattr(host_cost, "machine_ram", lambda: 2**28)  # a 256 MiB computer
     loaded: list[object] = []

@@ -40,6 +40,7 @@ class StageCost(BaseModel):
 class RecipeCost(BaseModel):
     recipe: str
     seconds: float  # added to the quantize stage's estimate
+    ram_bytes: int = 0  # added to the quantize stage's peak
 
 
 class HostEstimate(BaseModel):
@@ -99,6 +100,19 @@ def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None
     return max(1, round(sum(per[step] for step in steps) * scale)) if steps else 0
 
 
+def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
+    """What a recipe holds beside the quantize stage's own peak: AdaScale keeps every layer's float inputs of each
+    calibration call (the stream, the mask, the layer's KV cache) and one layer's quantized ones, in float32."""
+    from .stage_options import RECIPE_STEPS, AdaptOptions, QuantizeOptions
+
+    if "adascale" not in RECIPE_STEPS[recipe]:
+        return 0
+    o, shape = options or QuantizeOptions(), AdaptOptions()
+    calls = o.calib_samples * -(-min(o.calib_len, shape.cl) // shape.ar)
+    per_call = 4 * (card.hidden * shape.ar + shape.ar * shape.cl + 2 * card.kv_heads * card.head_dim * shape.cl)
+    return int((card.layers + 1) * calls * per_call)
+
+
 def estimate(card: Any, gguf: bool = False) -> HostEstimate:
     from .stage_options import RECIPE_NAMES
 
@@ -107,8 +121,8 @@ def estimate(card: Any, gguf: bool = False) -> HostEstimate:
     peak = max(s.peak_ram_bytes for s in stages)
     ram = machine_ram()
     return HostEstimate(stages=stages, peak_ram_bytes=peak,
-                        recipes=[RecipeCost(recipe=r, seconds=recipe_seconds(r, card, cpus=cpus))
-                                 for r in RECIPE_NAMES],
+                        recipes=[RecipeCost(recipe=r, seconds=recipe_seconds(r, card, cpus=cpus),
+                                            ram_bytes=recipe_ram(r, card)) for r in RECIPE_NAMES],
                         seconds=round(sum(s.seconds for s in stages)), machine_ram_bytes=ram, cpus=cpus,
                         fits=ram is None or peak <= ram)
 

@@ -143,11 +143,13 @@ class QuantizePage(Page):
     def show_recipe_costs(self) -> None:
         """Each recipe's estimated extra time for the chosen model on this computer, beside its name."""
         rec = self.project.record("model")
-        costs = ({c.recipe: c.seconds for c in rec.result_as(IntakeResult).host.recipes}
+        costs = ({c.recipe: c for c in rec.result_as(IntakeResult).host.recipes}
                  if rec and rec.status == "done" else {})
         for i in range(self.recipe.count()):
             name = self.recipe.itemData(i)
-            extra = f" (+{about_duration(costs[name])} here, estimated)" if costs.get(name) else ""
+            c = costs.get(name)
+            ram = f", +{human_bytes(c.ram_bytes)} memory" if c and c.ram_bytes else ""
+            extra = f" (+{about_duration(c.seconds)}{ram} here, estimated)" if c and c.seconds else ""
             self.recipe.setItemText(i, f"{name} — {RECIPE_NOTES[name]}{extra}")
 
     def show_result(self, r: QuantizeResult) -> None:
