@@ -23,11 +23,12 @@ MB = 2**20
 # stage -> (MiB of libraries and buffers, bytes per parameter, seconds, seconds per million parameters) on 2 cores:
 # each stage's own declaration (core/stages.py) holds its figures and where they were measured
 RATES: dict[str, tuple[float, float, float, float]] = {s.name: s.host_rates for s in stages.SPECS if s.host_rates}
-# the weight-encoding recipes, measured with benchmarks/recipe_bench.py on the default model (106 M decoder
-# parameters, 30 layers, 4 x 256 calibration tokens): seconds per million decoder parameters
-ADASCALE_S_PER_MPARAM_STEP = 0.09
-ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN = 2.2e-5  # each layer's inputs: a prompt pass of the whole model
-SEQMSE_S_PER_MPARAM_CANDIDATE = 0.1
+# the weight-encoding recipes, from benchmarks/recipe_bench.py on the default model (106 M decoder parameters, 30
+# layers, 4 x 256 calibration tokens, 2 cores): AdaScale 1,331 s at 150 steps a layer, SeqMSE 1,160 s at 20
+# candidates (that one beside another job: ~0.3 of it taken off). Seconds per million decoder parameters
+ADASCALE_S_PER_MPARAM_STEP = 0.071
+ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN = 4.8e-5  # each layer's inputs: a prompt pass of the whole model
+SEQMSE_S_PER_MPARAM_CANDIDATE = 0.45
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
 
 
