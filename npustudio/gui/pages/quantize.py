@@ -16,7 +16,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ...core import isolated, pipeline, stages
+from ...core import host_cost, isolated, pipeline, stages
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
 from ...core.progress import about_duration
@@ -141,15 +141,15 @@ class QuantizePage(Page):
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
 
     def show_recipe_costs(self) -> None:
-        """Each recipe's estimated extra time for the chosen model on this computer, beside its name."""
+        """Each recipe's estimated extra time and memory for the chosen model on this computer, beside its name."""
         rec = self.project.record("model")
-        costs = ({c.recipe: c for c in rec.result_as(IntakeResult).host.recipes}
-                 if rec and rec.status == "done" else {})
+        card = rec.result_as(IntakeResult).card if rec and rec.status == "done" else None
         for i in range(self.recipe.count()):
             name = self.recipe.itemData(i)
-            c = costs.get(name)
-            ram = f", +{human_bytes(c.ram_bytes)} memory" if c and c.ram_bytes else ""
-            extra = f" (+{about_duration(c.seconds)}{ram} here, estimated)" if c and c.seconds else ""
+            secs = host_cost.recipe_seconds(name, card) if card else 0
+            ram = host_cost.recipe_ram(name, card) if card else 0
+            mem = f", +{human_bytes(ram)} memory" if ram else ""
+            extra = f" (+{about_duration(secs)}{mem} here, estimated)" if secs else ""
             self.recipe.setItemText(i, f"{name} — {RECIPE_NOTES[name]}{extra}")
 
     def show_result(self, r: QuantizeResult) -> None:
