@@ -8,6 +8,7 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QCheckBox,
+    QComboBox,
     QFileDialog,
     QHBoxLayout,
     QHeaderView,
@@ -62,6 +63,9 @@ class QuantizePage(Page):
         self.recipe = combo(QuantizeOptions, "recipe", {r: f"{r} — {n}" for r, n in RECIPE_NOTES.items()})
         self.recipe.setToolTip("How the weight encodings are found: Qualcomm's algorithms from aimet-torch, "
                                "slower and better at w4a16")
+        # its long labels (and the estimates added to them) must not widen the page: the popup shows them whole
+        self.recipe.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.recipe.setMinimumContentsLength(24)
         self.rotate = QCheckBox("Rotate the residual stream")
         self.rotate.setToolTip("Spreads outlier channels; not for models from a 4-bit GGUF")
         self.calib_samples = spin(QuantizeOptions, "calib_samples")
@@ -72,8 +76,12 @@ class QuantizePage(Page):
         self.overrides.setPlaceholderText("optional: per-module bitwidth overrides (JSON)")
         self.device = device_choice(window.settings.device)
         self.form.addRow("Precision:", self.precision)
-        self.form.addRow("Recipe:", self.recipe)
-        self.form.addRow("", self.rotate)
+        recipe_row = QWidget()  # one row: the page's chart stays in view on a 768-pixel screen
+        rl = QHBoxLayout(recipe_row)
+        rl.setContentsMargins(0, 0, 0, 0)
+        rl.addWidget(self.recipe, 1)
+        rl.addWidget(self.rotate)
+        self.form.addRow("Recipe:", recipe_row)
         self.form.addRow("Calibration sequences:", self.calib_samples)
         self.form.addRow("Tokens per sequence:", self.calib_len)
         self.form.addRow("Calibration text:", _file_row(self.calib, "Calibration text", "Text (*.txt)", self))
@@ -150,7 +158,9 @@ class QuantizePage(Page):
             ram = host_cost.recipe_ram(name, card) if card else 0
             mem = f", +{human_bytes(ram)} memory" if ram else ""
             extra = f" (+{about_duration(secs)}{mem} here, estimated)" if secs else ""
-            self.recipe.setItemText(i, f"{name} — {RECIPE_NOTES[name]}{extra}")
+            text = f"{name} — {RECIPE_NOTES[name]}{extra}"
+            if self.recipe.itemText(i) != text:  # a new text lays the page out again
+                self.recipe.setItemText(i, text)
 
     def show_result(self, r: QuantizeResult) -> None:
         folder = self.project.stage_dir("quantize")
