@@ -25,8 +25,9 @@ import quantize_bench
 from npustudio.core.stage_options import RECIPE_NAMES
 
 
-def four_bit_share(adapt_dir: str, recipe: str) -> float:
-    """Child: the share of the decoder layers' linear weights (by count) a w4a16 export encodes at 4 bits."""
+def one_recipe(adapt_dir: str, recipe: str) -> None:
+    """Child: one w4a16 quantize run with `recipe`, its figures as JSON on stdout, with the share of the decoder
+    layers' linear weights (by count) the export encodes at 4 bits."""
     import torch
 
     from npustudio.core.graph import encodings, store
@@ -51,8 +52,9 @@ def four_bit_share(adapt_dir: str, recipe: str) -> float:
                       "peak_rss_mb": r.peak_rss_mb}))
 
 
-def _child(args: list[str]) -> dict:
-    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+def _child(args: list[str], script: str = __file__) -> dict:
+    """A child process's last line as JSON, or its error."""
+    p = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
     if p.returncode:
         return {"error": p.stderr.strip().splitlines()[-1:]}
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -68,7 +70,7 @@ def main() -> None:
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        four_bit_share(*a.child)
+        one_recipe(*a.child)
         return
     work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-recipes-"))
     src = quantize_bench.adapted_default(work)
@@ -83,11 +85,8 @@ def main() -> None:
         out["best"] = min(good, key=lambda r: r["ratio"])["recipe"]
     if a.llama_1b:
         big = quantize_bench.llama_1b_shaped(work, src)
-        p = subprocess.run([sys.executable, quantize_bench.__file__, "--child", str(big),
-                            f"w4a16+{a.llama_1b}" if a.llama_1b != "plain" else "w4a16", "0", "0"],
-                           capture_output=True, text=True)
-        one = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {
-            "error": p.stderr.strip().splitlines()[-1:]}
+        variant = f"w4a16+{a.llama_1b}" if a.llama_1b != "plain" else "w4a16"
+        one = _child(["--child", str(big), variant, "0", "0"], quantize_bench.__file__)
         out["llama_1b_shaped"] = {"recipe": a.llama_1b} | {k: one[k] for k in ("total_s", "peak_rss_mb", "steps_s",
                                                                                "error") if k in one}
     print(json.dumps(out, indent=2))

@@ -107,7 +107,7 @@ def quantize_args(s: argparse.ArgumentParser) -> None:
     O = QuantizeOptions
     option(s, O, "precision")
     option(s, O, "target", help=f"target SoC ({', '.join(KNOWN_SOCS)})")
-    option(s, O, "recipe", help="weight-encoding recipe: " + "; ".join(f"{k}: {v}" for k, v in so.RECIPE_NOTES.items()))
+    option(s, O, "recipe")
     option(s, O, "adascale_iterations")
     option(s, O, "rotate", help="rotate the residual stream before quantizing (QuaRot-style; hurts models that "
            "come from a 4-bit GGUF, such as the default)")

@@ -114,16 +114,21 @@ def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     return int((card.layers + 1) * calls * per_call)
 
 
-def estimate(card: Any, gguf: bool = False) -> HostEstimate:
+def recipe_costs(card: Any, cpus: int | None = None) -> list[RecipeCost]:
+    """Every recipe's extra time and memory for `card` at the quantize stage's default options."""
     from .stage_options import RECIPE_NAMES
 
+    return [RecipeCost(recipe=r, seconds=recipe_seconds(r, card, cpus=cpus), ram_bytes=recipe_ram(r, card))
+            for r in RECIPE_NAMES]
+
+
+def estimate(card: Any, gguf: bool = False) -> HostEstimate:
     cpus = os.cpu_count() or 1
     stages = [stage_cost(s, card.params, gguf, cpus) for s in RATES]
     peak = max(s.peak_ram_bytes for s in stages)
     ram = machine_ram()
     return HostEstimate(stages=stages, peak_ram_bytes=peak,
-                        recipes=[RecipeCost(recipe=r, seconds=recipe_seconds(r, card, cpus=cpus),
-                                            ram_bytes=recipe_ram(r, card)) for r in RECIPE_NAMES],
+                        recipes=recipe_costs(card, cpus),
                         seconds=round(sum(s.seconds for s in stages)), machine_ram_bytes=ram, cpus=cpus,
                         fits=ram is None or peak <= ram)
 

@@ -126,7 +126,8 @@ def _match(table: dict[str, int], name: str, default: int) -> int:
 class QuantizeOptions(StageOptions):
     precision: Precision = Field("w8a16", description="; ".join(f"{k}: {v}" for k, v in PRECISION_NOTES.items()))
     target: str = Field(DEFAULT_SOC, description="target SoC")
-    recipe: Recipe = Field("plain", description="; ".join(f"{k}: {v}" for k, v in RECIPE_NOTES.items()))
+    recipe: Recipe = Field("plain", description="weight-encoding recipe: "
+                                                + "; ".join(f"{k}: {v}" for k, v in RECIPE_NOTES.items()))
     adascale_iterations: int = Field(150, ge=1, le=100_000, description="AdaScale optimizer steps per decoder "
                                                                          "layer")
     seq_mse_candidates: int = Field(20, ge=1, description="grid points per weight in the SeqMSE search")

@@ -52,6 +52,15 @@ def _file_row(edit: QLineEdit, title: str, filt: str, parent: QWidget) -> QWidge
     return w
 
 
+def _recipe_label(name: str, cost: host_cost.RecipeCost | None = None) -> str:
+    """A recipe as the choice shows it: what it does and, for a chosen model, what it adds here."""
+    extra = ""
+    if cost and cost.seconds:
+        mem = f", +{human_bytes(cost.ram_bytes)} memory" if cost.ram_bytes else ""
+        extra = f" (+{about_duration(cost.seconds)}{mem} here, estimated)"
+    return f"{name} — {RECIPE_NOTES[name]}{extra}"
+
+
 class QuantizePage(Page):
     title = "Quantize"
     why = ("AIMET simulates the NPU's integer arithmetic and calibrates the encodings on sample text; the chart "
@@ -60,7 +69,7 @@ class QuantizePage(Page):
     def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
         self.precision = combo(QuantizeOptions, "precision", {p: f"{p} — {n}" for p, n in PRECISION_NOTES.items()})
-        self.recipe = combo(QuantizeOptions, "recipe", {r: f"{r} — {n}" for r, n in RECIPE_NOTES.items()})
+        self.recipe = combo(QuantizeOptions, "recipe", {r: _recipe_label(r) for r in RECIPE_NOTES})
         self.recipe.setToolTip("How the weight encodings are found: Qualcomm's algorithms from aimet-torch, "
                                "slower and better at w4a16")
         # its long labels (and the estimates added to them) must not widen the page: the popup shows them whole
@@ -151,14 +160,11 @@ class QuantizePage(Page):
     def show_recipe_costs(self) -> None:
         """Each recipe's estimated extra time and memory for the chosen model on this computer, beside its name."""
         rec = self.project.record("model")
-        card = rec.result_as(IntakeResult).card if rec and rec.status == "done" else None
+        costs = ({c.recipe: c for c in host_cost.recipe_costs(rec.result_as(IntakeResult).card)}
+                 if rec and rec.status == "done" else {})
         for i in range(self.recipe.count()):
             name = self.recipe.itemData(i)
-            secs = host_cost.recipe_seconds(name, card) if card else 0
-            ram = host_cost.recipe_ram(name, card) if card else 0
-            mem = f", +{human_bytes(ram)} memory" if ram else ""
-            extra = f" (+{about_duration(secs)}{mem} here, estimated)" if secs else ""
-            text = f"{name} — {RECIPE_NOTES[name]}{extra}"
+            text = _recipe_label(name, costs.get(name))
             if self.recipe.itemText(i) != text:  # a new text lays the page out again
                 self.recipe.setItemText(i, text)
 
