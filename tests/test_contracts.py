@@ -124,7 +124,8 @@ def _declared() -> tuple[set[float], set[float], set[str], set[str], set[float]]
                 numbers.add(f.default)
             b = so.bounds(model, name)
             limits |= {x for x in (b.lo, b.hi) if x is not None}
-            choices |= set(so.choices(model, name) or ())
+            # a Literal's words (a number choice, MNN's 4 or 8 bits, is among the numbers when it is a default)
+            choices |= {c for c in so.choices(model, name) or () if isinstance(c, str)}
     big = {n for n in numbers | limits if abs(n) > 2}
     return big, limits & big, choices, set(KNOWN_SOCS), {APP_RAM_SHARE, TYPICAL_PHONE_RAM_GB}
 

@@ -129,6 +129,29 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert len(cells(w.compile_page.binaries)) == 2
     assert marks(w) == ["done"] * 5 + ["todo"]
 
+    # the second target from the same project: an MNN model of its float model, checked against it
+    c = w.compile_page
+    c.mnn.setChecked(True)
+    assert not c.verify.isEnabled() and c.mnn_bits.isEnabled() and "No MNN model" in c.strip.status.text()
+    run_page(qtbot, c)
+    r = table_dict(c.results)
+    assert r["Weights"] == "4-bit in blocks of 128, LM head 8-bit"
+    assert r["Perplexity vs the float model"].startswith(f"{w.project.record('mnn').result['mnn_ppl']:.3f} vs ")
+    assert "llm.mnn.weight" in [row[1] for row in cells(c.binaries)]
+    shot(w, "tiny_compile_mnn")
+    assert marks(w) == ["done"] * 5 + ["todo"]  # the Genie steps are untouched
+    c.embedded.setChecked(True)
+    assert table_dict(c.results)["Validated by libGenie"] == "yes" and c.verify.isEnabled()
+    # ... and the chat panel talks to it through MNN's runtime on this computer
+    panel = w.chat
+    panel.runner.setCurrentIndex(panel.runner.findData("mnn"))
+    assert panel.stats.text().startswith("Ready: This computer: MNN")
+    with qtbot.waitSignal(panel.answered, timeout=120_000) as got:
+        panel.ask("Hello")
+    assert got.args[0].runner == "MNN on this computer (CPU)" and got.args[0].generation_tok_s
+    assert "tok/s" in panel.stats.text()
+    panel.runner.setCurrentIndex(panel.runner.findData("device"))
+
     # Deploy: a v75 phone is refused for this v79 bundle; the virtual device (SM8750) started from the panel fits
     w.go("Deploy")
     d = w.deploy_page
@@ -162,7 +185,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert turn.assistant[:20] in w.chat.transcript.toPlainText()
     assert w.devices.console.toPlainText().strip()
     hist = json.loads((tmp_path / "proj" / "chat_history.json").read_text())
-    assert hist["turns"][0]["assistant"] == turn.assistant
+    assert hist["turns"][-1]["assistant"] == turn.assistant  # after the MNN chat's turn above
     assert w.profiles.runs and cells(w.profiles.table)[0][1] == "genie"
     shot(w, "tiny_deploy_chat")
     w.devices.stop_virtual.click()  # the push bar is about a device that is gone: it resets

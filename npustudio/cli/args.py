@@ -12,7 +12,14 @@ from pydantic import BaseModel
 
 from ..core import stage_options as so
 from ..core.errors import UserError
-from ..core.stage_options import MAX_CONTEXT, AdaptOptions, BundleOptions, CompileOptions, QuantizeOptions
+from ..core.stage_options import (
+    MAX_CONTEXT,
+    AdaptOptions,
+    BundleOptions,
+    CompileOptions,
+    MnnOptions,
+    QuantizeOptions,
+)
 
 if TYPE_CHECKING:
     from ..core.cluster import Cluster
@@ -73,9 +80,11 @@ def field_type(model: type[BaseModel], name: str) -> Callable[[str], Any] | None
     return number_in(b.lo, b.hi, above=b.lo_open)
 
 
-def option(s: argparse.ArgumentParser, model: type[BaseModel], name: str, *flags: str, **kw: Any) -> None:
+def option(s: argparse._ActionsContainer, model: type[BaseModel], name: str, *flags: str, dest: str | None = None,
+           **kw: Any) -> None:
     """`--name` for the field `name` of a stage's options: its default, bounds (type=), choices and (unless given)
-    its help are the field's, a flag for a bool; `kw` overrides them."""
+    its help are the field's, a flag for a bool; `kw` overrides them. `dest`: where argparse keeps it (default:
+    the field's name)."""
     field = model.model_fields[name]
     kw.setdefault("help", field.description)
     if field.annotation is bool:
@@ -86,7 +95,7 @@ def option(s: argparse.ArgumentParser, model: type[BaseModel], name: str, *flags
             kw["type"] = t
         if "choices" not in kw and (c := so.choices(model, name)) is not None:
             kw["choices"] = list(c)
-    s.add_argument(*(flags or (f"--{name.replace('_', '-')}",)), dest=name, **kw)
+    s.add_argument(*(flags or (f"--{name.replace('_', '-')}",)), dest=dest or name, **kw)
 
 
 def adapt_args(s: argparse.ArgumentParser) -> None:
@@ -143,6 +152,16 @@ def compile_args(s: argparse.ArgumentParser, job: bool = False) -> None:
     else:
         option(s, O, "weight_sharing")
     option(s, O, "embedding_lut", action=argparse.BooleanOptionalAction, default=True)
+    if not job:
+        mnn_args(s)
+
+
+def mnn_args(s: argparse.ArgumentParser) -> None:
+    """The MNN back-end's options (`compile --backend mnn`), refused with another back-end (`compile_options`)."""
+    O = MnnOptions
+    g = s.add_argument_group("--backend mnn")
+    for name, flag in MNN_FLAGS.items():
+        option(g, O, name, flag, dest=f"mnn_{name}", **({"type": int} if so.choices(O, name) else {}))
 
 
 def max_part_arg(s: argparse.ArgumentParser) -> None:
@@ -204,7 +223,39 @@ def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
                            eval_corpus=getattr(a, "eval_corpus", None), **chosen)
 
 
+# the MNN back-end's flags (kept by argparse as mnn_NAME: `eval_tokens` is also adapt's)
+MNN_FLAGS = {"bits": "--mnn-bits", "block": "--mnn-block", "lm_head_bits": "--mnn-lm-head-bits",
+             "eval_tokens": "--mnn-eval-tokens", "max_ppl_ratio": "--max-ppl-ratio"}
+QNN_FLAGS = {"verify_tokens": "--verify-tokens", "prompt_check_budget_s": "--prompt-check-budget", "parts": "--parts",
+             "max_part_mb": "--max-part-mb", "optimize": "--optimize", "weight_sharing": "--weight-sharing",
+             "embedding_lut": "--no-embedding-lut"}
+
+
+def _given(a: argparse.Namespace, flags: dict[str, str], model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The flags of `flags` set to other than their field's default (argparse keeps each as `prefix + name`)."""
+    return [flag for name, flag in flags.items()
+            if (v := getattr(a, prefix + name, None)) is not None and v != so.default(model, name)]
+
+
+def mnn_options(a: argparse.Namespace) -> MnnOptions:
+    """`compile --backend mnn`'s options; the QNN back-ends' flags are refused."""
+    if given := _given(a, QNN_FLAGS, CompileOptions):
+        raise UserError(f"{', '.join(given)} do not apply to the MNN back-end (they shape QNN context binaries).",
+                        "Leave them out with `--backend mnn`.")
+    return MnnOptions(**{name: getattr(a, f"mnn_{name}") for name in MNN_FLAGS})
+
+
 def compile_options(a: argparse.Namespace) -> CompileOptions:
+    """The QNN back-ends' options; the MNN back-end's flags are refused."""
+    if a.backend == "mnn":
+        raise UserError("`--backend mnn` is its own stage, made from the float model.",
+                        "Run `npustudio compile --backend mnn --project P`.")
+    if getattr(a, "model", None) is not None and getattr(a, "cmd", "") == "compile":
+        raise UserError("--model applies to `--backend mnn` only: the QNN back-ends compile the project's "
+                        "quantized graphs.", "Leave --model out, or add `--backend mnn`.")
+    if given := _given(a, MNN_FLAGS, MnnOptions, "mnn_"):
+        raise UserError(f"{', '.join(given)} apply to `--backend mnn` only.",
+                        f"Add `--backend mnn`, or leave them out with `--backend {a.backend}`.")
     chosen = {"optimize": a.optimize} if a.optimize else {}  # `run` decides when it is not given
     if a.weight_sharing is not None:  # `run` plans it when not given
         chosen["weight_sharing"] = a.weight_sharing

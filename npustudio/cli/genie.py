@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from ..core import layout
+from ..core import layout, stages
 from ..core.errors import UserError
 from .console import err, live_state, out, print_json, until_done
 
@@ -46,10 +46,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
     from ..core import pipeline
 
-    bundle = Path(a.bundle) if a.bundle else default_bundle()
+    if sum((a.preview, a.desktop, a.mnn, a.device is not None)) > 1:
+        raise UserError("Pick one place to chat: --device, --desktop, --preview or --mnn.",
+                        "Leave the others out.")
+    bundle = Path(a.bundle) if a.bundle else default_bundle(stages.MNN.name if a.mnn else stages.BUNDLE.name)
     with live_state() as st:
-        session = pipeline.open_chat(bundle, "preview" if a.preview else "desktop" if a.desktop else "device",
-                                     a.device, a.system, st)
+        session = pipeline.open_chat(bundle, "mnn" if a.mnn else "preview" if a.preview else
+                                     "desktop" if a.desktop else "device", a.device, a.system, st)
     engine = session.engine
     if note := session.history.notice():
         err.print(f"[yellow]{escape(note)}[/]")
@@ -101,12 +104,17 @@ def _line(prompt: str) -> str:
     return line.removesuffix("\n")
 
 
-def default_bundle() -> Path:
+def default_bundle(stage: str = "bundle") -> Path:
+    """The default project's Genie bundle, or its MNN model's stage folder (`stage="mnn"`)."""
     from ..core import pipeline
     from ..core.project import Project
 
-    b = Project(pipeline.default_project_dir()).stage_dir("bundle")
-    if not (b / layout.GENIE_CONFIG).is_file():
+    b = Project(pipeline.default_project_dir()).stage_dir(stage)
+    if stage == stages.MNN.name and not (b / layout.MNN_RESULT).is_file():
+        raise UserError("No MNN model given and the default project has none.", "Pass --bundle "
+                        "PROJECT/stages/mnn, or run `npustudio compile --backend mnn --project "
+                        f"{pipeline.default_project_dir()}` first.")
+    if stage != stages.MNN.name and not (b / layout.GENIE_CONFIG).is_file():
         raise UserError("No bundle given and the default project has none.", "Pass --bundle DIR, or run "
                         "`npustudio run` first.")
     return b

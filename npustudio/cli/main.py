@@ -127,8 +127,11 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
             "w8a16 or w4a16 (default: the best quality whose bundle loads where the job deploys, from the model's "
             "fit; said before the long stages)")
 
-    s = add("compile", stages.cmd_stage, "compile the quantized graphs to QNN HTP context binaries and verify them")
+    s = add("compile", stages.cmd_stage, "compile the quantized graphs to QNN HTP context binaries and verify them "
+            "(or, with --backend mnn, export the float model to MNN and check it)")
     s.add_argument("--project", type=given, required=True)
+    s.add_argument("--model", type=given, default=None,
+                   help="with --backend mnn: the model to export (default: the project's, else the embedded one)")
     compile_args(s)
     cluster_arg(s, "the stage")
     force_arg(s)
@@ -175,6 +178,8 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="adb serial")
     s.add_argument("--desktop", action="store_true", help="real Genie on this computer's HTP simulator")
     s.add_argument("--preview", action="store_true", help="the fast CPU preview on this computer")
+    s.add_argument("--mnn", action="store_true", help="the MNN model (`compile --backend mnn`) on this computer, "
+                   "run by MNN's runtime; --bundle is then the project's stages/mnn folder")
     s.add_argument("--system", default=None, help="system prompt")
     s.add_argument("--new", action="store_true",
                    help="start a new conversation (the earlier ones stay in the project's chat list)")

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..core.pipeline import AdaptSummary, BundleSummary, CompileSummary, QuantizeSummary
+    from ..core.results import MnnResult
 
 
 def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str, dict[str, Any]] | None = None
@@ -116,6 +117,20 @@ def print_adapt(ad: AdaptSummary, root: Path) -> None:
               f"(AR-{ad.prefill_ar} prefill + {ad.decode_steps} AR-1 steps): "
               f"top-1 agreement {ad.top1_agreement:.4f}, max |logit diff| {ad.max_abs_logit_diff:.2e}")
     out.print(f"Perplexity (fp32): original {ad.ppl_fp:.3f}, adapted {ad.ppl_adapted:.3f} over {ad.eval_tokens} tokens")
+
+
+def print_mnn(r: MnnResult) -> None:
+    from ..display import human_bytes
+
+    out.print(f"MNN model {r.folder} ({human_bytes(r.model_bytes)}; {r.bits}-bit weights in blocks of "
+              f"{r.block or 'a row'}, LM head {r.lm_head_bits}-bit; {r.exporter})")
+    out.print(f"  perplexity {r.mnn_ppl:.3f} against the float model's {r.fp_ppl:.3f} (x{r.ppl_ratio:.4f}), "
+              f"top-1 agreement {r.top1_agreement:.4f} over {r.eval.tokens} tokens")
+    out.print(f"  greedy answer: {r.agreeing_prefix} of {len(r.answer_fp)} tokens as the float model's; "
+              f"prompt {r.prefill_tok_s:.1f} tok/s, decode {r.decode_tok_s:.1f} tok/s on {r.threads} threads")
+    out.print(f"  [bold]answer:[/] {escape(r.answer_text)}")
+    for note in r.notes:
+        out.print(f"  [bold]note:[/] {escape(note)}")
 
 
 def print_bundle(b: BundleSummary) -> None:

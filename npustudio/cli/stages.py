@@ -11,9 +11,11 @@ from typing import Any
 from rich.table import Table
 
 from ..core import stages
-from .args import adapt_options, bundle_options, cluster_of, compile_options, quantize_options
+from ..core.errors import UserError
+from ..core.stage_options import MnnOptions
+from .args import adapt_options, bundle_options, cluster_of, compile_options, mnn_options, quantize_options
 from .console import err, live_state, out, print_json, stdout_is_for
-from .render import card_table, host_table, print_adapt, print_bundle, print_compile, print_quantize
+from .render import card_table, host_table, print_adapt, print_bundle, print_compile, print_mnn, print_quantize
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -43,7 +45,10 @@ def cmd_stage(a: argparse.Namespace) -> int:
 
     spec = stages.spec(a.cmd)
     options = OPTIONS[spec.name](a)
-    creates = spec == stages.ADAPT  # the first stage with a project makes it; the later ones need it made
+    if isinstance(options, MnnOptions):  # `compile --backend mnn`: its own stage, made from the float model
+        spec = stages.MNN
+    # a stage made from the model makes the project; the later ones need it made
+    creates = spec.requires == stages.MODEL.name
     with (pipeline.opened(a.project) if creates else contextlib.nullcontext(Project.open(a.project, create=False))
           ) as project, live_state(quiet=a.json) as st, stdout_is_for(a.json):
         cluster = cluster_of(a) if spec.remote else None
@@ -61,10 +66,12 @@ def cmd_stage(a: argparse.Namespace) -> int:
 # per stage (keyed by its declaration's name): its options from the flags, and its summary as tables
 OPTIONS: dict[str, Callable[[argparse.Namespace], Any]] = {
     stages.ADAPT.name: adapt_options, stages.QUANTIZE.name: quantize_options,
-    stages.COMPILE.name: compile_options, stages.BUNDLE.name: bundle_options}
+    stages.COMPILE.name: lambda a: mnn_options(a) if a.backend == "mnn" else compile_options(a),
+    stages.BUNDLE.name: bundle_options}
 SHOW: dict[str, Callable[[Any, Path], None]] = {
     stages.ADAPT.name: print_adapt, stages.QUANTIZE.name: lambda s, _root: print_quantize(s),
-    stages.COMPILE.name: lambda s, _root: print_compile(s), stages.BUNDLE.name: lambda s, _root: print_bundle(s)}
+    stages.COMPILE.name: lambda s, _root: print_compile(s), stages.BUNDLE.name: lambda s, _root: print_bundle(s),
+    stages.MNN.name: lambda s, _root: print_mnn(s)}
 
 
 def cmd_encodings(a: argparse.Namespace) -> int:
@@ -127,7 +134,12 @@ def _sqnr_changes(changes: list[Any], a: argparse.Namespace) -> int:
 def cmd_run(a: argparse.Namespace) -> int:
     from ..core import pipeline
 
+    if a.backend == "mnn":
+        raise UserError("`npustudio run` makes a Genie bundle for a Hexagon NPU; the MNN back-end is its own stage.",
+                        "Run `npustudio compile --backend mnn --project P [--model M]`: it reads the model, exports "
+                        "it to MNN and answers on this computer.")
     project_dir = Path(a.project) if a.project else pipeline.default_project_dir()
+
     def stream(s: str) -> None:  # the device's answer as it arrives (stderr keeps stdout for the summary)
         err.print(s, end="", markup=False, highlight=False)
 

@@ -1,5 +1,6 @@
 """Chat sessions over any runner: a phone or the virtual device (genie-t2t-run over adb), or the desktop
-runner directly (real Genie on the HTP simulator, or the fast CPU preview).
+runner directly (real Genie on the HTP simulator, or the fast CPU preview), or the MNN back-end's model on this
+computer (MNN's own runtime).
 
 Each turn renders the whole conversation with the model's chat template (system prompt + history, real
 newlines, no BOS: Genie adds it) and sends it as one prompt, so any runner works the same; the oldest
@@ -184,6 +185,7 @@ class ChatHistory:
 
 class Engine(Protocol):
     name: str
+    figures: dict[str, float]  # the last answer's figures when the runner gives no Genie profile (MNN)
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
             log_level: str = "error") -> tuple[str, bool, str | None]:
@@ -201,6 +203,7 @@ class DesktopEngine:
         whose own thread must stay responsive (the window)."""
         self.bundle_dir, self.preview, self.max_tokens, self.apart = Path(bundle_dir), preview, max_tokens, apart
         self.name = "desktop preview on the CPU" if preview else "desktop Genie on the HTP simulator"  # shown in ( )
+        self.figures: dict[str, float] = {}
         self._preview: Any = None
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
@@ -226,6 +229,7 @@ class DeviceEngine:
 
         self.serial, self.remote = serial, remote_dir(Path(bundle_dir))
         self.name = f"device {serial}"
+        self.figures: dict[str, float] = {}
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
             log_level: str = "error") -> tuple[str, bool, str | None]:
@@ -242,15 +246,80 @@ class DeviceEngine:
             return res.text, res.status == "stopped", prof.read_text(encoding="utf-8") if res.profile_path else None
 
 
+class MnnEngine:
+    """The MNN back-end's model on this computer, run by MNN's own runtime (greedy; kept loaded)."""
+
+    def __init__(self, stage_dir: Path, max_tokens: int | None = None) -> None:
+        from .mnn import load_result
+
+        self.stage_dir, self.max_tokens = Path(stage_dir), max_tokens
+        self.record = load_result(self.stage_dir)
+        self.name = "MNN on this computer (CPU)"
+        self.figures: dict[str, float] = {}
+        self._model: Any = None
+        self._tok: Any = None
+
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
+            log_level: str = "error") -> tuple[str, bool, str | None]:
+        from transformers import PreTrainedTokenizerFast
+
+        from .mnn.runtime import MnnModel
+
+        if self._model is None:
+            self._model = MnnModel(self.stage_dir / layout.MNN_MODEL)
+            self._tok = PreTrainedTokenizerFast(tokenizer_file=str(self.stage_dir / layout.TOKENIZER))
+        ids = ([self.record.bos_id] if self.record.bos_id is not None else []) + self._tok(
+            prompt, add_special_tokens=False)["input_ids"]
+        out: list[int] = []
+        shown = ""
+
+        def piece(token: int) -> None:  # whole characters only: a token may end inside a UTF-8 sequence
+            nonlocal shown
+            out.append(token)
+            text = self._tok.decode(out, skip_special_tokens=True)
+            if text.startswith(shown) and not text.endswith("\ufffd"):
+                on_text(text[len(shown):])
+                shown = text
+
+        room = self.record.context_length - len(ids)
+        t = self._model.stream(ids, min(room, self.max_tokens or room), piece, stop, set(self.record.eos_ids))
+        self.figures = {"ttft_s": t.prefill_s, "generation_tok_s": t.decode_tok_s}
+        stopped = stop is not None and stop.is_set()
+        return self._tok.decode(out, skip_special_tokens=True), stopped, None
+
+
+class ChatModel(BaseModel):
+    """What a chat needs of the model it talks to: how to render prompts, and how many tokens it keeps."""
+
+    model_config = {"arbitrary_types_allowed": True}
+    tok: Any
+    limit: int  # prompt tokens, leaving room for the answer
+
+
+def chat_model(folder: Path) -> ChatModel:
+    """A Genie bundle's or the MNN stage folder's tokenizer with the model's chat template, and its prompt limit."""
+    from .genie.bundle import read_metadata
+    from .genie.config import template_tokenizer
+
+    if (folder / layout.MNN_RESULT).is_file():
+        from .mnn import load_result
+
+        r = load_result(folder)
+        return ChatModel(tok=template_tokenizer(folder, r.bos_id, r.eos_ids, r.chat_template),
+                         limit=r.context_length - min(64, r.context_length // 8))
+    meta = read_metadata(folder)
+    cl = meta.context_length
+    return ChatModel(tok=template_tokenizer(folder, meta.bos_id, meta.eos_ids, meta.chat_template),
+                     limit=cl - max(g.ar for g in meta.graphs) - min(64, cl // 8))  # room for the answer
+
+
 class ChatSession:
     def __init__(self, bundle_dir: Path, engine: Engine, system: str | None = None,
                  history_file: Path | None = None) -> None:
+        """A chat over `bundle_dir`: a Genie bundle, or the MNN stage's folder."""
         self.bundle_dir, self.engine, self.system = Path(bundle_dir), engine, system
-        from .genie.bundle import read_metadata
-        from .genie.config import template_tokenizer
-
-        self.meta = read_metadata(self.bundle_dir)
-        self.tok = template_tokenizer(self.bundle_dir, self.meta)
+        model = chat_model(self.bundle_dir)
+        self.tok, self.limit = model.tok, model.limit
         self.history_file = history_file or default_history_file(self.bundle_dir)
         self.history = ChatHistory.load(self.history_file)
         self.last_profile: str | None = None  # Genie's profile JSON of the last turn, for the profile view
@@ -273,8 +342,7 @@ class ChatSession:
         from .genie.config import chat_prompt
 
         turns = list(self.turns if before is None else before)
-        cl = self.meta.context_length
-        limit = cl - max(g.ar for g in self.meta.graphs) - min(64, cl // 8)  # room for the answer
+        limit = self.limit
         while True:
             history = [m for t in turns for m in ({"role": "user", "content": t.user},
                                                    {"role": "assistant", "content": t.assistant})]
@@ -304,7 +372,7 @@ class ChatSession:
         before = self.turns[:-1] if replace_last else self.turns
         text, stopped, prof = self.engine.ask(self.prompt_for(user, before), on_text, stop, on_log, log_level)
         self.last_profile = prof
-        summary = profile.summarize(profile.parse(prof)).model_dump() if prof else {}
+        summary = profile.summarize(profile.parse(prof)).model_dump() if prof else self.engine.figures
         turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.engine.name, stopped=stopped,
                     generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"))
         self.turns = [*before, turn]

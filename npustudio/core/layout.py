@@ -62,6 +62,9 @@ METADATA = "metadata.json"
 BUNDLE_RESULT = "bundle.json"
 SAMPLE_PROMPT = "sample_prompt.txt"
 EMBEDDING_LUT = "embedding_lut.dat"  # the token-embedding rows Genie looks up on the CPU (also in compile/prepared)
+MNN_RESULT = "mnn.json"
+MNN_MODEL = "model"  # folder: what MNN's LLM runtime loads (config.json, llm.mnn, llm.mnn.weight, tokenizer …)
+MNN_CONFIG = "config.json"  # in MNN_MODEL: the file MNN's runtime is pointed at
 CHAT_HISTORY = "chat_history.json"
 CHAT_HISTORY_ASIDE = "chat_history.unreadable-*.json"  # an unreadable history, set aside by the chat (a glob)
 

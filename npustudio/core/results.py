@@ -156,6 +156,40 @@ class BundleResult(BaseModel):
     notes: list[str] = Field(default_factory=list, description="what a person should know before running it")
 
 
+class MnnResult(BaseModel):
+    """The MNN back-end: the model folder MNN's LLM runtime loads, and how it measured against the float model on
+    this computer (perplexity over the eval text read one token at a time, as a phone decodes; the greedy answer
+    through MNN's own prompt and decode path)."""
+
+    folder: str
+    files: list[dict[str, Any]]
+    model_bytes: int = Field(description="llm.mnn + its weights (+ a separate embedding file, if any)")
+    bits: int
+    block: int
+    lm_head_bits: int
+    exporter: str = Field(description="llmexport and MNN versions")
+    eval: EvalPlan
+    fp_ppl: float
+    mnn_ppl: float
+    ppl_ratio: float
+    top1_agreement: float
+    max_abs_logit_diff: float
+    prompt_tokens: int
+    answer_fp: list[int] = Field(description="the float model's greedy tokens")
+    answer_mnn: list[int] = Field(description="MNN's greedy tokens through its prompt and decode path")
+    answer_text: str
+    agreeing_prefix: int = Field(description="leading tokens of the two answers that are the same")
+    prefill_tok_s: float
+    decode_tok_s: float
+    threads: int
+    notes: list[str] = Field(default_factory=list)
+    # what a chat with it needs (the model's tokenizer is saved beside its folder)
+    context_length: int = Field(gt=0, description="tokens a chat keeps: the project's context length")
+    chat_template: str | None = None
+    bos_id: int | None = None
+    eos_ids: list[int] = Field(default_factory=list)
+
+
 Record = TypeVar("Record", bound=BaseModel)
 
 

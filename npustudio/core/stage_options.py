@@ -59,10 +59,15 @@ RECIPE_STEPS: dict[str, tuple[str, ...]] = {"plain": (), "seqmse": ("seq_mse",),
 RECIPE_NOTES = {"plain": "min-max weight encodings (fastest)",
                 "seqmse": "SeqMSE: each weight's encodings searched against its layer's output",
                 "adascale": "AdaScale: each decoder layer's weight scales learned against the float layer"}
-Backend = Literal["ort-qnn", "qairt"]
+Backend = Literal["ort-qnn", "qairt", "mnn"]
+BACKEND_NOTES = {"ort-qnn": "QNN context binaries for Genie, on the embedded simulator",
+                 "qairt": "QNN context binaries for Genie, by Qualcomm's SDK (QNN_SDK_ROOT)",
+                 "mnn": "an MNN model for MNN's LLM runtime (a phone's CPU/GPU, or this computer), made from the "
+                        "float model"}
 Device = Literal["auto", "cpu", "cuda"]  # where a stage's torch work runs (core/compute.py)
 DEVICES: tuple[str, ...] = get_args(Device)
 DEFAULT_QUESTION = "What is the capital of France?"
+MNN_BLOCK = 128  # MNN's 4-bit block, as its LLM exports ship
 
 
 class StageOptions(BaseModel):
@@ -155,7 +160,7 @@ class QuantizeOptions(StageOptions):
 
 
 class CompileOptions(StageOptions):
-    backend: Backend = Field("ort-qnn", description="ort-qnn (embedded simulator) or qairt (QNN_SDK_ROOT)")
+    backend: Backend = Field("ort-qnn", description="; ".join(f"{k}: {v}" for k, v in BACKEND_NOTES.items()))
     target: str | None = Field(None, description="SoC; default: the quantize stage's target")
     verify_tokens: int = Field(128, ge=0, le=MAX_CONTEXT, description="eval tokens run through the compiled graphs "
                                                                       "on the simulator (0: skip; ~0.6 s each)")
@@ -201,7 +206,30 @@ class BundleOptions(StageOptions):
                                                   "of contexts load on the HTP simulator)")
 
 
-OPTION_MODELS: tuple[type[BaseModel], ...] = (AdaptOptions, QuantizeOptions, CompileOptions, BundleOptions, Sampler)
+class MnnOptions(StageOptions):
+    """The MNN back-end (`compile --backend mnn`): MNN's exporter quantizes the float model's linear weights in
+    blocks, then the MNN model is checked against the float model on this computer."""
+
+    bits: Literal[4, 8] = Field(4, description="weight bits of the decoder's linear layers")
+    block: int | None = Field(None, ge=0, le=4096,
+                              description="weights per quantization block (0: one scale per output channel; "
+                                          f"default: {MNN_BLOCK}, or the largest power of two below it that "
+                                          "divides every layer's inputs)")
+    lm_head_bits: Literal[4, 8] = Field(8, description="bits of the LM head (and the embedding tied to it), one "
+                                                       "scale per row at 8")
+    eval_corpus: str = "default"
+    eval_tokens: int | None = Field(None, ge=2, le=MAX_EVAL_TOKENS,
+                                    description="tokens of the eval text scored (default: sized to the model)")
+    window: int = Field(DEFAULT_WINDOW, ge=2, le=MAX_CONTEXT)
+    max_ppl_ratio: float = Field(1.5, gt=1.0, le=100,
+                                 description="the stage fails when the MNN model's perplexity is more than this "
+                                             "times the float model's")
+    question: str = Field(DEFAULT_QUESTION, description="the sample prompt's question")
+    answer_tokens: int = Field(16, ge=1, le=MAX_CONTEXT, description="greedy tokens compared with the float model")
+
+
+OPTION_MODELS: tuple[type[BaseModel], ...] = (AdaptOptions, QuantizeOptions, CompileOptions, BundleOptions, Sampler,
+                                              MnnOptions)
 
 
 # ---------------------------------------------------------------- what a front end reads from a field

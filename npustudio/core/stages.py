@@ -55,7 +55,11 @@ COMPILE = StageSpec("compile", "compiled graphs", "compile", requires="quantize"
 BUNDLE = StageSpec("bundle", "Genie bundle", "bundle", requires="compile", format=1,
                    entry="npustudio.core.genie.bundle:run", reads=("compile", "adapt"))
 
-SPECS: tuple[StageSpec, ...] = (MODEL, ADAPT, QUANTIZE, COMPILE, BUNDLE)  # in the order they run
+# the MNN back-end (`compile --backend mnn`): made from the float model beside the Genie stages, not after them
+MNN = StageSpec("mnn", "MNN model", "compile --backend mnn", requires="model", format=1,
+                entry="npustudio.core.mnn:run", libraries=("torch", "transformers", "MNN"))
+
+SPECS: tuple[StageSpec, ...] = (MODEL, ADAPT, QUANTIZE, COMPILE, BUNDLE, MNN)  # in the order they run
 BY_NAME = {s.name: s for s in SPECS}
 NAMES = tuple(BY_NAME)
 UPSTREAM = {s.name: s.requires for s in SPECS if s.requires}

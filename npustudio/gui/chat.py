@@ -3,7 +3,8 @@
 Messages are bubbles (the model's answers drawn from Markdown, code blocks shaded); tokens stream into the
 last one as they arrive. Send and Stop stay in view; Stop always works (it sets the turn's stop event, which
 every runner honours). The last answer can be regenerated and the last message edited; a project keeps several
-chats, picked from the list at the top (core.chat keeps them). Tokens/s and TTFT come from Genie's profile.
+chats, picked from the list at the top (core.chat keeps them). Tokens/s and TTFT come from Genie's profile (for
+MNN, from its own calls, timed).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QSizeF, Qt, QTimer, Signal
@@ -33,7 +35,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core import chat, layout, pipeline
+from ..core import chat, layout, pipeline, stages
 from ..core.chat import ChatSession, Turn
 from ..core.errors import UserError
 from ..display import human_number
@@ -42,7 +44,8 @@ from .widgets import StatusLine, show_error
 from .window import StudioWindow
 
 RUNNERS = (("device", "The selected device"), ("desktop", "This computer: Genie on the HTP simulator (slow)"),
-           ("preview", "This computer: CPU preview (fast, not Genie)"))
+           ("preview", "This computer: CPU preview (fast, not Genie)"),
+           ("mnn", "This computer: MNN (CPU), the MNN back-end's model"))
 CODE_BACKGROUND = QColor("#eef0f3")
 BUBBLE = {"user": "background: #dbeafe", "model": "background: #ffffff; border: 1px solid #d8dce2"}
 
@@ -207,9 +210,10 @@ class Transcript(QScrollArea):
 
 
 def figures(t: Turn) -> str:
-    """What Genie's profile measured for an answer (its only source of figures: the window's own clock counted the
-    model's loading into a "first token after" that disagreed with the profile's TTFT), worded alike in the status
-    line and the answer's header; "" when the profile has none (an answer stopped early)."""
+    """What the runner measured for an answer (Genie's profile, MNN's calls timed: the only source of figures: the
+    window's own clock counted the model's loading into a "first token after" that disagreed with the profile's
+    TTFT), worded alike in the status line and the answer's header; "" when there are none (an answer stopped
+    early)."""
     parts = [f"{human_number(t.generation_tok_s)} tok/s"] if t.generation_tok_s else []
     if t.ttft_s is not None:
         parts.append(f"TTFT {human_number(t.ttft_s)} s")
@@ -326,13 +330,19 @@ class ChatPanel(QWidget):
 
     def _runner_key(self) -> tuple[Any, ...] | None:
         project = self.window_.project
-        if project is None or not (project.stage_dir("bundle") / layout.GENIE_CONFIG).is_file():
-            return None
         kind = self.runner.currentData()
+        if project is None or not (self._folder(project, kind) / (layout.MNN_RESULT if kind == "mnn" else
+                                                                  layout.GENIE_CONFIG)).is_file():
+            return None
         dev = self.window_.device
         if kind == "device" and dev is None:
             return None
         return (str(project.root), kind, dev.serial if kind == "device" and dev else None)
+
+    @staticmethod
+    def _folder(project: Any, kind: str) -> Path:
+        """What the runner `kind` chats with: the MNN stage's folder, else the Genie bundle."""
+        return project.stage_dir(stages.MNN.name if kind == "mnn" else stages.BUNDLE.name)
 
     def _history(self) -> chat.ChatHistory | None:
         project = self.window_.project
@@ -362,8 +372,8 @@ class ChatPanel(QWidget):
         """Regenerate's tooltip says when it cannot bring another answer (greedy decoding)."""
         tip = "Ask the last message again; the new answer replaces the last one"
         project = self.window_.project  # not None with a key (`_runner_key`): said for mypy
-        self.greedy = key is not None and project is not None and chat.samples_greedily(project.stage_dir("bundle"),
-                                                                                         key[1] == "preview")
+        self.greedy = key is not None and project is not None and chat.samples_greedily(
+            project.stage_dir("bundle"), key[1] in ("preview", "mnn"))  # the CPU preview and MNN: greedy
         if self.greedy:
             tip += (". This runner decodes greedily (the likeliest token every time): the same messages bring the "
                     "same answer; edit the message for another one")
@@ -371,6 +381,8 @@ class ChatPanel(QWidget):
 
     def _ready_text(self, key: tuple[Any, ...] | None) -> str:
         if key is None:
+            if self.runner.currentData() == "mnn":
+                return "No MNN model yet (Compile step, MNN back-end)."
             return ("No bundle yet (Compile step)." if self.runner.currentData() != "device" or self.window_.device
                     else "Pick a device in the device panel.")
         return f"Ready: {self.runner.currentText()}" + (f" ({key[2]})" if key[2] else "") + "."
@@ -436,7 +448,7 @@ class ChatPanel(QWidget):
         if key != self._key:
             self.session, self._key = None, key
         kind, serial = key[1], key[2]
-        bundle, system = project.stage_dir("bundle"), self.system.text().strip() or None
+        bundle, system = self._folder(project, kind), self.system.text().strip() or None
         self.window_.chat_dock.raise_()  # the answer is to be seen (the device panel shares its place)
         self.stop_event = threading.Event()
         stop = self.stop_event
@@ -475,7 +487,7 @@ class ChatPanel(QWidget):
             self.stats.setText(f"processing the prompt… {now - self._t0:.0f} s")
         else:
             self.stats.setText(f"answering: {tokens(self._pieces)} so far, {now - self._t0:.0f} s (the rate and TTFT "
-                               "follow from Genie's profile)")
+                               "follow from the runner's own figures)")
 
     def _piece(self, kind: str, data: dict) -> None:
         if kind == "log":  # Genie's own log: to the device console, never into the answer

@@ -18,7 +18,6 @@ from ..targets import Soc
 
 if TYPE_CHECKING:
     from ..graph.graph_io import IOEncoding
-    from .bundle import BundleMeta
 
 
 def rope(card: dict[str, Any]) -> dict[str, Any]:
@@ -264,23 +263,25 @@ def as_chat_prompt(bundle_dir: Path, text: str) -> str:
         return text
     if not meta.chat_template:
         return text
-    tok = template_tokenizer(Path(bundle_dir), meta)
+    tok = template_tokenizer(Path(bundle_dir), meta.bos_id, meta.eos_ids, meta.chat_template)
     if any(t.special and t.content in text for t in tok.added_tokens_decoder.values()):
         return text
     return chat_prompt(tok, text)
 
 
-def template_tokenizer(bundle_dir: Path, meta: BundleMeta) -> Any:
-    """The bundle's tokenizer with the model's chat template, bos and eos, for rendering prompts."""
+def template_tokenizer(bundle_dir: Path, bos_id: int | None, eos_ids: list[int], chat_template: str | None) -> Any:
+    """The folder's tokenizer (a bundle's, the MNN stage's) with the model's chat template, bos and eos, for
+    rendering prompts."""
     from transformers import PreTrainedTokenizerFast
 
     from ..errors import UserError
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / layout.TOKENIZER))
-    if meta.bos_id is not None:
-        tok.bos_token = tok.convert_ids_to_tokens(meta.bos_id)
-    tok.eos_token = tok.convert_ids_to_tokens(meta.eos_ids[0])
-    if not meta.chat_template:
+    if bos_id is not None:
+        tok.bos_token = tok.convert_ids_to_tokens(bos_id)
+    if eos_ids:
+        tok.eos_token = tok.convert_ids_to_tokens(eos_ids[0])
+    if not chat_template:
         raise UserError("This model has no chat template.", "Use an instruct/chat model, or genie-run with a prompt.")
-    tok.chat_template = meta.chat_template
+    tok.chat_template = chat_template
     return tok

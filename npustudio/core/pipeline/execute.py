@@ -13,6 +13,7 @@ import platformdirs
 from .. import adapt as adapt_stage
 from .. import compile as compile_stage
 from .. import host_cost, isolated, layout, models, parts, stages
+from .. import mnn as mnn_stage
 from .. import quantize as quantize_stage
 from ..cluster import Cluster, Job
 from ..config_audit import check_context
@@ -21,6 +22,7 @@ from ..genie import bundle as bundle_stage
 from ..progress import StateLike, free_big_blocks_at_once
 from ..project import Project, StageRecord
 from ..results import IntakeResult, StageOptions
+from ..stage_options import IntakeOptions
 from .status import _require
 
 INTAKE = stages.MODEL.name  # the stage that reads the model: its record, not work worth a project folder
@@ -129,6 +131,28 @@ def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLi
     return _made_from(project, stages.BUNDLE, _require(project, stages.COMPILE), options, state, force, None)
 
 
+def mnn(project: Project, options: mnn_stage.MnnOptions, state: StateLike, force: bool = False,
+        model: str | None = None) -> StageRecord:
+    """The MNN back-end: the project's float model (read again, so an edited model is seen) exported by MNN's
+    exporter and checked against the float model on this computer."""
+    choices, prev = project.choices(), project.record(INTAKE)
+    # at the context length the model was read for: another would make the Genie stages stale
+    cl = prev.options_as(IntakeOptions).cl if prev is not None and prev.status == "done" else choices.cl
+    source, mrec = intake(project, model or choices.model, cl, state.sub(0.0, 0.02))
+    card = mrec.result_as(IntakeResult).card
+    options = mnn_stage.resolved(options, card)  # before any weight is loaded; one key for the same work
+
+    def fn(out: Path) -> dict[str, Any]:
+        host_cost.check_fits(card, "adapt", gguf=bool(source.gguf_file))  # the float model in memory, as adapt
+        free_big_blocks_at_once()
+        return mnn_stage.run(source, card, options, out, state.sub(0.02, 1.0),
+                             final_dir=project.stage_dir(stages.MNN.name), context_length=cl).model_dump()
+
+    rec, _ = project.run_stage(stages.MNN.name, inputs={stages.MODEL.name: mrec.key, "format": stages.MNN.format},
+                               options=options.model_dump(), fn=fn, force=force)
+    return rec
+
+
 def _made_from(project: Project, spec: stages.StageSpec, up: StageRecord, options: StageOptions, state: StateLike,
                force: bool, cluster: Cluster | None) -> StageRecord:
     """A stage made from the one before it: its record keys that stage's key and its own output format (redoing
@@ -215,6 +239,8 @@ def run_stage(project: Project, spec: stages.StageSpec, options: StageOptions, s
         return compile_graphs(project, options, state, force=force, cluster=cluster)  # type: ignore[arg-type]
     if spec == stages.BUNDLE:
         return bundle(project, options, state, force=force)  # type: ignore[arg-type]
+    if spec == stages.MNN:
+        return mnn(project, options, state, force=force, model=model)  # type: ignore[arg-type]
     raise ValueError(f"{spec.name} is not run with options: it is read by `intake`")
 
 

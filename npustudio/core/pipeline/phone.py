@@ -39,15 +39,18 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
     return res
 
 
-def open_chat(bundle: Path, where: Literal["device", "desktop", "preview"], serial: str | None = None,
+def open_chat(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"], serial: str | None = None,
               system: str | None = None, state: StateLike | None = None, apart: bool = False) -> ChatSession:
     """A chat over a bundle: on a device (the bundle deployed there first: nothing moves when it is there already,
     and a project's bundle is recorded as deployed), with real Genie on this computer (`apart`: in a child process
-    at a lower CPU priority), or with the CPU preview."""
+    at a lower CPU priority), or with the CPU preview; `mnn`: the MNN stage's model (`bundle` is that stage's
+    folder) run by MNN's runtime on this computer."""
     from .. import chat, device
     from ..device import deploy as device_deploy
 
     bundle = Path(bundle)
+    if where == "mnn":
+        return chat.ChatSession(bundle, chat.MnnEngine(bundle), system=system)
     bundle_stage.read_metadata(bundle)  # "not a bundle" before "no device"
     engine: chat.Engine
     if where == "device":

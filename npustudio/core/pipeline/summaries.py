@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from .. import models, parts, stages
 from ..project import Project, StageRecord
-from ..results import AdaptResult, BundleResult, CompileResult, QuantizeResult, Verification
+from ..results import AdaptResult, BundleResult, CompileResult, MnnResult, QuantizeResult, Verification
 from .phone import SampleAnswer
 
 
@@ -139,4 +139,6 @@ def summary(stage: str, rec: StageRecord, project: Project) -> BaseModel:
         return quantize_summary(rec.result_as(QuantizeResult), project.stage_dir(stage))
     if stage == stages.COMPILE.name:
         return compile_summary(rec.result_as(CompileResult))
+    if stage == stages.MNN.name:
+        return rec.result_as(MnnResult)  # its record is already what a person reads
     return bundle_summary(rec.result_as(BundleResult))

@@ -1,5 +1,6 @@
 """Compile: QNN HTP context binaries (embedded simulator or the QAIRT SDK), checked on the simulator,
-then the Genie bundle validated by the real libGenie."""
+then the Genie bundle validated by the real libGenie; or, as a second target, an MNN model made from the float
+model and checked against it."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from typing import Any
 
 from PySide6.QtWidgets import QButtonGroup, QCheckBox, QRadioButton
 
-from ...core import isolated, pipeline
+from ...core import isolated, pipeline, stages
 from ...core.compile import qairt
 from ...core.errors import UserError
-from ...core.results import BundleResult, CompileResult
-from ...core.stage_options import CompileOptions
+from ...core.results import BundleResult, CompileResult, MnnResult
+from ...core.stage_options import BACKEND_NOTES, CompileOptions, MnnOptions
 from ...display import human_bytes
-from ..fields import spin
+from ..fields import combo, spin
 from ..widgets import Page, fill, table, with_note
 from ..window import StudioWindow
 
@@ -26,6 +27,10 @@ def sdk_found() -> tuple[str | None, str]:
         return qairt.sdk_version(root), str(root)
     except UserError as e:
         return None, e.problem
+
+
+QNN_COLUMNS = ["Graph", "Context binary", "Size", "Ops on the NPU", "Compile time"]
+MNN_COLUMNS = ["MNN model", "File", "Size"]
 
 
 class CompilePage(Page):
@@ -42,9 +47,16 @@ class CompilePage(Page):
         self.backend.addButton(self.embedded, 0)
         self.backend.addButton(self.sdk, 1)
         self.embedded.setChecked(True)
+        self.mnn = QRadioButton("MNN for a phone's CPU or GPU (made from the float model)")
+        self.mnn.setToolTip(BACKEND_NOTES["mnn"] + ": for phones without a Hexagon NPU")
+        self.backend.addButton(self.mnn, 2)
         self.verify = spin(CompileOptions, "verify_tokens", step=32)
         self.form.addRow("Back-end:", self.embedded)
         self.form.addRow("", self.sdk)
+        self.mnn_bits = combo(MnnOptions, "bits", {4: "4-bit weight blocks, LM head 8-bit", 8: "8-bit weights"})
+        self.form.addRow("", with_note(self.mnn, "MNN's exporter and runtime, for phones without a Hexagon NPU; "
+                                                 "checked against the float model on this computer."))
+        self.form.addRow("MNN weights:", self.mnn_bits)
         self.share = QCheckBox("Weight sharing (for a phone)")
         self.form.addRow("Verify on the simulator (tokens):", self.verify)
         self.form.addRow("", with_note(self.share, "One binary per part holding the prompt and token graphs, weights "
@@ -57,12 +69,14 @@ class CompilePage(Page):
         self.form.addRow("", with_note(self.lut, "Keeps the 16-bit table out of the NPU contexts, where each graph of "
                                                  "the first part would hold it; Genie copies each token's row in."))
         self.add_strip("Compile and bundle", redo=True)
-        self.binaries = table(["Graph", "Context binary", "Size", "Ops on the NPU", "Compile time"])
+        self.binaries = table(QNN_COLUMNS)
         self.results = table(["Result", "Value"])
         self.lay.addWidget(self.binaries, 1)
         self.lay.addWidget(self.results, 1)
         self.strip.run.clicked.connect(lambda: self.start())
+        self.mnn.toggled.connect(self._backend_chosen)
         self.find_sdk()
+        self._backend_chosen(False)
 
     def find_sdk(self) -> None:
         version, where = sdk_found()
@@ -78,7 +92,19 @@ class CompilePage(Page):
                               weight_sharing=self.share.isChecked(), embedding_lut=self.lut.isChecked(),
                               optimize="quick" if self.quick.isChecked() else "phone")
 
+    def _backend_chosen(self, mnn: bool) -> None:
+        """MNN takes its own options; the QNN ones stay out of its way (and its result is shown when it has one)."""
+        self.mnn_bits.setEnabled(mnn)
+        for box in (self.verify, self.share, self.quick, self.lut):
+            box.setEnabled(not mnn)
+        self.strip.run.setText("Export to MNN and check" if mnn else "Compile and bundle")
+        if self.window_.project is not None:
+            self.refresh()
+
     def start(self, force: bool = False) -> None:
+        if self.mnn.isChecked():
+            self._start_mnn(force)
+            return
         project, opts = self.project, self.options()
         cluster = self.window_.settings.cluster  # None: here
 
@@ -89,13 +115,33 @@ class CompilePage(Page):
 
         self.strip.start(work, self.finish, "Compiling")
 
-    def show_result(self, result: tuple[CompileResult, BundleResult]) -> None:
-        self._show(*result)
+    def _start_mnn(self, force: bool) -> None:
+        project, opts = self.project, MnnOptions(bits=self.mnn_bits.currentData())
+
+        def work(state: Any) -> MnnResult:
+            rec = pipeline.run_stage(project, stages.MNN, opts, state, force=force, where="child")
+            return rec.result_as(MnnResult)
+
+        self.strip.start(work, self.finish, "Exporting to MNN")
+
+    def show_result(self, result: tuple[CompileResult, BundleResult] | MnnResult) -> None:
+        if isinstance(result, MnnResult):
+            self._show_mnn(result)
+        else:
+            self._show(*result)
 
     def refresh(self) -> None:
         self.find_sdk()
-        crec, brec = self.project.record("compile"), self.project.record("bundle")
-        if crec and crec.status == "done":
+        crec, brec, mrec = (self.project.record(s) for s in ("compile", "bundle", stages.MNN.name))
+        if self.mnn.isChecked():
+            if mrec and mrec.status == "done":
+                self.mnn_bits.setCurrentIndex(max(0, self.mnn_bits.findData(mrec.options_as(MnnOptions).bits)))
+                self._show_mnn(mrec.result_as(MnnResult))
+            else:
+                fill(self.binaries, [])
+                fill(self.results, [])
+                self.strip.status.setText("No MNN model yet.")
+        elif crec and crec.status == "done":
             o = crec.options_as(CompileOptions)
             self.verify.setValue(o.verify_tokens)
             self.share.setChecked(o.weight_sharing)
@@ -104,7 +150,28 @@ class CompilePage(Page):
             self._show(crec.result_as(CompileResult),
                        brec.result_as(BundleResult) if brec and brec.status == "done" else None)
 
+    def _columns(self, names: list[str]) -> None:
+        self.binaries.setColumnCount(len(names))
+        self.binaries.setHorizontalHeaderLabels(names)
+
+    def _show_mnn(self, r: MnnResult) -> None:
+        self._columns(MNN_COLUMNS)
+        fill(self.binaries, [(f"{r.bits}-bit", f["file"], human_bytes(f["bytes"])) for f in r.files])
+        fill(self.results, [
+            ("MNN model", r.folder),
+            ("Weights", f"{r.bits}-bit in blocks of {r.block or 'a row'}, LM head {r.lm_head_bits}-bit"),
+            ("Perplexity vs the float model", f"{r.mnn_ppl:.3f} vs {r.fp_ppl:.3f} (x{r.ppl_ratio:.3f})"),
+            ("Top-1 agreement", f"{r.top1_agreement:.3f} over {r.eval.tokens} tokens"),
+            ("Greedy answer", f"{r.agreeing_prefix} of {len(r.answer_fp)} tokens as the float model's: "
+                              f"{r.answer_text}"),
+            ("Speed on this computer", f"prompt {r.prefill_tok_s:.0f} tok/s, decode {r.decode_tok_s:.1f} tok/s "
+                                       f"({r.threads} threads)"),
+            ("Made by", r.exporter)])
+        self.strip.status.setText(f"MNN model of {human_bytes(r.model_bytes)}, perplexity x{r.ppl_ratio:.3f} of "
+                                  "the float model's.")
+
     def _show(self, c: CompileResult, b: BundleResult | None) -> None:
+        self._columns(QNN_COLUMNS)
         s = pipeline.compile_summary(c)
         fill(self.binaries, [(x.graph, x.file, human_bytes(x.bytes), f"{x.nodes_on_qnn:,}",
                               f"{x.compile_seconds:.0f} s") for x in s.binaries])

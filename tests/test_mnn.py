@@ -1,0 +1,110 @@
+"""The MNN back-end (`npustudio compile --backend mnn`), run as a user runs it: MNN's own exporter and runtime on
+the project's float model, measured against it; refused up front where it would not be exact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npustudio.core import layout, pipeline
+from npustudio.core.progress import State
+from npustudio.core.project import Project
+from tests.conftest import make_tiny_model
+
+NPUSTUDIO = str(Path(sys.executable).parent / "npustudio")
+
+
+def npustudio(*args: str, timeout: float = 900, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([NPUSTUDIO, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def mnn_json(*args: str, cwd: Path | None = None) -> dict:
+    r = npustudio("compile", "--backend", "mnn", *args, "--json", cwd=cwd)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_an_8_bit_mnn_model_follows_the_float_model_token_for_token(family: str, tiny_models: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    """8-bit weights, one scale per row: MNN's runtime gives the float model's next token almost everywhere (a wrong
+    graph, such as a missed q/k norm, would not); the stage is recorded, skipped when asked again, and made stale
+    by another model."""
+    proj = tmp_path / "p"
+    r = mnn_json("--project", str(proj), "--model", str(tiny_models[family]), "--mnn-bits", "8", "--mnn-block", "0",
+                 cwd=tmp_path)
+    assert not list(tmp_path.glob(".*.log"))  # MNN's converter logs into its working folder: not the user's
+    assert (r["bits"], r["block"], r["lm_head_bits"]) == (8, 0, 8)
+    assert r["top1_agreement"] >= 0.9, r
+    assert r["max_abs_logit_diff"] < 0.5
+    assert 0.98 < r["ppl_ratio"] < 1.02
+    assert r["answer_mnn"] and r["answer_mnn"][:3] == r["answer_fp"][:3]
+    folder = Path(r["folder"])
+    assert folder == proj / layout.STAGES_DIR / "mnn" / layout.MNN_MODEL
+    assert {"config.json", "llm.mnn", "llm.mnn.weight", "llm_config.json"} <= {p.name for p in folder.iterdir()}
+    assert not (folder / "onnx").exists() and not list(folder.parent.glob(".*.log"))
+    project = Project.open(proj, create=False)
+    assert pipeline.stage_status(project)["mnn"] == "done"
+    again = mnn_json("--project", str(proj), "--model", str(tiny_models[family]), "--mnn-bits", "8",
+                     "--mnn-block", "0")
+    assert again["seconds"] == r["seconds"]  # the same inputs and options: the recorded stage, not a new run
+    if family == "llama":  # chatting with it through MNN's runtime, as `npustudio chat --mnn` does
+        chat = npustudio("chat", "--mnn", "--bundle", str(folder.parent), "What is the capital of France?",
+                         timeout=300)
+        assert chat.returncode == 0, chat.stderr[-1500:]
+        assert chat.stdout.strip() and "(MNN on this computer (CPU), " in chat.stderr and "tok/s" in chat.stderr
+        history = json.loads((proj / layout.CHAT_HISTORY).read_text())
+        assert history["turns"][-1]["runner"] == "MNN on this computer (CPU)"
+    other = make_tiny_model(tmp_path / "other", family, seed=1)
+    pipeline.intake(project, str(other), 1024, State())
+    assert pipeline.stage_status(project)["mnn"] == "stale"
+    assert "model" in pipeline.stale_reasons(project)["mnn"]
+
+
+def test_the_default_model_at_4_bits_answers_as_the_float_model_and_a_bad_export_is_refused(tmp_path: Path) -> None:
+    """The real default model: 4-bit blocks and an 8-bit LM head keep its answer; held to a closer perplexity than
+    4 bits give, the stage fails with the figures, and the good MNN model already made is kept."""
+    proj = tmp_path / "p"
+    r = mnn_json("--project", str(proj))
+    assert (r["bits"], r["block"]) == (4, 64)  # 128 does not divide SmolLM2-135M's 576: the block said, not hidden
+    assert 1.0 < r["ppl_ratio"] < 1.5 and r["top1_agreement"] > 0.6, r
+    assert abs(r["fp_ppl"] - 14.659) < 0.01  # the float model's, as the adapt stage measures it
+    assert "Paris" in r["answer_text"] and r["answer_mnn"] == r["answer_fp"]
+    assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+    weights = Path(r["folder"]) / "llm.mnn.weight"
+    before = weights.stat().st_size
+    bad = npustudio("compile", "--backend", "mnn", "--project", str(proj), "--max-ppl-ratio", "1.1")
+    assert bad.returncode == 2
+    assert "far off the float model" in bad.stderr and "over the x1.1 allowed" in bad.stderr, bad.stderr[-800:]
+    assert "--mnn-bits 8" in bad.stderr
+    project = Project.open(proj, create=False)
+    rec = project.record("mnn")
+    assert rec is not None and rec.options["max_ppl_ratio"] == 1.5 and weights.stat().st_size == before
+
+
+def test_what_the_mnn_back_end_would_not_do_exactly_is_refused_before_any_work(tiny_models: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    tiny = str(tiny_models["llama"])
+    cases = [
+        (["compile", "--backend", "mnn", "--mnn-block", "48"], "does not divide the model's hidden size (64)",
+         "--mnn-block 32"),
+        (["compile", "--backend", "mnn", "--parts", "2"], "--parts do not apply to the MNN back-end", ""),
+        (["compile", "--mnn-bits", "8"], "--mnn-bits apply to `--backend mnn` only", ""),
+        (["compile", "--model", tiny], "--model applies to `--backend mnn` only", ""),
+        (["run", "--backend", "mnn", "--model", tiny], "the MNN back-end is its own stage", "compile --backend mnn"),
+    ]
+    for i, (args, says, fix) in enumerate(cases):
+        proj = tmp_path / f"p{i}"
+        extra = ["--model", tiny] if args[0] == "compile" and "--model" not in args and "mnn" in args else []
+        r = npustudio(*args, *extra, "--project", str(proj), timeout=300)
+        assert r.returncode == 2, (args, r.stderr[-800:])
+        assert says in r.stderr and fix in r.stderr, (args, r.stderr[-800:])
+        assert not (proj / layout.STAGES_DIR / "mnn").exists()
+    phi3 = make_tiny_model(tmp_path / "phi3", "phi3", pad_token_id=0, max_position_embeddings=512)
+    r = npustudio("compile", "--backend", "mnn", "--model", str(phi3), "--project", str(tmp_path / "phi"),
+                  timeout=300)
+    assert r.returncode == 2 and "model type 'phi3'" in r.stderr and "--backend ort-qnn" in r.stderr
