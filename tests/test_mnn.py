@@ -108,3 +108,22 @@ def test_what_the_mnn_back_end_would_not_do_exactly_is_refused_before_any_work(t
     r = npustudio("compile", "--backend", "mnn", "--model", str(phi3), "--project", str(tmp_path / "phi"),
                   timeout=300)
     assert r.returncode == 2 and "model type 'phi3'" in r.stderr and "--backend ort-qnn" in r.stderr
+
+
+def test_the_exporter_is_given_no_code_and_no_pickle(tmp_path: Path) -> None:
+    """MNN's exporter loads with trust_remote_code=True: the folder it reads holds the model's config, safetensors
+    and tokenizer only, and no `auto_map` naming code elsewhere."""
+    from npustudio.core.mnn import export
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "auto_map": {"AutoModel": "x--m.Model"}}))
+    (src / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["t.T", None]}}))
+    for name in ("model.safetensors", "tokenizer.json", "modeling_x.py", "pytorch_model.bin", "evil.pkl"):
+        (src / name).write_bytes(b"x")
+    export.link_float_folder(src, dst)
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                      "tokenizer_config.json"]
+    assert json.loads((dst / "config.json").read_text()) == {"model_type": "llama"}
+    assert "auto_map" not in json.loads((dst / "tokenizer_config.json").read_text())
+    assert (dst / "model.safetensors").resolve() == (src / "model.safetensors").resolve()  # linked, not copied

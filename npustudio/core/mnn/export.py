@@ -25,8 +25,10 @@ from ..progress import StateLike
 FLOAT_FILES = ("*.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
                "generation_config.json", "added_tokens.json")
-# config keys the exporter must not act on: model code from elsewhere, and a quantization already applied
+# config keys the exporter must not act on: model code from elsewhere, and a quantization already applied; in the
+# files that may hold them (copied without them, not linked)
 DROPPED_KEYS = ("auto_map", "quantization_config")
+CLEANED = ("config.json", "tokenizer_config.json")
 # the exporter's steps, as its log announces them when each is done, and the share of the time they end at
 STEPS = (("load pretrained model", 0.1), ("export onnx model", 0.45), ("convert onnx model", 0.6),
          ("quant model weight", 0.9), ("export tokenizer", 0.95), ("export config", 1.0))
@@ -50,19 +52,22 @@ def write_float_folder(model: Any, tokenizer: Any, folder: Path) -> None:
 
 
 def link_float_folder(source: Path, folder: Path) -> None:
-    """A Hugging Face folder's describing files, linked (not copied) into `folder`, its config cleaned."""
+    """A Hugging Face folder's describing files, linked (not copied) into `folder`; its config and tokenizer
+    config copied without what names code to run."""
     folder.mkdir(parents=True, exist_ok=True)
     for pattern in FLOAT_FILES:
         for f in source.glob(pattern):
-            if f.is_file():
+            if f.is_file() and f.name not in CLEANED:
                 (folder / f.name).symlink_to(f.resolve())
-    _write_config(json.loads((source / "config.json").read_text()), folder)
+    for name in CLEANED:
+        if (source / name).is_file():
+            _write_config(json.loads((source / name).read_text()), folder, name)
 
 
-def _write_config(config: dict[str, Any], folder: Path) -> None:
+def _write_config(config: dict[str, Any], folder: Path, name: str = "config.json") -> None:
     for key in DROPPED_KEYS:
         config.pop(key, None)
-    atomic_write_json(folder / "config.json", config)
+    atomic_write_json(folder / name, config)
 
 
 def export(float_dir: Path, out: Path, bits: int, block: int, lm_head_bits: int, state: StateLike) -> Path:
