@@ -263,6 +263,7 @@ class MnnEngine:
             log_level: str = "error") -> tuple[str, bool, str | None]:
         from transformers import PreTrainedTokenizerFast
 
+        from .genie.host import TextPieces
         from .mnn.runtime import MnnModel
 
         if self._model is None:
@@ -270,22 +271,14 @@ class MnnEngine:
             self._tok = PreTrainedTokenizerFast(tokenizer_file=str(self.stage_dir / layout.TOKENIZER))
         ids = ([self.record.bos_id] if self.record.bos_id is not None else []) + self._tok(
             prompt, add_special_tokens=False)["input_ids"]
-        out: list[int] = []
-        shown = ""
-
-        def piece(token: int) -> None:  # whole characters only: a token may end inside a UTF-8 sequence
-            nonlocal shown
-            out.append(token)
-            text = self._tok.decode(out, skip_special_tokens=True)
-            if text.startswith(shown) and not text.endswith("\ufffd"):
-                on_text(text[len(shown):])
-                shown = text
-
         room = self.record.context_length - len(ids)
-        t = self._model.stream(ids, min(room, self.max_tokens or room), piece, stop, set(self.record.eos_ids))
+        if room <= 0:  # as the CPU preview says it
+            raise UserError(f"The prompt ({len(ids)} tokens) does not fit the context ({self.record.context_length}).",
+                            "Shorten the prompt or the history.")
+        pieces = TextPieces(self._tok, on_text)
+        t = self._model.stream(ids, min(room, self.max_tokens or room), pieces.add, stop, set(self.record.eos_ids))
         self.figures = {"ttft_s": t.prefill_s, "generation_tok_s": t.decode_tok_s}
-        stopped = stop is not None and stop.is_set()
-        return self._tok.decode(out, skip_special_tokens=True), stopped, None
+        return pieces.text(), stop is not None and stop.is_set(), None
 
 
 class ChatModel(BaseModel):

@@ -201,6 +201,26 @@ def _room(cfg: dict[str, Any], prompt: str) -> int:
     return size - n
 
 
+class TextPieces:
+    """An answer's tokens turned into text as they come, handed on a whole UTF-8 character at a time (a token may
+    end inside one): the CPU preview's and MNN's streams."""
+
+    def __init__(self, tok: Any, on_text: OnText) -> None:
+        self.tok, self.on_text = tok, on_text
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.text()
+        if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+            self.on_text(text[len(self.shown):])
+            self.shown = text
+
+    def text(self) -> str:
+        return str(self.tok.decode(self.ids, skip_special_tokens=False))
+
+
 class Preview:
     """The bundle's quantized graphs on the CPU, kept loaded between queries (chat)."""
 
@@ -244,8 +264,8 @@ class Preview:
         r.reset()
         last = r.prefill(ids)[-1]
         ttft = time.perf_counter() - t0
-        out: list[int] = []
-        shown = ""
+        pieces = TextPieces(self.tok, on_text)
+        out = pieces.ids
         aborted = False
         t_gen = time.perf_counter()
         while len(out) < limit:
@@ -255,11 +275,7 @@ class Preview:
             tok = int(last.argmax())
             if tok in self.eos:
                 break
-            out.append(tok)
-            text = str(self.tok.decode(out, skip_special_tokens=False))
-            if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
-                on_text(text[len(shown):])
-                shown = text
+            pieces.add(tok)
             last = r.step([tok], 1)[-1]
         gen = time.perf_counter() - t_gen
         stop_t = time.perf_counter()
@@ -271,7 +287,7 @@ class Preview:
                  "num-generated-tokens": {"value": len(out), "unit": ""},
                  "token-generation-rate": {"value": round(len(out) / max(gen, 1e-9), 3), "unit": "toks/sec"},
                  "token-generation-time": {"value": int(gen * 1e6), "unit": "us"}}
-        return str(self.tok.decode(out, skip_special_tokens=False)), event, aborted
+        return pieces.text(), event, aborted
 
     def profile(self, events: list[dict[str, Any]]) -> str:
         create = {"type": "GenieDialog_create", "duration": self.init_us, "start": 0, "stop": self.init_us,

@@ -83,20 +83,20 @@ class MnnModel:
     def stream(self, ids: Sequence[int], max_tokens: int, on_token: Callable[[int], None],
                stop: threading.Event | None = None, eos: Collection[int] = ()) -> Timings:
         """Greedy tokens after the prompt `ids`, each handed to `on_token` as MNN makes it (its prompt path, then
-        one decode step a token), until an end of turn, `max_tokens` or `stop`; timed around MNN's own calls (its
-        context's counters are kept by `generate` alone, which hands out no token before the end)."""
+        one decode step a token), until an end of turn (not handed on), `max_tokens` or `stop`; timed around MNN's
+        own calls (its context's counters are kept by `generate` alone, which hands out no token before the end)."""
         self.llm.reset()
         t0 = time.perf_counter()
         token = self._top(self.llm.forward([int(t) for t in ids]))
         t1 = time.perf_counter()
         n = 0
-        while True:
+        while token not in eos and not (stop is not None and stop.is_set()):
             on_token(token)
             n += 1
-            if token in eos or n >= max_tokens or (stop is not None and stop.is_set()):
+            if n >= max_tokens:
                 break
             token = self._top(self.llm.forward([token]))
-        return Timings(prompt_tokens=len(ids), answer_tokens=n - 1, prefill_s=t1 - t0,
+        return Timings(prompt_tokens=len(ids), answer_tokens=max(n - 1, 0), prefill_s=t1 - t0,
                        decode_s=time.perf_counter() - t1)
 
     @staticmethod
