@@ -4,6 +4,7 @@ the project's float model, measured against it; refused up front where it would 
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,118 @@ def test_the_exporter_is_given_no_code_and_no_pickle(tmp_path: Path) -> None:
     assert json.loads((dst / "config.json").read_text()) == {"model_type": "llama"}
     assert "auto_map" not in json.loads((dst / "tokenizer_config.json").read_text())
     assert (dst / "model.safetensors").resolve() == (src / "model.safetensors").resolve()  # linked, not copied
+
+
+def _arm64_elf(path: Path, needed: list[str], machine: int = 183) -> Path:
+    """A minimal ELF64 file for `machine` (183: AArch64) whose dynamic section names `needed`, as an MNN Android
+    build's llm_demo and libraries do (no arm64 build can be made or downloaded here)."""
+    dynstr, offsets = b"\0", []
+    for name in needed:
+        offsets.append(len(dynstr))
+        dynstr += name.encode() + b"\0"
+    dynamic = b"".join(struct.pack("<qQ", 1, o) for o in offsets) + struct.pack("<qQ", 0, 0)  # DT_NEEDED, DT_NULL
+    shstr = b"\0.dynstr\0.dynamic\0.shstrtab\0"
+    body = bytearray(64)
+    places = []
+    for blob in (dynstr, dynamic, shstr):
+        body += b"\0" * (-len(body) % 8)
+        places.append((len(body), len(blob)))
+        body += blob
+    body += b"\0" * (-len(body) % 8)
+    shoff = len(body)
+    sections = [(0, 0, 0, 0, 0, 0), (1, 3, *places[0], 0, 0), (9, 6, *places[1], 1, 16), (18, 3, *places[2], 0, 0)]
+    for name, kind, off, size, link, entsize in sections:
+        body += struct.pack("<IIQQQQIIQQ", name, kind, 0, 0, off, size, link, 0, 1, entsize)
+    ident = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)
+    body[:64] = struct.pack("<16sHHIQQQIHHHHHH", ident, 3, machine, 1, 0, 0, shoff, 0, 64, 0, 0, 64, 4, 3)
+    path.write_bytes(bytes(body))
+    path.chmod(0o755)
+    return path
+
+
+def test_the_mnn_model_answers_on_a_device_through_llm_demo(tiny_models: dict[str, Path], adb_server: list[str],
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`npustudio deploy P/stages/mnn` then `npustudio chat --mnn --device S "…"`, as processes: a phone is refused
+    without MNN's Android runtime, and a runtime missing a library or built for another CPU is refused naming
+    what is wrong, before any byte moves; with a whole one, the model and llm_demo with its libraries go to
+    `<project>-mnn`, and llm_demo (MNN's runtime on the virtual device) streams the greedy answer the stage
+    recorded."""
+    from npustudio.core import device
+    from npustudio.core.device.virtual import VirtualDevice
+
+    proj = tmp_path / "p"
+    r = mnn_json("--project", str(proj), "--model", str(tiny_models["llama"]), "--mnn-bits", "8", "--mnn-block", "0")
+    stage = proj / layout.STAGES_DIR / "mnn"
+    assert json.loads((stage / layout.MNN_MODEL / "config.json").read_text())["sampler_type"] == "greedy"
+    phone = VirtualDevice(tmp_path / "phone", props={"ro.npustudio.virtual": "0"}).start()  # as a phone shows
+    try:
+        assert "connected" in str(device.client().connect(phone.serial, timeout=15))
+        remote = phone.root / "data/local/tmp/npustudio" / "p-mnn"
+        monkeypatch.delenv("MNN_ANDROID_ROOT", raising=False)
+        no_runtime = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
+        assert no_runtime.returncode == 2 and "needs MNN's Android runtime" in no_runtime.stderr
+        assert "MNN_ANDROID_ROOT" in no_runtime.stderr and not remote.exists()
+        runtime = tmp_path / "build_64"
+        runtime.mkdir()
+        _arm64_elf(runtime / "llm_demo", ["libllm.so", "libMNN.so", "libc.so", "liblog.so"])
+        _arm64_elf(runtime / "libllm.so", ["libMNN.so", "libc++_shared.so"])
+        _arm64_elf(runtime / "libMNN.so", ["libc.so", "libm.so"])
+        monkeypatch.setenv("MNN_ANDROID_ROOT", str(runtime))
+        short = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
+        assert short.returncode == 2 and "needs libc++_shared.so, which the folder does not have" in short.stderr
+        assert not remote.exists()
+        _arm64_elf(runtime / "libc++_shared.so", ["libc.so"])
+        (runtime / "libMNN.so").write_bytes(Path("/bin/ls").read_bytes())  # this computer's CPU, not a phone's
+        wrong = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
+        assert wrong.returncode == 2 and "not a phone's arm64-v8a CPU" in wrong.stderr and not remote.exists()
+        _arm64_elf(runtime / "libMNN.so", ["libc.so", "libm.so"])
+        pushed = npustudio("deploy", str(stage), "--device", phone.serial, "--json", timeout=300)
+        assert pushed.returncode == 0, pushed.stderr[-1500:]
+        sent = {f["file"] for f in json.loads(pushed.stdout)["files"]}
+        assert {"llm_demo", "libllm.so", "libMNN.so", "libc++_shared.so", "config.json", "llm.mnn",
+                "llm.mnn.weight", "llm_config.json"} <= sent
+        assert "export_args.json" not in sent  # the exporter's record holds this computer's paths
+        assert json.loads(pushed.stdout)["remote_dir"] == "/data/local/tmp/npustudio/p-mnn"
+        question = "What is the capital of France?"
+        chat = npustudio("chat", "--mnn", "--device", phone.serial, "--bundle", str(stage), question, timeout=300)
+        assert chat.returncode == 0, chat.stderr[-1500:]
+        assert f"(MNN llm_demo on device {phone.serial}, " in chat.stderr and "tok/s" in chat.stderr
+        assert chat.stdout.strip().startswith(r["answer_text"].strip()), (chat.stdout[:300], r["answer_text"])
+        assert "prompt file is" not in chat.stdout and "####" not in chat.stdout  # the answer alone
+        two_lines = npustudio("chat", "--mnn", "--device", phone.serial, "--bundle", str(stage),
+                              "first line\nsecond line", timeout=120)  # a chat of its own: not refused for history
+        assert two_lines.returncode == 2 and "one prompt per line" in two_lines.stderr
+        talk = subprocess.run([NPUSTUDIO, "chat", "--mnn", "--device", phone.serial, "--bundle", str(stage)],
+                              input="hello\n", capture_output=True, text=True, timeout=120)
+        assert talk.returncode == 2 and "answers one question on its own" in talk.stderr
+    finally:
+        device.client().disconnect(phone.serial)
+        phone.stop()
+
+
+def test_llm_demo_output_is_read_as_it_streams_and_its_failures_are_explained() -> None:
+    """The phone's llm_demo prints its log, the answer, then its figures between rules of '#': fed a character at a
+    time, only the answer reaches the chat (nothing of the rule, even cut in the middle); a phone's linker or
+    loader failure is explained with its fix."""
+    from npustudio.core.device import remote_mnn
+
+    output = ("config path is config.json\nThe device supports: i8sdot:1, fp16:1\nprompt file is prompt.txt\n"
+              "Paris is the capital.\n# not a rule\n\n#################################\nprompt tokens num = 31\n"
+              "decode tokens num = 7\nprefill time = 0.10 s\n decode time = 0.50 s\n sample time = 0.00 s\n"
+              "prefill speed = 310.00 tok/s\n decode speed = 14.00 tok/s\n##################################\n")
+    pieces: list[str] = []
+    reader = remote_mnn.Reader(pieces.append)
+    for ch in output:
+        reader.feed(ch)
+    out = reader.close()
+    assert out.answer == "Paris is the capital.\n# not a rule" and "".join(pieces).startswith(out.answer)
+    assert "#" * 10 not in "".join(pieces)
+    assert out.figures is not None and (out.figures.prompt_tokens, out.figures.answer_tokens) == (31, 7)
+    assert abs(out.figures.decode_tok_s - 14.0) < 1e-6 and remote_mnn.explain(output) is None
+    linker = 'CANNOT LINK EXECUTABLE "./llm_demo": library "libllm.so" not found: needed by main executable\n'
+    err = remote_mnn.explain(linker)
+    assert err is not None and "library llm_demo needs is missing" in err.problem and "MNN_ANDROID_ROOT" in err.fix
+    err = remote_mnn.explain("config path is config.json\nLLM init error\n")
+    assert err is not None and "could not load the model" in err.problem
+    with pytest.raises(Exception, match="one prompt per line"):
+        remote_mnn.check_prompt("a\nb")

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from npustudio.core import launch
 from npustudio.core.device import phone_shell
 from npustudio.core.device.virtual import VirtualDevice
 from npustudio.core.genie import t2t
@@ -132,8 +133,9 @@ def test_the_devices_genie_t2t_run_starts_the_runner_and_no_cli_module(phone: Vi
     assert _shell(phone, "cd /data/local/tmp && genie-t2t-run -c genie_config.json -p 'a; rm -rf / $(x)' "
                          "--prompt_file p.txt --profile out.json --log info --max-tokens 4 --raw") == ""
     argv = seen.pop()
-    assert argv[:5] == [sys.executable, "-I", "-c", t2t._LAUNCH, str(Path(t2t.__file__).resolve().parents[3])]
-    assert argv[5:] == ["-c", str(tmp / "genie_config.json"), "-p", "a; rm -rf / $(x)", "--prompt_file",
+    assert argv[:6] == [sys.executable, "-I", "-c", launch.LAUNCH, str(Path(t2t.__file__).resolve().parents[3]),
+                        "npustudio.core.genie.t2t"]
+    assert argv[6:] == ["-c", str(tmp / "genie_config.json"), "-p", "a; rm -rf / $(x)", "--prompt_file",
                         str(tmp / "p.txt"), "--profile", str(tmp / "out.json"), "--log", "info", "--max-tokens", "4",
                         "--raw"]
     assert not any("npustudio.cli" in a or a == "-m" for a in argv)
@@ -141,7 +143,7 @@ def test_the_devices_genie_t2t_run_starts_the_runner_and_no_cli_module(phone: Vi
     assert "Permission denied" in _shell(phone, "genie-t2t-run -c /system/../../etc/passwd") and not seen
     phone.preview = True
     _shell(phone, "genie-t2t-run -c genie_config.json -p hi")
-    assert seen.pop()[5:] == ["--preview", "-c", str(tmp / "genie_config.json"), "-p", "hi"]
+    assert seen.pop()[6:] == ["--preview", "-c", str(tmp / "genie_config.json"), "-p", "hi"]
 
 
 def test_the_command_the_device_starts_is_this_packages_runner(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from ..core.stage_options import (
     CompileOptions,
     MnnOptions,
     QuantizeOptions,
+    Sampler,
 )
 
 if TYPE_CHECKING:
@@ -162,6 +163,8 @@ def mnn_args(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("--backend mnn")
     for name, flag in MNN_FLAGS.items():
         option(g, O, name, flag, dest=f"mnn_{name}", **({"type": int} if so.choices(O, name) else {}))
+    g.add_argument("--mnn-sample", action="store_true",
+                   help="the phone's llm_demo samples (top-k/top-p) instead of answering greedily")
 
 
 def max_part_arg(s: argparse.ArgumentParser) -> None:
@@ -242,7 +245,8 @@ def mnn_options(a: argparse.Namespace) -> MnnOptions:
     if given := _given(a, QNN_FLAGS, CompileOptions):
         raise UserError(f"{', '.join(given)} do not apply to the MNN back-end (they shape QNN context binaries).",
                         "Leave them out with `--backend mnn`.")
-    return MnnOptions(**{name: getattr(a, f"mnn_{name}") for name in MNN_FLAGS})
+    return MnnOptions(sampler=Sampler(greedy=not a.mnn_sample),
+                      **{name: getattr(a, f"mnn_{name}") for name in MNN_FLAGS})
 
 
 def compile_options(a: argparse.Namespace) -> CompileOptions:
@@ -253,7 +257,8 @@ def compile_options(a: argparse.Namespace) -> CompileOptions:
     if getattr(a, "model", None) is not None and getattr(a, "cmd", "") == "compile":
         raise UserError("--model applies to `--backend mnn` only: the QNN back-ends compile the project's "
                         "quantized graphs.", "Leave --model out, or add `--backend mnn`.")
-    if given := _given(a, MNN_FLAGS, MnnOptions, "mnn_"):
+    sample = ["--mnn-sample"] if getattr(a, "mnn_sample", False) else []
+    if given := _given(a, MNN_FLAGS, MnnOptions, "mnn_") + sample:
         raise UserError(f"{', '.join(given)} apply to `--backend mnn` only.",
                         f"Add `--backend mnn`, or leave them out with `--backend {a.backend}`.")
     chosen = {"optimize": a.optimize} if a.optimize else {}  # `run` decides when it is not given
@@ -265,7 +270,7 @@ def compile_options(a: argparse.Namespace) -> CompileOptions:
 
 
 def bundle_options(a: argparse.Namespace) -> BundleOptions:
-    from ..core.genie.config import Sampler, check_prompt
+    from ..core.genie.config import check_prompt
 
     return BundleOptions(question=check_prompt(a.question), sampler=Sampler(greedy=not a.sample),
                          prompt_graphs=not a.token_graphs_only)

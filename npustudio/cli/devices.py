@@ -57,16 +57,21 @@ def cmd_virtual_device(a: argparse.Namespace) -> int:
 
 
 def cmd_deploy(a: argparse.Namespace) -> int:
-    from ..core import device, pipeline
+    from ..core import device, layout, pipeline
     from ..core.device import deploy
     from ..core.genie.bundle import read_metadata
 
-    read_metadata(Path(a.bundle))  # "not a bundle" before "no device"
+    mnn = (Path(a.bundle) / layout.MNN_RESULT).is_file()  # a project's MNN model, not a Genie bundle
+    if not mnn:
+        read_metadata(Path(a.bundle))  # "not a bundle" before "no device"
     dev = device.pick(a.device)
     project = pipeline.project_of_bundle(Path(a.bundle))  # a project's bundle: the project records the deploy
     with live_state(quiet=a.json) as st, stdout_is_for(a.json):
-        res = pipeline.deploy(project, dev, st, force=a.force) if project else \
-            deploy.deploy(Path(a.bundle), dev, st, force=a.force)
+        if mnn:
+            res = pipeline.deploy_mnn(Path(a.bundle), dev, st, force=a.force)
+        else:
+            res = pipeline.deploy(project, dev, st, force=a.force) if project else \
+                deploy.deploy(Path(a.bundle), dev, st, force=a.force)
     if a.json:
         print_json(res.model_dump())
     else:

@@ -166,8 +166,10 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     s.add_argument("--preview", action="store_true", help="answer with the fast CPU preview instead of real Genie")
     s.add_argument("--root", type=given, default=None, help="folder holding its file system")
 
-    s = add("deploy", devices.cmd_deploy, "push a bundle to a device (incremental, resumable)")
-    s.add_argument("bundle", type=given)
+    s = add("deploy", devices.cmd_deploy, "push a bundle (or a project's MNN model, stages/mnn) to a device "
+            "(incremental, resumable)")
+    s.add_argument("bundle", type=given, help="a bundle folder, or a project's stages/mnn folder (with MNN's "
+                                              "Android runtime from MNN_ANDROID_ROOT)")
     s.add_argument("--device", default=None, help="serial (default: the only phone, else the only device)")
     s.add_argument("--force", action="store_true", help="push every file again")
     json_arg(s)
@@ -178,8 +180,9 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="adb serial")
     s.add_argument("--desktop", action="store_true", help="real Genie on this computer's HTP simulator")
     s.add_argument("--preview", action="store_true", help="the fast CPU preview on this computer")
-    s.add_argument("--mnn", action="store_true", help="the MNN model (`compile --backend mnn`) on this computer, "
-                   "run by MNN's runtime; --bundle is then the project's stages/mnn folder")
+    s.add_argument("--mnn", action="store_true", help="the MNN model (`compile --backend mnn`) run by MNN's runtime "
+                   "on this computer, or with --device by MNN's llm_demo on that device (one question, deployed "
+                   "first; a phone needs MNN_ANDROID_ROOT); --bundle is then the project's stages/mnn folder")
     s.add_argument("--system", default=None, help="system prompt")
     s.add_argument("--new", action="store_true",
                    help="start a new conversation (the earlier ones stay in the project's chat list)")

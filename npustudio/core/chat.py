@@ -186,6 +186,9 @@ class ChatHistory:
 class Engine(Protocol):
     name: str
     figures: dict[str, float]  # the last answer's figures when the runner gives no Genie profile (MNN)
+    # True: `ask` takes the user's message alone, and the runner applies the chat template itself and keeps no
+    # conversation (MNN's llm_demo on a device)
+    one_question: bool
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
             log_level: str = "error") -> tuple[str, bool, str | None]:
@@ -204,6 +207,7 @@ class DesktopEngine:
         self.bundle_dir, self.preview, self.max_tokens, self.apart = Path(bundle_dir), preview, max_tokens, apart
         self.name = "desktop preview on the CPU" if preview else "desktop Genie on the HTP simulator"  # shown in ( )
         self.figures: dict[str, float] = {}
+        self.one_question = False
         self._preview: Any = None
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
@@ -230,6 +234,7 @@ class DeviceEngine:
         self.serial, self.remote = serial, remote_dir(Path(bundle_dir))
         self.name = f"device {serial}"
         self.figures: dict[str, float] = {}
+        self.one_question = False
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
             log_level: str = "error") -> tuple[str, bool, str | None]:
@@ -256,6 +261,7 @@ class MnnEngine:
         self.record = load_result(self.stage_dir)
         self.name = "MNN on this computer (CPU)"
         self.figures: dict[str, float] = {}
+        self.one_question = False
         self._model: Any = None
         self._tok: Any = None
 
@@ -279,6 +285,40 @@ class MnnEngine:
         t = self._model.stream(ids, min(room, self.max_tokens or room), pieces.add, stop, set(self.record.eos_ids))
         self.figures = {"ttft_s": t.prefill_s, "generation_tok_s": t.decode_tok_s}
         return pieces.text(), stop is not None and stop.is_set(), None
+
+
+class MnnDeviceEngine:
+    """The MNN stage's model deployed on an adb device, run by MNN's llm_demo there (`device.remote_mnn`): it
+    applies the chat template itself and answers one question at a time, so a chat with it has no history."""
+
+    def __init__(self, serial: str, stage_dir: Path, remote_dir: str, max_tokens: int | None = None) -> None:
+        from .mnn import load_result
+
+        self.serial, self.stage_dir, self.remote, self.max_tokens = serial, Path(stage_dir), remote_dir, max_tokens
+        self.record = load_result(self.stage_dir)
+        self.name = f"MNN llm_demo on device {serial}"
+        self.figures: dict[str, float] = {}
+        self.one_question = True
+
+    def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
+            log_level: str = "error") -> tuple[str, bool, str | None]:
+        from .device import remote_mnn
+        from .genie.config import chat_prompt
+
+        tok = chat_model(self.stage_dir).tok  # the prompt llm_demo will render, counted to size the answer
+        used = len(tok(chat_prompt(tok, prompt, None, []), add_special_tokens=False)["input_ids"]) + 1
+        room = self.record.context_length - used
+        if room <= 0:
+            raise UserError(f"The message ({used} tokens) does not fit the context ({self.record.context_length}).",
+                            "Write a shorter message.")
+        reader = remote_mnn.Reader(on_text)  # llm_demo's output: the answer apart from its log and figures
+        try:
+            res = remote_mnn.run(self.serial, self.remote, prompt, reader.feed, min(room, self.max_tokens or room),
+                                 stop)
+        finally:
+            reader.close()
+        self.figures = {"ttft_s": res.prefill_s, "generation_tok_s": res.decode_tok_s}
+        return res.text, res.status == "stopped", None
 
 
 class ChatModel(BaseModel):
@@ -363,7 +403,12 @@ class ChatSession:
             check_prompt(self.system)
 
         before = self.turns[:-1] if replace_last else self.turns
-        text, stopped, prof = self.engine.ask(self.prompt_for(user, before), on_text, stop, on_log, log_level)
+        if self.engine.one_question and (before or self.system):
+            raise UserError(f"{self.engine.name} answers one question on its own: it keeps no conversation and "
+                            "takes no system prompt.", "Start a new chat for each question, or chat with the "
+                            "model on this computer.")
+        prompt = user if self.engine.one_question else self.prompt_for(user, before)
+        text, stopped, prof = self.engine.ask(prompt, on_text, stop, on_log, log_level)
         self.last_profile = prof
         summary = profile.summarize(profile.parse(prof)).model_dump() if prof else self.engine.figures
         turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.engine.name, stopped=stopped,

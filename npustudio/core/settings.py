@@ -41,6 +41,7 @@ class Settings(BaseModel):
     recent_projects: list[str] = Field(default_factory=list)
     qnn_sdk_root: str = ""  # empty: the QNN_SDK_ROOT environment variable, if any
     adb_path: str = ""  # empty: adb on PATH, else the one adbutils ships
+    mnn_android_root: str = ""  # empty: the MNN_ANDROID_ROOT environment variable, if any
     default_target: str = DEFAULT_SOC
     default_precision: str = "w8a16"
     virtual_preview: bool = Field(False, description="the virtual device answers with the CPU preview (fast)")
@@ -85,6 +86,8 @@ class Settings(BaseModel):
         """Point the tools at the configured paths, unless the environment already says otherwise."""
         if self.qnn_sdk_root and not os.environ.get("QNN_SDK_ROOT"):
             os.environ["QNN_SDK_ROOT"] = self.qnn_sdk_root
+        if self.mnn_android_root and not os.environ.get("MNN_ANDROID_ROOT"):
+            os.environ["MNN_ANDROID_ROOT"] = self.mnn_android_root
         if self.adb_path and not os.environ.get("ADBUTILS_ADB_PATH"):
             os.environ["ADBUTILS_ADB_PATH"] = self.adb_path
 

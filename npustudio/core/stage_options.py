@@ -226,6 +226,9 @@ class MnnOptions(StageOptions):
                                              "times the float model's")
     question: str = Field(DEFAULT_QUESTION, description="the sample prompt's question")
     answer_tokens: int = Field(16, ge=1, le=MAX_CONTEXT, description="greedy tokens compared with the float model")
+    sampler: Sampler = Field(default_factory=Sampler, description="how MNN's runtime picks tokens on a phone "
+                                                                  "(written into the model's config.json); the "
+                                                                  "check and the chat on this computer are greedy")
 
 
 OPTION_MODELS: tuple[type[BaseModel], ...] = (AdaptOptions, QuantizeOptions, CompileOptions, BundleOptions, Sampler,

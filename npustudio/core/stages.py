@@ -56,7 +56,7 @@ BUNDLE = StageSpec("bundle", "Genie bundle", "bundle", requires="compile", forma
                    entry="npustudio.core.genie.bundle:run", reads=("compile", "adapt"))
 
 # the MNN back-end (`compile --backend mnn`): made from the float model beside the Genie stages, not after them
-MNN = StageSpec("mnn", "MNN model", "compile --backend mnn", requires="model", format=1,
+MNN = StageSpec("mnn", "MNN model", "compile --backend mnn", requires="model", format=2,
                 entry="npustudio.core.mnn:run", libraries=("torch", "transformers", "MNN"))
 
 SPECS: tuple[StageSpec, ...] = (MODEL, ADAPT, QUANTIZE, COMPILE, BUNDLE, MNN)  # in the order they run

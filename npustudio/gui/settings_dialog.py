@@ -70,6 +70,9 @@ class SettingsDialog(QDialog):
         self.sdk.setPlaceholderText("QAIRT SDK folder (optional; else QNN_SDK_ROOT)")
         self.adb = QLineEdit(s.adb_path)
         self.adb.setPlaceholderText("adb binary (optional; else the one on PATH or shipped with adbutils)")
+        self.mnn = QLineEdit(s.mnn_android_root)
+        self.mnn.setPlaceholderText("MNN Android build with llm_demo (for the MNN model on a phone; else "
+                                    "MNN_ANDROID_ROOT)")
         self.target = QComboBox()
         for soc in KNOWN_SOCS.values():
             self.target.addItem(f"{soc.soc} — {soc.product}", soc.soc)
@@ -82,9 +85,12 @@ class SettingsDialog(QDialog):
                                  "HTP simulator")
         self.preview.setChecked(s.virtual_preview)
         self.sdk_browse, self.adb_browse = QPushButton("Browse…"), QPushButton("Browse…")
+        self.mnn_browse = QPushButton("Browse…")
         self.sdk_browse.clicked.connect(lambda: self._browse(self.sdk, folder=True))
         self.adb_browse.clicked.connect(lambda: self._browse(self.adb, folder=False))
-        for label, edit, browse in (("QNN SDK:", self.sdk, self.sdk_browse), ("adb:", self.adb, self.adb_browse)):
+        self.mnn_browse.clicked.connect(lambda: self._browse(self.mnn, folder=True))
+        for label, edit, browse in (("QNN SDK:", self.sdk, self.sdk_browse), ("adb:", self.adb, self.adb_browse),
+                                    ("MNN Android runtime:", self.mnn, self.mnn_browse)):
             row = QHBoxLayout()
             row.addWidget(edit, 1)
             row.addWidget(browse)
@@ -179,6 +185,7 @@ class SettingsDialog(QDialog):
         s.cluster_address, s.use_cluster = address, self.use_cluster.isChecked()
         s.cluster_install = self.cluster_install.isChecked()
         s.qnn_sdk_root, s.adb_path = self.sdk.text().strip(), self.adb.text().strip()
+        s.mnn_android_root = self.mnn.text().strip()
         s.default_target, s.default_precision = str(self.target.currentData()), self.precision.currentText()
         s.virtual_preview = self.preview.isChecked()
         s.device = self.device.currentData()

@@ -63,11 +63,12 @@ class DeployResult(BaseModel):
     rate_mb_s: float
 
 
-def remote_dir(bundle_dir: Path) -> str:
+def remote_dir(bundle_dir: Path, suffix: str = "") -> str:
+    """The device folder of a bundle (or of another stage's folder, told apart by `suffix`)."""
     name = Path(bundle_dir).resolve().name
     if Path(bundle_dir).resolve().parent.name == layout.STAGES_DIR:  # a project's bundle: name it after the project
         name = Path(bundle_dir).resolve().parents[1].name
-    return posixpath.join(REMOTE_ROOT, _safe_name(name))
+    return posixpath.join(REMOTE_ROOT, _safe_name(name) + suffix)
 
 
 def _safe_name(name: str) -> str:
@@ -582,7 +583,7 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
             if p.parent == Path(scratch):
                 st = p.stat()
                 recorded[p.name] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-        return _deploy(bundle_dir, files, dev, state, force, recorded)
+        return deploy_files(files, remote_dir(bundle_dir), dev, state, force, recorded)
 
 
 def _for_phone(metadata: Path, scratch: Path, keep: frozenset[str] = frozenset()) -> Path:
@@ -599,10 +600,11 @@ def _for_phone(metadata: Path, scratch: Path, keep: frozenset[str] = frozenset()
     return copy
 
 
-def _deploy(bundle_dir: Path, files: list[Path], dev: DeviceInfo, state: StateLike, force: bool,
-            recorded: dict[str, tuple[int, int, str]] | None) -> DeployResult:
+def deploy_files(files: list[Path], rdir: str, dev: DeviceInfo, state: StateLike, force: bool = False,
+                 recorded: dict[str, tuple[int, int, str]] | None = None) -> DeployResult:
+    """Push `files` (distinct names) into the device folder `rdir` as a bundle's are: what the device lacks, each
+    file atomically, the manifest last."""
     adb = client(ping=False)  # `dev` was just read from the server
-    rdir = remote_dir(bundle_dir)
     hashes = _HashCache(lambda message: state.partial("warning", message=message))
     sync: _Sync | None = None
     try:

@@ -4,7 +4,8 @@ Every path is a device path resolved inside the sandbox (`VirtualDevice.host_pat
 is writable, as for the shell user of a phone. Messages follow toybox's. `genie-t2t-run` is the desktop
 runner (`genie.t2t`: real Genie on the HTP simulator, or the preview), started as a host child in an isolated
 interpreter (`t2t.command`) with an allow-listed environment (never the device line's LD_*, PYTHON* or
-QNN_SDK_ROOT), its path options mapped into the sandbox.
+QNN_SDK_ROOT), its path options mapped into the sandbox. `llm_demo` is MNN's runtime the same way
+(`mnn.llm_demo`, started by `launch.isolated`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..genie import t2t
+from ..launch import isolated
 from .phone_shell import Call, Program, Stopped
 
 VIRTUAL_FILES = {"/proc/meminfo": Path("/proc/meminfo")}  # the host's: the device's RAM is this machine's
@@ -27,7 +29,8 @@ VIRTUAL_FILES = {"/proc/meminfo": Path("/proc/meminfo")}  # the host's: the devi
 def commands() -> dict[str, Program]:
     return {"cat": cat, "cd": cd, "chmod": chmod, "df": df, "echo": echo, "env": env, "exit": exit_,
             "export": export,
-            "genie-t2t-run": genie_t2t_run, "getprop": getprop, "kill": kill, "ls": ls, "mkdir": mkdir, "mv": mv,
+            "genie-t2t-run": genie_t2t_run, "getprop": getprop, "kill": kill, "llm_demo": llm_demo, "ls": ls,
+            "mkdir": mkdir, "mv": mv,
             "pwd": pwd, "rm": rm, "touch": touch}
 
 
@@ -387,3 +390,20 @@ def genie_t2t_run(call: Call) -> int:
     # the SDK's own x86 libGenie, when the user has one, is the runner's only need from this computer
     sdk = {"QNN_SDK_ROOT": os.environ["QNN_SDK_ROOT"]} if os.environ.get("QNN_SDK_ROOT") else {}
     return call.spawn(argv, sdk)
+
+
+def llm_demo(call: Call) -> int:
+    """MNN's llm_demo on this computer (`mnn.llm_demo`: MNN's own runtime) in place of the phone's, with the phone
+    program's arguments (`config.json [prompt.txt [max_tokens [no-thinking]]]`); its two files must be in the
+    sandbox, read only."""
+    if len(call.args) > 4:
+        return call.error("too many arguments: llm_demo config.json [prompt.txt [max_tokens [no-thinking]]]")
+    argv = isolated("npustudio.core.mnn.llm_demo")
+    for i, a in enumerate(call.args):
+        if i < 2:
+            p = _path(call, a)
+            if p is None:
+                return 1
+            a = str(p)
+        argv.append(a)
+    return call.spawn(argv, {})

@@ -9,7 +9,6 @@ command prints). The profile JSON is pulled back. Known failures map to a plain 
 from __future__ import annotations
 
 import posixpath
-import re
 import shlex
 import threading
 import time
@@ -23,12 +22,10 @@ from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_bytes
 from ..genie import t2t
-from . import client
-
-_PID = re.compile(rb"^NPUSTUDIO_PID=(\d+)\n")
+from . import client, remote_shell
 
 # (pattern in genie-t2t-run's output, explanation, fix)
-FAILURES: list[tuple[str, str, str]] = [
+FAILURES: remote_shell.Failures = [
     (r"Failed to find available PD",
      "The bundle's contexts together do not fit in one HTP protection domain (Genie loads every context of a "
      "dialog into one ~3 GiB address space; more parts do not help).",
@@ -91,12 +88,8 @@ def explain(output: str, prompt: str | None = None) -> UserError | None:
     # where the device says what went wrong: not the echo of the prompt, not the answer
     log = "\n".join(out.before + (out.after if out.ended else [out.answer])) if out.begun else output
     said = [line.strip() for line in log.splitlines() if line.strip() and not line.startswith(t2t.PROMPT)]
-    tail = " | ".join(line[:300] for line in said[-5:])
-    for pattern, problem, fix in FAILURES:
-        if re.search(pattern, log, re.IGNORECASE):
-            return UserError(problem + (f" The device said: {tail}" if tail else ""), fix)
-    return UserError("genie-t2t-run failed on the device" + (f": {tail}" if tail else "."),
-                     "Run with --log verbose and look at Genie's messages.")
+    return remote_shell.explained(log, said, FAILURES, "genie-t2t-run",
+                                  "Run with --log verbose and look at Genie's messages.")
 
 
 def answer(output: str, prompt: str | None = None) -> str:
@@ -117,46 +110,14 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
     # a phone's sh and the virtual device's shell both take (no `if`, no `[`)
     own = d.sync.exists(posixpath.join(remote_dir, "genie-t2t-run"))
     q = shlex.quote
-    line = (f"cd {q(remote_dir)} && echo NPUSTUDIO_PID=$$ && "
+    line = (f"cd {q(remote_dir)} && {remote_shell.PID_ECHO} && "
             f"LD_LIBRARY_PATH={q(remote_dir)}:$LD_LIBRARY_PATH ADSP_LIBRARY_PATH={q(remote_dir)} "
             f"exec {'./genie-t2t-run' if own else 'genie-t2t-run'} -c genie_config.json "
             f"--prompt_file {layout.PROMPT_FILE} --profile {layout.PROFILE_FILE} --log {log}"
             + (f" --max-tokens {int(max_tokens)}" if max_tokens else "") + " 2>&1")
     t0 = time.perf_counter()
     d.shell(["rm", "-f", posixpath.join(remote_dir, layout.PROFILE_FILE)], timeout=30)
-    conn = d.shell(line, stream=True)
-    pending, pid, parts = bytearray(), None, []
-    decoder = _Utf8()
-    if stop is not None:  # stop closes the stream from any thread; the read below then ends
-        threading.Thread(target=_close_when_set, args=(stop, conn), daemon=True).start()
-    try:
-        while True:
-            try:
-                chunk = conn.conn.recv(4096)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            if pid is None:
-                pending += chunk
-                if b"\n" not in pending:
-                    continue
-                m = _PID.match(bytes(pending))
-                pid = int(m.group(1)) if m else -1
-                chunk = bytes(pending[m.end():]) if m else bytes(pending)
-            text = decoder.feed(chunk)
-            if text:
-                parts.append(text)
-                on_output(text)
-    finally:
-        _close(conn)
-    stopped = stop is not None and stop.is_set()
-    if stopped and pid and pid > 0:  # the stream is closed; make sure the process is gone too
-        try:
-            d.shell(["kill", str(pid)], timeout=10)
-        except Exception:
-            pass
-    output = "".join(parts)
+    output, stopped = remote_shell.stream(d, line, on_output, stop)
     profile_path = None
     if not stopped and profile_to is not None:
         try:  # read, then written atomically: a pull would write through a link planted at profile_to
@@ -173,27 +134,3 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
             raise err
     return DeviceRun(text=answer(output, prompt), output=output, status=status, profile_path=profile_path,
                      seconds=round(time.perf_counter() - t0, 3))
-
-
-def _close_when_set(stop: threading.Event, conn: Any) -> None:
-    stop.wait()
-    _close(conn)
-
-
-def _close(conn: Any) -> None:
-    try:
-        conn.close()
-    except Exception:
-        pass
-
-
-class _Utf8:
-    """Decode a byte stream without splitting a multi-byte character between chunks."""
-
-    def __init__(self) -> None:
-        import codecs
-
-        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, b: bytes) -> str:
-        return self.dec.decode(b)

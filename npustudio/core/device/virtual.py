@@ -11,8 +11,9 @@ for a phone's shell user; `..` above its root and links that lead out of it are 
 The wire protocol (aosp adb/protocol.txt, SYNC.TXT): CNXN with no features, so the host uses legacy
 `shell:` and sync v1; OPEN/OKAY/WRTE/CLSE streams where every WRTE is acknowledged before the next;
 `sync:` serves STAT, LIST, SEND (DATA <= 64 KiB, DONE + mtime), RECV and QUIT. `getprop` answers the
-configured props (SM8750, Android 15 by default) and `genie-t2t-run` is the desktop runner (real Genie on
-the HTP simulator, or the fast preview when the device was started in preview mode).
+configured props (SM8750, Android 15 by default), `genie-t2t-run` is the desktop runner (real Genie on
+the HTP simulator, or the fast preview when the device was started in preview mode) and `llm_demo` is MNN's
+runtime on this computer (`mnn.llm_demo`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ SYNC_PATH_MAX = 1024
 VIRTUAL_DEVICE_NAME = "npustudio_virtual"
 RUNNER_PROP = "ro.npustudio.runner"  # how the virtual device answers: "genie" (HTP simulator) or "preview" (CPU)
 RESERVED_PORTS = range(5554, 5586)  # the adb server scans these for emulators
+RUNTIMES = ("genie-t2t-run", "llm_demo")  # a phone's runtime programs, answered by this computer's stand-ins
 # a locale name, never a path: glibc reads a locale named by a path from that file
 _LOCALE = re.compile(r"C|POSIX|[A-Za-z]{2,8}(_[A-Za-z0-9]{2,8})?(\.[A-Za-z0-9-]{1,20})?(@[A-Za-z0-9]{1,20})?")
 
@@ -346,7 +348,8 @@ class VirtualDevice:
 
     def lookup(self, name: str, cwd: str) -> tuple[Program | None, int]:
         """The program a command name runs, else the shell's status for it (127 not found, 126 not allowed).
-        A file is never run: a bundle's own genie-t2t-run (for a phone's CPU) is answered by the device's."""
+        A file is never run: a bundle's own genie-t2t-run or an MNN model folder's own llm_demo (for a phone's CPU) is
+        answered by the device's."""
         if "/" not in name:
             prog = self.programs.get(name)
             return (prog, 0) if prog is not None else (None, 127)
@@ -360,7 +363,7 @@ class VirtualDevice:
             return None, 126
         if not p.exists():
             return None, 127
-        if base == "genie-t2t-run" and p.is_file():
+        if base in RUNTIMES and p.is_file():
             return self.programs[base], 0
         return None, 126
 

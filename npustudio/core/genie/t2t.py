@@ -225,20 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-# the code `command` runs: this package's folder on sys.path (after the interpreter's own entries: it shadows
-# nothing), then `main` on the arguments; a constant, the folder comes as an argument
-_LAUNCH = ("import sys; sys.path.append(sys.argv.pop(1)); "
-           "from npustudio.core.genie.t2t import main; sys.exit(main(sys.argv[1:]))")
-
-
 def command(*args: str) -> list[str]:
-    """The argv that runs `main(args)` in a fresh interpreter, isolated (-I: no PYTHON* variables, no user site,
-    neither the current folder nor a script's on sys.path), importing this very package: what the virtual device
-    starts for genie-t2t-run. No CLI module, settings file or shell is involved. A packaged app is its own
-    interpreter, whose launcher runs `-m MODULE` as python does (and has no other sys.path)."""
-    if getattr(sys, "frozen", False):
-        return [sys.executable, "-m", __name__, *args]
-    return [sys.executable, "-I", "-c", _LAUNCH, str(Path(__file__).resolve().parents[3]), *args]
+    """The argv that runs `main(args)` in a fresh, isolated interpreter importing this very package: what the
+    virtual device starts for genie-t2t-run (`launch.isolated`)."""
+    from ..launch import isolated
+
+    return isolated(__name__, *args)
 
 
 # -- reading ------------------------------------------------------------------------------------

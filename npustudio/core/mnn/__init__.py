@@ -108,6 +108,7 @@ def run(source: models.ModelSource, card: models.ArchCard, options: MnnOptions, 
         gc.collect()
         folder = exporter.export(float_dir, out_dir / layout.MNN_MODEL, options.bits, options.block,
                                  options.lm_head_bits, state.sub(0.15, 0.7))
+        exporter.write_sampler(folder, options.sampler)
     state.progress(0.7, "loading the MNN model")
     mnn = MnnModel(folder)
     it = iter(reference)

@@ -16,10 +16,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .. import layout
 from ..errors import UserError
 from ..forked import child_env
 from ..fsutil import atomic_write_json
 from ..progress import StateLike
+from ..stage_options import Sampler
 
 # what of a Hugging Face folder describes the model (never pickles, never code)
 FLOAT_FILES = ("*.safetensors", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
@@ -105,6 +107,19 @@ def export(float_dir: Path, out: Path, bits: int, block: int, lm_head_bits: int,
     for p in [out / name for name in DEBRIS] + [out.parent / CONVERTER_LOG]:
         shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     return out
+
+
+def write_sampler(folder: Path, sampler: Sampler) -> None:
+    """How MNN's runtime picks tokens, into the model's config.json (the exporter writes a random sampler there):
+    greedy, or Genie's top-k, top-p and temperature, in both spellings MNN versions read (MNN has no seed)."""
+    config = json.loads((folder / layout.MNN_CONFIG).read_text(encoding="utf-8"))
+    if sampler.greedy:
+        config["sampler_type"] = "greedy"
+    else:
+        config |= {"sampler_type": "mixed", "mixed_samplers": ["topK", "topP", "temperature"],
+                   "temperature": sampler.temp, "topK": sampler.top_k, "top_k": sampler.top_k,
+                   "topP": sampler.top_p, "top_p": sampler.top_p}
+    atomic_write_json(folder / layout.MNN_CONFIG, config)
 
 
 def versions() -> str:

@@ -51,6 +51,11 @@ class MnnModel:
         self.llm = mnn_llm.create(str(config))
         self.llm.set_config({"thread_num": threads()} | ({"sampler_type": "greedy"} if greedy else {}))
         self.llm.load()
+        from .llm_demo import loaded
+
+        if not loaded(self.llm):
+            raise UserError(f"MNN could not load the model in {folder} (a file of it is missing or damaged).",
+                            "Export it again: `npustudio compile --backend mnn --project P --force`.")
 
     def decode_logits(self, ids: Sequence[int], check: Callable[[], None] = lambda: None) -> Any:
         """The logits after each of `ids`, fed one token at a time from an empty cache: the path a phone decodes

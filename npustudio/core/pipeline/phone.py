@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,18 +40,59 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
     return res
 
 
+MNN_REMOTE_SUFFIX = "-mnn"  # the MNN model's device folder is the project's name with this: beside its Genie bundle
+MNN_HOST_ONLY = ("export_args.json",)  # the exporter's record of its run, with this computer's paths: not for a phone
+
+
+def deploy_mnn(stage_dir: Path, dev: Any, state: StateLike, force: bool = False) -> Any:
+    """Push the MNN stage's model, with MNN's Android runtime (`mnn.android`) when the user has one, to `dev`.
+    A phone needs that runtime, and is refused before any byte moves without it; the virtual device answers
+    llm_demo itself (MNN's runtime on this computer)."""
+    from ..device import deploy as device_deploy
+    from ..mnn import android, load_result
+
+    stage_dir = Path(stage_dir)
+    load_result(stage_dir)  # "not an MNN model" before anything else
+    model = stage_dir / layout.MNN_MODEL
+    files = []
+    for p in sorted(model.iterdir()):
+        if p.name.startswith(".") or p.name in MNN_HOST_ONLY or not (p.is_file() or p.is_symlink()):
+            continue
+        if p.is_symlink():  # only what the model folder itself holds goes to the phone
+            raise UserError(f"{p.name} in the MNN model {model} is a link (to {os.readlink(p)}), not a file of the "
+                            "model; nothing was deployed.",
+                            "Export the model again: `npustudio compile --backend mnn --project P --force`.")
+        files.append(p)
+    root = android.configured()
+    if root is None and not dev.virtual:
+        raise UserError(f"{dev.serial} needs MNN's Android runtime (llm_demo and its libraries) to run the MNN "
+                        "model, and NPU Studio cannot download it.",
+                        f"Set {android.ENV} (or Settings > MNN Android runtime) to {android.BUILD_HINT}.")
+    runtime = android.runtime_files(root) if root is not None else []
+    clash = sorted({p.name for p in runtime} & {p.name for p in files})
+    if clash:
+        raise UserError(f"The MNN runtime folder {root} holds files named as the model's ({', '.join(clash)}).",
+                        "Point it at the build folder with llm_demo and its libraries only.")
+    rdir = device_deploy.remote_dir(stage_dir, MNN_REMOTE_SUFFIX)
+    return device_deploy.deploy_files(files + runtime, rdir, dev, state, force)
+
+
 def open_chat(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"], serial: str | None = None,
               system: str | None = None, state: StateLike | None = None, apart: bool = False) -> ChatSession:
     """A chat over a bundle: on a device (the bundle deployed there first: nothing moves when it is there already,
     and a project's bundle is recorded as deployed), with real Genie on this computer (`apart`: in a child process
     at a lower CPU priority), or with the CPU preview; `mnn`: the MNN stage's model (`bundle` is that stage's
-    folder) run by MNN's runtime on this computer."""
+    folder) run by MNN's runtime on this computer, or by llm_demo on the device `serial` (deployed there first)."""
     from .. import chat, device
     from ..device import deploy as device_deploy
 
     bundle = Path(bundle)
     if where == "mnn":
-        return chat.ChatSession(bundle, chat.MnnEngine(bundle), system=system)
+        if serial is None:
+            return chat.ChatSession(bundle, chat.MnnEngine(bundle), system=system)
+        dev = device.pick(serial)
+        pushed = deploy_mnn(bundle, dev, state or State())
+        return chat.ChatSession(bundle, chat.MnnDeviceEngine(dev.serial, bundle, pushed.remote_dir), system=system)
     bundle_stage.read_metadata(bundle)  # "not a bundle" before "no device"
     engine: chat.Engine
     if where == "device":
