@@ -76,6 +76,9 @@ def test_the_default_model_at_4_bits_answers_as_the_float_model_and_a_bad_export
     assert abs(r["fp_ppl"] - 14.659) < 0.01  # the float model's, as the adapt stage measures it
     assert "Paris" in r["answer_text"] and r["answer_mnn"] == r["answer_fp"]
     assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+    info = npustudio("info", "default", "--json", timeout=300)  # the fit table's MNN column, before any export
+    fit = {f["precision"]: f for f in json.loads(info.stdout)["fit"]}
+    assert abs(fit["w4a16"]["mnn_bytes"] / r["model_bytes"] - 1) < 0.02, (fit["w4a16"]["mnn_bytes"], r["model_bytes"])
     weights = Path(r["folder"]) / "llm.mnn.weight"
     before = weights.stat().st_size
     bad = npustudio("compile", "--backend", "mnn", "--project", str(proj), "--max-ppl-ratio", "1.1")

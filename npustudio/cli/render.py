@@ -32,7 +32,7 @@ def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str
 
     f = Table(title=f"Fit at context {fits[0]['context_length']}")
     for col in ("precision", "weights", "KV cache (8-bit)", "HTP parts", "bundle: phone / simulator", "phone RAM",
-                "fits phones with", f"decode bound ({DEFAULT_SOC})", "PPL cost (default model)"):
+                "fits phones with", f"decode bound ({DEFAULT_SOC})", "PPL cost (default model)", "MNN model"):
         f.add_column(col)
     for e in fits:
         tier = f"≥ {e['min_phone_ram_gb']} GB" if e["min_phone_ram_gb"] else "none listed (too large)"
@@ -41,7 +41,7 @@ def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str
         f.add_row(e["precision"], human_bytes(e["weight_bytes"]), human_bytes(e["kv_cache_bytes"]), cut,
                   f"{human_bytes(e['context_bytes_phone'])} / {human_bytes(e['context_bytes_simulator'])}",
                   human_bytes(e["phone_ram_bytes"]), tier, f"{e['decode_tok_s_bound']:,.0f} tok/s",
-                  f"×{ratio:.3f}" if ratio else "—")
+                  f"×{ratio:.3f}" if ratio else "—", human_bytes(e.get("mnn_bytes", 0)))
     out.print(f)
     for e in fits:
         if e["parts_problem"]:

@@ -31,6 +31,7 @@ from .errors import UserError
 from .families import recipe_for
 from .fsutil import read_json, sha256_file
 from .shape import DecoderShape
+from .stage_options import MNN_BLOCK
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -612,6 +613,8 @@ class FitEstimate(BaseModel):
     decode_tok_s_bound: float = Field(0.0, description="decode roofline on the default target (SM8750)")
     ppl_ratio_default_model: float | None = Field(None, description="quantized/float perplexity measured on the "
                                                                      "default model at this precision")
+    mnn_bytes: int = Field(0, description="the MNN model for a phone's CPU or GPU (`compile --backend mnn`) at this "
+                                          "weight width, MNN's default block, LM head 8-bit")
     assumptions: str
 
 
@@ -655,6 +658,32 @@ def part_model(card: ArchCard, precision: str, ar: int, cl: int) -> parts.PartMo
         each=2 * ar * cl + 2 * ar * hd + 2 * 4 * d * ar + 2 * largest)
 
 
+def linear_inputs(card: ArchCard) -> dict[str, int]:
+    """Each kind of decoder linear layer's input size: what a quantization block must divide."""
+    return {"hidden size": card.hidden, "intermediate size": card.intermediate,
+            "attention output": card.heads * card.head_dim}
+
+
+def largest_block(card: ArchCard, most: int) -> int:
+    """The largest power of two up to `most` that divides every decoder linear layer's inputs."""
+    b = 1 << (max(most, 1).bit_length() - 1)
+    while b > 1 and any(v % b for v in linear_inputs(card).values()):
+        b //= 2
+    return b
+
+
+def mnn_bytes(card: ArchCard, bits: int, block: int, lm_head_bits: int = 8) -> int:
+    """The MNN model's size (`compile --backend mnn`): the decoder's linear weights at `bits` with a float32 scale
+    and offset per block (per row for block 0), the LM head per row at `lm_head_bits`, an untied embedding as
+    bfloat16, the norms float32. Within 1 % of the default model's export at 4 and 8 bits."""
+    layer_params, channels = _layer_params(card)
+    linear = card.layers * layer_params
+    groups = linear // block if block else card.layers * channels
+    head = card.vocab * card.hidden * lm_head_bits // 8 + 8 * card.vocab
+    embed = 0 if card.tied_embeddings else 2 * card.vocab * card.hidden
+    return linear * bits // 8 + 8 * groups + head + embed + 4 * card.hidden * (2 * card.layers + 1)
+
+
 def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 128,
                  max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> FitEstimate:
     b = PRECISIONS[precision]
@@ -685,6 +714,7 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
         context_bytes_simulator=int(2 * on_htp * parts.CONTEXT_PER_WEIGHT),
         decode_tok_s_bound=decode_tok_s_bound(find_soc(DEFAULT_SOC), on_htp + kv),
         ppl_ratio_default_model=MEASURED_PPL_RATIO.get(precision),
+        mnn_bytes=mnn_bytes(card, 8 if b["layer"] >= 8 else 4, largest_block(card, MNN_BLOCK)),
         assumptions=("weights at the preset's bitwidths (LM head 8-bit; the embedding table a 16-bit lookup table "
                      "on the CPU, outside the HTP contexts), 8-bit KV "
                      f"cache, each part's HTP graph under {max_part_mb:,.0f} MiB (the HTP refuses graphs over "

@@ -36,12 +36,6 @@ def load_result(stage_dir: Path) -> MnnResult:
     return load(stage_dir, layout.MNN_RESULT, MnnResult, stages.MNN.name)
 
 
-def _inputs(card: models.ArchCard) -> dict[str, int]:
-    """Each kind of linear layer's input size: what a quantization block must divide."""
-    return {"hidden size": card.hidden, "intermediate size": card.intermediate,
-            "attention output": card.heads * card.head_dim}
-
-
 def validate(options: MnnOptions, card: models.ArchCard) -> None:
     """Refuse, before any work, a model or a block the export would not do exactly."""
     if card.model_type not in FAMILIES:
@@ -49,28 +43,20 @@ def validate(options: MnnOptions, card: models.ArchCard) -> None:
                         f"{card.model_type!r}) yet: MNN's exporter would treat it as a Llama.",
                         f"Use `--backend ort-qnn`; the MNN back-end takes {', '.join(FAMILIES)} models.")
     if options.block:
-        odd = {k: v for k, v in _inputs(card).items() if v % options.block}
+        odd = {k: v for k, v in models.linear_inputs(card).items() if v % options.block}
         if odd:
-            fits = _largest_block(card, options.block)
+            fits = models.largest_block(card, options.block)
             raise UserError(f"A block of {options.block} weights does not divide the model's "
                             + ", ".join(f"{k} ({v})" for k, v in odd.items())
                             + " (MNN's exporter would quietly use smaller blocks).",
                             f"Use `--mnn-block {fits}` (or 0: one scale per output channel).")
 
 
-def _largest_block(card: models.ArchCard, most: int) -> int:
-    """The largest power of two up to `most` that divides every linear layer's inputs."""
-    b = 1 << (max(most, 1).bit_length() - 1)
-    while b > 1 and any(v % b for v in _inputs(card).values()):
-        b //= 2
-    return b
-
-
 def resolved(options: MnnOptions, card: models.ArchCard) -> MnnOptions:
     """The options with the block made explicit (what the record keys and shows)."""
     validate(options, card)
     if options.block is None:
-        options = options.model_copy(update={"block": _largest_block(card, MNN_BLOCK)})
+        options = options.model_copy(update={"block": models.largest_block(card, MNN_BLOCK)})
     return options
 
 

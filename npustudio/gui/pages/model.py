@@ -60,7 +60,7 @@ class ModelPage(Page):
         self.add_strip("Read model", redo=True)
         self.card = table(["Property", "Value"])
         self.fit = table(["Precision", "Weights", "KV cache", "Parts", "Bundle (phone)", "Decode bound",
-                          "PPL cost (default model)", "Phone RAM needed", "Fits"])
+                          "PPL cost (default model)", "Phone RAM needed", "Fits", "MNN model (CPU/GPU)"])
         self.lay.addWidget(self.card, 3)
         self.lay.addWidget(self.fit, 1)
         self.advice = status_label()  # the precision the main job would choose, and why
@@ -161,7 +161,8 @@ class ModelPage(Page):
             ratio = f.ppl_ratio_default_model
             rows.append((f.precision, display.human_bytes(f.weight_bytes), display.human_bytes(f.kv_cache_bytes),
                          f.parts, display.human_bytes(f.context_bytes_phone), f"{f.decode_tok_s_bound:,.0f} tok/s",
-                         f"×{ratio:.3f}" if ratio else "—", display.human_bytes(f.phone_ram_bytes), verdict))
+                         f"×{ratio:.3f}" if ratio else "—", display.human_bytes(f.phone_ram_bytes), verdict,
+                         display.human_bytes(f.mnn_bytes)))
         fill(self.fit, rows, colours)
         if self.fits:
             phone, sim = (models.plan(self.fits, where) for where in ("phone", "simulator"))
