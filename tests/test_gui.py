@@ -188,6 +188,20 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert hist["turns"][-1]["assistant"] == turn.assistant  # after the MNN chat's turn above
     assert w.profiles.runs and cells(w.profiles.table)[0][1] == "genie"
     shot(w, "tiny_deploy_chat")
+    # the MNN model on the same virtual device, through its llm_demo: deployed on the first question, each
+    # question a chat of its own (llm_demo keeps no conversation), the earlier chats still listed
+    panel.runner.setCurrentIndex(panel.runner.findData("mnn-device"))
+    assert panel.stats.text().startswith("Ready: The selected device: MNN")
+    chats, genie_chat = panel.chats.count(), panel.chats.currentData()
+    for question in ("Hello", "And then?"):
+        with qtbot.waitSignal(panel.answered, timeout=300_000) as got:
+            panel.ask(question)
+        assert got.args[0].runner == f"MNN llm_demo on device {w.device.serial}" and got.args[0].generation_tok_s
+    assert panel.chats.count() == chats + 2 and "What is the capital" not in panel.transcript.toPlainText()
+    assert (Path(w.devices.virtual.root) / "data/local/tmp/npustudio/proj-mnn" / "llm.mnn.weight").is_file()
+    shot(w, "tiny_deploy_chat_mnn")
+    panel.runner.setCurrentIndex(panel.runner.findData("device"))
+    panel.pick(genie_chat)  # back to the Genie chat, which the reopened window shows
     w.devices.stop_virtual.click()  # the push bar is about a device that is gone: it resets
     qtbot.waitUntil(lambda: w.devices.push.value() == 0, timeout=60_000)
     assert w.devices.push.format() == "no push running"

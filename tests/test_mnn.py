@@ -29,6 +29,31 @@ def mnn_json(*args: str, cwd: Path | None = None) -> dict:
     return json.loads(r.stdout)
 
 
+def _teacher_forced(model_dir: Path, stage: Path, answer: list[int]) -> tuple[int, float, float]:
+    """The float model's greedy answer fed to both models a token at a time (the decode path): the steps where
+    MNN's top-1 is the float model's, the float model's largest margin over MNN's pick where it is not, and the
+    largest logit difference along the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from npustudio.core.mnn import prompt_ids
+    from npustudio.core.mnn.runtime import MnnModel
+    from npustudio.core.stage_options import DEFAULT_QUESTION
+
+    prompt = prompt_ids(AutoTokenizer.from_pretrained(str(stage)), DEFAULT_QUESTION)
+    ids = prompt + answer[:-1]
+    with torch.inference_mode():
+        fp = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()(torch.tensor([ids])).logits[0].float()
+    mnn = MnnModel(stage / layout.MNN_MODEL).decode_logits(ids)
+    steps = range(len(prompt) - 1, len(ids))
+    agree, worst = 0, 0.0
+    for i in steps:
+        a, b = int(fp[i].argmax()), int(mnn[i].argmax())
+        agree += a == b
+        worst = max(worst, float(fp[i, a] - fp[i, b]))
+    return agree, worst, float((fp[list(steps)] - mnn[list(steps)]).abs().max())
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_an_8_bit_mnn_model_follows_the_float_model_token_for_token(family: str, tiny_models: dict[str, Path],
                                                                      tmp_path: Path) -> None:
@@ -44,6 +69,11 @@ def test_an_8_bit_mnn_model_follows_the_float_model_token_for_token(family: str,
     assert r["max_abs_logit_diff"] < 0.5
     assert 0.98 < r["ppl_ratio"] < 1.02
     assert r["answer_mnn"] and r["answer_mnn"][:3] == r["answer_fp"][:3]
+    # token for token along the float model's 16-token answer: MNN picks the float model's token, or one the float
+    # model itself puts within the logit error measured along the path (a tie a wrong graph would not make)
+    agree, worst_margin, max_diff = _teacher_forced(tiny_models[family], proj / layout.STAGES_DIR / "mnn",
+                                                    r["answer_fp"])
+    assert agree >= 12 and worst_margin <= 2 * max_diff, (agree, worst_margin, max_diff)
     folder = Path(r["folder"])
     assert folder == proj / layout.STAGES_DIR / "mnn" / layout.MNN_MODEL
     assert {"config.json", "llm.mnn", "llm.mnn.weight", "llm_config.json"} <= {p.name for p in folder.iterdir()}

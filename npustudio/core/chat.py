@@ -447,6 +447,15 @@ def history(bundle_dir: Path) -> ChatHistory:
     return ChatHistory.load(default_history_file(bundle_dir))
 
 
+def mnn_samples_greedily(stage_dir: Path) -> bool:
+    """Whether the MNN stage's model answers greedily on a device (its config.json, as llm_demo reads it)."""
+    try:
+        config = json.loads((Path(stage_dir) / layout.MNN_MODEL / layout.MNN_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("sampler_type") == "greedy"
+
+
 def samples_greedily(bundle_dir: Path, preview: bool = False) -> bool:
     """Whether the answers pick the likeliest token every time (the CPU preview always does; Genie when its config
     says greedy, or top-k 1): asked the same messages again, the model gives the same answer, so regenerating one

@@ -45,7 +45,9 @@ from .window import StudioWindow
 
 RUNNERS = (("device", "The selected device"), ("desktop", "This computer: Genie on the HTP simulator (slow)"),
            ("preview", "This computer: CPU preview (fast, not Genie)"),
-           ("mnn", "This computer: MNN (CPU), the MNN back-end's model"))
+           ("mnn", "This computer: MNN (CPU), the MNN back-end's model"),
+           ("mnn-device", "The selected device: MNN's llm_demo (one question a chat)"))
+MNN_RUNNERS = ("mnn", "mnn-device")  # chat with the MNN stage's model rather than the Genie bundle
 CODE_BACKGROUND = QColor("#eef0f3")
 BUBBLE = {"user": "background: #dbeafe", "model": "background: #ffffff; border: 1px solid #d8dce2"}
 
@@ -331,18 +333,20 @@ class ChatPanel(QWidget):
     def _runner_key(self) -> tuple[Any, ...] | None:
         project = self.window_.project
         kind = self.runner.currentData()
-        if project is None or not (self._folder(project, kind) / (layout.MNN_RESULT if kind == "mnn" else
+        mnn = kind in MNN_RUNNERS
+        if project is None or not (self._folder(project, kind) / (layout.MNN_RESULT if mnn else
                                                                   layout.GENIE_CONFIG)).is_file():
             return None
         dev = self.window_.device
-        if kind == "device" and dev is None:
+        on_device = kind in ("device", "mnn-device")
+        if on_device and dev is None:
             return None
-        return (str(project.root), kind, dev.serial if kind == "device" and dev else None)
+        return (str(project.root), kind, dev.serial if on_device and dev else None)
 
     @staticmethod
     def _folder(project: Any, kind: str) -> Path:
         """What the runner `kind` chats with: the MNN stage's folder, else the Genie bundle."""
-        return project.stage_dir(stages.MNN.name if kind == "mnn" else stages.BUNDLE.name)
+        return project.stage_dir(stages.MNN.name if kind in MNN_RUNNERS else stages.BUNDLE.name)
 
     def _history(self) -> chat.ChatHistory | None:
         project = self.window_.project
@@ -372,8 +376,11 @@ class ChatPanel(QWidget):
         """Regenerate's tooltip says when it cannot bring another answer (greedy decoding)."""
         tip = "Ask the last message again; the new answer replaces the last one"
         project = self.window_.project  # not None with a key (`_runner_key`): said for mypy
-        self.greedy = key is not None and project is not None and chat.samples_greedily(
-            project.stage_dir("bundle"), key[1] in ("preview", "mnn"))  # the CPU preview and MNN: greedy
+        if key is not None and project is not None and key[1] == "mnn-device":  # as the phone's config.json says
+            self.greedy = chat.mnn_samples_greedily(project.stage_dir(stages.MNN.name))
+        else:
+            self.greedy = key is not None and project is not None and chat.samples_greedily(
+                project.stage_dir("bundle"), key[1] in ("preview", "mnn"))  # the CPU preview and MNN: greedy
         if self.greedy:
             tip += (". This runner decodes greedily (the likeliest token every time): the same messages bring the "
                     "same answer; edit the message for another one")
@@ -381,9 +388,10 @@ class ChatPanel(QWidget):
 
     def _ready_text(self, key: tuple[Any, ...] | None) -> str:
         if key is None:
-            if self.runner.currentData() == "mnn":
+            kind = self.runner.currentData()
+            if kind in MNN_RUNNERS and (kind == "mnn" or self.window_.device is not None):
                 return "No MNN model yet (Compile step, MNN back-end)."
-            return ("No bundle yet (Compile step)." if self.runner.currentData() != "device" or self.window_.device
+            return ("No bundle yet (Compile step)." if kind not in ("device", "mnn-device") or self.window_.device
                     else "Pick a device in the device panel.")
         return f"Ready: {self.runner.currentText()}" + (f" ({key[2]})" if key[2] else "") + "."
 
@@ -457,6 +465,8 @@ class ChatPanel(QWidget):
         if replace_last:  # the last message and its answer give way to the new ones
             for b in self.transcript.bubbles[-2:]:
                 b.hide()
+        elif kind == "mnn-device":  # llm_demo keeps no conversation: each question is a chat of its own
+            self.transcript.clear()
         self.transcript.add("user", "You", text)
         self._answer = self.transcript.add("model", "Model: answering…")
         self._t0, self._pieces, self._first, self._regenerated = time.monotonic(), 0, None, None
@@ -469,9 +479,12 @@ class ChatPanel(QWidget):
 
         def work(state: Any) -> tuple[ChatSession, Turn]:
             nonlocal session
-            if session is None:
-                session = pipeline.open_chat(bundle, kind, serial, system, apart=True)  # Genie away from the window
+            if session is None:  # Genie away from the window; MNN's model on this computer or on the device
+                session = pipeline.open_chat(bundle, "mnn" if kind in MNN_RUNNERS else kind, serial, system,
+                                             apart=True)
             session.system = system
+            if session.engine.one_question and session.turns and not replace_last:
+                session.clear()  # a new chat for this question; the earlier ones stay in the list
             turn = session.send(text, lambda s: state.partial("text", text=s), stop, replace_last=replace_last,
                                 on_log=lambda line: state.partial("log", line=line), log_level=level)
             return session, turn

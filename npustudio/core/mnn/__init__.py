@@ -87,7 +87,7 @@ def run(source: models.ModelSource, card: models.ArchCard, options: MnnOptions, 
             reference.append(ref_fn(w))
             sub.progress((i + 1) / len(ws), f"float model: window {i + 1}/{len(ws)}")
         lm.tokenizer.save_pretrained(str(out_dir))  # the chat renders its prompts with it (core/chat.py)
-        prompt = _prompt_ids(lm.tokenizer, options.question)
+        prompt = prompt_ids(lm.tokenizer, options.question)
         answer_fp = _greedy(lm.model, prompt, options.answer_tokens, card.eos_ids)
         tokenizer = lm.tokenizer
         del lm, ref_fn
@@ -129,7 +129,7 @@ def run(source: models.ModelSource, card: models.ArchCard, options: MnnOptions, 
     return res
 
 
-def _prompt_ids(tokenizer: object, question: str) -> list[int]:
+def prompt_ids(tokenizer: object, question: str) -> list[int]:
     """The question in the model's chat template (plain text when it has none), as the chat sends it."""
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],  # type: ignore[attr-defined]
