@@ -135,7 +135,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert not c.verify.isEnabled() and c.mnn_bits.isEnabled() and "No MNN model" in c.strip.status.text()
     run_page(qtbot, c)
     r = table_dict(c.results)
-    assert r["Weights"] == "4-bit in blocks of 128, LM head 8-bit"
+    assert r["Weights"] == "4-bit in blocks of 128 (HQQ), LM head 8-bit"
     assert r["Perplexity vs the float model"].startswith(f"{w.project.record('mnn').result['mnn_ppl']:.3f} vs ")
     assert "llm.mnn.weight" in [row[1] for row in cells(c.binaries)]
     shot(w, "tiny_compile_mnn")

@@ -97,27 +97,30 @@ def test_an_8_bit_mnn_model_follows_the_float_model_token_for_token(family: str,
 
 
 def test_the_default_model_at_4_bits_answers_as_the_float_model_and_a_bad_export_is_refused(tmp_path: Path) -> None:
-    """The real default model: 4-bit blocks and an 8-bit LM head keep its answer; held to a closer perplexity than
-    4 bits give, the stage fails with the figures, and the good MNN model already made is kept."""
+    """The real default model: 4-bit HQQ blocks and an 8-bit LM head keep its answer's first sentence; the plain
+    min-max blocks, held to the perplexity HQQ reaches, fail the stage with the figures, and the good MNN model
+    already made is kept."""
     proj = tmp_path / "p"
     r = mnn_json("--project", str(proj))
-    assert (r["bits"], r["block"]) == (4, 64)  # 128 does not divide SmolLM2-135M's 576: the block said, not hidden
-    assert 1.0 < r["ppl_ratio"] < 1.5 and r["top1_agreement"] > 0.6, r
+    assert (r["bits"], r["block"], r["method"]) == (4, 64, "hqq")  # 128 does not divide SmolLM2-135M's 576
+    assert 1.0 < r["ppl_ratio"] < 1.25 and r["top1_agreement"] > 0.7, r
     assert abs(r["fp_ppl"] - 14.659) < 0.01  # the float model's, as the adapt stage measures it
-    assert "Paris" in r["answer_text"] and r["answer_mnn"] == r["answer_fp"]
+    assert r["answer_text"].startswith("The capital of France is Paris") and r["agreeing_prefix"] >= 6
     assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
     info = npustudio("info", "default", "--json", timeout=300)  # the fit table's MNN column, before any export
     fit = {f["precision"]: f for f in json.loads(info.stdout)["fit"]}
     assert abs(fit["w4a16"]["mnn_bytes"] / r["model_bytes"] - 1) < 0.02, (fit["w4a16"]["mnn_bytes"], r["model_bytes"])
     weights = Path(r["folder"]) / "llm.mnn.weight"
     before = weights.stat().st_size
-    bad = npustudio("compile", "--backend", "mnn", "--project", str(proj), "--max-ppl-ratio", "1.1")
+    # the plain min-max blocks, held to what HQQ's reach: they do not (x1.290 measured), and the stage fails
+    bad = npustudio("compile", "--backend", "mnn", "--project", str(proj), "--mnn-method", "plain",
+                    "--max-ppl-ratio", "1.25")
     assert bad.returncode == 2
-    assert "far off the float model" in bad.stderr and "over the x1.1 allowed" in bad.stderr, bad.stderr[-800:]
+    assert "far off the float model" in bad.stderr and "over the x1.25 allowed" in bad.stderr, bad.stderr[-800:]
     assert "--mnn-bits 8" in bad.stderr
     project = Project.open(proj, create=False)
     rec = project.record("mnn")
-    assert rec is not None and rec.options["max_ppl_ratio"] == 1.5 and weights.stat().st_size == before
+    assert rec is not None and rec.options["method"] == "hqq" and weights.stat().st_size == before
 
 
 def test_what_the_mnn_back_end_would_not_do_exactly_is_refused_before_any_work(tiny_models: dict[str, Path],

@@ -162,7 +162,8 @@ def mnn_args(s: argparse.ArgumentParser) -> None:
     O = MnnOptions
     g = s.add_argument_group("--backend mnn")
     for name, flag in MNN_FLAGS.items():
-        option(g, O, name, flag, dest=f"mnn_{name}", **({"type": int} if so.choices(O, name) else {}))
+        numbers = all(isinstance(c, int) for c in so.choices(O, name) or ["text"])
+        option(g, O, name, flag, dest=f"mnn_{name}", **({"type": int} if numbers else {}))
     g.add_argument("--mnn-sample", action="store_true",
                    help="the phone's llm_demo samples (top-k/top-p) instead of answering greedily")
 
@@ -228,7 +229,7 @@ def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
 
 # the MNN back-end's flags (kept by argparse as mnn_NAME: `eval_tokens` is also adapt's)
 MNN_FLAGS = {"bits": "--mnn-bits", "block": "--mnn-block", "lm_head_bits": "--mnn-lm-head-bits",
-             "eval_tokens": "--mnn-eval-tokens", "max_ppl_ratio": "--max-ppl-ratio"}
+             "method": "--mnn-method", "eval_tokens": "--mnn-eval-tokens", "max_ppl_ratio": "--max-ppl-ratio"}
 QNN_FLAGS = {"verify_tokens": "--verify-tokens", "prompt_check_budget_s": "--prompt-check-budget", "parts": "--parts",
              "max_part_mb": "--max-part-mb", "optimize": "--optimize", "weight_sharing": "--weight-sharing",
              "embedding_lut": "--no-embedding-lut"}

@@ -123,7 +123,8 @@ def print_mnn(r: MnnResult) -> None:
     from ..display import human_bytes
 
     out.print(f"MNN model {r.folder} ({human_bytes(r.model_bytes)}; {r.bits}-bit weights in blocks of "
-              f"{r.block or 'a row'}, LM head {r.lm_head_bits}-bit; {r.exporter})")
+              f"{r.block or 'a row'}{' (HQQ)' if r.method == 'hqq' else ''}, LM head {r.lm_head_bits}-bit; "
+              f"{r.exporter})")
     out.print(f"  perplexity {r.mnn_ppl:.3f} against the float model's {r.fp_ppl:.3f} (x{r.ppl_ratio:.4f}), "
               f"top-1 agreement {r.top1_agreement:.4f} over {r.eval.tokens} tokens")
     out.print(f"  greedy answer: {r.agreeing_prefix} of {len(r.answer_fp)} tokens as the float model's; "

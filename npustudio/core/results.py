@@ -167,6 +167,7 @@ class MnnResult(BaseModel):
     bits: int
     block: int
     lm_head_bits: int
+    method: str = "plain"  # a record made before the choice existed was plain
     exporter: str = Field(description="llmexport and MNN versions")
     eval: EvalPlan
     fp_ppl: float

@@ -93,7 +93,7 @@ def run(source: models.ModelSource, card: models.ArchCard, options: MnnOptions, 
         del lm, ref_fn
         gc.collect()
         folder = exporter.export(float_dir, out_dir / layout.MNN_MODEL, options.bits, options.block,
-                                 options.lm_head_bits, state.sub(0.15, 0.7))
+                                 options.lm_head_bits, state.sub(0.15, 0.7), options.method)
         exporter.write_sampler(folder, options.sampler)
     state.progress(0.7, "loading the MNN model")
     mnn = MnnModel(folder)
@@ -109,7 +109,8 @@ def run(source: models.ModelSource, card: models.ArchCard, options: MnnOptions, 
     res = MnnResult(
         folder=str((final_dir or out_dir) / layout.MNN_MODEL), files=files,
         model_bytes=sum(f["bytes"] for f in files if f["file"].startswith(("llm.mnn", "embeddings"))),
-        bits=options.bits, block=options.block, lm_head_bits=options.lm_head_bits, exporter=exporter.versions(),
+        bits=options.bits, block=options.block, lm_head_bits=options.lm_head_bits, method=options.method,
+        exporter=exporter.versions(),
         eval=plan, fp_ppl=cmp.ref_ppl, mnn_ppl=cmp.test_ppl, ppl_ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, prompt_tokens=len(prompt),
         answer_fp=answer_fp, answer_mnn=answer_mnn,

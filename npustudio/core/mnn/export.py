@@ -72,13 +72,16 @@ def _write_config(config: dict[str, Any], folder: Path, name: str = "config.json
     atomic_write_json(folder / name, config)
 
 
-def export(float_dir: Path, out: Path, bits: int, block: int, lm_head_bits: int, state: StateLike) -> Path:
+def export(float_dir: Path, out: Path, bits: int, block: int, lm_head_bits: int, state: StateLike,
+           method: str = "plain") -> Path:
     """MNN's exporter on `float_dir`, writing the MNN model into `out`; its log beside it. A stop kills it."""
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     args = ["--path", str(float_dir.resolve()), "--export", "mnn", "--dst_path", str(out), "--quant_bit", str(bits),
             "--quant_block", str(block), "--lm_quant_bit", str(lm_head_bits),
             "--lm_quant_block", str(0 if lm_head_bits == 8 else block), "--mnnconvert", str(out / "no-binary")]
+    if method == "hqq":
+        args.append("--hqq")
     log = out.parent / "llmexport.log"  # in the stage's folder: kept with the model, gone with a failed stage
     with open(log, "wb") as sink:
         # in the stage's folder: MNN's converter writes its own log (.export.log) into the working folder

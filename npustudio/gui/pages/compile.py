@@ -159,7 +159,8 @@ class CompilePage(Page):
         fill(self.binaries, [(f"{r.bits}-bit", f["file"], human_bytes(f["bytes"])) for f in r.files])
         fill(self.results, [
             ("MNN model", r.folder),
-            ("Weights", f"{r.bits}-bit in blocks of {r.block or 'a row'}, LM head {r.lm_head_bits}-bit"),
+            ("Weights", f"{r.bits}-bit in blocks of {r.block or 'a row'}{' (HQQ)' if r.method == 'hqq' else ''}, "
+                        f"LM head {r.lm_head_bits}-bit"),
             ("Perplexity vs the float model", f"{r.mnn_ppl:.3f} vs {r.fp_ppl:.3f} (x{r.ppl_ratio:.3f})"),
             ("Top-1 agreement", f"{r.top1_agreement:.3f} over {r.eval.tokens} tokens"),
             ("Greedy answer", f"{r.agreeing_prefix} of {len(r.answer_fp)} tokens as the float model's: "
