@@ -1456,7 +1456,7 @@ def test_a_late_progress_message_keeps_stopping_and_a_push_states_one_rate(
         qtbot: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 37: a progress message that arrives after Cancel (or Stop and quit) leaves "Stopping…" on the page; a
     finished push shows the same rate on the Deploy page and on the device panel's bar (49 beside 498 MB/s); the
-    settings' QNN SDK and adb fields have a Browse… button that fills them."""
+    settings' QNN SDK, adb and MNN Android runtime fields have a Browse… button that fills them."""
     import threading
 
     from npustudio.core.device.deploy import DeployResult
@@ -1491,6 +1491,15 @@ def test_a_late_progress_message_keeps_stopping_and_a_push_states_one_rate(
     dlg.adb_browse.click()
     assert (dlg.sdk.text(), dlg.adb.text()) == (picked["dir"], picked["file"])
     dlg.reject()
+    # the MNN Android runtime's folder: browsed, saved, and where the deploy looks (MNN_ANDROID_ROOT)
+    from npustudio.core import settings as user_settings
+
+    monkeypatch.setenv("MNN_ANDROID_ROOT", "")  # put back after the test: accepting the dialog sets it
+    dlg = w.open_settings()
+    dlg.mnn_browse.click()
+    assert dlg.mnn.text() == picked["dir"]
+    dlg.accept()
+    assert user_settings.load().mnn_android_root == picked["dir"] == os.environ["MNN_ANDROID_ROOT"]
 
 
 def test_the_pages_take_each_options_range_default_and_choices_from_core(qtbot: Any, tmp_path: Path) -> None:
