@@ -8,7 +8,7 @@ desktop chat's fast runner, to the end of turn). The MNN stage is made first whe
 project has none (`npustudio compile --backend mnn` on the embedded default model).
 Prints JSON: tok/s and TTFT per runner, and the ratios of MNN's forced run against torch's (same token count)
 and the preview's.
-Usage: python benchmarks/mnn_bench.py [--project DIR] [--tokens 64]
+Usage: python benchmarks/mnn_bench.py [--project DIR] [--tokens 64] [--json]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--project", default=None, help="project folder (default: a fresh one in a temporary folder)")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--json", action="store_true", help="print only the JSON (else a summary line first, on stderr)")
     a = ap.parse_args()
 
     import torch
@@ -111,6 +112,9 @@ def main() -> None:
             out["mnn_vs_preview"] = round(mnn_tok_s / s.generation_tok_s, 2)
     else:
         out["preview_cpu"] = "no current Genie bundle in the project (run `npustudio run --project P` first)"
+    if not a.json:
+        print(f"MNN {mnn_tok_s:.1f} tok/s against torch {torch_tok_s:.1f} (x{out['mnn_vs_torch_float']})"
+              + (f" and the preview (x{out['mnn_vs_preview']})" if "mnn_vs_preview" in out else ""), file=sys.stderr)
     print(json.dumps(out, indent=2))
     tmp.cleanup()
 

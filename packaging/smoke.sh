@@ -2,7 +2,8 @@
 # Smoke test of a packaged build, run as a user runs it:
 #   bash packaging/smoke.sh dist/npustudio
 # --version; `info default` (the embedded GGUF through transformers); a tiny random Llama through adapt → quantize →
-# compile → bundle; `genie-run --preview`; `virtual-device` + `devices` + a `chat` there; and `gui`, whose window
+# compile → bundle, and through the MNN back-end (`compile --backend mnn`, `chat --mnn`); `genie-run --preview`;
+# `virtual-device` + `devices` + a `chat` there, with the bundle and with the MNN model; and `gui`, whose window
 # must appear under Xvfb and close on Ctrl+Q. The tiny model is written by this checkout's .venv (test data; the
 # build under test is DIST alone). Needs xvfb-run and xdotool for the window (Debian: xvfb, xdotool).
 set -euo pipefail
@@ -49,6 +50,11 @@ PY
 "$app" bundle --project "$work/p" --json > "$work/bundle.json"
 python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["validated"], d; print("bundle validated by libGenie")' "$work/bundle.json"
 
+step "the MNN back-end: the tiny model exported by MNN's exporter, checked, and answering through MNN's runtime"
+"$app" compile --backend mnn --project "$work/m" --model "$work/model" --mnn-bits 8 --mnn-block 0 --json > "$work/mnn.json"
+python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["top1_agreement"] > 0.9, d; print("MNN model: top-1", round(d["top1_agreement"], 3))' "$work/mnn.json"
+"$app" chat --mnn --bundle "$work/m/stages/mnn" "Hello" < /dev/null
+
 step "genie-run --preview"
 "$app" genie-run -c "$work/p/stages/bundle/genie_config.json" -p "Hello" --preview
 
@@ -62,6 +68,9 @@ serial="$(python3 -c 'import json,sys; print([x for x in json.load(open(sys.argv
 
 step "chat on the virtual device (the bundle deployed there, Genie on the HTP simulator)"
 "$app" chat --device "$serial" --bundle "$work/p/stages/bundle" "Hello" < /dev/null
+
+step "the MNN model on the virtual device (deployed, llm_demo there)"
+"$app" chat --mnn --device "$serial" --bundle "$work/m/stages/mnn" "Hello" < /dev/null
 kill "$vd_pid"; wait "$vd_pid" 2>/dev/null || true; vd_pid=""
 
 step "gui: the window opens and closes on Ctrl+Q"

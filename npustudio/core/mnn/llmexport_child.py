@@ -39,7 +39,10 @@ def main(argv: list[str]) -> None:
     sys.argv = [str(path), *argv]
     # run as its authors run it (`python llmexport.py …`); not runpy, whose restoring of sys.argv fails once MNN's
     # converter has replaced it
-    exec(compile(path.read_bytes(), str(path), "exec"), {"__name__": "__main__", "__file__": str(path)})
+    try:
+        exec(compile(path.read_bytes(), str(path), "exec"), {"__name__": "__main__", "__file__": str(path)})
+    finally:  # a packaged app starts this module through runpy (`-m`), which then puts sys.argv[0] back
+        sys.argv = [str(path), *argv]
 
 
 if __name__ == "__main__":

@@ -46,11 +46,14 @@ class MnnModel:
         if not config.is_file():
             raise UserError(f"{folder} holds no MNN model ({layout.MNN_CONFIG} is missing).",
                             "Make it with `npustudio compile --backend mnn --project P`.")
-        import MNN.llm as mnn_llm
+        from ..native_io import fd_redirected
 
-        self.llm = mnn_llm.create(str(config))
-        self.llm.set_config({"thread_num": threads()} | ({"sampler_type": "greedy"} if greedy else {}))
-        self.llm.load()
+        with fd_redirected(1, 2):  # MNN says its CPU's features on stdout: the answer streams there
+            import MNN.llm as mnn_llm
+
+            self.llm = mnn_llm.create(str(config))
+            self.llm.set_config({"thread_num": threads()} | ({"sampler_type": "greedy"} if greedy else {}))
+            self.llm.load()
         from .llm_demo import loaded
 
         if not loaded(self.llm):
