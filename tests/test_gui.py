@@ -556,6 +556,33 @@ def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_pro
     assert ins.heat_roles == []
 
 
+def test_the_inspector_shows_what_another_run_changed(qtbot: Any, genie_project: Project,
+                                                      genie_project_w4: Project) -> None:
+    """Issue 41: the inspector sets the run it shows against another project's (here w4a16 against w8a16 of the same
+    model): each tensor's SQNR in both, the most damaged by the change first; 4-bit blocks lose against int8 rows."""
+    from npustudio.core.graph import encodings
+    from npustudio.gui.inspector import Inspector
+
+    after = next(genie_project_w4.stage_dir("quantize").glob("prompt_*.encodings"))
+    before = next(genie_project.stage_dir("quantize").glob("prompt_*.encodings"))
+    ins = Inspector()
+    qtbot.addWidget(ins)
+    assert not ins.compare.isEnabled()  # nothing to compare before a run is shown
+    ins.load(encodings.read(after))
+    assert ins.compare.isEnabled()
+    ins.compare_with(before)
+    qtbot.waitUntil(lambda: ins.changes is not None, timeout=180_000)
+    assert ins.changes is not None and ins.compare.isEnabled()
+    rows = ins.changes.rows
+    changes = [r.change_db for r in rows if r.change_db is not None]
+    assert changes == sorted(changes) and changes[0] < -10  # int4 against int8: far less signal to noise
+    down = next(r for r in rows if r.name == "layers.0.mlp.down.weight")
+    assert down.after_db is not None and down.before_db is not None and down.after_db < down.before_db - 10
+    assert ins.changes.table.rowCount() == len(rows) and ins.changes.table.item(0, 0).text() == rows[0].name
+    assert " lost and " in ins.changes.summary.text() and "the most damaged first" in ins.changes.summary.text()
+    shot(ins.changes, "inspector_run_changes")
+
+
 def test_profile_view_draws_a_real_genie_profile(qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
     from npustudio.core.genie import host
     from npustudio.gui.profile_view import ProfileView, spans

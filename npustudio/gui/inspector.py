@@ -25,10 +25,13 @@ from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
     QComboBox,
+    QDialog,
+    QFileDialog,
     QHBoxLayout,
     QHeaderView,
     QLabel,
     QLineEdit,
+    QPushButton,
     QSplitter,
     QTableView,
     QToolTip,
@@ -36,10 +39,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.graph import sqnr
-from ..core.graph.encodings import EncodingsTable, TensorRow
+from ..core.graph import encodings, sqnr
+from ..core.graph.encodings import EncodingsTable, SqnrChange, TensorRow
 from . import worker
 from .charts import Chart
+from .widgets import fill, show_error, table
 
 ROLES = ("embedding", "norm", "q", "k", "v", "o", "gate", "up", "down", "kv-cache", "activation", "lm_head")
 COLUMNS = (("name", "Tensor"), ("layer", "Layer"), ("role", "Role"), ("kind", "Kind"), ("bitwidth", "Bits"),
@@ -278,8 +282,15 @@ class Inspector(QWidget):
         for r in ROLES:
             self.role.addItem(r, r)
         self.flagged = QCheckBox("flagged only")
+        self.compare = QPushButton("Compare with another run…")
+        self.compare.setToolTip("What another quantize run (another project's recipe or override file) did to each "
+                                "tensor: its SQNR in both runs, the most damaged by the change first")
+        self.compare.setEnabled(False)
+        self.compare.clicked.connect(self._pick_other_run)
+        self.changes: ChangesDialog | None = None
+        self._compare_job: worker.Job | None = None
         self.title = QLabel("No encodings loaded.")
-        for w in (QLabel("Colour:"), self.colour_by, self.search, self.role, self.flagged):
+        for w in (QLabel("Colour:"), self.colour_by, self.search, self.role, self.flagged, self.compare):
             bar.addWidget(w)
         lay.addWidget(self.title)
         lay.addLayout(bar)
@@ -364,6 +375,7 @@ class Inspector(QWidget):
         for chart in (self.heatmap, self.detail, self.hist):
             chart.fit()
         self.graph.clear()
+        self.compare.setEnabled(False)
         self.title.setText("No encodings loaded.")
 
     def set_graphs(self, files: list[Path]) -> None:
@@ -377,6 +389,7 @@ class Inspector(QWidget):
 
     def load(self, table: EncodingsTable) -> None:
         self.table_ = table
+        self.compare.setEnabled(True)
         self.proxy.setSourceModel(TensorModel(table.rows))
         self.view.resizeColumnsToContents()
         self._widths(table.rows)
@@ -384,6 +397,38 @@ class Inspector(QWidget):
         self.title.setText(f"{table.path.rsplit('/', 1)[-1]} (schema {table.version}): {len(table.rows)} tensors, "
                            f"{len(table.layers)} layer groups, {flagged} flagged")
         self._draw_heat()
+
+    def _pick_other_run(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "The encodings of the run to compare with", "",
+                                              "AIMET encodings (*.encodings)")
+        if path:
+            self.compare_with(Path(path))
+
+    def compare_with(self, before: Path) -> None:
+        """Each tensor's SQNR in `before` (another run's encodings, against its own project's float weights) and
+        in the shown encodings, computed off the GUI thread, then shown the most damaged first."""
+        if self.table_ is None:
+            return
+        after = Path(self.table_.path)
+        self.compare.setEnabled(False)
+        self.compare.setText("Comparing…")
+
+        def done(rows: list[SqnrChange]) -> None:
+            self._compare_finished()
+            self.changes = ChangesDialog(rows, before, after, self)
+            self.changes.show()
+
+        def failed(problem: str, fix: str) -> None:
+            self._compare_finished()
+            show_error(self, problem, fix)
+
+        self._compare_job = worker.start(lambda _s: encodings.sqnr_changes(before, after), "Comparing runs",
+                                         read=True, done=done, failed=failed)
+
+    def _compare_finished(self) -> None:
+        self._compare_job = None
+        self.compare.setText("Compare with another run…")
+        self.compare.setEnabled(self.table_ is not None)
 
     def _widths(self, rows: list[TensorRow]) -> None:
         """The name and flags columns from every row, not the first 60 `resizeColumnsToContents` reads (the
@@ -550,3 +595,37 @@ class Inspector(QWidget):
             f"Histogram: {sample}; red lines: the clip range [{h.clip_low:.4g}, {h.clip_high:.4g}]"
             + (f", ticks: the {len(h.grid)} grid values" if h.grid else " (widest over channels)")
             + f"; {h.clipped:.2%} beyond their own channel's range.")
+
+
+class ChangesDialog(QDialog):
+    """What another run changed (`encodings.sqnr_changes`), tensor by tensor: the SQNR of each in both runs, the
+    most damaged by the change first, and how many gained or lost."""
+
+    def __init__(self, rows: list[SqnrChange], before: Path, after: Path, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("SQNR: what the run changed")
+        self.rows = rows
+        lay = QVBoxLayout(self)
+        lost = sum(1 for r in rows if r.change_db is not None and r.change_db < -0.01)
+        gained = sum(1 for r in rows if r.change_db is not None and r.change_db > 0.01)
+        self.summary = QLabel(f"{_run_name(after)} against {_run_name(before)}: {len(rows)} tensors in both, "
+                              f"{lost} lost and {gained} gained more than 0.01 dB (the most damaged first).")
+        self.summary.setWordWrap(True)
+        self.summary.setToolTip(f"after: {after}\nbefore: {before}")
+        lay.addWidget(self.summary)
+        self.table = table(["Tensor", "Kind", "SQNR before (dB)", "SQNR after (dB)", "Change (dB)"])
+
+        def db(v: float | None) -> str | None:
+            return None if v is None else "∞" if math.isinf(v) else f"{v:.2f}"
+
+        fill(self.table, [(r.name, r.kind, db(r.before_db), db(r.after_db),
+                           None if r.change_db is None else f"{r.change_db:+.2f}") for r in rows])
+        lay.addWidget(self.table, 1)
+        self.resize(820, 520)
+
+
+def _run_name(encodings_file: Path) -> str:
+    """A run's encodings as a person tells them apart: its project's name (a project's quantize stage) and file."""
+    stage = encodings_file.parent
+    where = stage.parent.parent.name if stage.parent.name == "stages" else stage.name
+    return f"{where}/{encodings_file.name}"
