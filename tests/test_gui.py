@@ -64,9 +64,12 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     card = table_dict(m.card)
     assert card["layers"] == "2" and card["head_dim"] == "64" and card["family"] == "Llama"
     assert [r[0] for r in cells(m.fit)] == ["w8a16", "w4a16"]
-    assert "phones with" in cells(m.fit)[0][8]
-    assert cells(m.fit)[1][6].startswith("×1.3")  # w4a16's perplexity cost on the default model, measured
+    assert "phones with" in cells(m.fit)[0][9]
+    assert cells(m.fit)[1][7].startswith("×1.3")  # w4a16's perplexity cost on the default model, measured
     assert m.advice.text().startswith("Recommended: w8a16 for a phone")
+    mnn = {r[0]: r[5] for r in cells(m.fit)}  # the MNN model's size at each weight width, beside the bundle's
+    assert mnn["w8a16"].endswith(("KB", "MB")) and mnn["w4a16"] != mnn["w8a16"]
+    shot(w, "tiny_model")
 
     # Target: picked from the SoC table
     w.go("Target")

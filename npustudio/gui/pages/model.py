@@ -59,8 +59,8 @@ class ModelPage(Page):
         self.form.addRow("Context length (for the estimate):", self.cl)
         self.add_strip("Read model", redo=True)
         self.card = table(["Property", "Value"])
-        self.fit = table(["Precision", "Weights", "KV cache", "Parts", "Bundle (phone)", "Decode bound",
-                          "PPL cost (default model)", "Phone RAM needed", "Fits", "MNN model (CPU/GPU)"])
+        self.fit = table(["Precision", "Weights", "KV cache", "Parts", "Bundle (phone)", "MNN model (CPU/GPU)",
+                          "Decode bound", "PPL cost (default model)", "Phone RAM needed", "Fits"])
         self.lay.addWidget(self.card, 3)
         self.lay.addWidget(self.fit, 1)
         self.advice = status_label()  # the precision the main job would choose, and why
@@ -160,9 +160,9 @@ class ModelPage(Page):
             colours.append(GOOD if ok else WARN if f.min_phone_ram_gb else BAD)
             ratio = f.ppl_ratio_default_model
             rows.append((f.precision, display.human_bytes(f.weight_bytes), display.human_bytes(f.kv_cache_bytes),
-                         f.parts, display.human_bytes(f.context_bytes_phone), f"{f.decode_tok_s_bound:,.0f} tok/s",
-                         f"×{ratio:.3f}" if ratio else "—", display.human_bytes(f.phone_ram_bytes), verdict,
-                         display.human_bytes(f.mnn_bytes)))
+                         f.parts, display.human_bytes(f.context_bytes_phone), display.human_bytes(f.mnn_bytes),
+                         f"{f.decode_tok_s_bound:,.0f} tok/s", f"×{ratio:.3f}" if ratio else "—",
+                         display.human_bytes(f.phone_ram_bytes), verdict))
         fill(self.fit, rows, colours)
         if self.fits:
             phone, sim = (models.plan(self.fits, where) for where in ("phone", "simulator"))
