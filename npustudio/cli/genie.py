@@ -49,18 +49,17 @@ def cmd_chat(a: argparse.Namespace) -> int:
     if sum((a.preview, a.desktop, a.mnn, a.device is not None and not a.mnn)) > 1:
         raise UserError("Pick one place to chat: --device, --desktop, --preview or --mnn (with --device: on "
                         "that device).", "Leave the others out.")
+    if a.mnn and a.device is not None and a.prompt is None:  # before the model is pushed there
+        raise UserError("MNN's llm_demo on a device answers one question on its own (it keeps no conversation).",
+                        'Give the question on the command line: npustudio chat --mnn --device SERIAL "QUESTION".')
     bundle = Path(a.bundle) if a.bundle else default_bundle(stages.MNN.name if a.mnn else stages.BUNDLE.name)
     with live_state() as st:
         session = pipeline.open_chat(bundle, "mnn" if a.mnn else "preview" if a.preview else
                                      "desktop" if a.desktop else "device", a.device, a.system, st)
-    if session.engine.one_question:  # each question is a chat of its own (the earlier ones stay listed)
-        if a.prompt is None:
-            raise UserError(f"{session.engine.name} answers one question on its own (it keeps no conversation).",
-                            'Give the question on the command line: npustudio chat --mnn --device SERIAL "QUESTION".')
     engine = session.engine
     if note := session.history.notice():
         err.print(f"[yellow]{escape(note)}[/]")
-    if a.new or engine.one_question:
+    if a.new or engine.one_question:  # each of its questions is a chat of its own (the earlier ones stay listed)
         session.clear()
 
     def ask(text: str) -> bool:

@@ -299,13 +299,16 @@ class MnnDeviceEngine:
         self.name = f"MNN llm_demo on device {serial}"
         self.figures: dict[str, float] = {}
         self.one_question = True
+        self._tok: Any = None  # the model's tokenizer with its chat template, read on the first question
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
             log_level: str = "error") -> tuple[str, bool, str | None]:
         from .device import remote_mnn
         from .genie.config import chat_prompt
 
-        tok = chat_model(self.stage_dir).tok  # the prompt llm_demo will render, counted to size the answer
+        if self._tok is None:
+            self._tok = chat_model(self.stage_dir).tok
+        tok = self._tok  # the prompt llm_demo will render, counted to size the answer
         used = len(tok(chat_prompt(tok, prompt, None, []), add_special_tokens=False)["input_ids"]) + 1
         room = self.record.context_length - used
         if room <= 0:

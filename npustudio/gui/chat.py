@@ -48,6 +48,7 @@ RUNNERS = (("device", "The selected device"), ("desktop", "This computer: Genie 
            ("mnn", "This computer: MNN (CPU), the MNN back-end's model"),
            ("mnn-device", "The selected device: MNN's llm_demo (one question a chat)"))
 MNN_RUNNERS = ("mnn", "mnn-device")  # chat with the MNN stage's model rather than the Genie bundle
+DEVICE_RUNNERS = ("device", "mnn-device")  # need the device picked in the device panel
 CODE_BACKGROUND = QColor("#eef0f3")
 BUBBLE = {"user": "background: #dbeafe", "model": "background: #ffffff; border: 1px solid #d8dce2"}
 
@@ -338,7 +339,7 @@ class ChatPanel(QWidget):
                                                                   layout.GENIE_CONFIG)).is_file():
             return None
         dev = self.window_.device
-        on_device = kind in ("device", "mnn-device")
+        on_device = kind in DEVICE_RUNNERS
         if on_device and dev is None:
             return None
         return (str(project.root), kind, dev.serial if on_device and dev else None)
@@ -391,7 +392,7 @@ class ChatPanel(QWidget):
             kind = self.runner.currentData()
             if kind in MNN_RUNNERS and (kind == "mnn" or self.window_.device is not None):
                 return "No MNN model yet (Compile step, MNN back-end)."
-            return ("No bundle yet (Compile step)." if kind not in ("device", "mnn-device") or self.window_.device
+            return ("No bundle yet (Compile step)." if kind not in DEVICE_RUNNERS or self.window_.device
                     else "Pick a device in the device panel.")
         return f"Ready: {self.runner.currentText()}" + (f" ({key[2]})" if key[2] else "") + "."
 

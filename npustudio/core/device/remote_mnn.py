@@ -127,9 +127,10 @@ def check_prompt(prompt: str) -> str:
     return prompt
 
 
-def explain(output: str) -> UserError | None:
-    """None when llm_demo answered (its figures' block came); a failure explained, with the device's last lines."""
-    out = read(output)
+def explain(output: str, out: Output | None = None) -> UserError | None:
+    """None when llm_demo answered (its figures' block came); a failure explained, with the device's last lines.
+    `out`: the output already read."""
+    out = out or read(output)
     if out.figures is not None:
         return None
     said = [ln.strip() for ln in (out.before if out.begun else output.splitlines()) if ln.strip()]
@@ -162,11 +163,11 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
             f"exec {'./' if own else ''}{PROGRAM} {layout.MNN_CONFIG} {layout.PROMPT_FILE} {int(max_tokens)} 2>&1")
     t0 = time.perf_counter()
     output, stopped = remote_shell.stream(d, line, on_output, stop)
-    if not stopped and (err := explain(output)) is not None:
-        raise err
     out = read(output)
+    if not stopped and (err := explain(output, out)) is not None:
+        raise err
     f = out.figures or Timings(0, 0, 0.0, 0.0)
     return MnnRun(text=out.answer, output=output, status="stopped" if stopped else "complete",
                   prompt_tokens=f.prompt_tokens, answer_tokens=f.answer_tokens, prefill_s=f.prefill_s,
-                  prefill_tok_s=f.prefill_tok_s,
-                  decode_tok_s=f.decode_tok_s, seconds=round(time.perf_counter() - t0, 3))
+                  prefill_tok_s=f.prefill_tok_s, decode_tok_s=f.decode_tok_s,
+                  seconds=round(time.perf_counter() - t0, 3))
