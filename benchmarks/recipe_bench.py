@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quantize_bench
 
-from npustudio.core.stage_options import RECIPE_NAMES
+from npustudio.core.stage_options import RECIPE_NAMES, QuantizeOptions
 
 
-def one_recipe(adapt_dir: str, recipe: str) -> None:
+def one_recipe(adapt_dir: str, recipe: str, iterations: str) -> None:
     """Child: one w4a16 quantize run with `recipe`, its figures as JSON on stdout, with the share of the decoder
     layers' linear weights (by count) the export encodes at 4 bits."""
     import torch
@@ -41,7 +41,8 @@ def one_recipe(adapt_dir: str, recipe: str) -> None:
              if isinstance(m, Conv1x1) and n.startswith("layers.")}
     del model
     with tempfile.TemporaryDirectory() as out:
-        r = run(Path(adapt_dir), QuantizeOptions(precision="w4a16", recipe=recipe), Path(out), State())
+        r = run(Path(adapt_dir), QuantizeOptions(precision="w4a16", recipe=recipe,
+                                                     adascale_iterations=int(iterations)), Path(out), State())
         enc = next(Path(out).glob("*.encodings"))
         bits = {row.name: row.bitwidth for row in encodings.read(enc, kinds=("param",)).rows}
     four = sum(n for name, n in sizes.items() if bits.get(name) == 4)
@@ -65,9 +66,11 @@ def main() -> None:
     ap.add_argument("--recipes", default=",".join(RECIPE_NAMES))
     ap.add_argument("--llama-1b", default=None, metavar="RECIPE", help="also the cost of RECIPE on a random "
                                                                        "Llama-3.2-1B-shaped model")
+    ap.add_argument("--adascale-iterations", type=int, default=QuantizeOptions.model_fields[
+        "adascale_iterations"].default, help="AdaScale's steps per decoder layer (for recipes that run it)")
     ap.add_argument("--work", default=None, help="scratch folder (kept, so reruns skip the adapt step)")
     ap.add_argument("--json", action="store_true", help="print only the JSON")
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         one_recipe(*a.child)
@@ -76,10 +79,11 @@ def main() -> None:
     src = quantize_bench.adapted_default(work)
     rows = []
     for recipe in a.recipes.split(","):
-        rows.append({"recipe": recipe} | _child(["--child", str(src), recipe]))
+        rows.append({"recipe": recipe} | _child(["--child", str(src), recipe, str(a.adascale_iterations)]))
         if not a.json:
             print(json.dumps(rows[-1]), file=sys.stderr)
-    out: dict = {"model": "SmolLM2-135M-Instruct (default)", "precision": "w4a16", "results": rows}
+    out: dict = {"model": "SmolLM2-135M-Instruct (default)", "precision": "w4a16",
+                 "adascale_iterations": a.adascale_iterations, "results": rows}
     good = [r for r in rows if "error" not in r]
     if good:
         out["best"] = min(good, key=lambda r: r["ratio"])["recipe"]
