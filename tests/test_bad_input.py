@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -894,3 +895,19 @@ def test_an_unexpected_error_is_a_short_message_with_a_log(tiny_llama: Path, tmp
     assert rc == 1 and "Traceback" in text and "in broken" in text
     rc, text = cli(capsys, "encodings", str(tmp_path), "--debug")  # a folder: a message, exit 2, not the net
     assert rc == 2 and "No encodings file" in text
+
+
+def test_a_recipe_the_model_cannot_take_is_refused_before_any_stage_runs(tmp_path: Path) -> None:
+    """`npustudio run --recipe spinquant` as a user runs it, on the default model: SpinQuant needs a Hadamard matrix
+    of the hidden size and SmolLM2-135M's is 576, which aimet cannot build. Exit 2 with the reason and the choices
+    that work, before the adapt stage spends minutes; `npustudio info` lists the recipe as not for this model."""
+    exe = str(Path(sys.executable).parent / "npustudio")
+    res = subprocess.run([exe, "run", "--project", str(tmp_path / "p"), "--recipe", "spinquant_adascale", "--no-ask"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 2, res.stderr
+    assert _flat("this model's hidden size is 576") in _flat(res.stderr)
+    assert "--rotate" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "p" / "stages" / "adapt").exists()
+    info = subprocess.run([exe, "info", "default"], capture_output=True, text=True, timeout=600)
+    assert info.returncode == 0, info.stderr
+    assert "not for this model: spinquant (" in info.stdout

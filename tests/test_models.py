@@ -12,6 +12,7 @@ import pytest
 from npustudio import display
 from npustudio.core import models
 from npustudio.core.errors import UserError
+from npustudio.core.stage_options import RECIPE_NAMES
 from tests.conftest import MemoryKeyring
 from tests.fake_hub import FakeHub
 
@@ -261,12 +262,18 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
                for s, b in zip(small.stages, big.stages, strict=True))
     assert 6e9 < big.stages[0].peak_ram_bytes < 9e9  # adapt of a 1B model (measured 6.8 GB)
     # each quantize recipe's extra time is said before the run: none for plain, more for a bigger model
-    assert [r["recipe"] for r in host["recipes"]] == ["plain", "seqmse", "adascale"]
+    assert [r["recipe"] for r in host["recipes"]] == list(RECIPE_NAMES)
     three_b = host_cost.estimate(_card(params=3_212_749_824, hidden=3072, layers=28, intermediate=8192))
     costs = [{r.recipe: r.seconds for r in e.recipes} for e in (big, three_b)]
-    assert costs[0]["plain"] == 0 and all(0 < costs[0][r] < costs[1][r] for r in ("seqmse", "adascale"))
+    assert costs[0]["plain"] == 0 and all(0 < costs[0][r] < costs[1][r] for r in RECIPE_NAMES[1:])
+    assert costs[0]["spinquant"] < costs[0]["seqmse"]  # a rotation merged into the weights: ~1-2 min on a 1B model
     ram = {r.recipe: r.ram_bytes for r in big.recipes}  # AdaScale holds each layer's inputs: ~0.7 GB on a 1B model
     assert ram["plain"] == ram["seqmse"] == 0 and 0.4e9 < ram["adascale"] < 1.2e9
+    assert ram["spinquant"] == 2 * 4 * 128256 * 2048  # the rotated embedding table and head beside the old ones
+    assert not any(r.refused for r in big.recipes)
+    # SmolLM2-135M's hidden size 576 has no Hadamard matrix in aimet: said per recipe before any run
+    refused = {r.recipe: r.refused for r in host_cost.recipe_costs(_card(hidden=576, heads=9, kv_heads=3)) if r.refused}
+    assert set(refused) == {"spinquant", "spinquant_adascale"} and "hidden size is 576" in refused["spinquant"]
 
     monkeypatch.setattr(host_cost, "machine_ram", lambda: 2**28)  # a 256 MiB computer
     loaded: list[object] = []

@@ -22,6 +22,7 @@ from npustudio.core.progress import Partial, State
 from npustudio.core.project import Project
 from npustudio.core.quantize import QuantizeOptions
 from npustudio.core.quantize.presets import Overrides, load_overrides
+from npustudio.core.stage_options import RECIPE_STEPS
 
 FAST = dict(calib_samples=2, calib_len=64, calib_decode=4, eval_chars=2500, window=128, decode_tokens=8)
 PROMPT, TOKEN = "prompt_ar32_cl128_1_of_1", "token_ar1_cl128_1_of_1"
@@ -231,11 +232,15 @@ def test_quantize_leaves_the_adapted_weights_untouched(w8: tuple[Project, list[P
         assert sha256_file(p.root / f.path) == f.sha256, f.path
 
 
-def test_rotating_the_residual_stream_keeps_the_float_model(w8: tuple[Project, list[Partial]]) -> None:
+@pytest.mark.parametrize("how", ["rotate", "spinquant"])
+def test_rotating_the_residual_stream_keeps_the_float_model(w8: tuple[Project, list[Partial]], how: str) -> None:
+    """--rotate's random rotation and aimet's SpinQuant (R1 over the stream, R2 per head between v and o) leave
+    what the float model computes, the KV cache included, and change the weights the quantizer sees."""
     import torch
 
     from npustudio.core.graph import store
     from npustudio.core.graph.kv_cache import TorchGraph
+    from npustudio.core.quantize import spinquant
     from npustudio.core.quantize.rotate import rotate_residual
 
     p = w8[0]
@@ -243,13 +248,39 @@ def test_rotating_the_residual_stream_keeps_the_float_model(w8: tuple[Project, l
     feeds = {k: torch.from_numpy(v) for k, v in tv["in"].items()}
     model, _ = store.load(p.stage_dir("adapt"))
     before = TorchGraph(model)(feeds)
-    w_q = model.layers[0].attn.q[0].weight.detach().clone()
-    rotate_residual(model, seed=1)
+    w_q, w_o = (m.weight.detach().clone() for m in (model.layers[0].attn.q[0], model.layers[0].attn.o))
+    if how == "rotate":
+        rotate_residual(model, seed=1)
+    else:
+        spinquant.apply(model)
     after = TorchGraph(model)(feeds)
     for name in ("logits", "past_key_0_out", "past_value_1_out"):
+        if how == "spinquant" and "value" in name:  # R2 rotates each head's values, the o projection undoes it
+            continue
         assert torch.allclose(after[name], before[name], atol=1e-4 * before[name].abs().max().item()), name
     assert not torch.allclose(model.layers[0].attn.q[0].weight, w_q)  # the weights did change
+    assert not torch.allclose(model.layers[0].attn.o.weight, w_o)
     assert model.lm_head.weight.data_ptr() != model.embed.weight.data_ptr()
+
+
+def test_spinquant_refuses_what_it_cannot_rotate_before_any_work() -> None:
+    """aimet builds Hadamard matrices of 2^n and 12/20/28·2^n only: SmolLM2-135M's hidden size 576 is neither, so
+    the recipe is refused with the reason and the alternatives, as is combining it with --rotate."""
+    from npustudio.core.quantize import validate
+    from npustudio.core.shape import DecoderShape
+
+    shape = DecoderShape(family="Llama", model_type="llama", layers=30, heads=9, kv_heads=3, head_dim=64, hidden=576,
+                         intermediate=1536, vocab=49152, rms_norm_eps=1e-5, tied_embeddings=True, qkv_bias=False,
+                         qk_norm=False)
+    validate(QuantizeOptions(recipe="adascale"), shape)
+    with pytest.raises(UserError) as e:
+        validate(QuantizeOptions(recipe="spinquant_adascale"), shape)
+    assert "hidden size is 576" in e.value.problem and "--rotate" in e.value.fix
+    validate(QuantizeOptions(recipe="spinquant"), shape.model_copy(update={"hidden": 2048, "heads": 32}))
+    with pytest.raises(UserError, match="both rotate"):
+        validate(QuantizeOptions(recipe="spinquant", rotate=True), shape.model_copy(update={"hidden": 2048}))
+    with pytest.raises(UserError, match="post-norm"):
+        validate(QuantizeOptions(recipe="spinquant"), shape.model_copy(update={"hidden": 2048, "post_norms": True}))
 
 
 def test_test_vectors_are_plain_arrays(w8: tuple[Project, list[Partial]]) -> None:
@@ -259,7 +290,7 @@ def test_test_vectors_are_plain_arrays(w8: tuple[Project, list[Partial]]) -> Non
         assert z["in/input_ids"].shape == (1, 1)
 
 
-@pytest.mark.parametrize("recipe", ["seqmse", "adascale"])
+@pytest.mark.parametrize("recipe", ["seqmse", "adascale", "spinquant_adascale"])
 def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Path, recipe: str) -> None:
     """Each recipe's weights still export as LPBQ (AdaScale learns plain blocks: they are grouped again)."""
     ov = tmp_path / "ov.json"
@@ -269,10 +300,10 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
     st = State()
     pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov),
                                          recipe=recipe, adascale_iterations=4, seq_mse_candidates=4,
-                                         rotate=True, **FAST), st)
+                                         rotate="spinquant" not in recipe, **FAST), st)
     r = p.record("quantize").result
     assert r["recipe"] == recipe and r["rotated"] and 0.8 < r["ratio"] < 1.3
-    assert {"seqmse": "seq_mse"}.get(recipe, recipe) in r["steps"]
+    assert set(RECIPE_STEPS[recipe]) <= set(r["steps"])
     assert any(f"quant+{recipe}_ppl" in e.data for e in st.partials if e.kind == "ppl")
     t = _table(p)
     params = {r.name: r for r in t.rows if r.kind == "param"}

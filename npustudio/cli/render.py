@@ -62,9 +62,13 @@ def host_table(h: Any) -> None:
         t.add_row(s.stage, human_bytes(s.peak_ram_bytes), about_duration(s.seconds))
     out.print(t)
     if h.recipes:
+        taken = [r for r in h.recipes if not r.refused]
         out.print("quantize recipes (--recipe), added to the quantize stage: "
                   + ", ".join(f"{r.recipe} " + (f"+{about_duration(r.seconds)}" if r.seconds else "nothing")
-                              + (f" +{human_bytes(r.ram_bytes)}" if r.ram_bytes else "") for r in h.recipes))
+                              + (f" +{human_bytes(r.ram_bytes)}" if r.ram_bytes else "") for r in taken))
+        for r in h.recipes:
+            if r.refused:
+                out.print(f"not for this model: {r.recipe} ({r.refused})", markup=False)
     out.print(("fits this computer's memory" if h.fits else "[bold red]needs more memory than this computer has[/]")
               + f" ({h.note})")
 

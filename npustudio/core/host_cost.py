@@ -29,6 +29,9 @@ RATES: dict[str, tuple[float, float, float, float]] = {s.name: s.host_rates for 
 ADASCALE_S_PER_MPARAM_STEP = 0.071
 ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN = 4.8e-5  # each layer's inputs: a prompt pass of the whole model
 SEQMSE_S_PER_MPARAM_CANDIDATE = 0.45
+# SpinQuant merges a hidden x hidden rotation into every weight: seconds per million parameters per 1,000 hidden
+# (0.040-0.046 measured beside a 2-core job on 128M and 256M models of hidden 1,024 and 2,048)
+SPINQUANT_S_PER_MPARAM_KHIDDEN = 0.03
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
 
 
@@ -42,6 +45,7 @@ class RecipeCost(BaseModel):
     recipe: str
     seconds: float  # added to the quantize stage's estimate
     ram_bytes: int = 0  # added to the quantize stage's peak
+    refused: str = ""  # why this model cannot take the recipe (recipe_rules), else empty
 
 
 class HostEstimate(BaseModel):
@@ -95,7 +99,8 @@ def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None
     tokens = o.calib_samples * o.calib_len
     per = {"adascale": ADASCALE_S_PER_MPARAM_STEP * decoder_m * o.adascale_iterations
            + ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * card.params / 1e6 * tokens * card.layers,
-           "seq_mse": SEQMSE_S_PER_MPARAM_CANDIDATE * decoder_m * o.seq_mse_candidates}
+           "seq_mse": SEQMSE_S_PER_MPARAM_CANDIDATE * decoder_m * o.seq_mse_candidates,
+           "spinquant": SPINQUANT_S_PER_MPARAM_KHIDDEN * card.params / 1e6 * card.hidden / 1000}
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
     steps = RECIPE_STEPS[recipe]
     return max(1, round(sum(per[step] for step in steps) * scale)) if steps else 0
@@ -103,23 +108,27 @@ def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None
 
 def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     """What a recipe holds beside the quantize stage's own peak: AdaScale keeps every layer's float inputs of each
-    calibration call (the stream, the mask, the layer's KV cache) and one layer's quantized ones, in float32."""
+    calibration call (the stream, the mask, the layer's KV cache) and one layer's quantized ones, in float32;
+    SpinQuant the rotated embedding table and LM head beside the ones they replace."""
     from .stage_options import RECIPE_STEPS, AdaptOptions, QuantizeOptions
 
-    if "adascale" not in RECIPE_STEPS[recipe]:
-        return 0
+    steps = RECIPE_STEPS[recipe]
+    ram = 2 * 4 * card.vocab * card.hidden if "spinquant" in steps else 0
+    if "adascale" not in steps:
+        return ram
     o, shape = options or QuantizeOptions(), AdaptOptions()
     calls = o.calib_samples * -(-min(o.calib_len, shape.cl) // shape.ar)
     per_call = 4 * (card.hidden * shape.ar + shape.ar * shape.cl + 2 * card.kv_heads * card.head_dim * shape.cl)
-    return int((card.layers + 1) * calls * per_call)
+    return max(ram, int((card.layers + 1) * calls * per_call))
 
 
 def recipe_costs(card: Any, cpus: int | None = None) -> list[RecipeCost]:
     """Every recipe's extra time and memory for `card` at the quantize stage's default options."""
+    from .recipe_rules import refusal
     from .stage_options import RECIPE_NAMES
 
-    return [RecipeCost(recipe=r, seconds=recipe_seconds(r, card, cpus=cpus), ram_bytes=recipe_ram(r, card))
-            for r in RECIPE_NAMES]
+    return [RecipeCost(recipe=r, seconds=recipe_seconds(r, card, cpus=cpus), ram_bytes=recipe_ram(r, card),
+                       refused=why.problem if (why := refusal(r, card)) else "") for r in RECIPE_NAMES]
 
 
 def estimate(card: Any, gguf: bool = False) -> HostEstimate:

@@ -51,14 +51,21 @@ Precision = Literal["w8a16", "w4a16"]  # the quantize presets (core/quantize/pre
 PRECISION_NAMES: tuple[str, ...] = get_args(Precision)
 PRECISION_NOTES = {"w8a16": "int8 weights, 16-bit activations (best quality)",
                    "w4a16": "int4 weight blocks, LM head int8 (smallest)"}
-# the weight-encoding recipes of the quantize stage, each a sequence of aimet-torch's own PTQ algorithms run after the
-# quantsim is built and before activations are calibrated (core/quantize/__init__.py runs the steps)
-Recipe = Literal["plain", "seqmse", "adascale"]
+# the weight-encoding recipes of the quantize stage, each a sequence of aimet-torch's own PTQ algorithms
+# (core/quantize/__init__.py runs the steps): a rotation of the float weights before the quantsim is built, then
+# the steps that choose weight encodings before activations are calibrated
+Recipe = Literal["plain", "seqmse", "adascale", "spinquant", "spinquant_adascale"]
 RECIPE_NAMES: tuple[str, ...] = get_args(Recipe)
-RECIPE_STEPS: dict[str, tuple[str, ...]] = {"plain": (), "seqmse": ("seq_mse",), "adascale": ("adascale",)}
+RECIPE_STEPS: dict[str, tuple[str, ...]] = {
+    "plain": (), "seqmse": ("seq_mse",), "adascale": ("adascale",),
+    "spinquant": ("spinquant",), "spinquant_adascale": ("spinquant", "adascale")}
+ROTATION_STEPS = ("spinquant",)  # the steps on the float model, before the quantsim exists
 RECIPE_NOTES = {"plain": "min-max weight encodings (fastest)",
                 "seqmse": "SeqMSE: each weight's encodings searched against its layer's output",
-                "adascale": "AdaScale: each decoder layer's weight scales learned against the float layer"}
+                "adascale": "AdaScale: each decoder layer's weight scales learned against the float layer",
+                "spinquant": "SpinQuant: Hadamard rotations of the residual stream and of each head's values, folded "
+                             "into the weights",
+                "spinquant_adascale": "SpinQuant's rotations, then AdaScale"}
 Backend = Literal["ort-qnn", "qairt", "mnn"]
 BACKEND_NOTES = {"ort-qnn": "QNN context binaries for Genie, on the embedded simulator",
                  "qairt": "QNN context binaries for Genie, by Qualcomm's SDK (QNN_SDK_ROOT)",

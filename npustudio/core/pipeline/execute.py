@@ -21,7 +21,7 @@ from ..fsutil import atomic_write_json
 from ..genie import bundle as bundle_stage
 from ..progress import StateLike, free_big_blocks_at_once
 from ..project import Project, StageRecord
-from ..results import IntakeResult, StageOptions
+from ..results import IntakeResult, StageOptions, load_card
 from ..stage_options import IntakeOptions
 from .status import _require
 
@@ -79,12 +79,16 @@ def intake(project: Project, model: str, cl: int, state: StateLike,
 
 
 def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state: StateLike,
-          force: bool = False, cluster: Cluster | None = None) -> StageRecord:
+          force: bool = False, cluster: Cluster | None = None,
+          later: quantize_stage.QuantizeOptions | None = None) -> StageRecord:
     """Adapt `model` into the project; `force` redoes it even when the inputs and options are unchanged;
-    `cluster` runs it on that Ray cluster."""
+    `cluster` runs it on that Ray cluster; `later`: the quantize options the job goes on with, refused here
+    already where the model cannot take them."""
     source, mrec = intake(project, model, options.cl, state.sub(0.0, 0.05))
     card = mrec.result_as(IntakeResult).card
     adapt_stage.validate(options, card)  # before any weight is loaded
+    if later is not None:
+        quantize_stage.validate(later, card)
     options = adapt_stage.resolved(options, card)  # one key for the same work, whichever front end asks
     inputs: dict[str, Path | list[Path]] = {"model": models.files(source)}
 
@@ -111,6 +115,7 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
              force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
     up = _require(project, stages.ADAPT)  # before reading its graphs
+    quantize_stage.validate(options, load_card(project.stage_dir("adapt")))
     options = quantize_stage.resolved(options, project.stage_dir("adapt"))  # one key for the same work
     rec = _made_from(project, stages.QUANTIZE, up, options, state, force, cluster)
     project.choose(target=options.target)  # what the stage was made for is the target now, from the CLI too

@@ -42,7 +42,7 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
         coptions = coptions.model_copy(update={"optimize": graphs_for(ask)})
     state = state or State()
     with opened(project_dir) as project:
-        rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force, cluster=cluster)
+        rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force, cluster=cluster, later=qoptions)
     chosen, qoptions, coptions, boptions = job_plan(project, qoptions, coptions)
     state.partial("plan", message=chosen.why)
     qrec = quantize(project, qoptions, state.sub(0.3, 0.7), force=force, cluster=cluster)

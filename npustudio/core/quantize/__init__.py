@@ -40,10 +40,12 @@ from ..graph.decoder import io_names
 from ..graph.exported import write_test_vectors
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
+from ..recipe_rules import refusal
 from ..results import QuantizeResult, load_card, load_graphs, load_quantize
-from ..stage_options import RECIPE_STEPS, QuantizeOptions
+from ..shape import DecoderShape
+from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions
 from ..targets import find_soc
-from . import adascale, export, rotate, simulate
+from . import adascale, export, rotate, simulate, spinquant
 from .fast_qdq import fast_per_tensor_qdq
 from .presets import check_overrides, preset
 
@@ -70,10 +72,9 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     simulate.import_aimet()  # before the model exists: see import_aimet
     device = compute.resolve(options.device)
     model, inv_freq = store.load(adapt_dir)
+    validate(options, model.spec)
     check_overrides(options.overrides, model)  # before any calibration: a typo must not cost a run
     model.to(device)
-    if options.rotate:
-        rotate.rotate_residual(model)
     ar, cl, graph_list = _adapt_graphs(adapt_dir)
     tok = _tokenizer(adapt_dir)
     spec = model.spec
@@ -83,6 +84,12 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     calib = _calibration(tok(load_corpus(options.calib_corpus, "calib"))["input_ids"], options, cl)
     del tok  # ~50 MB for a 128k vocabulary, held through the export's peak otherwise
     lap("load")
+    if options.rotate:
+        rotate.rotate_residual(model)
+    if "spinquant" in RECIPE_STEPS[options.recipe]:
+        state.progress(0.01, "SpinQuant: rotating the float weights (aimet-torch)")
+        spinquant.apply(model)
+        lap("spinquant")
 
     def runner(m: torch.nn.Module) -> KVCacheRunner:
         return KVCacheRunner.over(m, ar, cl, inv_freq)
@@ -113,7 +120,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     sim = simulate.build(model, dummy, pre, target, options.overrides)
     del dummy  # the prompt graph's feeds (its KV inputs: ~60 MB on a 1B model) go with the export's first graph
     lap("build_sim")
-    steps_of_recipe = RECIPE_STEPS[options.recipe]
+    steps_of_recipe = tuple(s for s in RECIPE_STEPS[options.recipe] if s not in ROTATION_STEPS)
     for i, step in enumerate(steps_of_recipe):  # between 0.2 and 0.45 of the stage, a share each
         share = state.sub(0.2 + 0.25 * i / len(steps_of_recipe), 0.2 + 0.25 * (i + 1) / len(steps_of_recipe))
         if step == "adascale":
@@ -217,7 +224,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     rows = export.write_manifest(out_dir, files) if files else []
     res = QuantizeResult(
         precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
-        rotated=options.rotate,
+        rotated=options.rotate or any(s in ROTATION_STEPS for s in RECIPE_STEPS[options.recipe]),
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
         calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,
@@ -270,6 +277,12 @@ def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
     """AR, CL and the names of the prompt and token graphs, as the adapt stage wrote them."""
     specs = {g.kind: g for g in load_graphs(adapt_dir)}
     return specs["prompt"].ar, specs["prompt"].cl, [specs["prompt"].name, specs["token"].name]
+
+
+def validate(options: QuantizeOptions, shape: DecoderShape) -> None:
+    """Refuse options this model cannot be quantized with, before any weight is read."""
+    if (why := refusal(options.recipe, shape, options.rotate)) is not None:
+        raise why
 
 
 def resolved(options: QuantizeOptions, adapt_dir: Path) -> QuantizeOptions:

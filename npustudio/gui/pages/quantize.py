@@ -23,7 +23,7 @@ from ...core.graph import encodings as enc
 from ...core.progress import about_duration
 from ...core.quantize.presets import load_overrides
 from ...core.results import IntakeResult, QuantizeResult
-from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions
+from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions
 from ...display import human_bytes
 from .. import worker
 from ..charts import PplChart
@@ -55,6 +55,8 @@ def _file_row(edit: QLineEdit, title: str, filt: str, parent: QWidget) -> QWidge
 def _recipe_label(name: str, cost: host_cost.RecipeCost | None = None) -> str:
     """A recipe as the choice shows it: what it does and, for a chosen model, what it adds here."""
     extra = ""
+    if cost and cost.refused:
+        return f"{name} — not for this model: {cost.refused}"
     if cost and cost.seconds:
         mem = f", +{human_bytes(cost.ram_bytes)} memory" if cost.ram_bytes else ""
         extra = f" (+{about_duration(cost.seconds)}{mem} here, estimated)"
@@ -77,6 +79,7 @@ class QuantizePage(Page):
         self.recipe.setMinimumContentsLength(24)
         self.rotate = QCheckBox("Rotate the residual stream")
         self.rotate.setToolTip("Spreads outlier channels; not for models from a 4-bit GGUF")
+        self.recipe.currentIndexChanged.connect(self._recipe_rotates)
         self.calib_samples = spin(QuantizeOptions, "calib_samples")
         self.calib_len = spin(QuantizeOptions, "calib_len", step=64)
         self.calib = QLineEdit(default(QuantizeOptions, "calib_corpus"))
@@ -157,16 +160,28 @@ class QuantizePage(Page):
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
 
+    def _recipe_rotates(self) -> None:
+        """A recipe that rotates the stream itself (SpinQuant) leaves no second rotation to choose."""
+        rotates = any(s in ROTATION_STEPS for s in RECIPE_STEPS.get(self.recipe.currentData(), ()))
+        if rotates:
+            self.rotate.setChecked(False)
+        self.rotate.setEnabled(not rotates)
+
     def show_recipe_costs(self) -> None:
         """Each recipe's estimated extra time and memory for the chosen model on this computer, beside its name."""
         rec = self.project.record("model")
         costs = ({c.recipe: c for c in host_cost.recipe_costs(rec.result_as(IntakeResult).card)}
                  if rec and rec.status == "done" else {})
+        items = self.recipe.model()
         for i in range(self.recipe.count()):
             name = self.recipe.itemData(i)
             text = _recipe_label(name, costs.get(name))
             if self.recipe.itemText(i) != text:  # a new text lays the page out again
                 self.recipe.setItemText(i, text)
+            refused = bool(name in costs and costs[name].refused)
+            items.item(i).setEnabled(not refused)  # type: ignore[attr-defined]
+            if refused and self.recipe.currentIndex() == i:
+                self.recipe.setCurrentIndex(self.recipe.findData("plain"))
 
     def show_result(self, r: QuantizeResult) -> None:
         folder = self.project.stage_dir("quantize")
