@@ -8,6 +8,9 @@ on a random Llama-3.2-1B-shaped model (its quality means nothing: random weights
 
     .venv/bin/python benchmarks/recipe_bench.py --json
     .venv/bin/python benchmarks/recipe_bench.py --recipes plain,adascale --llama-1b adascale --work /tmp/rb
+    .venv/bin/python benchmarks/recipe_bench.py --recipes adascale --adascale-iterations 300 --calib-samples 16
+
+A recipe the model cannot take (SpinQuant on a hidden size with no Hadamard matrix) is listed as refused, with why.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import quantize_bench
 from npustudio.core.stage_options import RECIPE_NAMES, QuantizeOptions
 
 
-def one_recipe(adapt_dir: str, recipe: str, iterations: str) -> None:
+def one_recipe(adapt_dir: str, recipe: str, iterations: str, samples: str) -> None:
     """Child: one w4a16 quantize run with `recipe`, its figures as JSON on stdout, with the share of the decoder
     layers' linear weights (by count) the export encodes at 4 bits."""
     import torch
 
+    from npustudio.core.errors import UserError
     from npustudio.core.graph import encodings, store
     from npustudio.core.graph.ops import Conv1x1
     from npustudio.core.progress import State
@@ -41,8 +45,13 @@ def one_recipe(adapt_dir: str, recipe: str, iterations: str) -> None:
              if isinstance(m, Conv1x1) and n.startswith("layers.")}
     del model
     with tempfile.TemporaryDirectory() as out:
-        r = run(Path(adapt_dir), QuantizeOptions(precision="w4a16", recipe=recipe,
-                                                     adascale_iterations=int(iterations)), Path(out), State())
+        options = QuantizeOptions(precision="w4a16", recipe=recipe, adascale_iterations=int(iterations),
+                                  calib_samples=int(samples))
+        try:
+            r = run(Path(adapt_dir), options, Path(out), State())
+        except UserError as e:  # a recipe this model cannot take (SpinQuant on a hidden size with no Hadamard matrix)
+            print(json.dumps({"recipe": recipe, "refused": e.problem}))
+            return
         enc = next(Path(out).glob("*.encodings"))
         bits = {row.name: row.bitwidth for row in encodings.read(enc, kinds=("param",)).rows}
     four = sum(n for name, n in sizes.items() if bits.get(name) == 4)
@@ -68,9 +77,11 @@ def main() -> None:
                                                                        "Llama-3.2-1B-shaped model")
     ap.add_argument("--adascale-iterations", type=int, default=QuantizeOptions.model_fields[
         "adascale_iterations"].default, help="AdaScale's steps per decoder layer (for recipes that run it)")
+    ap.add_argument("--calib-samples", type=int, default=QuantizeOptions.model_fields["calib_samples"].default,
+                    help="calibration sequences (what the recipes learn from)")
     ap.add_argument("--work", default=None, help="scratch folder (kept, so reruns skip the adapt step)")
     ap.add_argument("--json", action="store_true", help="print only the JSON")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         one_recipe(*a.child)
@@ -79,12 +90,13 @@ def main() -> None:
     src = quantize_bench.adapted_default(work)
     rows = []
     for recipe in a.recipes.split(","):
-        rows.append({"recipe": recipe} | _child(["--child", str(src), recipe, str(a.adascale_iterations)]))
+        args = [str(src), recipe, str(a.adascale_iterations), str(a.calib_samples)]
+        rows.append({"recipe": recipe} | _child(["--child", *args]))
         if not a.json:
             print(json.dumps(rows[-1]), file=sys.stderr)
     out: dict = {"model": "SmolLM2-135M-Instruct (default)", "precision": "w4a16",
-                 "adascale_iterations": a.adascale_iterations, "results": rows}
-    good = [r for r in rows if "error" not in r]
+                 "adascale_iterations": a.adascale_iterations, "calib_samples": a.calib_samples, "results": rows}
+    good = [r for r in rows if "error" not in r and "refused" not in r]
     if good:
         out["best"] = min(good, key=lambda r: r["ratio"])["recipe"]
     if a.llama_1b:
