@@ -230,6 +230,13 @@ def test_the_mnn_model_answers_on_a_device_through_llm_demo(tiny_models: dict[st
         wrong = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
         assert wrong.returncode == 2 and "not a phone's arm64-v8a CPU" in wrong.stderr and not remote.exists()
         _arm64_elf(runtime / "libMNN.so", ["libc.so", "libm.so"])
+        secret = tmp_path / "secret.txt"
+        secret.write_text("not for the phone")
+        (stage / layout.MNN_MODEL / "tokenizer.extra").symlink_to(secret)  # only the model's own files move
+        linked = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
+        assert linked.returncode == 2 and "tokenizer.extra in the MNN model" in linked.stderr
+        assert "is a link" in linked.stderr and not remote.exists()
+        (stage / layout.MNN_MODEL / "tokenizer.extra").unlink()
         pushed = npustudio("deploy", str(stage), "--device", phone.serial, "--json", timeout=300)
         assert pushed.returncode == 0, pushed.stderr[-1500:]
         sent = {f["file"] for f in json.loads(pushed.stdout)["files"]}

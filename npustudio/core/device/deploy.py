@@ -79,25 +79,33 @@ def _safe_name(name: str) -> str:
 def local_files(bundle_dir: Path) -> list[Path]:
     """What the device needs: the bundle's files (with the phone runtime when the bundle carries it), never the
     chat history that `chat --bundle DIR` keeps in a bare bundle folder, nor the unreadable ones it set aside
-    (the user's conversations stay on this computer).
+    (the user's conversations stay on this computer)."""
+    def host_only(name: str) -> bool:
+        return (name == layout.BUNDLE_RESULT  # the bundle stage's record stays here
+                or name == layout.CHAT_HISTORY or fnmatch.fnmatchcase(name, layout.CHAT_HISTORY_ASIDE))
 
-    A link is refused, wherever it points: deploy sends only what the bundle itself holds (a link to a file
+    return folder_files(Path(bundle_dir), host_only, "the bundle",
+                        "Remove the link, or rebuild the bundle with `npustudio bundle`.",
+                        "Build one with `npustudio bundle --project P`.")
+
+
+def folder_files(folder: Path, host_only: Callable[[str], bool], what: str, link_fix: str,
+                 folder_fix: str | None = None) -> list[Path]:
+    """The plain files of `folder` that go to a device, less hidden ones and those `host_only` keeps here.
+
+    A link is refused, wherever it points: deploy sends only what the folder itself holds (a link to a file
     outside, e.g. /etc/shadow, would otherwise land on the phone readable by anyone)."""
     try:
-        entries = sorted(Path(bundle_dir).iterdir())
+        entries = sorted(folder.iterdir())
     except OSError as e:
-        raise UserError(f"{bundle_dir} is not a bundle folder ({e.strerror}).",
-                        "Build one with `npustudio bundle --project P`.") from e
+        raise UserError(f"{folder} cannot be read as {what} ({e.strerror}).", folder_fix or link_fix) from e
     files = []
     for p in entries:
-        if p.name.startswith(".") or p.name == layout.BUNDLE_RESULT:  # the bundle stage's record stays here
-            continue
-        if p.name == layout.CHAT_HISTORY or fnmatch.fnmatchcase(p.name, layout.CHAT_HISTORY_ASIDE):
+        if p.name.startswith(".") or host_only(p.name):
             continue
         if p.is_symlink():
-            raise UserError(f"{p.name} in the bundle {bundle_dir} is a link (to {os.readlink(p)}), not a file of "
-                            "the bundle; nothing was deployed.",
-                            "Remove the link, or rebuild the bundle with `npustudio bundle`.")
+            raise UserError(f"{p.name} in {what} {folder} is a link (to {os.readlink(p)}), not a file of {what}; "
+                            "nothing was deployed.", link_fix)
         if p.is_file():
             files.append(p)
     return files

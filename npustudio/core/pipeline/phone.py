@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -53,16 +52,9 @@ def deploy_mnn(stage_dir: Path, dev: Any, state: StateLike, force: bool = False)
 
     stage_dir = Path(stage_dir)
     load_result(stage_dir)  # "not an MNN model" before anything else
-    model = stage_dir / layout.MNN_MODEL
-    files = []
-    for p in sorted(model.iterdir()):
-        if p.name.startswith(".") or p.name in MNN_HOST_ONLY or not (p.is_file() or p.is_symlink()):
-            continue
-        if p.is_symlink():  # only what the model folder itself holds goes to the phone
-            raise UserError(f"{p.name} in the MNN model {model} is a link (to {os.readlink(p)}), not a file of the "
-                            "model; nothing was deployed.",
-                            "Export the model again: `npustudio compile --backend mnn --project P --force`.")
-        files.append(p)
+    files = device_deploy.folder_files(stage_dir / layout.MNN_MODEL, MNN_HOST_ONLY.__contains__, "the MNN model",
+                                       "Export the model again: `npustudio compile --backend mnn --project P "
+                                       "--force`.")
     root = android.configured()
     if root is None and not dev.virtual:
         raise UserError(f"{dev.serial} needs MNN's Android runtime (llm_demo and its libraries) to run the MNN "
