@@ -18,12 +18,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from npustudio.core.stage_options import RECIPE_NAMES
+
 W4 = {"precision": "w4a16"}
 VARIANTS: dict[str, dict] = {
     "w8a16": {"precision": "w8a16"}, "w4a16": W4, "w4a16+seqmse": W4 | {"recipe": "seqmse"},
     "w4a16+rotate": W4 | {"rotate": True}, "w4a16+rotate+seqmse": W4 | {"rotate": True, "recipe": "seqmse"},
     "w8a16+rotate": {"precision": "w8a16", "rotate": True},
-    "w4a16+adascale": W4 | {"recipe": "adascale"},
+    **{f"w4a16+{r}": W4 | {"recipe": r} for r in RECIPE_NAMES if r != "plain"},
     # mixed precision, one group of weights kept int8 (which group costs the most at int4?)
     "w4a16/attn8": W4 | {"overrides": {"weights": {"layers.*.attn.*": 8}}},
     "w4a16/qk8": W4 | {"overrides": {"weights": {"layers.*.attn.q.*": 8, "layers.*.attn.k.*": 8}}},
@@ -81,7 +83,7 @@ def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
     return out
 
 
-FLAGS = {"seqmse": {"recipe": "seqmse"}, "adascale": {"recipe": "adascale"}, "rotate": {"rotate": True}}
+FLAGS = {**{r: {"recipe": r} for r in RECIPE_NAMES if r != "plain"}, "rotate": {"rotate": True}}
 
 
 def _variant(name: str) -> dict:
