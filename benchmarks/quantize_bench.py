@@ -54,14 +54,18 @@ def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
 
     import torch
 
+    from npustudio.core import layout
     from npustudio.core.adapt import AdaptOptions
     from npustudio.core.adapt import graph_specs as specs
     from npustudio.core.fsutil import atomic_write_json
     from npustudio.core.graph import store
     from npustudio.core.graph.decoder import StaticDecoder
-    from npustudio.core.shape import DecoderSpec
+    from npustudio.core.models import ArchCard
+    from npustudio.core.shape import DecoderShape, DecoderSpec
 
     out = work / "llama1b"
+    if (out / layout.CARD).is_file():
+        return out  # built before: its weights are random with a fixed seed
     out.mkdir(parents=True, exist_ok=True)
     spec = DecoderSpec(family="llama", model_type="llama", layers=16, heads=32, kv_heads=8, head_dim=64,
                        hidden=2048, intermediate=8192, vocab=128256, rms_norm_eps=1e-5, tied_embeddings=True,
@@ -80,6 +84,12 @@ def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
     atomic_write_json(out / "graphs.json", [g.model_dump() for g in specs(spec, o.ar, o.cl)])
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(tokenizer_from / f, out / f)
+    params = sum(p.numel() for n, p in m.named_parameters() if n != "lm_head.weight")  # the head is the table
+    card = ArchCard(**spec.model_dump(include=set(DecoderShape.model_fields)), architecture="LlamaForCausalLM",
+                    source="random Llama-3.2-1B shape", params=params,
+                    rope_theta=500000.0, rope_scaling=None, max_position=131072, bos_id=None, eos_ids=[],
+                    chat_template=None)
+    atomic_write_json(out / layout.CARD, card.model_dump())  # last: the folder is whole
     return out
 
 

@@ -30,7 +30,8 @@ ADASCALE_S_PER_MPARAM_STEP = 0.071
 ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN = 4.8e-5  # each layer's inputs: a prompt pass of the whole model
 SEQMSE_S_PER_MPARAM_CANDIDATE = 0.45
 # SpinQuant merges a hidden x hidden rotation into every weight: seconds per million parameters per 1,000 hidden
-# (0.040-0.046 measured beside a 2-core job on 128M and 256M models of hidden 1,024 and 2,048)
+# (0.040-0.046 measured beside a 2-core job on 128M and 256M models of hidden 1,024 and 2,048; alone, a Llama-3.2-1B
+# shape took 72 s: 0.028)
 SPINQUANT_S_PER_MPARAM_KHIDDEN = 0.03
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
 

@@ -5,8 +5,10 @@ each RMSNorm's gain into the layers that read it, adds R1 (a Hadamard matrix of 
 stream: embedding, q/k/v, o, gate/up, down, LM head) and R2 (a Hadamard matrix of the head size per head, between
 v and o) as transforms and merges them into the weights. The float model is unchanged; the weights' outlier
 channels are spread, so 4-bit blocks along the input channels lose less. This adapter hands aimet the adapted
-decoder's 1x1 convolutions as the Linear layers of Llama-shaped blocks (one Linear for all heads of q, k or v),
-lets aimet's own `_apply_spinquant_to_decoder_stack` run on them and writes the merged weights back.
+decoder's 1x1 convolutions as the Linear layers of Llama-shaped blocks (one Linear for all heads of q, k or v)
+and runs the steps of aimet's `_apply_spinquant_to_decoder_stack` with aimet's own functions, a layer at a time
+(R1 and R2 are fixed Hadamard matrices, the same for every layer), writing each layer's merged weights back into
+the mapped ones before the next: at once, a Llama-3.2-1B shape peaked at 14.4 GB.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
@@ -35,42 +36,52 @@ def _linear(convs: Sequence[Any]) -> nn.Linear:
 
 
 def _write_back(lin: nn.Linear, convs: Sequence[Any]) -> None:
+    """The merged weights into the convolutions' own (copy-on-write mapped) tensors: no second copy stays."""
     sizes = [c.weight.shape[0] for c in convs]
     bias = lin.bias.detach().split(sizes) if lin.bias is not None else [None] * len(convs)
     for c, w, b in zip(convs, lin.weight.detach().split(sizes), bias, strict=True):
-        c.weight = nn.Parameter(w.reshape(c.weight.shape).to(c.weight.dtype).contiguous())
+        c.weight.data.copy_(w.reshape(c.weight.shape))
         if b is not None:
-            c.bias = nn.Parameter(b.to(c.bias.dtype).contiguous())
+            c.bias.data.copy_(b)
 
 
 @torch.no_grad()
 def apply(model: Any, r1: bool = True, r2: bool = True) -> None:
-    """Rotate `model` (a StaticDecoder) in place with aimet's SpinQuant. The LM head gets its own weight: a tied
-    head is untied, as aimet requires."""
+    """Rotate `model` (a StaticDecoder) in place with aimet's SpinQuant. The LM head gets its own weight (a tied
+    head is untied, as aimet requires)."""
     from aimet_torch.experimental.transforms.transform_config import LlamaBlockInterface
-    from aimet_torch.spinquant.spinquant_optimizer import SpinQuant
+    from aimet_torch.experimental.transforms.transformed_layers import TransformationMixin
+    from aimet_torch.spinquant.spinquant_optimizer import SpinQuant as Sq
 
     spec = model.spec
     if (why := refusal("spinquant", spec)) is not None:
         raise why
-    layers = []  # (the aimet-facing block, its Linear for each group of our convolutions)
-    for layer in model.layers:
+    device = model.lm_head.weight.device
+    for layer in model.layers:  # aimet's order for each block: fuse the norms, add R1 and R2, merge
         groups = {"q_proj": layer.attn.q, "k_proj": layer.attn.k, "v_proj": layer.attn.v, "o_proj": [layer.attn.o],
                   "gate_proj": [layer.mlp.gate], "up_proj": [layer.mlp.up], "down_proj": [layer.mlp.down]}
         lin = {name: _linear(convs) for name, convs in groups.items()}
-        block = SimpleNamespace(
-            self_attn=SimpleNamespace(**{k: lin[k] for k in ("q_proj", "k_proj", "v_proj", "o_proj")}),
-            mlp=SimpleNamespace(**{k: lin[k] for k in ("gate_proj", "up_proj", "down_proj")}),
-            input_layernorm=layer.input_norm, post_attention_layernorm=layer.post_norm)
-        layers.append((LlamaBlockInterface(block), block, groups))
-    backbone = SimpleNamespace(embed_tokens=model.embed, norm=model.norm,
-                               config=SimpleNamespace(head_dim=spec.head_dim))
-    head = _linear([model.lm_head])
-    with mock.patch.object(SpinQuant, "_get_blocks", staticmethod(lambda _m: [b for b, _, _ in layers])):
-        SpinQuant._apply_spinquant_to_decoder_stack(backbone, head, enable_r1=r1, enable_r2=r2)
-    for _, block, groups in layers:
+        attn = SimpleNamespace(**{k: lin[k] for k in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        mlp = SimpleNamespace(**{k: lin[k] for k in ("gate_proj", "up_proj", "down_proj")})
+        block = LlamaBlockInterface(SimpleNamespace(self_attn=attn, mlp=mlp, input_layernorm=layer.input_norm,
+                                                    post_attention_layernorm=layer.post_norm))
+        Sq._fuse_norm_layer_into_linears(block.input_norm, list(block.qkv_layers()))
+        Sq._fuse_norm_layer_into_linears(block.post_attention_norm, list(block.gate_up_layers()))
+        Sq._convert_block_layers_to_transformed([block])
+        if r1:
+            Sq._apply_r1_to_decoder_stack(spec.hidden, None, None, [block], device)
+        if r2:
+            Sq._apply_r2_to_decoder_stack(spec.head_dim, [block], device)
+        Sq._merge_and_revert_block_layers([block])
         for name, convs in groups.items():
-            part = block.self_attn if hasattr(block.self_attn, name) else block.mlp
-            _write_back(getattr(part, name), convs)
-    _write_back(head, [model.lm_head])
-    model.embed.weight = nn.Parameter(backbone.embed_tokens.weight.detach().contiguous())
+            _write_back(getattr(attn if hasattr(attn, name) else mlp, name), convs)
+    head = _linear([model.lm_head])
+    Sq._fuse_norm_layer_into_linears(model.norm, [head])
+    if r1:  # the head first: a tied head reads the table the embedding is about to lose
+        embed, head_t = TransformationMixin.from_module(model.embed), TransformationMixin.from_module(head)
+        Sq._apply_r1_to_decoder_stack(spec.hidden, embed, head_t, [], device)
+        model.lm_head.weight = nn.Parameter(Sq._merge_transforms_and_recover_original_layer(head_t).weight.detach()
+                                            .reshape(model.lm_head.weight.shape).contiguous())
+        model.embed.weight.data.copy_(Sq._merge_transforms_and_recover_original_layer(embed).weight.detach())
+    else:
+        model.lm_head.weight = nn.Parameter(head.weight.detach().reshape(model.lm_head.weight.shape).contiguous())
