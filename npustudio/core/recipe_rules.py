@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .errors import UserError
 from .shape import DecoderShape
-from .stage_options import RECIPE_STEPS, ROTATION_STEPS
+from .stage_options import RECIPE_STEPS, rotates
 
 HADAMARD_FACTORS = (1, 12, 20, 28)  # aimet-torch builds Hadamard matrices of 2^n times one of these
 
@@ -18,7 +18,7 @@ def has_hadamard(n: int) -> bool:
 def refusal(recipe: str, shape: DecoderShape, rotate: bool = False) -> UserError | None:
     """Why `shape` cannot be quantized with `recipe` (and `--rotate`), or None."""
     steps = RECIPE_STEPS[recipe]
-    if rotate and any(s in ROTATION_STEPS for s in steps):
+    if rotate and rotates(recipe):
         return UserError(f"--rotate and the {recipe} recipe both rotate the residual stream.",
                          "Choose one: the recipe (aimet's SpinQuant) or --rotate.")
     if "spinquant" not in steps:

@@ -66,6 +66,14 @@ RECIPE_NOTES = {"plain": "min-max weight encodings (fastest)",
                 "spinquant": "SpinQuant: Hadamard rotations of the residual stream and of each head's values, folded "
                              "into the weights",
                 "spinquant_adascale": "SpinQuant's rotations, then AdaScale"}
+
+
+def rotates(recipe: str) -> bool:
+    """Whether `recipe` rotates the residual stream itself (then no second rotation, and the float weights the
+    quantizer sees are no longer the adapted ones)."""
+    return any(s in ROTATION_STEPS for s in RECIPE_STEPS[recipe])
+
+
 Backend = Literal["ort-qnn", "qairt", "mnn"]
 BACKEND_NOTES = {"ort-qnn": "QNN context binaries for Genie, on the embedded simulator",
                  "qairt": "QNN context binaries for Genie, by Qualcomm's SDK (QNN_SDK_ROOT)",

@@ -43,7 +43,7 @@ from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
 from ..recipe_rules import refusal
 from ..results import QuantizeResult, load_card, load_graphs, load_quantize
 from ..shape import DecoderShape
-from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions
+from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotates
 from ..targets import find_soc
 from . import adascale, export, rotate, simulate, spinquant
 from .fast_qdq import fast_per_tensor_qdq
@@ -224,7 +224,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     rows = export.write_manifest(out_dir, files) if files else []
     res = QuantizeResult(
         precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
-        rotated=options.rotate or any(s in ROTATION_STEPS for s in RECIPE_STEPS[options.recipe]),
+        rotated=options.rotate or rotates(options.recipe),
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
         calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,

@@ -24,8 +24,10 @@ from ..recipe_rules import refusal
 
 
 def _linear(convs: Sequence[Any]) -> nn.Linear:
-    """One Linear holding the convolutions' weights stacked by output channel (views where there is one)."""
-    w = torch.cat([c.weight.detach().reshape(c.weight.shape[0], -1) for c in convs])
+    """One Linear holding the convolutions' weights stacked by output channel: a view of a lone convolution's
+    (aimet's norm fusion and merge replace a Linear's weight, never write into it)."""
+    parts = [c.weight.detach().reshape(c.weight.shape[0], -1) for c in convs]
+    w = parts[0] if len(parts) == 1 else torch.cat(parts)
     biases = [c.bias for c in convs]
     with torch.device("meta"):
         lin = nn.Linear(w.shape[1], w.shape[0], bias=biases[0] is not None)

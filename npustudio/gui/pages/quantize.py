@@ -23,7 +23,7 @@ from ...core.graph import encodings as enc
 from ...core.progress import about_duration
 from ...core.quantize.presets import load_overrides
 from ...core.results import IntakeResult, QuantizeResult
-from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions
+from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, rotates
 from ...display import human_bytes
 from .. import worker
 from ..charts import PplChart
@@ -162,10 +162,10 @@ class QuantizePage(Page):
 
     def _recipe_rotates(self) -> None:
         """A recipe that rotates the stream itself (SpinQuant) leaves no second rotation to choose."""
-        rotates = any(s in ROTATION_STEPS for s in RECIPE_STEPS.get(self.recipe.currentData(), ()))
-        if rotates:
+        itself = rotates(self.recipe.currentData())
+        if itself:
             self.rotate.setChecked(False)
-        self.rotate.setEnabled(not rotates)
+        self.rotate.setEnabled(not itself)
 
     def show_recipe_costs(self) -> None:
         """Each recipe's estimated extra time and memory for the chosen model on this computer, beside its name."""
