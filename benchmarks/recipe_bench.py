@@ -1,14 +1,16 @@
 """Every weight-encoding recipe at w4a16 on the default model, printed as JSON: quality, 4-bit share, cost.
 
 Each recipe runs the quantize stage in its own process (quantize_bench's child, so peaks do not mix) with the
-w4a16 preset untouched: every decoder linear is LPBQ int4 (blocks of 64), the LM head int8. Per recipe: the
-perplexity ratio against FP measured in the same run, top-1 agreement, the share of the decoder's linear weights
-at 4 bits (read back from the exported encodings), minutes and peak RSS. `--llama-1b` adds the cost of one recipe
-on a random Llama-3.2-1B-shaped model (its quality means nothing: random weights).
+w4a16 preset: every decoder linear is LPBQ int4 (blocks of 64), the LM head int8; with `--int8-budget` the
+stage keeps the groups it measures most sensitive int8 within that share (listed per row as `kept_int8`). Per
+recipe: the perplexity ratio against FP measured in the same run, top-1 agreement, the share of the decoder's
+linear weights at 4 bits (read back from the exported encodings), minutes and peak RSS. `--llama-1b` adds the
+cost of one recipe on a random Llama-3.2-1B-shaped model (its quality means nothing: random weights).
 
     .venv/bin/python benchmarks/recipe_bench.py --json
     .venv/bin/python benchmarks/recipe_bench.py --recipes plain,adascale --llama-1b adascale --work /tmp/rb
     .venv/bin/python benchmarks/recipe_bench.py --recipes adascale --adascale-iterations 300 --calib-samples 16
+    .venv/bin/python benchmarks/recipe_bench.py --recipes plain,adascale --int8-budget 0.05
 
 A recipe the model cannot take (SpinQuant on a hidden size with no Hadamard matrix) is listed as refused, with why.
 """
@@ -28,7 +30,7 @@ import quantize_bench
 from npustudio.core.stage_options import RECIPE_NAMES, QuantizeOptions
 
 
-def one_recipe(adapt_dir: str, recipe: str, iterations: str, samples: str) -> None:
+def one_recipe(adapt_dir: str, recipe: str, iterations: str, samples: str, budget: str = "0") -> None:
     """Child: one w4a16 quantize run with `recipe`, its figures as JSON on stdout, with the share of the decoder
     layers' linear weights (by count) the export encodes at 4 bits."""
     import torch
@@ -46,7 +48,7 @@ def one_recipe(adapt_dir: str, recipe: str, iterations: str, samples: str) -> No
     del model
     with tempfile.TemporaryDirectory() as out:
         options = QuantizeOptions(precision="w4a16", recipe=recipe, adascale_iterations=int(iterations),
-                                  calib_samples=int(samples))
+                                  calib_samples=int(samples), int8_budget=float(budget))
         try:
             r = run(Path(adapt_dir), options, Path(out), State())
         except UserError as e:  # a recipe this model cannot take (SpinQuant on a hidden size with no Hadamard matrix)
@@ -57,7 +59,8 @@ def one_recipe(adapt_dir: str, recipe: str, iterations: str, samples: str) -> No
     four = sum(n for name, n in sizes.items() if bits.get(name) == 4)
     print(json.dumps({"recipe": recipe, "ppl_fp": round(r.ppl_fp, 4), "ppl_quant": round(r.ppl_quant, 4),
                       "ratio": round(r.ratio, 4), "top1_agreement": round(r.top1_agreement, 4),
-                      "int4_share": round(four / sum(sizes.values()), 4), "eval_tokens": r.eval_tokens,
+                      "int4_share": round(four / sum(sizes.values()), 4), "kept_int8": r.kept_int8,
+                      "eval_tokens": r.eval_tokens,
                       "steps_s": r.steps, "minutes": round(sum(r.steps.values()) / 60, 2),
                       "peak_rss_mb": r.peak_rss_mb}))
 
@@ -79,9 +82,11 @@ def main() -> None:
         "adascale_iterations"].default, help="AdaScale's steps per decoder layer (for recipes that run it)")
     ap.add_argument("--calib-samples", type=int, default=QuantizeOptions.model_fields["calib_samples"].default,
                     help="calibration sequences (what the recipes learn from)")
+    ap.add_argument("--int8-budget", type=float, default=0.0, metavar="SHARE",
+                    help="the share of the decoder's linear weights each recipe may keep int8 (measured choice)")
     ap.add_argument("--work", default=None, help="scratch folder (kept, so reruns skip the adapt step)")
     ap.add_argument("--json", action="store_true", help="print only the JSON")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         one_recipe(*a.child)
@@ -90,12 +95,13 @@ def main() -> None:
     src = quantize_bench.adapted_default(work)
     rows = []
     for recipe in a.recipes.split(","):
-        args = [str(src), recipe, str(a.adascale_iterations), str(a.calib_samples)]
+        args = [str(src), recipe, str(a.adascale_iterations), str(a.calib_samples), str(a.int8_budget)]
         rows.append({"recipe": recipe} | _child(["--child", *args]))
         if not a.json:
             print(json.dumps(rows[-1]), file=sys.stderr)
     out: dict = {"model": "SmolLM2-135M-Instruct (default)", "precision": "w4a16",
-                 "adascale_iterations": a.adascale_iterations, "calib_samples": a.calib_samples, "results": rows}
+                 "adascale_iterations": a.adascale_iterations, "calib_samples": a.calib_samples,
+                 "int8_budget": a.int8_budget, "results": rows}
     good = [r for r in rows if "error" not in r and "refused" not in r]
     if good:
         out["best"] = min(good, key=lambda r: r["ratio"])["recipe"]

@@ -33,3 +33,8 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n}"
+
+
+def kept_int8(groups: list[str], share: float) -> str:
+    """What `--int8-budget` kept at 8 bits, in one line: the groups and their share of the decoder's linear weights."""
+    return f"{', '.join(groups) or 'nothing'} ({share:.1%} of the decoder's linear weights)"

@@ -908,6 +908,12 @@ def test_a_recipe_the_model_cannot_take_is_refused_before_any_stage_runs(tmp_pat
     assert _flat("this model's hidden size is 576") in _flat(res.stderr)
     assert "--rotate" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "p" / "stages" / "adapt").exists()
+    # an int8 budget widens 4-bit weights: at w8a16 there are none, so it is refused rather than ignored
+    res = subprocess.run([exe, "run", "--project", str(tmp_path / "p"), "--precision", "w8a16", "--int8-budget", "0.05",
+                          "--no-ask"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 2 and "--precision w4a16" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "p" / "stages" / "adapt").exists()
     info = subprocess.run([exe, "info", "default"], capture_output=True, text=True, timeout=600)
     assert info.returncode == 0, info.stderr
     assert "not for this model: spinquant (" in info.stdout
+    assert "--int8-budget (w4a16) measures which weights to keep int8: +~" in info.stdout

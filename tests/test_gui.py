@@ -96,6 +96,13 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     labels = {q.recipe.itemData(i): q.recipe.itemText(i) for i in range(q.recipe.count())}
     assert q.recipe.currentData() == "plain" and "estimated" not in labels["plain"]
     assert "AdaScale" in labels["adascale"] and "here, estimated)" in labels["adascale"]
+    # the int8 budget widens 4-bit weights: off at w8a16, where there are none, and part of the options at w4a16
+    assert q.precision.currentData() == "w8a16" and not q.int8_budget.isEnabled()
+    q.precision.setCurrentIndex(q.precision.findData("w4a16"))
+    q.int8_budget.setValue(5)
+    assert q.int8_budget.isEnabled() and q.options().int8_budget == 0.05
+    q.precision.setCurrentIndex(q.precision.findData("w8a16"))
+    assert q.options().int8_budget == 0.0
     q.calib_samples.setValue(2)
     q.calib_len.setValue(64)
     points: list[dict] = []

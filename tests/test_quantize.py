@@ -566,3 +566,66 @@ def test_encodings_against_another_run_shows_what_a_recipe_changed(adapted_proje
     assert rows["lm_head.weight"]["change_db"] == 0
     table = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
     assert "the most damaged first" in table and "tensors gained" in table
+
+
+def test_int8_budget_keeps_the_layer_four_bits_hurt_most(adapted_project: Path) -> None:
+    """A layer whose weights have outliers loses most on the 4-bit grid (each outlier widens its block's scale, and
+    the block's other weights round to zero) though they cost the float model nothing: the budget keeps that one
+    int8, within the share, and leaves the float weights bit for bit as they were."""
+    import torch
+
+    from npustudio.core.graph import store
+    from npustudio.core.graph.kv_cache import KVCacheRunner
+    from npustudio.core.quantize import int8_budget
+    from npustudio.core.quantize.presets import preset
+
+    model, inv_freq = store.load(adapted_project / "stages" / "adapt")
+    with torch.no_grad():  # gate and up read some channels through a zero norm gain, yet hold large weights there:
+        layer = model.layers[1]  # the float model ignores them, but they set their blocks' 4-bit scales
+        layer.post_norm.weight[5::64] = 0
+        for m in (layer.mlp.gate, layer.mlp.up):
+            m.weight[:, 5::64] = 1000 * m.weight.abs().max()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    runner = KVCacheRunner.over(model, 32, 128, inv_freq)
+    calib = [list(range(100, 164)), list(range(300, 364)), list(range(500, 564))]
+    sizes = {g: sum(m.weight.numel() for m in mods) for g, mods in int8_budget.groups(model, lambda _n: False).items()}
+    total = sum(sizes.values())
+    budget = (sizes["layers.1.mlp"] + 1) / total  # room for that group and no other MLP
+    c = int8_budget.choose(model, runner.score, calib, 32, preset("w4a16"), budget, Overrides(), State())
+    assert c.kept == ["layers.1.mlp"] and max(c.kl, key=c.kl.__getitem__) == "layers.1.mlp"
+    assert c.share <= budget
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    # the user's own patterns come after the budget's: a file that says 4 bits for that group wins
+    ov = c.overrides(Overrides(weights={"layers.1.mlp.up": 4}))
+    assert ov.weight_bits("layers.1.mlp.gate", 4) == 8 and ov.weight_bits("layers.1.mlp.up", 4) == 4
+    # what the user's overrides keep wide already counts against the budget and is not measured again
+    wide = int8_budget.choose(model, runner.score, calib, 32, preset("w4a16"), budget,
+                              Overrides(weights={"layers.1.mlp.*": 8}), State())
+    assert "layers.1.mlp" not in wide.kl and not wide.kept and wide.share <= budget
+
+
+def test_int8_budget_through_the_quantize_command(adapted_project: Path, tmp_path: Path) -> None:
+    """`npustudio quantize --precision w4a16 --int8-budget` as a user runs it: the groups it reports are 8-bit in the
+    exported encodings, every other decoder weight 4-bit, and the share it reports is what the encodings hold."""
+    shutil.copytree(adapted_project, tmp_path / "p")
+    exe = str(Path(sys.executable).parent / "npustudio")
+    res = subprocess.run([exe, "quantize", "--project", str(tmp_path / "p"), "--precision", "w4a16",
+                          "--int8-budget", "0.3", "--calib-samples", "2", "--calib-len", "64", "--eval-chars", "2500",
+                          "--json"], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    kept, share = out["kept_int8"], out["int8_share"]
+    assert kept and 0 < share <= 0.3
+    p = Project.open(tmp_path / "p")
+    assert p.record("quantize").result["kept_int8"] == kept
+    from npustudio.core.graph import store
+    from npustudio.core.graph.ops import Conv1x1
+
+    model, _ = store.load(p.stage_dir("adapt"))
+    sizes = {f"{n}.weight": m.weight.numel() for n, m in model.named_modules()
+             if isinstance(m, Conv1x1) and n.startswith("layers.")}
+    weights = {r.name: r for r in _table(p).rows if r.name in sizes}
+    assert weights.keys() == sizes.keys()
+    wide = {n for n in weights if any(n.startswith(g + ".") for g in kept)}
+    assert all(weights[n].bitwidth == (8 if n in wide else 4) for n in weights)
+    assert sum(sizes[n] for n in wide) / sum(sizes.values()) == pytest.approx(share)

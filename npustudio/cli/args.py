@@ -119,6 +119,7 @@ def quantize_args(s: argparse.ArgumentParser) -> None:
     option(s, O, "target", help=f"target SoC ({', '.join(KNOWN_SOCS)})")
     option(s, O, "recipe")
     option(s, O, "adascale_iterations")
+    option(s, O, "int8_budget", metavar="SHARE")
     option(s, O, "rotate", help="rotate the residual stream before quantizing (QuaRot-style; hurts models that "
            "come from a 4-bit GGUF, such as the default)")
     option(s, O, "calib_corpus", type=given, help="default | text file | datasets:ID")
@@ -222,6 +223,7 @@ def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
 
     chosen = {"precision": a.precision} if a.precision else {}  # `run` plans it when neither flag nor settings do
     return QuantizeOptions(target=a.target, recipe=a.recipe, adascale_iterations=a.adascale_iterations, rotate=a.rotate,
+                           int8_budget=a.int8_budget,
                            calib_corpus=a.calib_corpus, calib_samples=a.calib_samples, calib_len=a.calib_len,
                            overrides=load_overrides(a.overrides), eval_chars=a.eval_chars, device=a.device,
                            eval_corpus=getattr(a, "eval_corpus", None), **chosen)

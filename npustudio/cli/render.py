@@ -69,17 +69,22 @@ def host_table(h: Any) -> None:
         for r in h.recipes:
             if r.refused:
                 out.print(f"not for this model: {r.recipe} ({r.refused})", markup=False)
+    if h.int8_budget_seconds:
+        out.print("--int8-budget (w4a16) measures which weights to keep int8: "
+                  f"+{about_duration(h.int8_budget_seconds)}")
     out.print(("fits this computer's memory" if h.fits else "[bold red]needs more memory than this computer has[/]")
               + f" ({h.note})")
 
 
 def print_quantize(q: QuantizeSummary) -> None:
-    from ..display import human_bytes
+    from ..display import human_bytes, kept_int8
 
     how = f" with the {q.recipe} recipe" * (q.recipe != "plain") + " (stream rotated)" * q.rotated
     out.print(f"Quantized {q.precision} for {q.target}{how}: "
               f"PPL {q.ppl_quant:.3f} vs FP {q.ppl_fp:.3f} (ratio {q.ratio:.4f}), "
               f"top-1 agreement {q.top1_agreement:.3f} over {q.eval_tokens} tokens")
+    if q.int8_share is not None:
+        out.print(f"Kept int8 by --int8-budget: {kept_int8(q.kept_int8, q.int8_share)}")
     t = Table(title=f"Exported to {q.folder}")
     t.add_column("file")
     t.add_column("size", justify="right")

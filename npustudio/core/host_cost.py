@@ -54,6 +54,7 @@ class HostEstimate(BaseModel):
 
     stages: list[StageCost]
     recipes: list[RecipeCost] = []
+    int8_budget_seconds: float = 0.0  # added to the quantize stage by --int8-budget at w4a16
     peak_ram_bytes: int
     seconds: float
     machine_ram_bytes: int | None
@@ -107,6 +108,16 @@ def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None
     return max(1, round(sum(per[step] for step in steps) * scale)) if steps else 0
 
 
+def int8_budget_seconds(card: Any, cpus: int | None = None) -> float:
+    """`--int8-budget`'s measurement: two prompt-graph calls of the float model per layer's attention and MLP (and
+    once more for the reference), each a prompt pass like AdaScale's capture."""
+    from .stage_options import INT8_BUDGET_PROBES, AdaptOptions
+
+    calls = INT8_BUDGET_PROBES * (2 * card.layers + 1)
+    scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
+    return round(ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * card.params / 1e6 * AdaptOptions().ar * calls * scale, 1)
+
+
 def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     """What a recipe holds beside the quantize stage's own peak: AdaScale keeps every layer's float inputs of each
     calibration call (the stream, the mask, the layer's KV cache) and one layer's quantized ones, in float32;
@@ -138,7 +149,7 @@ def estimate(card: Any, gguf: bool = False) -> HostEstimate:
     peak = max(s.peak_ram_bytes for s in stages)
     ram = machine_ram()
     return HostEstimate(stages=stages, peak_ram_bytes=peak,
-                        recipes=recipe_costs(card, cpus),
+                        recipes=recipe_costs(card, cpus), int8_budget_seconds=int8_budget_seconds(card, cpus),
                         seconds=round(sum(s.seconds for s in stages)), machine_ram_bytes=ram, cpus=cpus,
                         fits=ram is None or peak <= ram)
 

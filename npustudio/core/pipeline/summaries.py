@@ -33,6 +33,8 @@ class QuantizeSummary(BaseModel):
     target: str
     recipe: str
     rotated: bool
+    kept_int8: list[str] = []
+    int8_share: float | None = None
     ppl_fp: float
     ppl_quant: float
     ratio: float
@@ -110,7 +112,8 @@ def adapt_summary(r: AdaptResult) -> AdaptSummary:
 
 def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:
     return QuantizeSummary(precision=r.precision, target=r.target, recipe=r.recipe, rotated=r.rotated,
-                           ppl_fp=r.ppl_fp, ppl_quant=r.ppl_quant, ratio=r.ratio, top1_agreement=r.top1_agreement,
+                           kept_int8=r.kept_int8, int8_share=r.int8_share, ppl_fp=r.ppl_fp, ppl_quant=r.ppl_quant,
+                           ratio=r.ratio, top1_agreement=r.top1_agreement,
                            eval_tokens=r.eval_tokens, folder=str(folder), files=r.files, steps=r.steps)
 
 

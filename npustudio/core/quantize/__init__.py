@@ -45,7 +45,7 @@ from ..results import QuantizeResult, load_card, load_graphs, load_quantize
 from ..shape import DecoderShape
 from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotates
 from ..targets import find_soc
-from . import adascale, export, rotate, simulate, spinquant
+from . import adascale, export, int8_budget, rotate, simulate, spinquant
 from .fast_qdq import fast_per_tensor_qdq
 from .presets import check_overrides, preset
 
@@ -114,10 +114,16 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     vectors = _vector_feeds(fp_run, calib[0], ar)
     fp_out = [TorchGraph(model)(f) for f in vectors]
     lap("fp_reference")
+    overrides, kept = options.overrides, None
+    if options.int8_budget:
+        kept = int8_budget.choose(model, partial(fp_run.score, decode_tokens=0), calib, ar, pre, options.int8_budget,
+                                  options.overrides, state.sub(0.15, 0.19))
+        overrides = kept.overrides(options.overrides)
+        lap("int8_budget")
 
-    state.progress(0.15, f"building the {pre.name} quantsim for {target.soc} ({target.dsp_arch})")
+    state.progress(0.19, f"building the {pre.name} quantsim for {target.soc} ({target.dsp_arch})")
     dummy = tuple(vectors[0][n] for n in io_names(spec.layers)[0])
-    sim = simulate.build(model, dummy, pre, target, options.overrides)
+    sim = simulate.build(model, dummy, pre, target, overrides)
     del dummy  # the prompt graph's feeds (its KV inputs: ~60 MB on a 1B model) go with the export's first graph
     lap("build_sim")
     steps_of_recipe = tuple(s for s in RECIPE_STEPS[options.recipe] if s not in ROTATION_STEPS)
@@ -225,6 +231,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     res = QuantizeResult(
         precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
         rotated=options.rotate or rotates(options.recipe),
+        kept_int8=kept.kept if kept else [], int8_share=kept.share if kept else None,
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
         calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,
@@ -283,6 +290,9 @@ def validate(options: QuantizeOptions, shape: DecoderShape) -> None:
     """Refuse options this model cannot be quantized with, before any weight is read."""
     if (why := refusal(options.recipe, shape, options.rotate)) is not None:
         raise why
+    if options.int8_budget and preset(options.precision).weight_bits >= 8:
+        raise UserError(f"--int8-budget keeps some 4-bit weights at 8 bits, and at {options.precision} no weight is "
+                        "4-bit.", "Add --precision w4a16, or leave --int8-budget out.")
 
 
 def resolved(options: QuantizeOptions, adapt_dir: Path) -> QuantizeOptions:

@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (
     QHeaderView,
     QLineEdit,
     QPushButton,
+    QSpinBox,
     QWidget,
 )
 
@@ -21,10 +22,10 @@ from ...core import host_cost, isolated, pipeline, stages
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
 from ...core.progress import about_duration
-from ...core.quantize.presets import load_overrides
+from ...core.quantize.presets import load_overrides, preset
 from ...core.results import IntakeResult, QuantizeResult
-from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, rotates
-from ...display import human_bytes
+from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, bounds, help_of, rotates
+from ...display import human_bytes, kept_int8
 from .. import worker
 from ..charts import PplChart
 from ..fields import combo, default, spin
@@ -86,6 +87,12 @@ class QuantizePage(Page):
         self.calib.setToolTip("default (offline text), a UTF-8 text file, or datasets:ID")
         self.overrides = QLineEdit()
         self.overrides.setPlaceholderText("optional: per-module bitwidth overrides (JSON)")
+        self.int8_budget = QSpinBox()  # a share, shown in percent
+        self.int8_budget.setRange(0, round(100 * (bounds(QuantizeOptions, "int8_budget").hi or 0)))
+        self.int8_budget.setSuffix(" % int8")
+        self.int8_budget.setToolTip(help_of(QuantizeOptions, "int8_budget") or "")
+        self.precision.currentIndexChanged.connect(self._budget_applies)
+        self._budget_applies()
         self.device = device_choice(window.settings.device)
         self.form.addRow("Precision:", self.precision)
         recipe_row = QWidget()  # one row: the page's chart stays in view on a 768-pixel screen
@@ -97,7 +104,9 @@ class QuantizePage(Page):
         self.form.addRow("Calibration sequences:", self.calib_samples)
         self.form.addRow("Tokens per sequence:", self.calib_len)
         self.form.addRow("Calibration text:", _file_row(self.calib, "Calibration text", "Text (*.txt)", self))
-        self.form.addRow("Mixed precision:", _file_row(self.overrides, "Overrides", "JSON (*.json)", self))
+        mixed = _file_row(self.overrides, "Overrides", "JSON (*.json)", self)
+        mixed.layout().addWidget(self.int8_budget)  # type: ignore[union-attr]
+        self.form.addRow("Mixed precision:", mixed)
         self.form.addRow("Compute on:", self.device)
         self.add_strip("Quantize", redo=True)
         self.tabs = TabsSizedToShown()
@@ -125,6 +134,7 @@ class QuantizePage(Page):
                                calib_corpus=self.calib.text().strip() or default(QuantizeOptions, "calib_corpus"),
                                calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
                                overrides=load_overrides(self.overrides.text().strip() or None),
+                               int8_budget=self.int8_budget.value() / 100 if self.int8_budget.isEnabled() else 0.0,
                                device=self.device.currentData())
 
     def start(self, force: bool = False) -> None:
@@ -152,6 +162,7 @@ class QuantizePage(Page):
             self.precision.setCurrentIndex(max(0, self.precision.findData(o.precision)))
             self.recipe.setCurrentIndex(max(0, self.recipe.findData(o.recipe)))
             self.rotate.setChecked(o.rotate)
+            self.int8_budget.setValue(round(100 * o.int8_budget))
             self.calib_samples.setValue(o.calib_samples)
             self.calib_len.setValue(o.calib_len)
             self.calib.setText(o.calib_corpus)
@@ -159,6 +170,10 @@ class QuantizePage(Page):
             self.show_result(rec.result_as(QuantizeResult))
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
+
+    def _budget_applies(self) -> None:
+        """The int8 budget widens 4-bit weights: at a precision without them there is nothing to widen."""
+        self.int8_budget.setEnabled(preset(self.precision.currentData()).weight_bits < 8)
 
     def _recipe_rotates(self) -> None:
         """A recipe that rotates the stream itself (SpinQuant) leaves no second rotation to choose."""
@@ -192,6 +207,8 @@ class QuantizePage(Page):
                                       f"{' + rotation' if s.rotated else ''}"),
                 ("Perplexity FP", f"{s.ppl_fp:.3f}"), ("Perplexity quantized", f"{s.ppl_quant:.3f}"),
                 ("Ratio", f"×{s.ratio:.4f}"), ("Top-1 agreement", f"{s.top1_agreement:.3f}")]
+        if s.int8_share is not None:
+            rows.append(("Kept int8 (budget)", kept_int8(s.kept_int8, s.int8_share)))
         rows += [(f["file"], human_bytes(f["bytes"])) for f in s.files]
         fill(self.results, rows)
         head = self.results.horizontalHeader()  # the values whole; long file names shortened in the middle
