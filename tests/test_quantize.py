@@ -596,8 +596,11 @@ def test_int8_budget_keeps_the_layer_four_bits_hurt_most(adapted_project: Path) 
     assert c.share <= budget
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     # the user's own patterns come after the budget's: a file that says 4 bits for that group wins
-    ov = c.overrides(Overrides(weights={"layers.1.mlp.up": 4}))
+    user = Overrides(weights={"layers.1.mlp.up": 4})
+    ov = c.overrides(user)
     assert ov.weight_bits("layers.1.mlp.gate", 4) == 8 and ov.weight_bits("layers.1.mlp.up", 4) == 4
+    less = int8_budget.choose(model, runner.score, calib, 32, preset("w4a16"), budget, user, State())
+    assert less.kept == ["layers.1.mlp"] and less.share == pytest.approx(c.share * 2 / 3)  # gate and down: 2 of 3
     # what the user's overrides keep wide already counts against the budget and is not measured again
     wide = int8_budget.choose(model, runner.score, calib, 32, preset("w4a16"), budget,
                               Overrides(weights={"layers.1.mlp.*": 8}), State())

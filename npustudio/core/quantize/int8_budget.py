@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,7 +28,7 @@ GROUP = re.compile(r"^(layers\.\d+\.(?:attn|mlp))\.")
 @dataclass(frozen=True)
 class Choice:
     kept: list[str]  # the groups kept int8 ("layers.29.mlp"), most sensitive first
-    share: float  # of the decoder's linear weights, the groups kept and what the overrides already keep wider
+    share: float  # of the decoder's linear weights wider than the preset's: the groups kept and the overrides' own
     kl: dict[str, float]  # each group's KL divergence when it alone is at 4 bits
 
     def overrides(self, user: Overrides) -> Overrides:
@@ -96,5 +96,8 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
         if spent + size[g] <= budget * total:
             chosen.append(g)
             spent += size[g]
-    return Choice(kept=sorted(chosen, key=lambda g: -kl[g]), share=spent / total if total else 0.0,
-                  kl={g: round(v, 6) for g, v in kl.items()})
+    choice = Choice(kept=sorted(chosen, key=lambda g: -kl[g]), share=0.0, kl={g: round(v, 6) for g, v in kl.items()})
+    # the share as the quantsim will see it: a user's pattern that sets a kept module back to 4 bits wins
+    final = choice.overrides(overrides)
+    wider = sum(n for name, n in sizes.items() if final.weight_bits(name, preset.weight_bits) > preset.weight_bits)
+    return replace(choice, share=wider / total if total else 0.0)
