@@ -101,6 +101,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     q.precision.setCurrentIndex(q.precision.findData("w4a16"))
     q.int8_budget.setValue(5)
     assert q.int8_budget.isEnabled() and q.options().int8_budget == 0.05
+    shot(w, "tiny_quantize_int8_budget")
     q.precision.setCurrentIndex(q.precision.findData("w8a16"))
     assert q.options().int8_budget == 0.0
     q.calib_samples.setValue(2)

@@ -89,7 +89,8 @@ class QuantizePage(Page):
         self.overrides.setPlaceholderText("optional: per-module bitwidth overrides (JSON)")
         self.int8_budget = QSpinBox()  # a share, shown in percent
         self.int8_budget.setRange(0, round(100 * (bounds(QuantizeOptions, "int8_budget").hi or 0)))
-        self.int8_budget.setSuffix(" % int8")
+        self.int8_budget.setPrefix("int8 budget ")
+        self.int8_budget.setSuffix(" %")
         self.int8_budget.setToolTip(help_of(QuantizeOptions, "int8_budget") or "")
         self.precision.currentIndexChanged.connect(self._budget_applies)
         self._budget_applies()
