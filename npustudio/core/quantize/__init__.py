@@ -47,7 +47,7 @@ from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotat
 from ..targets import find_soc
 from . import adascale, export, int8_budget, rotate, simulate, spinquant
 from .fast_qdq import fast_per_tensor_qdq
-from .presets import check_overrides, preset
+from .presets import check_overrides, preset, takes_int8_budget
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
 FORMAT = stages.QUANTIZE.format  # bumped in core/stages.py when the output changes meaning
@@ -290,7 +290,7 @@ def validate(options: QuantizeOptions, shape: DecoderShape) -> None:
     """Refuse options this model cannot be quantized with, before any weight is read."""
     if (why := refusal(options.recipe, shape, options.rotate)) is not None:
         raise why
-    if options.int8_budget and preset(options.precision).weight_bits >= 8:
+    if options.int8_budget and not takes_int8_budget(options.precision):
         raise UserError(f"--int8-budget keeps some 4-bit weights at 8 bits, and at {options.precision} no weight is "
                         "4-bit.", "Add --precision w4a16, or leave --int8-budget out.")
 

@@ -44,6 +44,11 @@ def preset(name: str) -> Preset:
     return PRESETS[name]
 
 
+def takes_int8_budget(precision: str) -> bool:
+    """Whether `precision` has 4-bit weights for `--int8-budget` to widen (the stage, the CLI and the window ask)."""
+    return preset(precision).weight_bits < 8
+
+
 ALLOWED = {"weights": (4, 8, 16), "activations": (8, 16)}
 NOTE = "_about"  # an override file's note for people (the shipped ones say why they exist); not read
 

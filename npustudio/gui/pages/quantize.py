@@ -22,7 +22,7 @@ from ...core import host_cost, isolated, pipeline, stages
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
 from ...core.progress import about_duration
-from ...core.quantize.presets import load_overrides, preset
+from ...core.quantize.presets import load_overrides, takes_int8_budget
 from ...core.results import IntakeResult, QuantizeResult
 from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, bounds, help_of, rotates
 from ...display import human_bytes, kept_int8
@@ -174,7 +174,7 @@ class QuantizePage(Page):
 
     def _budget_applies(self) -> None:
         """The int8 budget widens 4-bit weights: at a precision without them there is nothing to widen."""
-        self.int8_budget.setEnabled(preset(self.precision.currentData()).weight_bits < 8)
+        self.int8_budget.setEnabled(takes_int8_budget(self.precision.currentData()))
 
     def _recipe_rotates(self) -> None:
         """A recipe that rotates the stream itself (SpinQuant) leaves no second rotation to choose."""
