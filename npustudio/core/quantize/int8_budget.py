@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -69,11 +70,15 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
     sizes = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, Conv1x1) and GROUP.match(n)}
     total = sum(sizes.values())
 
-    def wide(name: str) -> bool:
-        return overrides.weight_bits(name, preset.weight_bits) > preset.weight_bits
+    def wide(table: Overrides, name: str) -> bool:
+        return table.weight_bits(name, preset.weight_bits) > preset.weight_bits
 
-    spent = sum(n for name, n in sizes.items() if wide(name))
-    todo = groups(model, wide)
+    def wider(table: Overrides) -> int:
+        """How many of the decoder's linear weights `table` keeps wider than the preset."""
+        return sum(n for name, n in sizes.items() if wide(table, name))
+
+    spent = wider(overrides)
+    todo = groups(model, partial(wide, overrides))
     with torch.no_grad():
         ref = [torch.log_softmax(logits(s).float(), -1) for s in calib]
         kl: dict[str, float] = {}
@@ -98,6 +103,4 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
             spent += size[g]
     choice = Choice(kept=sorted(chosen, key=lambda g: -kl[g]), share=0.0, kl={g: round(v, 6) for g, v in kl.items()})
     # the share as the quantsim will see it: a user's pattern that sets a kept module back to 4 bits wins
-    final = choice.overrides(overrides)
-    wider = sum(n for name, n in sizes.items() if final.weight_bits(name, preset.weight_bits) > preset.weight_bits)
-    return replace(choice, share=wider / total if total else 0.0)
+    return replace(choice, share=wider(choice.overrides(overrides)) / total if total else 0.0)
