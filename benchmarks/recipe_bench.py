@@ -1,10 +1,11 @@
 """Every weight-encoding recipe at w4a16 on the default model, printed as JSON: quality, 4-bit share, cost.
 
 Each recipe runs the quantize stage in its own process (quantize_bench's child, so peaks do not mix) with the
-w4a16 preset: every decoder linear is LPBQ int4 (blocks of 64), the LM head int8; with `--int8-budget` the
-stage keeps the groups it measures most sensitive int8 within that share (listed per row as `kept_int8`). Per
-recipe: the perplexity ratio against FP measured in the same run, top-1 agreement, the share of the decoder's
-linear weights at 4 bits (read back from the exported encodings), minutes and peak RSS. `--llama-1b` adds the
+w4a16 preset: every decoder linear is LPBQ int4 (blocks of 64), the LM head int8 (the bench passes an int8
+budget of 0 where the stage's w4a16 default is 0.05); with `--int8-budget` the stage keeps the groups it
+measures most sensitive int8 within that share (listed per row as `kept_int8`). Per recipe: the perplexity
+ratio against FP measured in the same run, top-1 agreement, the share of the decoder's linear weights at 4 bits
+(read back from the exported encodings), minutes and peak RSS. `--llama-1b` adds the
 cost of one recipe on a random Llama-3.2-1B-shaped model (its quality means nothing: random weights).
 
     .venv/bin/python benchmarks/recipe_bench.py --json

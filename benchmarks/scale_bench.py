@@ -15,6 +15,7 @@ width), so greedy answers part at the first near tie.
     .venv/bin/python benchmarks/scale_bench.py --model qwen3-1.7b --precision w8a16,w4a16 --stage adapt,quantize
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --stage compile --work /tmp/scale   # rerun one piece
     .venv/bin/python benchmarks/scale_bench.py --model qwen3-1.7b:4 --tokens 8   # the 1.7B widths, 4 layers
+    .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --precision w4a16 --cl 4096   # a longer context
 
 A stage whose inputs are unchanged is skipped by the project (its figures are then the recorded ones: pass
 --force to measure it again).
@@ -348,16 +349,19 @@ def over_one_domain(project: Path) -> bool:
 
 
 def bench(model: str, precision: str, stages: list[str], work: Path, force: bool,
-          tokens: int = GENIE_TOKENS) -> dict[str, Any]:
+          tokens: int = GENIE_TOKENS, cl: int | None = None) -> dict[str, Any]:
     npu = [sys.executable, "-m", "npustudio.cli"]
     name = model.replace(":", "-L")
     folder = build_model(model, work / "models" / name)
+    if cl is not None:  # its own projects: the adapted graphs' KV cache is sized by the context
+        name += f"-cl{cl}"
     project = work / f"{name}-{precision}"
     log = work / f"{name}-{precision}.log"
     seed_adapted(work, name, project)
     f = ["--force"] if force else []
     cmds = {
-        "adapt": [*npu, "adapt", str(folder), "--project", str(project), "--json", *f],
+        "adapt": [*npu, "adapt", str(folder), "--project", str(project), "--json", *f,
+                  *(["--cl", str(cl)] if cl is not None else [])],
         "quantize": [*npu, "quantize", "--project", str(project), "--precision", precision, "--json", *f],
         "compile": [*npu, "compile", "--project", str(project), "--json", *f],
         "bundle": [*npu, "bundle", "--project", str(project), "--json", *f],
@@ -389,7 +393,7 @@ def bench(model: str, precision: str, stages: list[str], work: Path, force: bool
         if "error" in row:
             break
     pipeline = [s for s in ("adapt", "quantize", "compile", "bundle") if s in rows]
-    return {"model": model, "precision": precision, "stages": rows,
+    return {"model": model, "precision": precision, "cl": cl, "stages": rows,
             "pipeline_seconds": round(sum(rows[s]["seconds"] for s in pipeline), 1),
             "max_peak_rss_mb": max((r["peak_rss_mb"] for r in rows.values()), default=0)}
 
@@ -406,6 +410,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=GENIE_TOKENS,
                     help="answer tokens Genie and the preview compare (each costs a token-graph call per runner on "
                          "the simulator: ~70 s at the Qwen3-1.7B width)")
+    ap.add_argument("--cl", type=int, default=None, help="context length (KV-cache entries; adapt's default "
+                    "when left out)")
     ap.add_argument("--child-genie", help=argparse.SUPPRESS)
     ap.add_argument("--tolerance", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-build", nargs=2, help=argparse.SUPPRESS)
@@ -418,7 +424,8 @@ def main() -> None:
         return
     work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-scale-"))
     models = list(MODELS) if a.model == "all" else a.model.split(",")
-    results = [bench(m, p, a.stage.split(","), work, a.force, a.tokens) for m in models for p in a.precision.split(",")]
+    results = [bench(m, p, a.stage.split(","), work, a.force, a.tokens, a.cl)
+               for m in models for p in a.precision.split(",")]
     print(json.dumps({"work": str(work), "cpus": os.cpu_count(), "runs": results}, indent=None if a.json else 2))
     if any("error" in r for run in results for r in run["stages"].values()):
         sys.exit(1)

@@ -916,4 +916,4 @@ def test_a_recipe_the_model_cannot_take_is_refused_before_any_stage_runs(tmp_pat
     info = subprocess.run([exe, "info", "default"], capture_output=True, text=True, timeout=600)
     assert info.returncode == 0, info.stderr
     assert "not for this model: spinquant (" in info.stdout
-    assert "--int8-budget (w4a16) measures which weights to keep int8: +~" in info.stdout
+    assert "at w4a16 the int8 budget (--int8-budget, default 5%) measures which weights to keep int8: +~" in info.stdout

@@ -632,3 +632,43 @@ def test_int8_budget_through_the_quantize_command(adapted_project: Path, tmp_pat
     wide = {n for n in weights if any(n.startswith(g + ".") for g in kept)}
     assert all(weights[n].bitwidth == (8 if n in wide else 4) for n in weights)
     assert sum(sizes[n] for n in wide) / sum(sizes.values()) == pytest.approx(share)
+
+
+def test_w4a16_takes_the_default_int8_budget_unless_one_is_given(adapted_project: Path) -> None:
+    """Left out, the budget is w4a16's default and none at w8a16; given, it is the user's (0 keeps every weight
+    int4). The stage key hashes the budget it comes to, so `--int8-budget 0.05` at w4a16 is the same work as none."""
+    from npustudio.core import quantize
+    from npustudio.core.stage_options import DEFAULT_INT8_BUDGET
+
+    adapt_dir = adapted_project / "stages" / "adapt"
+
+    def budget(**kw: Any) -> float | None:
+        return quantize.resolved(QuantizeOptions(**kw), adapt_dir).int8_budget
+
+    assert DEFAULT_INT8_BUDGET > 0 and budget(precision="w4a16") == DEFAULT_INT8_BUDGET
+    assert budget(precision="w4a16", int8_budget=DEFAULT_INT8_BUDGET) == DEFAULT_INT8_BUDGET
+    assert budget(precision="w4a16", int8_budget=0) == 0.0 and budget(precision="w8a16") == 0.0
+    assert budget(precision="w4a16", int8_budget=0.2) == 0.2
+
+
+def test_int8_budget_measures_only_groups_that_fit(adapted_project: Path) -> None:
+    """A group larger than the budget can never be kept int8, so it costs no probe: on the tiny model every group
+    is over 5 % of its weights, and the default budget adds no model call to its quantize stage."""
+    from npustudio.core.graph import store
+    from npustudio.core.quantize import int8_budget
+    from npustudio.core.quantize.presets import preset
+
+    model, _ = store.load(adapted_project / "stages" / "adapt")
+    sizes = {g: sum(m.weight.numel() for m in mods) for g, mods in int8_budget.groups(model, lambda _n: False).items()}
+    calls: list[int] = []
+
+    def logits(seq: Any) -> Any:
+        calls.append(len(seq))
+        raise AssertionError("no group fits: nothing to measure")
+
+    from npustudio.core.stage_options import DEFAULT_INT8_BUDGET
+
+    assert min(sizes.values()) / sum(sizes.values()) > DEFAULT_INT8_BUDGET
+    small = min(sizes.values()) / sum(sizes.values()) * 0.9
+    c = int8_budget.choose(model, logits, [list(range(100, 164))], 32, preset("w4a16"), small, Overrides(), State())
+    assert not calls and not c.kept and not c.kl and c.share == 0.0

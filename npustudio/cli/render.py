@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.progress import about_duration
+from ..core.stage_options import DEFAULT_INT8_BUDGET
 from .console import out
 
 if TYPE_CHECKING:
@@ -70,8 +71,8 @@ def host_table(h: Any) -> None:
             if r.refused:
                 out.print(f"not for this model: {r.recipe} ({r.refused})", markup=False)
     if h.int8_budget_seconds:
-        out.print("--int8-budget (w4a16) measures which weights to keep int8: "
-                  f"+{about_duration(h.int8_budget_seconds)}")
+        out.print(f"at w4a16 the int8 budget (--int8-budget, default {DEFAULT_INT8_BUDGET:.0%}) measures which "
+                  f"weights to keep int8: +{about_duration(h.int8_budget_seconds)}")
     out.print(("fits this computer's memory" if h.fits else "[bold red]needs more memory than this computer has[/]")
               + f" ({h.note})")
 

@@ -144,6 +144,9 @@ def _match(table: dict[str, int], name: str, default: int) -> int:
 
 
 INT8_BUDGET_PROBES = 2  # calibration sequences --int8-budget scores each group on (one prompt-graph call each)
+# the int8 budget a 4-bit precision takes unless one is given: on the default model it moves plain w4a16's perplexity
+# ratio from 1.338 to 1.213 for about a minute of measuring, and keeps >= 95 % of the decoder's linear weights int4
+DEFAULT_INT8_BUDGET = 0.05
 
 
 class QuantizeOptions(StageOptions):
@@ -153,9 +156,10 @@ class QuantizeOptions(StageOptions):
                                                 + "; ".join(f"{k}: {v}" for k, v in RECIPE_NOTES.items()))
     adascale_iterations: int = Field(150, ge=1, le=100_000, description="AdaScale optimizer steps per decoder "
                                                                          "layer")
-    int8_budget: float = Field(0.0, ge=0.0, le=0.5, description="w4a16: the share of the decoder's linear weights "
-                               "that may stay int8, given to the layers' attention or MLP weights whose 4 bits move "
-                               "the model's output most (measured on the calibration text)")
+    int8_budget: float | None = Field(
+        None, ge=0.0, le=0.5, description="w4a16: the share of the decoder's linear weights that may stay int8, given "
+        "to the layers' attention or MLP weights whose 4 bits move the model's output most (measured on the "
+        f"calibration text; default {DEFAULT_INT8_BUDGET:g} at w4a16, 0 to keep every one int4)")
     seq_mse_candidates: int = Field(20, ge=1, description="grid points per weight in the SeqMSE search")
     rotate: bool = Field(False, description="rotate the residual stream (random orthogonal, folded into the "
                                             "weights) before quantizing: spreads outlier channels")

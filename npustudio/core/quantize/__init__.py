@@ -47,7 +47,7 @@ from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotat
 from ..targets import find_soc
 from . import adascale, export, int8_budget, rotate, simulate, spinquant
 from .fast_qdq import fast_per_tensor_qdq
-from .presets import check_overrides, preset, takes_int8_budget
+from .presets import check_overrides, int8_budget_of, preset, takes_int8_budget
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
 FORMAT = stages.QUANTIZE.format  # bumped in core/stages.py when the output changes meaning
@@ -115,8 +115,8 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     fp_out = [TorchGraph(model)(f) for f in vectors]
     lap("fp_reference")
     overrides, kept = options.overrides, None
-    if options.int8_budget:
-        kept = int8_budget.choose(model, partial(fp_run.score, decode_tokens=0), calib, ar, pre, options.int8_budget,
+    if budget := int8_budget_of(options.precision, options.int8_budget):
+        kept = int8_budget.choose(model, partial(fp_run.score, decode_tokens=0), calib, ar, pre, budget,
                                   options.overrides, state.sub(0.15, 0.19))
         overrides = kept.overrides(options.overrides)
         lap("int8_budget")
@@ -296,13 +296,15 @@ def validate(options: QuantizeOptions, shape: DecoderShape) -> None:
 
 
 def resolved(options: QuantizeOptions, adapt_dir: Path) -> QuantizeOptions:
-    """`options` with the values the stage comes to in place of its defaults: the target by its part number and the
-    eval as `_eval_plan` makes it from the adapt stage's (unset fields are the adapt stage's plan). The stage key
-    hashes these: `npustudio run` passed its eval corpus ("default") where `npustudio quantize` left it unset, the
-    same eval, and the quantize stage (2-5 min on the default model) was redone for nothing."""
+    """`options` with the values the stage comes to in place of its defaults: the target by its part number, the
+    int8 budget the precision takes, and the eval as `_eval_plan` makes it from the adapt stage's (unset fields are
+    the adapt stage's plan). The stage key hashes these: `npustudio run` passed its eval corpus ("default") where
+    `npustudio quantize` left it unset, the same eval, and the quantize stage (2-5 min on the default model) was
+    redone for nothing."""
     plan = _eval_plan(adapt_dir, options, _adapt_graphs(adapt_dir)[1])
     return options.model_copy(update={
-        "target": find_soc(options.target).soc, "eval_corpus": plan.corpus, "eval_chars": plan.chars,
+        "target": find_soc(options.target).soc, "int8_budget": int8_budget_of(options.precision, options.int8_budget),
+        "eval_corpus": plan.corpus, "eval_chars": plan.chars,
         "eval_tokens": plan.tokens, "window": plan.window, "decode_tokens": plan.decode_tokens})
 
 

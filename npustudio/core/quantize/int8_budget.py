@@ -78,9 +78,12 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
         return sum(n for name, n in sizes.items() if wide(table, name))
 
     spent = wider(overrides)
-    todo = groups(model, partial(wide, overrides))
+    # a group larger than what is left of the budget can never be kept: not measured (a tiny model's all are)
+    every = groups(model, partial(wide, overrides))
+    size = {g: sum(m.weight.numel() for m in mods) for g, mods in every.items()}
+    todo = {g: mods for g, mods in every.items() if spent + size[g] <= budget * total}
     with torch.no_grad():
-        ref = [torch.log_softmax(logits(s).float(), -1) for s in calib]
+        ref = [torch.log_softmax(logits(s).float(), -1) for s in calib] if todo else []
         kl: dict[str, float] = {}
         for i, (g, mods) in enumerate(todo.items()):
             state.check()
@@ -95,7 +98,6 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
             finally:
                 for m, w in zip(mods, kept, strict=True):
                     m.weight.copy_(w)
-    size = {g: sum(m.weight.numel() for m in mods) for g, mods in todo.items()}
     chosen: list[str] = []
     for g in sorted(kl, key=lambda g: kl[g] / size[g], reverse=True):
         if spent + size[g] <= budget * total:

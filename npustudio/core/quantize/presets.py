@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import UserError
 from ..fsutil import check_keys, read_json
+from ..stage_options import DEFAULT_INT8_BUDGET
 from ..stage_options import Overrides as Overrides  # re-exported: a quantize option, declared there
 
 
@@ -47,6 +48,14 @@ def preset(name: str) -> Preset:
 def takes_int8_budget(precision: str) -> bool:
     """Whether `precision` has 4-bit weights for `--int8-budget` to widen (the stage, the CLI and the window ask)."""
     return preset(precision).weight_bits < 8
+
+
+def int8_budget_of(precision: str, given: float | None) -> float:
+    """The int8 budget a quantize run at `precision` spends: the one given, else the default where it has 4-bit
+    weights (`--int8-budget` left out, or a project made before the option had a default)."""
+    if given is not None:
+        return given
+    return DEFAULT_INT8_BUDGET if takes_int8_budget(precision) else 0.0
 
 
 ALLOWED = {"weights": (4, 8, 16), "activations": (8, 16)}

@@ -22,7 +22,7 @@ from ...core import host_cost, isolated, pipeline, stages
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
 from ...core.progress import about_duration
-from ...core.quantize.presets import load_overrides, takes_int8_budget
+from ...core.quantize.presets import int8_budget_of, load_overrides, takes_int8_budget
 from ...core.results import IntakeResult, QuantizeResult
 from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, bounds, help_of, rotates
 from ...display import human_bytes, kept_int8
@@ -163,7 +163,7 @@ class QuantizePage(Page):
             self.precision.setCurrentIndex(max(0, self.precision.findData(o.precision)))
             self.recipe.setCurrentIndex(max(0, self.recipe.findData(o.recipe)))
             self.rotate.setChecked(o.rotate)
-            self.int8_budget.setValue(round(100 * o.int8_budget))
+            self.int8_budget.setValue(round(100 * int8_budget_of(o.precision, o.int8_budget)))
             self.calib_samples.setValue(o.calib_samples)
             self.calib_len.setValue(o.calib_len)
             self.calib.setText(o.calib_corpus)
@@ -173,8 +173,11 @@ class QuantizePage(Page):
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
 
     def _budget_applies(self) -> None:
-        """The int8 budget widens 4-bit weights: at a precision without them there is nothing to widen."""
-        self.int8_budget.setEnabled(takes_int8_budget(self.precision.currentData()))
+        """The int8 budget widens 4-bit weights: at a precision without them there is nothing to widen. A precision
+        chosen shows its own default budget."""
+        precision = self.precision.currentData()
+        self.int8_budget.setEnabled(takes_int8_budget(precision))
+        self.int8_budget.setValue(round(100 * int8_budget_of(precision, None)))
 
     def _recipe_rotates(self) -> None:
         """A recipe that rotates the stream itself (SpinQuant) leaves no second rotation to choose."""
