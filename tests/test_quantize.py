@@ -595,6 +595,18 @@ def test_int8_budget_keeps_the_layer_four_bits_hurt_most(adapted_project: Path) 
     assert c.kept == ["layers.1.mlp"] and max(c.kl, key=c.kl.__getitem__) == "layers.1.mlp"
     assert c.share <= budget
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    # a probe replays the layers before its group's rather than running them: the same KL as the whole model gives
+    ref = [torch.log_softmax(runner.score(s[:32]).float(), -1) for s in calib[:2]]
+    for g in ("layers.1.attn", "layers.1.mlp"):
+        with torch.no_grad():
+            for m in int8_budget.groups(model, lambda _n: False)[g]:
+                m.weight.copy_(int8_budget.lpbq_fake(m.weight, preset("w4a16")))
+        whole = sum(float(torch.nn.functional.kl_div(torch.log_softmax(runner.score(s[:32]).float(), -1), r,
+                                                     log_target=True, reduction="batchmean"))
+                    for s, r in zip(calib[:2], ref, strict=True)) / 2
+        model.load_state_dict(before)
+        assert c.kl[g] == pytest.approx(whole, abs=1e-6)
+    assert not any("forward" in vars(layer) for layer in model.layers)
     # the user's own patterns come after the budget's: a file that says 4 bits for that group wins
     user = Overrides(weights={"layers.1.mlp.up": 4})
     ov = c.overrides(user)

@@ -33,7 +33,9 @@ SEQMSE_S_PER_MPARAM_CANDIDATE = 0.45
 # (0.040-0.046 measured beside a 2-core job on 128M and 256M models of hidden 1,024 and 2,048; alone, a Llama-3.2-1B
 # shape took 72 s: 0.028)
 SPINQUANT_S_PER_MPARAM_KHIDDEN = 0.03
-PROBE_S_PER_MPARAM_TOKEN = 3.0e-5  # --int8-budget's float calls (default model: 65 s for 122 calls of 128 tokens)
+# --int8-budget's float calls, per million parameters a call computes per token (default model: 65 s for 122 whole
+# calls of 128 tokens; replaying the layers before each probed one, 0.64 of that, as the call count here predicts)
+PROBE_S_PER_MPARAM_TOKEN = 3.0e-5
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
 
 
@@ -110,13 +112,17 @@ def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None
 
 
 def int8_budget_seconds(card: Any, cpus: int | None = None) -> float:
-    """`--int8-budget`'s measurement: two prompt-graph calls of the float model per layer's attention and MLP (and
-    once more for the reference)."""
+    """`--int8-budget`'s measurement, per probe sequence: one prompt-graph call of the whole float model for the
+    reference, then one per layer's attention and MLP that runs the layers from its own on and the LM head (the
+    layers before it are replayed): on average half the decoder."""
     from .stage_options import INT8_BUDGET_PROBES, AdaptOptions
 
-    calls = INT8_BUDGET_PROBES * (2 * card.layers + 1)
+    head = card.vocab * card.hidden
+    whole = card.params - (0 if card.tied_embeddings else head)  # the embedding table is a lookup: no work
+    decoder, n = whole - head, card.layers
+    mparams = INT8_BUDGET_PROBES * (whole + decoder * (n + 1) + 2 * n * head) / 1e6  # summed over the calls
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
-    return round(PROBE_S_PER_MPARAM_TOKEN * card.params / 1e6 * AdaptOptions().ar * calls * scale, 1)
+    return round(PROBE_S_PER_MPARAM_TOKEN * mparams * AdaptOptions().ar * scale, 1)
 
 
 def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
