@@ -23,8 +23,6 @@ from npustudio.core.stage_options import RECIPE_NAMES
 W4 = {"precision": "w4a16"}
 VARIANTS: dict[str, dict] = {
     "w8a16": {"precision": "w8a16"}, "w4a16": W4, "w4a16+seqmse": W4 | {"recipe": "seqmse"},
-    "w4a16+rotate": W4 | {"rotate": True}, "w4a16+rotate+seqmse": W4 | {"rotate": True, "recipe": "seqmse"},
-    "w8a16+rotate": {"precision": "w8a16", "rotate": True},
     **{f"w4a16+{r}": W4 | {"recipe": r} for r in RECIPE_NAMES if r != "plain"},
     # mixed precision, one group of weights kept int8 (which group costs the most at int4?)
     "w4a16/attn8": W4 | {"overrides": {"weights": {"layers.*.attn.*": 8}}},
@@ -93,12 +91,12 @@ def llama_1b_shaped(work: Path, tokenizer_from: Path) -> Path:
     return out
 
 
-FLAGS = {**{r: {"recipe": r} for r in RECIPE_NAMES if r != "plain"}, "rotate": {"rotate": True}}
+FLAGS = {r: {"recipe": r} for r in RECIPE_NAMES if r != "plain"}
 
 
 def _variant(name: str) -> dict:
-    """A named variant, or `w4a16@FILE[+seqmse][+rotate]`: a preset with a shipped override file
-    (resources/overrides/FILE.json), optionally with SeqMSE and/or rotation."""
+    """A named variant, or `w4a16@FILE[+RECIPE]`: a preset with a shipped override file
+    (resources/overrides/FILE.json), optionally with a recipe."""
     if "@" in name:
         from npustudio.core.quantize.presets import load_overrides
 

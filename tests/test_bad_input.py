@@ -906,7 +906,7 @@ def test_a_recipe_the_model_cannot_take_is_refused_before_any_stage_runs(tmp_pat
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 2, res.stderr
     assert _flat("this model's hidden size is 576") in _flat(res.stderr)
-    assert "--rotate" in res.stderr and "Traceback" not in res.stderr
+    assert "adascale" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "p" / "stages" / "adapt").exists()
     # an int8 budget widens 4-bit weights: at w8a16 there are none, so it is refused rather than ignored
     res = subprocess.run([exe, "run", "--project", str(tmp_path / "p"), "--precision", "w8a16", "--int8-budget", "0.05",

@@ -394,21 +394,6 @@ def test_olmo2_fails_the_gate_with_pre_norms_or_per_head_qk_norms(tmp_path: Path
         assert "do not compute what the original model computes" in e.value.problem, name
 
 
-def test_residual_rotation_is_refused_for_post_norm_blocks() -> None:
-    """quantize --rotate folds the residual rotation through the writers; a post-norm block's output norm sits
-    between its writer and the stream, so the fold would not be exact: refused, naming the reason."""
-    from npustudio.core.graph.decoder import StaticDecoder
-    from npustudio.core.quantize import rotate
-    from npustudio.core.shape import DecoderSpec
-
-    spec = DecoderSpec(family="OLMo 2", model_type="olmo2", layers=1, heads=2, kv_heads=1, head_dim=32, hidden=64,
-                       intermediate=128, vocab=384, rms_norm_eps=1e-6, tied_embeddings=False, qkv_bias=False,
-                       qk_norm=True, qk_norm_full=True, post_norms=True)
-    with pytest.raises(UserError) as e:
-        rotate.rotate_residual(StaticDecoder(spec))
-    assert "post-norm blocks" in e.value.problem and "without --rotate" in e.value.fix
-
-
 # ---------------------------------------------------------------- refused at intake
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:

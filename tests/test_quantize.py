@@ -232,16 +232,14 @@ def test_quantize_leaves_the_adapted_weights_untouched(w8: tuple[Project, list[P
         assert sha256_file(p.root / f.path) == f.sha256, f.path
 
 
-@pytest.mark.parametrize("how", ["rotate", "spinquant"])
-def test_rotating_the_residual_stream_keeps_the_float_model(w8: tuple[Project, list[Partial]], how: str) -> None:
-    """--rotate's random rotation and aimet's SpinQuant (R1 over the stream, R2 per head between v and o) leave
-    what the float model computes, the KV cache included, and change the weights the quantizer sees."""
+def test_spinquant_keeps_the_float_model(w8: tuple[Project, list[Partial]]) -> None:
+    """aimet's SpinQuant (R1 over the stream, R2 per head between v and o) leaves what the float model computes,
+    the keys of the KV cache included, and changes the weights the quantizer sees."""
     import torch
 
     from npustudio.core.graph import store
     from npustudio.core.graph.kv_cache import TorchGraph
     from npustudio.core.quantize import spinquant
-    from npustudio.core.quantize.rotate import rotate_residual
 
     p = w8[0]
     tv = read_test_vectors(p.stage_dir("quantize") / "test_vectors" / f"{PROMPT}.npz")
@@ -249,14 +247,9 @@ def test_rotating_the_residual_stream_keeps_the_float_model(w8: tuple[Project, l
     model, _ = store.load(p.stage_dir("adapt"))
     before = TorchGraph(model)(feeds)
     w_q, w_o = (m.weight.detach().clone() for m in (model.layers[0].attn.q[0], model.layers[0].attn.o))
-    if how == "rotate":
-        rotate_residual(model, seed=1)
-    else:
-        spinquant.apply(model)
+    spinquant.apply(model)
     after = TorchGraph(model)(feeds)
-    for name in ("logits", "past_key_0_out", "past_value_1_out"):
-        if how == "spinquant" and "value" in name:  # R2 rotates each head's values, the o projection undoes it
-            continue
+    for name in ("logits", "past_key_0_out"):  # R2 rotates each head's values, the o projection undoes it
         assert torch.allclose(after[name], before[name], atol=1e-4 * before[name].abs().max().item()), name
     assert not torch.allclose(model.layers[0].attn.q[0].weight, w_q)  # the weights did change
     assert not torch.allclose(model.layers[0].attn.o.weight, w_o)
@@ -265,7 +258,7 @@ def test_rotating_the_residual_stream_keeps_the_float_model(w8: tuple[Project, l
 
 def test_spinquant_refuses_what_it_cannot_rotate_before_any_work() -> None:
     """aimet builds Hadamard matrices of 2^n and 12/20/28·2^n only: SmolLM2-135M's hidden size 576 is neither, so
-    the recipe is refused with the reason and the alternatives, as is combining it with --rotate."""
+    the recipe is refused with the reason and the recipes that work."""
     from npustudio.core.quantize import validate
     from npustudio.core.shape import DecoderShape
 
@@ -275,10 +268,8 @@ def test_spinquant_refuses_what_it_cannot_rotate_before_any_work() -> None:
     validate(QuantizeOptions(recipe="adascale"), shape)
     with pytest.raises(UserError) as e:
         validate(QuantizeOptions(recipe="spinquant_adascale"), shape)
-    assert "hidden size is 576" in e.value.problem and "--rotate" in e.value.fix
+    assert "hidden size is 576" in e.value.problem and "adascale" in e.value.fix
     validate(QuantizeOptions(recipe="spinquant"), shape.model_copy(update={"hidden": 2048, "heads": 32}))
-    with pytest.raises(UserError, match="both rotate"):
-        validate(QuantizeOptions(recipe="spinquant", rotate=True), shape.model_copy(update={"hidden": 2048}))
     with pytest.raises(UserError, match="post-norm"):
         validate(QuantizeOptions(recipe="spinquant"), shape.model_copy(update={"hidden": 2048, "post_norms": True}))
 
@@ -299,10 +290,9 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
     p = Project.open(tmp_path / "p")
     st = State()
     pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov),
-                                         recipe=recipe, adascale_iterations=4, seq_mse_candidates=4,
-                                         rotate="spinquant" not in recipe, **FAST), st)
+                                         recipe=recipe, adascale_iterations=4, seq_mse_candidates=4, **FAST), st)
     r = p.record("quantize").result
-    assert r["recipe"] == recipe and r["rotated"] and 0.8 < r["ratio"] < 1.3
+    assert r["recipe"] == recipe and r["rotated"] == ("spinquant" in recipe) and 0.8 < r["ratio"] < 1.3
     assert set(RECIPE_STEPS[recipe]) <= set(r["steps"])
     assert any(f"quant+{recipe}_ppl" in e.data for e in st.partials if e.kind == "ppl")
     t = _table(p)
@@ -316,7 +306,7 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
     assert params["layers.1.mlp.gate.weight"].bitwidth == 8
     assert params["lm_head.weight"].bitwidth == 8
     assert all(r.bitwidth == 8 for r in t.rows if r.role == "kv-cache")
-    # a mixed model (int4 LPBQ blocks beside the override's int8 layers, rotated) compiles with every node on the
+    # a mixed model (int4 LPBQ blocks beside the override's int8 layers) compiles with every node on the
     # HTP: the blocked layers as MatMuls, the int8 per-channel ones as convolutions
     from npustudio.core.compile import CompileOptions
 

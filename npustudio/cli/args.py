@@ -120,8 +120,6 @@ def quantize_args(s: argparse.ArgumentParser) -> None:
     option(s, O, "recipe")
     option(s, O, "adascale_iterations")
     option(s, O, "int8_budget", metavar="SHARE")
-    option(s, O, "rotate", help="rotate the residual stream before quantizing (QuaRot-style; hurts models that "
-           "come from a 4-bit GGUF, such as the default)")
     option(s, O, "calib_corpus", type=given, help="default | text file | datasets:ID")
     option(s, O, "calib_samples")
     option(s, O, "calib_len")
@@ -222,7 +220,7 @@ def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
     from ..core.quantize.presets import load_overrides
 
     chosen = {"precision": a.precision} if a.precision else {}  # `run` plans it when neither flag nor settings do
-    return QuantizeOptions(target=a.target, recipe=a.recipe, adascale_iterations=a.adascale_iterations, rotate=a.rotate,
+    return QuantizeOptions(target=a.target, recipe=a.recipe, adascale_iterations=a.adascale_iterations,
                            int8_budget=a.int8_budget,
                            calib_corpus=a.calib_corpus, calib_samples=a.calib_samples, calib_len=a.calib_len,
                            overrides=load_overrides(a.overrides), eval_chars=a.eval_chars, device=a.device,

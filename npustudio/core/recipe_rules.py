@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .errors import UserError
 from .shape import DecoderShape
-from .stage_options import RECIPE_STEPS, rotates
+from .stage_options import RECIPE_STEPS
 
 HADAMARD_FACTORS = (1, 12, 20, 28)  # aimet-torch builds Hadamard matrices of 2^n times one of these
 
@@ -15,12 +15,9 @@ def has_hadamard(n: int) -> bool:
     return any(n % f == 0 and (m := n // f) & (m - 1) == 0 for f in HADAMARD_FACTORS)
 
 
-def refusal(recipe: str, shape: DecoderShape, rotate: bool = False) -> UserError | None:
-    """Why `shape` cannot be quantized with `recipe` (and `--rotate`), or None."""
+def refusal(recipe: str, shape: DecoderShape) -> UserError | None:
+    """Why `shape` cannot be quantized with `recipe`, or None."""
     steps = RECIPE_STEPS[recipe]
-    if rotate and rotates(recipe):
-        return UserError(f"--rotate and the {recipe} recipe both rotate the residual stream.",
-                         "Choose one: the recipe (aimet's SpinQuant) or --rotate.")
     if "spinquant" not in steps:
         return None
     if shape.post_norms:
@@ -31,6 +28,5 @@ def refusal(recipe: str, shape: DecoderShape, rotate: bool = False) -> UserError
         if not has_hadamard(n):
             return UserError(f"SpinQuant rotates by a Hadamard matrix of the model's {what}, and aimet-torch builds "
                              f"them only for 2^n or 12, 20 or 28 times 2^n: this model's {what} is {n}.",
-                             "Choose a recipe without SpinQuant, or quantize with --rotate (a random orthogonal "
-                             "rotation, of any size).")
+                             "Choose a recipe without SpinQuant: adascale, seqmse or plain.")
     return None

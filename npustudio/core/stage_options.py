@@ -161,8 +161,6 @@ class QuantizeOptions(StageOptions):
         "to the layers' attention or MLP weights whose 4 bits move the model's output most (measured on the "
         f"calibration text; default {DEFAULT_INT8_BUDGET:g} at w4a16, 0 to keep every one int4)")
     seq_mse_candidates: int = Field(20, ge=1, description="grid points per weight in the SeqMSE search")
-    rotate: bool = Field(False, description="rotate the residual stream (random orthogonal, folded into the "
-                                            "weights) before quantizing: spreads outlier channels")
     calib_corpus: str = "default"
     calib_samples: int = Field(4, ge=1, le=MAX_CALIB_SAMPLES, description="calibration sequences")
     # cut to the context length; a sequence of one token calibrates nothing

@@ -45,7 +45,7 @@ from ..results import QuantizeResult, load_card, load_graphs, load_quantize
 from ..shape import DecoderShape
 from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotates
 from ..targets import find_soc
-from . import adascale, export, int8_budget, rotate, simulate, spinquant
+from . import adascale, export, int8_budget, simulate, spinquant
 from .fast_qdq import fast_per_tensor_qdq
 from .presets import check_overrides, int8_budget_of, preset, takes_int8_budget
 
@@ -84,8 +84,6 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     calib = _calibration(tok(load_corpus(options.calib_corpus, "calib"))["input_ids"], options, cl)
     del tok  # ~50 MB for a 128k vocabulary, held through the export's peak otherwise
     lap("load")
-    if options.rotate:
-        rotate.rotate_residual(model)
     if "spinquant" in RECIPE_STEPS[options.recipe]:
         state.progress(0.01, "SpinQuant: rotating the float weights (aimet-torch)")
         spinquant.apply(model)
@@ -230,7 +228,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     rows = export.write_manifest(out_dir, files) if files else []
     res = QuantizeResult(
         precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
-        rotated=options.rotate or rotates(options.recipe),
+        rotated=rotates(options.recipe),
         kept_int8=kept.kept if kept else [], int8_share=kept.share if kept else None,
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
@@ -288,7 +286,7 @@ def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
 
 def validate(options: QuantizeOptions, shape: DecoderShape) -> None:
     """Refuse options this model cannot be quantized with, before any weight is read."""
-    if (why := refusal(options.recipe, shape, options.rotate)) is not None:
+    if (why := refusal(options.recipe, shape)) is not None:
         raise why
     if options.int8_budget and not takes_int8_budget(options.precision):
         raise UserError(f"--int8-budget keeps some 4-bit weights at 8 bits, and at {options.precision} no weight is "

@@ -7,7 +7,6 @@ from typing import Any
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
-    QCheckBox,
     QComboBox,
     QFileDialog,
     QHBoxLayout,
@@ -24,7 +23,7 @@ from ...core.graph import encodings as enc
 from ...core.progress import about_duration
 from ...core.quantize.presets import int8_budget_of, load_overrides, takes_int8_budget
 from ...core.results import IntakeResult, QuantizeResult
-from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, bounds, help_of, rotates
+from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, bounds, help_of
 from ...display import human_bytes, kept_int8
 from .. import worker
 from ..charts import PplChart
@@ -78,9 +77,6 @@ class QuantizePage(Page):
         # its long labels (and the estimates added to them) must not widen the page: the popup shows them whole
         self.recipe.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.recipe.setMinimumContentsLength(24)
-        self.rotate = QCheckBox("Rotate the residual stream")
-        self.rotate.setToolTip("Spreads outlier channels; not for models from a 4-bit GGUF")
-        self.recipe.currentIndexChanged.connect(self._recipe_rotates)
         self.calib_samples = spin(QuantizeOptions, "calib_samples")
         self.calib_len = spin(QuantizeOptions, "calib_len", step=64)
         self.calib = QLineEdit(default(QuantizeOptions, "calib_corpus"))
@@ -96,12 +92,7 @@ class QuantizePage(Page):
         self._budget_applies()
         self.device = device_choice(window.settings.device)
         self.form.addRow("Precision:", self.precision)
-        recipe_row = QWidget()  # one row: the page's chart stays in view on a 768-pixel screen
-        rl = QHBoxLayout(recipe_row)
-        rl.setContentsMargins(0, 0, 0, 0)
-        rl.addWidget(self.recipe, 1)
-        rl.addWidget(self.rotate)
-        self.form.addRow("Recipe:", recipe_row)
+        self.form.addRow("Recipe:", self.recipe)
         self.form.addRow("Calibration sequences:", self.calib_samples)
         self.form.addRow("Tokens per sequence:", self.calib_len)
         self.form.addRow("Calibration text:", _file_row(self.calib, "Calibration text", "Text (*.txt)", self))
@@ -131,7 +122,7 @@ class QuantizePage(Page):
     def options(self) -> QuantizeOptions:
         target = self.project.choices().target_soc
         return QuantizeOptions(precision=self.precision.currentData(), target=target,
-                               recipe=self.recipe.currentData(), rotate=self.rotate.isChecked(),
+                               recipe=self.recipe.currentData(),
                                calib_corpus=self.calib.text().strip() or default(QuantizeOptions, "calib_corpus"),
                                calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
                                overrides=load_overrides(self.overrides.text().strip() or None),
@@ -162,7 +153,6 @@ class QuantizePage(Page):
             o = rec.options_as(QuantizeOptions)
             self.precision.setCurrentIndex(max(0, self.precision.findData(o.precision)))
             self.recipe.setCurrentIndex(max(0, self.recipe.findData(o.recipe)))
-            self.rotate.setChecked(o.rotate)
             self.int8_budget.setValue(round(100 * int8_budget_of(o.precision, o.int8_budget)))
             self.calib_samples.setValue(o.calib_samples)
             self.calib_len.setValue(o.calib_len)
@@ -178,13 +168,6 @@ class QuantizePage(Page):
         precision = self.precision.currentData()
         self.int8_budget.setEnabled(takes_int8_budget(precision))
         self.int8_budget.setValue(round(100 * int8_budget_of(precision, None)))
-
-    def _recipe_rotates(self) -> None:
-        """A recipe that rotates the stream itself (SpinQuant) leaves no second rotation to choose."""
-        itself = rotates(self.recipe.currentData())
-        if itself:
-            self.rotate.setChecked(False)
-        self.rotate.setEnabled(not itself)
 
     def show_recipe_costs(self) -> None:
         """Each recipe's estimated extra time and memory for the chosen model on this computer, beside its name."""
