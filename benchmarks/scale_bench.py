@@ -99,7 +99,8 @@ def _build(name: str, folder: Path) -> Path:
     config = spec["config"] | ({"num_hidden_layers": layers} if layers else {})
     cfg = getattr(transformers, spec["class"][0])(**config, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = getattr(transformers, spec["class"][1])(cfg).to(torch.bfloat16)
+    # made in bf16 directly: a 4B model's float32 copy (16 GB) beside its bf16 one would not fit a 24 GB machine
+    model = getattr(transformers, spec["class"][1])._from_config(cfg, dtype=torch.bfloat16)
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), max_shard_size="2GB")

@@ -236,3 +236,46 @@ def test_adapted_weights_read_back_exactly_and_a_cut_file_is_named(tmp_path: Pat
         (tmp_path / "bad.safetensors").write_bytes(cut)
         with pytest.raises(UserError, match="not a complete safetensors file"):
             read_tensors(tmp_path / "bad.safetensors")
+
+
+def test_a_bf16_checkpoint_is_adapted_in_16_bits_with_float32_arithmetic(tiny_models: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    """A bf16 checkpoint's weights stay bf16 through the adapt stage (half the memory and the file a float32 copy
+    takes), while every product is float32's: the adapted logits equal the float32-widened model's to float32
+    rounding (bf16 arithmetic would be ~1e-2 off), and what is rescaled (Qwen3's q-norm gain, times 1/sqrt(32))
+    is kept in float32, not rounded to bf16. The stages after it read float32."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from npustudio.core.evaluate import Reference, windows
+
+    src = tiny_models["qwen3"]
+    half = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(half)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, half / f.name)
+    p = Project.open(tmp_path / "p")
+    pipeline.adapt(p, str(half), FAST, State())
+    folder = p.stage_dir("adapt")
+    with safe_open(str(folder / layout.DECODER_WEIGHTS), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes["layers.0.mlp.down.weight"] == dtypes["embed.weight"] == "BF16"
+    assert dtypes["layers.0.attn.q_norm.weight"] == "F32"  # the softmax scale folded in
+    assert json.loads((folder / layout.CARD).read_text())["stored_bits"] == 16
+
+    wide = models.load(models.resolve_source(str(half))).model  # the checkpoint widened to float32 whole
+    assert wide.dtype == torch.float32
+    ref = Reference(folder)
+    worst = 0.0
+    for w in windows(ref.ids, FAST.window):
+        with torch.no_grad():
+            fp = wide(input_ids=torch.tensor([w])).logits[0]
+        got = ref(w)
+        worst = max(worst, float((got - fp).abs().max() / (fp.max() - fp.min())))
+    assert worst < 1e-5, worst
+
+    model, _ = store.load(folder)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.equal(model.layers[0].mlp.down.weight[:, :, 0, 0], wide.model.layers[0].mlp.down_proj.weight)

@@ -261,6 +261,10 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     assert all(b.peak_ram_bytes > s.peak_ram_bytes and b.seconds > s.seconds
                for s, b in zip(small.stages, big.stages, strict=True))
     assert 6e9 < big.stages[0].peak_ram_bytes < 9e9  # adapt of a 1B model (measured 6.8 GB)
+    # a bf16 checkpoint's weights stay bf16 in adapt (measured 5.1 GB); the MNN export widens them whole
+    half = _card(params=1_235_814_400, stored_bits=16)
+    assert 4.5e9 < host_cost.estimate(half).stages[0].peak_ram_bytes < 6.5e9
+    assert host_cost.stage_cost("adapt", half, whole_float32=True).peak_ram_bytes == big.stages[0].peak_ram_bytes
     # each quantize recipe's extra time is said before the run: none for plain, more for a bigger model
     assert [r["recipe"] for r in host["recipes"]] == list(RECIPE_NAMES)
     three_b = host_cost.estimate(_card(params=3_212_749_824, hidden=3072, layers=28, intermediate=8192))

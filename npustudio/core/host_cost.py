@@ -37,6 +37,10 @@ SPINQUANT_S_PER_MPARAM_KHIDDEN = 0.03
 # calls of 128 tokens; replaying the layers before each probed one, 0.64 of that, as the call count here predicts)
 PROBE_S_PER_MPARAM_TOKEN = 3.0e-5
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
+# the adapt stage holds a 16-bit checkpoint's weights as stored, 2 bytes each fewer than the float32 its rate counts
+# (bf16, peak RSS against this estimate: Llama-3.2-1B shape 4,867 MiB against 4,464; Qwen3-4B shape 10,648 MiB
+# against 11,373; widened whole, the 1B shape took 6,574)
+HALF_SAVES_BYTES_PER_PARAM = 2.0
 
 
 class StageCost(BaseModel):
@@ -86,10 +90,17 @@ def available_ram() -> int | None:
     return None
 
 
-def stage_cost(stage: str, params: int, gguf: bool = False, cpus: int | None = None) -> StageCost:
-    """One stage's estimate (the same at w8a16 and w4a16: the float weights dominate either way)."""
+def stage_cost(stage: str, card: Any, gguf: bool = False, cpus: int | None = None,
+               whole_float32: bool = False) -> StageCost:
+    """One stage's estimate (the same at w8a16 and w4a16: the float weights dominate either way). `whole_float32`:
+    the float model held widened whole (the MNN export), where adapt keeps a 16-bit checkpoint's own tensors."""
     base, per_param, secs, per_mparam = RATES[stage]
-    ram = base * MB + per_param * params + (GGUF_EXTRA_BYTES_PER_PARAM * params if gguf and stage == "adapt" else 0)
+    params = card.params
+    ram = base * MB + per_param * params
+    if stage == "adapt" and gguf:
+        ram += GGUF_EXTRA_BYTES_PER_PARAM * params
+    elif stage == "adapt" and card.stored_bits == 16 and not whole_float32:
+        ram -= HALF_SAVES_BYTES_PER_PARAM * params
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
     return StageCost(stage=stage, peak_ram_bytes=int(ram), seconds=round((secs + per_mparam * params / 1e6) * scale))
 
@@ -152,7 +163,7 @@ def recipe_costs(card: Any, cpus: int | None = None) -> list[RecipeCost]:
 
 def estimate(card: Any, gguf: bool = False) -> HostEstimate:
     cpus = os.cpu_count() or 1
-    stages = [stage_cost(s, card.params, gguf, cpus) for s in RATES]
+    stages = [stage_cost(s, card, gguf, cpus) for s in RATES]
     peak = max(s.peak_ram_bytes for s in stages)
     ram = machine_ram()
     return HostEstimate(stages=stages, peak_ram_bytes=peak,
@@ -161,10 +172,10 @@ def estimate(card: Any, gguf: bool = False) -> HostEstimate:
                         fits=ram is None or peak <= ram)
 
 
-def check_fits(card: Any, stage: str, gguf: bool = False) -> None:
+def check_fits(card: Any, stage: str, gguf: bool = False, whole_float32: bool = False) -> None:
     """Refuse a stage whose estimated peak memory is over this computer's RAM (before loading anything)."""
     ram = machine_ram()
-    need = stage_cost(stage, card.params, gguf).peak_ram_bytes
+    need = stage_cost(stage, card, gguf, whole_float32=whole_float32).peak_ram_bytes
     if ram is not None and need > ram:
         raise UserError(f"The {stage} stage of this {card.params / 1e9:.1f} B-parameter model needs about "
                         f"{need / 2**30:.1f} GiB of memory (an estimate); this computer has {ram / 2**30:.1f} GiB.",

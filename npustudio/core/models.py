@@ -229,6 +229,7 @@ class ArchCard(DecoderShape):
     bos_id: int | None
     eos_ids: list[int]
     chat_template: str | None
+    stored_bits: int = 32  # bits per float weight as the checkpoint holds them (16: bf16/fp16, kept so by adapt)
 
 
 def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -305,8 +306,34 @@ def make_card(config: Any, tokenizer: Any, source: ModelSource) -> ArchCard:
         residual_multiplier=options.residual_multiplier, logits_scaling=options.logits_scaling,
         nope_layers=options.nope_layers, qk_norm_full=options.qk_norm_full, post_norms=options.post_norms,
         bos_id=None if bos is None else int(bos), eos_ids=eos,
-        chat_template=getattr(tokenizer, "chat_template", None),
+        chat_template=getattr(tokenizer, "chat_template", None), stored_bits=stored_bits(config, source),
     )
+
+
+def stored_bits(config: Any, source: ModelSource) -> int:
+    """16 when the checkpoint holds bf16 or fp16 weights (the dtype its config names, else its first tensor's, as
+    transformers' `dtype="auto"` decides), else 32; a GGUF file is dequantized to float32 as it loads."""
+    if source.gguf_file or source.path is None:
+        return 32
+    name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if name is None:
+        name = _first_safetensors_dtype(Path(source.path))
+    return 16 if str(name).removeprefix("torch.") in ("bfloat16", "float16", "BF16", "F16") else 32
+
+
+def _first_safetensors_dtype(folder: Path) -> str | None:
+    """The dtype of the first float tensor in the folder's first safetensors file, from its header alone."""
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n)) if 0 < n < 100_000_000 else {}
+        except (OSError, ValueError):
+            continue
+        for name, meta in header.items():
+            if name != "__metadata__" and meta.get("dtype", "").startswith(("F", "BF")):
+                return str(meta["dtype"])
+    return None
 
 
 def _gguf_error(path: Path, e: Exception) -> UserError:
@@ -541,8 +568,9 @@ class LoadedModel:
     card: ArchCard
 
 
-def load(source: ModelSource, dtype: Any = None) -> LoadedModel:
-    """Load weights (fp32 by default). GGUF weights are dequantized by transformers' GGUF loader."""
+def load(source: ModelSource, dtype: Any = None, keep_16bit: bool = False) -> LoadedModel:
+    """Load weights (fp32 by default; with `keep_16bit`, a bf16 or fp16 checkpoint's in its own dtype, for a caller
+    that computes through `graph.half_weights`). GGUF weights are dequantized by transformers' GGUF loader."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -567,7 +595,9 @@ def load(source: ModelSource, dtype: Any = None) -> LoadedModel:
             # in the stored dtype first, widened after: loading a bf16 checkpoint as fp32 directly held the
             # mapped bf16 file and the whole fp32 copy at once (1B model: peak 7.8 GB instead of 6.4 GB)
             model = AutoModelForCausalLM.from_pretrained(source.path, dtype="auto", use_safetensors=True,
-                                                         trust_remote_code=False).to(dtype)
+                                                         trust_remote_code=False)
+            if not (keep_16bit and model.dtype in (torch.bfloat16, torch.float16)):
+                model = model.to(dtype)
         except Exception as e:
             raise UserError(f"The weights in {source.path} cannot be loaded ({e.__class__.__name__}: "
                             f"{str(e)[:200]}).", "Download the model again; the safetensors may be damaged.") from e

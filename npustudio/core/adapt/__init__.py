@@ -30,6 +30,7 @@ from ..families import recipe_for
 from ..fsutil import atomic_write_json
 from ..graph import store
 from ..graph.decoder import StaticDecoder, adapt_weights, graph_names, io_names, io_shapes, spec_from
+from ..graph.half_weights import computing_in_fp32
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..models import LoadedModel
 from ..progress import StateLike
@@ -158,9 +159,10 @@ def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike)
     state.progress(0.05, f"proving equivalence over {len(ids)} tokens")
     # a small model's second half of the windows in a forked copy, each process on one thread (default model,
     # 2 cores: the stage 25.4 -> 23.0 s, the same bytes)
-    cmp = compare(ids, hf_logits_fn(lm.model), partial(runner.score, decode_tokens=options.decode_tokens),
-                  window=plan.window, state=state.sub(0.05, 0.9), labels=("fp", "adapted"), kept=kept,
-                  beside=forked.worth_forking(lm.model, device))
+    with computing_in_fp32(lm.model, model):  # a 16-bit checkpoint's weights stay 16-bit, the arithmetic fp32's
+        cmp = compare(ids, hf_logits_fn(lm.model), partial(runner.score, decode_tokens=options.decode_tokens),
+                      window=plan.window, state=state.sub(0.05, 0.9), labels=("fp", "adapted"), kept=kept,
+                      beside=forked.worth_forking(lm.model, device))
     decode = sum(min(options.decode_tokens, len(w) - 1) for w in windows(ids, plan.window))
     state.progress(0.92, "saving the adapted model")
     store.save(model, inv_freq, out_dir)

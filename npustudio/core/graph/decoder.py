@@ -22,6 +22,7 @@ from torch import nn
 
 from ..families import FamilyRecipe
 from ..shape import DecoderShape, DecoderSpec
+from .half_weights import widened
 from .ops import ACTIVATIONS, Add, Concat, Conv1x1, MatMul, Mul, RMSNorm, Rope
 
 
@@ -194,6 +195,8 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
     before it joins the stream), the embedding multiplier into the table, and 1/logits_scaling into the final
     norm's gain (with a tied table, 1/embedding_multiplier too, undoing the table's scale for the head: the norm's
     gain scales the head's input: (W·m)·(g/(m·s) ⊙ x̂) = W·(g ⊙ x̂)/s, one table kept).
+    A rescaled tensor is computed and kept in float32 (a 16-bit product would round); the views keep the HF
+    weights' own dtype, which a 16-bit checkpoint's model computes with through `half_weights`.
     The HF model must not be changed afterwards.
     """
     from accelerate import init_empty_weights
@@ -204,7 +207,7 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
     scale = 1.0 / math.sqrt(hd) if spec.attention_multiplier is None else spec.attention_multiplier
     emb, res = spec.embedding_multiplier, spec.residual_multiplier
     table = recipe.embedding(hf_model)
-    _share(m.embed, "weight", table * emb if emb != 1.0 else table)
+    _share(m.embed, "weight", _scaled(table, emb))
     for layer, hf_layer in zip(m.blocks, recipe.layers(hf_model), strict=True):
         w = recipe.layer(hf_layer)
         if (layer.input_norm is None) != (w.input_norm is None) or (layer.mlp_norm is None) != (w.post_ff_norm is None):
@@ -220,25 +223,25 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
                                  (at.v, w.v, w.v_bias, 1.0)):
             for h, conv in enumerate(heads):
                 rows = slice(h * hd, (h + 1) * hd)
-                _share(conv, "weight", _conv(wt[rows]) * sc if sc != 1.0 else _conv(wt[rows]))
+                _share(conv, "weight", _scaled(_conv(wt[rows]), sc))
                 if b is not None:
-                    _share(conv, "bias", b[rows] * sc if sc != 1.0 else b[rows])
+                    _share(conv, "bias", _scaled(b[rows], sc))
         if at.q_norm is not None and at.k_norm is not None:
             if w.q_norm is None or w.k_norm is None:
                 raise ValueError("the card says q/k norm; the weights have none")
-            _share(at.q_norm, "weight", w.q_norm * scale)
+            _share(at.q_norm, "weight", _scaled(w.q_norm, scale))
             _share(at.k_norm, "weight", w.k_norm)
         for name, conv, wt, b in (("o_proj", at.o, w.o, w.o_bias), ("gate", layer.mlp.gate, w.gate, w.gate_bias),
                                   ("up", layer.mlp.up, w.up, w.up_bias), ("down", layer.mlp.down, w.down, w.down_bias)):
             sc = res if name in ("o_proj", "down") else 1.0
-            _share(conv, "weight", _conv(wt) * sc if sc != 1.0 else _conv(wt))
+            _share(conv, "weight", _scaled(_conv(wt), sc))
             if (conv.bias is None) != (b is None):  # never drop (or invent) a bias silently
                 raise ValueError(f"the {name} bias of the weights does not match the card's options")
             if b is not None:
-                _share(conv, "bias", b * sc if sc != 1.0 else b)
+                _share(conv, "bias", _scaled(b, sc))
     norm = recipe.final_norm(hf_model)
     head_scale = 1.0 / spec.logits_scaling / (emb if spec.tied_embeddings else 1.0)
-    _share(m.norm, "weight", norm * head_scale if head_scale != 1.0 else norm)
+    _share(m.norm, "weight", _scaled(norm, head_scale))
     if spec.tied_embeddings:
         m.tie()
     else:
@@ -254,12 +257,19 @@ def _conv(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(*w.shape, 1, 1)
 
 
+def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
+    """`t` times `scale`, computed in float32 (new memory); `t` itself when the scale is 1."""
+    return t if scale == 1.0 else widened(t) * scale
+
+
 def _share(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Make `tensor` (float32, same storage) the module's parameter `name`."""
+    """Make `tensor` (same storage: float32, or the 16 bits a checkpoint holds) the module's parameter `name`."""
     old = getattr(module, name)
     if tuple(old.shape) != tuple(tensor.shape):
         raise ValueError(f"{name} of {type(module).__name__}: shape {tuple(tensor.shape)} != {tuple(old.shape)}")
-    setattr(module, name, nn.Parameter(tensor.detach().float(), requires_grad=False))
+    if not tensor.is_floating_point() or tensor.dtype == torch.float64:
+        tensor = tensor.float()
+    setattr(module, name, nn.Parameter(tensor.detach(), requires_grad=False))
 
 
 def io_names(layers: int) -> tuple[list[str], list[str]]:

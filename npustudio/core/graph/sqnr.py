@@ -38,7 +38,7 @@ def weights(enc_file: Path, rows: list[TensorRow]) -> dict[str, float]:
 
     floats = _floats(enc_file)
     out: dict[str, float] = {}
-    with safe_open(str(floats), framework="np") as f:
+    with safe_open(str(floats), framework="pt") as f:
         names = set(f.keys())
         for r in rows:
             name = _stored_name(r, names)
@@ -174,7 +174,7 @@ class _Weight:
     def rows(self, a: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows a..a+n as float64 (rows, width), with their scales and offsets."""
         src = self.x[a:min(a + n, self.n_rows)] if self.n_rows > 1 else self.x[:]
-        w = np.asarray(src, dtype=np.float64).reshape(-1, self.width)
+        w = src.double().numpy().reshape(-1, self.width)  # the adapted weights may be bf16: numpy has none
         s = self.scales[a:a + len(w)] if self.scales.shape[0] > 1 else self.scales
         o = self.offsets[a:a + len(w)] if self.offsets.shape[0] > 1 else self.offsets
         return w, s, o
@@ -216,7 +216,7 @@ def histogram(enc_file: Path, r: TensorRow, bins: int = 120) -> WeightHistogram 
 
     if r.kind != "param":
         return None
-    with safe_open(str(_floats(enc_file)), framework="np") as f:
+    with safe_open(str(_floats(enc_file)), framework="pt") as f:
         name = _stored_name(r, set(f.keys()))
         if name is None:
             return None

@@ -13,6 +13,7 @@ from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..shape import DecoderSpec
 from .decoder import StaticDecoder
+from .half_weights import widened
 
 INV_FREQ = "rope.inv_freq"
 
@@ -62,8 +63,9 @@ def load(folder: Path) -> tuple[StaticDecoder, torch.Tensor]:
         raise UserError(f"{folder} holds no adapted model ({layout.DECODER_WEIGHTS}, {layout.DECODER_SPEC}).",
                         "Run the adapt stage first.")
     spec = DecoderSpec.model_validate(json.loads((folder / layout.DECODER_SPEC).read_text()))
-    # The tensors read become the parameters (assign=True on a meta-device model): one copy of the weights.
-    sd = read_tensors(folder / layout.DECODER_WEIGHTS)
+    # The tensors read become the parameters (assign=True on a meta-device model): one copy of the weights, in
+    # float32 (the adapt stage keeps a 16-bit checkpoint's tensors as they were; the stages after it compute on them)
+    sd = read_tensors(folder / layout.DECODER_WEIGHTS, widen=True)
     inv_freq = sd.pop(INV_FREQ)
     with torch.device("meta"):
         model = StaticDecoder(spec)
@@ -96,8 +98,9 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file read into one private tensor each, without a memory mapping.
+def read_tensors(path: Path, widen: bool = False) -> dict[str, torch.Tensor]:
+    """A safetensors file read into one private tensor each, without a memory mapping (`widen`: 16-bit floats as
+    float32, each as it is read, so the file's 16-bit copy never exists whole).
 
     safetensors' own loader maps the file and keeps the mapping alive while any tensor of it lives: after
     the quantize stage has replaced the weights by their quantized copies, the mapped originals (5 GB on a
@@ -129,5 +132,5 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
                 if not k:
                     raise bad
                 got += k
-            out[name] = t
+            out[name] = widened(t) if widen else t
     return out

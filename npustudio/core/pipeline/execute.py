@@ -107,7 +107,7 @@ def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state
     host_cost.check_fits(card, "adapt", gguf=bool(source.gguf_file))
     free_big_blocks_at_once()
     state.progress(0.0, "loading weights")
-    lm = models.load(source.model_copy(update={"path": str(inputs["model"])}))
+    lm = models.load(source.model_copy(update={"path": str(inputs["model"])}), keep_16bit=True)
     return adapt_stage.run(lm, options, out, state.sub(0.1, 1.0)).model_dump()
 
 
@@ -148,7 +148,8 @@ def mnn(project: Project, options: mnn_stage.MnnOptions, state: StateLike, force
     options = mnn_stage.resolved(options, card)  # before any weight is loaded; one key for the same work
 
     def fn(out: Path) -> dict[str, Any]:
-        host_cost.check_fits(card, "adapt", gguf=bool(source.gguf_file))  # the float model in memory, as adapt
+        # the float model in memory, as adapt, but widened whole
+        host_cost.check_fits(card, "adapt", gguf=bool(source.gguf_file), whole_float32=True)
         free_big_blocks_at_once()
         return mnn_stage.run(source, card, options, out, state.sub(0.02, 1.0),
                              final_dir=project.stage_dir(stages.MNN.name), context_length=cl).model_dump()
