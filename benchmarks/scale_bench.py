@@ -97,7 +97,7 @@ def _build(name: str, folder: Path) -> Path:
     base, layers = variant(name)
     spec = MODELS[base]
     config = spec["config"] | ({"num_hidden_layers": layers} if layers else {})
-    cfg = getattr(transformers, spec["class"][0])(**config, bos_token_id=1, eos_token_id=2)
+    cfg = getattr(transformers, spec["class"][0])(**({"bos_token_id": 1, "eos_token_id": 2} | config))
     torch.manual_seed(0)
     # made in bf16 directly: a 4B model's float32 copy (16 GB) beside its bf16 one would not fit a 24 GB machine
     model = getattr(transformers, spec["class"][1])._from_config(cfg, dtype=torch.bfloat16)

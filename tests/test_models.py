@@ -265,6 +265,9 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     half = _card(params=1_235_814_400, stored_bits=16)
     assert 4.5e9 < host_cost.estimate(half).stages[0].peak_ram_bytes < 6.5e9
     assert host_cost.stage_cost("adapt", half, whole_float32=True).peak_ram_bytes == big.stages[0].peak_ram_bytes
+    # q carries the softmax scale in float32 unless a q-norm's gain takes it (Qwen3)
+    assert host_cost.rescaled_params(half) == 16 * 32 * 64 * 2048
+    assert host_cost.rescaled_params(half.model_copy(update={"qk_norm": True})) == 0
     # each quantize recipe's extra time is said before the run: none for plain, more for a bigger model
     assert [r["recipe"] for r in host["recipes"]] == list(RECIPE_NAMES)
     three_b = host_cost.estimate(_card(params=3_212_749_824, hidden=3072, layers=28, intermediate=8192))

@@ -37,9 +37,10 @@ SPINQUANT_S_PER_MPARAM_KHIDDEN = 0.03
 # calls of 128 tokens; replaying the layers before each probed one, 0.64 of that, as the call count here predicts)
 PROBE_S_PER_MPARAM_TOKEN = 3.0e-5
 GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a second float copy while loading
-# the adapt stage holds a 16-bit checkpoint's weights as stored, 2 bytes each fewer than the float32 its rate counts
-# (bf16, peak RSS against this estimate: Llama-3.2-1B shape 4,867 MiB against 4,464; Qwen3-4B shape 10,648 MiB
-# against 11,373; widened whole, the 1B shape took 6,574)
+# the adapt stage holds a 16-bit checkpoint's weights as stored, 2 bytes each fewer than the float32 its rate counts,
+# but for those it rescales (`rescaled_params`), kept in float32 (bf16, peak RSS against this estimate: Llama-3.2-1B
+# shape 4,867 MiB against 4,592; Qwen3-4B shape 10,648 against 11,373; Phi-4-mini shape 12,350 against 11,488;
+# widened whole, the 1B shape took 6,574)
 HALF_SAVES_BYTES_PER_PARAM = 2.0
 
 
@@ -100,9 +101,20 @@ def stage_cost(stage: str, card: Any, gguf: bool = False, cpus: int | None = Non
     if stage == "adapt" and gguf:
         ram += GGUF_EXTRA_BYTES_PER_PARAM * params
     elif stage == "adapt" and card.stored_bits == 16 and not whole_float32:
-        ram -= HALF_SAVES_BYTES_PER_PARAM * params
+        ram -= HALF_SAVES_BYTES_PER_PARAM * (params - rescaled_params(card))
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
     return StageCost(stage=stage, peak_ram_bytes=int(ram), seconds=round((secs + per_mparam * params / 1e6) * scale))
+
+
+def rescaled_params(card: Any) -> int:
+    """The weights the adapt stage rescales, so holds as new float32 tensors whatever the checkpoint's dtype: q
+    (the softmax scale, unless a q-norm's gain takes it), o and down (Granite's residual multiplier), the embedding
+    table (its embedding multiplier)."""
+    q = 0 if card.qk_norm else card.heads * card.head_dim * card.hidden
+    out = (card.heads * card.head_dim * card.hidden + card.hidden * card.intermediate
+           if card.residual_multiplier != 1.0 else 0)
+    table = card.vocab * card.hidden if card.embedding_multiplier != 1.0 else 0
+    return card.layers * (q + out) + table
 
 
 def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None = None) -> float:
