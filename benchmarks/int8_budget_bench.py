@@ -54,12 +54,12 @@ def main() -> None:
 
     import torch
 
-    from npustudio.core.evaluate import load_corpus
     from npustudio.core.graph import store
     from npustudio.core.graph.kv_cache import KVCacheRunner
     from npustudio.core.progress import State
-    from npustudio.core.quantize import QuantizeOptions, _adapt_graphs, _calibration, _tokenizer, int8_budget
+    from npustudio.core.quantize import QuantizeOptions, calibration, int8_budget
     from npustudio.core.quantize.presets import Overrides, int8_budget_of, preset
+    from npustudio.core.results import load_graphs
 
     if a.adapted:
         adapt_dir = Path(a.adapted)
@@ -70,8 +70,9 @@ def main() -> None:
     options = QuantizeOptions(precision="w4a16", int8_budget=a.budget)
     budget = int8_budget_of(options.precision, options.int8_budget)
     model, inv_freq = store.load(adapt_dir)
-    ar, cl, _ = _adapt_graphs(adapt_dir)
-    calib = _calibration(_tokenizer(adapt_dir)(load_corpus(options.calib_corpus, "calib"))["input_ids"], options, cl)
+    graphs = {g.kind: g for g in load_graphs(adapt_dir)}
+    ar, cl = graphs["prompt"].ar, graphs["prompt"].cl
+    calib = calibration(adapt_dir, options)
     score = partial(KVCacheRunner.over(model, ar, cl, inv_freq).score, decode_tokens=0)
 
     def one() -> tuple[float, int8_budget.Choice]:

@@ -76,13 +76,11 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     check_overrides(options.overrides, model)  # before any calibration: a typo must not cost a run
     model.to(device)
     ar, cl, graph_list = _adapt_graphs(adapt_dir)
-    tok = _tokenizer(adapt_dir)
     spec = model.spec
     plan = _eval_plan(adapt_dir, options, cl)
     reference = _reference(adapt_dir, plan)
-    ids = reference.ids if reference else eval_ids(tok, plan)
-    calib = _calibration(tok(load_corpus(options.calib_corpus, "calib"))["input_ids"], options, cl)
-    del tok  # ~50 MB for a 128k vocabulary, held through the export's peak otherwise
+    ids = reference.ids if reference else eval_ids(_tokenizer(adapt_dir), plan)
+    calib = calibration(adapt_dir, options)
     lap("load")
     if "spinquant" in RECIPE_STEPS[options.recipe]:
         state.progress(0.01, "SpinQuant: rotating the float weights (aimet-torch)")
@@ -335,7 +333,14 @@ def _tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
 
 
-def _calibration(ids: list[int], o: QuantizeOptions, cl: int) -> list[list[int]]:
+def calibration(adapt_dir: Path, options: QuantizeOptions) -> list[list[int]]:
+    """The token sequences the stage calibrates with for `options`, cut to the adapted graphs' context (the
+    tokenizer, ~50 MB for a 128k vocabulary, is let go before the quantsim's peak)."""
+    ids = _tokenizer(adapt_dir)(load_corpus(options.calib_corpus, "calib"))["input_ids"]
+    return _sequences(ids, options, _adapt_graphs(adapt_dir)[1])
+
+
+def _sequences(ids: list[int], o: QuantizeOptions, cl: int) -> list[list[int]]:
     n = min(o.calib_len, cl)
     seqs = [ids[i:i + n] for i in range(0, len(ids), n)][: o.calib_samples]
     seqs = [s for s in seqs if len(s) > 1]

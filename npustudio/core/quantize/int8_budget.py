@@ -112,6 +112,7 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
     size = {g: sum(m.weight.numel() for m in mods) for g, mods in every.items()}
     todo = {g: mods for g, mods in every.items() if spent + size[g] <= budget * total}
     layers = list(getattr(model, "layers", []))
+    layer_of = {id(m): i for i, layer in enumerate(layers) for m in layer.modules()}
     with torch.no_grad():
         ref, outs = [], []
         for s in calib if todo else []:
@@ -122,7 +123,7 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
         for i, (g, mods) in enumerate(todo.items()):
             state.check()
             state.progress(i / len(todo), f"int8 budget: {g} at {preset.weight_bits} bits alone")
-            first = int(g.split(".")[1])  # the layers before the group's give what they gave the reference
+            first = layer_of[id(mods[0])]  # the layers before the group's give what they gave the reference
             kept = [m.weight.detach().clone() for m in mods]
             try:
                 for m in mods:
