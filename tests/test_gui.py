@@ -106,6 +106,9 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert q.options().int8_budget == 0.1
     q.precision.setCurrentIndex(q.precision.findData("w8a16"))
     assert q.options().int8_budget == 0.0
+    q.precision.setCurrentIndex(q.precision.findData("w4a16"))  # back: the budget the user set, not the default
+    assert q.int8_budget.text() == "int8 budget 10 %"
+    q.precision.setCurrentIndex(q.precision.findData("w8a16"))
     q.calib_samples.setValue(2)
     q.calib_len.setValue(64)
     points: list[dict] = []

@@ -88,6 +88,8 @@ class QuantizePage(Page):
         self.int8_budget.setPrefix("int8 budget ")
         self.int8_budget.setSuffix(" %")
         self.int8_budget.setToolTip(help_of(QuantizeOptions, "int8_budget") or "")
+        self._budgets: dict[str, int] = {}  # the budget last shown per precision, kept while another is chosen
+        self._budget_of: str | None = None
         self.precision.currentIndexChanged.connect(self._budget_applies)
         self._budget_applies()
         self.device = device_choice(window.settings.device)
@@ -148,6 +150,7 @@ class QuantizePage(Page):
 
     def refresh(self) -> None:
         self.show_recipe_costs()
+        self._budgets.clear()  # a budget typed for another project's run is not this one's
         rec = self.project.record("quantize")
         if rec and rec.status == "done":
             o = rec.options_as(QuantizeOptions)
@@ -164,10 +167,13 @@ class QuantizePage(Page):
 
     def _budget_applies(self) -> None:
         """The int8 budget widens 4-bit weights: at a precision without them there is nothing to widen. A precision
-        chosen shows its own default budget."""
+        chosen shows the budget it had when it was left, else its own default."""
         precision = self.precision.currentData()
+        if self._budget_of is not None:
+            self._budgets[self._budget_of] = self.int8_budget.value()
+        self._budget_of = precision
         self.int8_budget.setEnabled(takes_int8_budget(precision))
-        self.int8_budget.setValue(round(100 * int8_budget_of(precision, None)))
+        self.int8_budget.setValue(self._budgets.get(precision, round(100 * int8_budget_of(precision, None))))
 
     def show_recipe_costs(self) -> None:
         """Each recipe's estimated extra time and memory for the chosen model on this computer, beside its name."""
