@@ -279,3 +279,24 @@ def test_a_bf16_checkpoint_is_adapted_in_16_bits_with_float32_arithmetic(tiny_mo
     model, _ = store.load(folder)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert torch.equal(model.layers[0].mlp.down.weight[:, :, 0, 0], wide.model.layers[0].mlp.down_proj.weight)
+
+
+def test_float32_weights_under_a_config_naming_bfloat16_load_unrounded(tiny_models: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
+    """The dtype a model loads in is read from its safetensors, not its config: float32 tensors under a config that
+    says bfloat16 (hand-edited, or saved by a tool that kept the training dtype) load as float32, every weight as
+    stored, where transformers' `dtype="auto"` rounded them to bf16."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["llama"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    source = models.resolve_source(str(folder))
+    assert models.read_card(source).stored_bits == 32
+    lm = models.load(source, keep_16bit=True)
+    stored = load_file(str(next(folder.glob("*.safetensors"))))
+    assert lm.model.dtype == torch.float32
+    assert torch.equal(lm.model.model.layers[0].mlp.down_proj.weight, stored["model.layers.0.mlp.down_proj.weight"])

@@ -311,18 +311,30 @@ def make_card(config: Any, tokenizer: Any, source: ModelSource) -> ArchCard:
 
 
 def stored_bits(config: Any, source: ModelSource) -> int:
-    """16 when the checkpoint holds bf16 or fp16 weights (the dtype its config names, else its first tensor's, as
-    transformers' `dtype="auto"` decides), else 32; a GGUF file is dequantized to float32 as it loads."""
+    """16 when the checkpoint's weights are all bf16 or all fp16 (`stored_dtype`), else 32."""
+    return 32 if stored_dtype(config, source) == "float32" else 16
+
+
+def stored_dtype(config: Any, source: ModelSource) -> str:
+    """The dtype that holds every weight of the checkpoint exactly: the one its safetensors share, float32 when they
+    mix (norms kept in float32 beside bf16 weights) or for a GGUF file (dequantized to float32 as it loads). Read
+    from the files' headers, not the config: a config naming bfloat16 over float32 tensors made transformers'
+    `dtype="auto"` round them. A folder without weights (`npustudio info` on a config) goes by its config."""
     if source.gguf_file or source.path is None:
-        return 32
-    name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if name is None:
-        name = _first_safetensors_dtype(Path(source.path))
-    return 16 if str(name).removeprefix("torch.") in ("bfloat16", "float16", "BF16", "F16") else 32
+        return "float32"
+    kinds = _safetensors_float_dtypes(Path(source.path))
+    if not kinds:
+        kinds = {str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).removeprefix("torch.")}
+    names = {_SAFETENSORS_DTYPES.get(k, k) for k in kinds}
+    return names.pop() if len(names) == 1 and names <= {"bfloat16", "float16"} else "float32"
 
 
-def _first_safetensors_dtype(folder: Path) -> str | None:
-    """The dtype of the first float tensor in the folder's first safetensors file, from its header alone."""
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def _safetensors_float_dtypes(folder: Path) -> set[str]:
+    """The float dtypes of the tensors in the folder's safetensors files, from their headers alone."""
+    out: set[str] = set()
     for f in sorted(folder.glob("*.safetensors")):
         try:
             with open(f, "rb") as fh:
@@ -330,10 +342,9 @@ def _first_safetensors_dtype(folder: Path) -> str | None:
                 header = json.loads(fh.read(n)) if 0 < n < 100_000_000 else {}
         except (OSError, ValueError):
             continue
-        for name, meta in header.items():
-            if name != "__metadata__" and meta.get("dtype", "").startswith(("F", "BF")):
-                return str(meta["dtype"])
-    return None
+        out |= {str(meta.get("dtype")) for name, meta in header.items()
+                if name != "__metadata__" and isinstance(meta, dict) and str(meta.get("dtype")).startswith(("F", "BF"))}
+    return out
 
 
 def _gguf_error(path: Path, e: Exception) -> UserError:
@@ -594,7 +605,8 @@ def load(source: ModelSource, dtype: Any = None, keep_16bit: bool = False) -> Lo
         try:
             # in the stored dtype first, widened after: loading a bf16 checkpoint as fp32 directly held the
             # mapped bf16 file and the whole fp32 copy at once (1B model: peak 7.8 GB instead of 6.4 GB)
-            model = AutoModelForCausalLM.from_pretrained(source.path, dtype="auto", use_safetensors=True,
+            stored = getattr(torch, stored_dtype(config, source))
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=stored, use_safetensors=True,
                                                          trust_remote_code=False)
             if not (keep_16bit and model.dtype in (torch.bfloat16, torch.float16)):
                 model = model.to(dtype)
