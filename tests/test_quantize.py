@@ -590,7 +590,7 @@ def test_int8_budget_keeps_the_layer_four_bits_hurt_most(adapted_project: Path) 
     for g in ("layers.1.attn", "layers.1.mlp"):
         with torch.no_grad():
             for m in int8_budget.groups(model, lambda _n: False)[g]:
-                m.weight.copy_(int8_budget.lpbq_fake(m.weight, preset("w4a16")))
+                m.weight.copy_(int8_budget.on_grid(m.weight, preset("w4a16")))
         whole = sum(float(torch.nn.functional.kl_div(torch.log_softmax(runner.score(s[:32]).float(), -1), r,
                                                      log_target=True, reduction="batchmean"))
                     for s, r in zip(calib[:2], ref, strict=True)) / 2
@@ -674,3 +674,30 @@ def test_int8_budget_measures_only_groups_that_fit(adapted_project: Path) -> Non
     small = min(sizes.values()) / sum(sizes.values()) * 0.9
     c = int8_budget.choose(model, logits, [list(range(100, 164))], 32, preset("w4a16"), small, Overrides(), State())
     assert not calls and not c.kept and not c.kl and c.share == 0.0
+
+
+def test_the_int8_budget_probes_the_grid_the_quantsim_gives_each_weight(w8: tuple[Project, list[Partial]]) -> None:
+    """The budget scores each group on the 4-bit weights the model will get: its probe's weights equal, value for
+    value, what the w4a16 quantsim folds into the same float weights (LPBQ blocks where the input channels allow,
+    one scale per output channel where they do not). A hand-rolled grid was up to a step off."""
+    import torch
+
+    from npustudio.core.graph import store
+    from npustudio.core.graph.decoder import io_names
+    from npustudio.core.quantize import int8_budget, simulate
+    from npustudio.core.quantize.presets import preset
+    from npustudio.core.targets import find_soc
+
+    p = w8[0]
+    tv = read_test_vectors(p.stage_dir("quantize") / "test_vectors" / f"{PROMPT}.npz")
+    feeds = {k: torch.from_numpy(v) for k, v in tv["in"].items()}
+    model, _ = store.load(p.stage_dir("adapt"))
+    names = ("layers.0.mlp.down", "layers.1.attn.q.0")  # 128 input channels: LPBQ; 64: per channel
+    with torch.no_grad():
+        probed = {n: int8_budget.on_grid(model.get_submodule(n).weight, preset("w4a16")) for n in names}
+    sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset("w4a16"),
+                         find_soc("SM8750"), Overrides())
+    simulate.fold(sim)
+    for n in names:
+        folded = sim.model.get_submodule(n).weight.detach().as_subclass(torch.Tensor)
+        assert torch.equal(probed[n], folded), n

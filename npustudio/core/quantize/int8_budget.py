@@ -41,20 +41,16 @@ class Choice:
         return Overrides(weights={f"{g}.*": 8 for g in self.kept} | user.weights, activations=user.activations)
 
 
-def lpbq_fake(w: torch.Tensor, preset: Preset) -> torch.Tensor:
-    """`w` (out, in, 1, 1) on the preset's grid: symmetric blocks along the input channels, each block's scale an
-    integer 1..16 times its channel's (LPBQ), or one scale per output channel without blocks."""
-    out_f, in_f = w.shape[:2]
-    qmax = 2 ** (preset.weight_bits - 1) - 1
-    block = preset.block_size or in_f
-    pad = -in_f % block
-    x = torch.nn.functional.pad(w.reshape(out_f, in_f).float(), (0, pad)).reshape(out_f, -1, block)
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / qmax
-    if preset.block_size:
-        channel = scale.amax(1, keepdim=True) / 16
-        scale = (scale / channel).ceil().clamp(1, 16) * channel
-    q = (x / scale).round().clamp(-qmax - 1, qmax) * scale
-    return q.reshape(out_f, -1)[:, :in_f].reshape(w.shape).to(w.dtype)
+def on_grid(w: torch.Tensor, preset: Preset) -> torch.Tensor:
+    """`w` (out, in, 1, 1) quantized and dequantized by the quantsim's own weight quantizer for the preset (aimet's
+    LPBQ blocks, or one scale per output channel), with the min-max encodings the `plain` recipe gives it: the
+    probe measures the grid the model will get."""
+    from .simulate import weight_quantizer
+
+    q = weight_quantizer(w, preset.weight_bits, preset.block_size)
+    with q.compute_encodings():
+        q(w)
+    return q(w).as_subclass(torch.Tensor).detach().to(w.dtype)
 
 
 def groups(model: torch.nn.Module, wide: Callable[[str], bool]) -> dict[str, list[Conv1x1]]:
@@ -127,7 +123,7 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
             kept = [m.weight.detach().clone() for m in mods]
             try:
                 for m in mods:
-                    m.weight.copy_(lpbq_fake(m.weight, preset))
+                    m.weight.copy_(on_grid(m.weight, preset))
                 total_kl = 0.0
                 for s, r, out in zip(calib, ref, outs, strict=True):
                     with replaying(layers[:first], out):
