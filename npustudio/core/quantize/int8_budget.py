@@ -47,7 +47,7 @@ def on_grid(w: torch.Tensor, preset: Preset) -> torch.Tensor:
     probe measures the grid the model will get."""
     from .simulate import weight_quantizer
 
-    q = weight_quantizer(w, preset.weight_bits, preset.block_size)
+    q = weight_quantizer(w, preset.weight_bits, preset.block_size).to(w.device)
     with q.compute_encodings():
         q(w)
     return q(w).as_subclass(torch.Tensor).detach().to(w.dtype)
