@@ -118,7 +118,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         lap("int8_budget")
 
     state.progress(0.19, f"building the {pre.name} quantsim for {target.soc} ({target.dsp_arch})")
-    dummy = tuple(vectors[0][n] for n in io_names(spec.layers)[0])
+    dummy = tuple(vectors[0][n].to(device) for n in io_names(spec.layers)[0])  # traced where the model is
     sim = simulate.build(model, dummy, pre, target, overrides)
     del dummy  # the prompt graph's feeds (its KV inputs: ~60 MB on a 1B model) go with the export's first graph
     lap("build_sim")
@@ -131,6 +131,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
             share.progress(0.0, "SeqMSE: searching weight encodings layer by layer")
             _seq_mse(sim, calib, runner, options)
         lap(step)
+    sim.model.to(device)  # the quantizers a recipe replaced were made on the CPU: where the model is
     state.check()
     state.progress(0.45, "quantizing weights")
     simulate.fold(sim)

@@ -52,7 +52,7 @@ def _aimet_adascale() -> Any:
 
         def __init__(self, qdq: Any, weight_shape: torch.Size) -> None:
             super().__init__(qdq, weight_shape)
-            self.s2 = torch.nn.Parameter(torch.zeros(weight_shape))
+            self.s2 = torch.nn.Parameter(torch.zeros(weight_shape, device=qdq.min.device))
             self.lpbq = qdq if isinstance(qdq, GroupedBlockQuantizeDequantize) else None
 
         def get_scale(self, dtype: Any = None) -> Any:

@@ -76,6 +76,7 @@ def build(model: StaticDecoder, dummy: tuple[torch.Tensor, ...], preset: Preset,
                                default_output_bw=preset.activation_bits, default_param_bw=preset.weight_bits,
                                config_file=config_file(target), in_place=True)
     configure(sim.model, preset, overrides)
+    sim.model.to(next(model.parameters()).device)  # the quantizers `configure` made are on the CPU: where the model is
     return sim
 
 
