@@ -701,3 +701,57 @@ def test_the_int8_budget_probes_the_grid_the_quantsim_gives_each_weight(w8: tupl
     for n in names:
         folded = sim.model.get_submodule(n).weight.detach().as_subclass(torch.Tensor)
         assert torch.equal(probed[n], folded), n
+
+
+def test_a_bf16_model_is_quantized_in_16_bits_and_codes_to_the_widened_models_files(
+        tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 checkpoint's adapted weights stay bf16 until the fold, which packs them into int8 codes (one byte a
+    weight, given back as float32 one module at a time while it computes), and the export traces stand-ins of no
+    memory: a 4B model's quantize stage never holds it in float32. Every file it writes is, byte for byte, the
+    file the same model widened to float32 at load gives (int8 budget probes, encodings, graphs, weights, test
+    vectors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from npustudio.core import quantize
+    from npustudio.core.graph import store
+    from npustudio.core.quantize import simulate
+
+    src = tiny_models["qwen3"]
+    half = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(half)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, half / f.name)
+    p = Project.open(tmp_path / "p")
+    pipeline.adapt(p, str(half), AdaptOptions(ar=32, cl=128, eval_chars=2500, window=128, decode_tokens=8), State())
+    adapt_dir = p.stage_dir("adapt")
+    options = QuantizeOptions(precision="w4a16", int8_budget=0.5, **FAST)
+
+    held: list[set[torch.dtype]] = []
+    fold = simulate.fold
+
+    def seen_fold(sim: Any) -> None:
+        fold(sim)
+        held.append({t.dtype for t in sim.model.parameters()})
+
+    monkeypatch.setattr(simulate, "fold", seen_fold)
+    narrow = tmp_path / "narrow"
+    narrow.mkdir()
+    res = quantize.run(adapt_dir, options, narrow, State())
+    assert torch.int8 in held[0] and torch.bfloat16 in held[0]  # codes, and the bf16 norm gains
+    assert res.kept_int8  # the budget's probes ran on the 16-bit model
+
+    load = store.load
+    monkeypatch.setattr(store, "load", lambda folder, widen=True: load(folder, widen=True))
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    ref = quantize.run(adapt_dir, options, wide, State())
+    assert torch.int8 not in held[1] and torch.bfloat16 not in held[1]  # widened whole: float32 throughout
+    assert (res.ratio, res.kept_int8) == (ref.ratio, ref.kept_int8)
+    def written(folder: Path) -> list[Path]:
+        return sorted(f.relative_to(folder) for f in folder.rglob("*") if f.is_file() and f.name != "quantize.json")
+
+    files = written(wide)
+    assert files == written(narrow)
+    assert [f for f in files if (wide / f).read_bytes() != (narrow / f).read_bytes()] == []

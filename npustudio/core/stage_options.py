@@ -74,6 +74,12 @@ def rotates(recipe: str) -> bool:
     return any(s in ROTATION_STEPS for s in RECIPE_STEPS[recipe])
 
 
+def widens(recipe: str) -> bool:
+    """Whether the quantize stage holds a 16-bit model in float32 whole for `recipe`: its steps rewrite or train
+    the weights (the plain recipe keeps them as stored, then as int codes)."""
+    return bool(RECIPE_STEPS[recipe])
+
+
 Backend = Literal["ort-qnn", "qairt", "mnn"]
 BACKEND_NOTES = {"ort-qnn": "QNN context binaries for Genie, on the embedded simulator",
                  "qairt": "QNN context binaries for Genie, by Qualcomm's SDK (QNN_SDK_ROOT)",

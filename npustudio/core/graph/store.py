@@ -57,15 +57,16 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         raise
 
 
-def load(folder: Path) -> tuple[StaticDecoder, torch.Tensor]:
+def load(folder: Path, widen: bool = True) -> tuple[StaticDecoder, torch.Tensor]:
+    """The adapted decoder and its RoPE frequencies; `widen`: 16-bit weights as float32 (else as stored, for a
+    caller that computes under `half_weights.computing_in_fp32`)."""
     folder = Path(folder)
     if not (folder / layout.DECODER_WEIGHTS).is_file() or not (folder / layout.DECODER_SPEC).is_file():
         raise UserError(f"{folder} holds no adapted model ({layout.DECODER_WEIGHTS}, {layout.DECODER_SPEC}).",
                         "Run the adapt stage first.")
     spec = DecoderSpec.model_validate(json.loads((folder / layout.DECODER_SPEC).read_text()))
-    # The tensors read become the parameters (assign=True on a meta-device model): one copy of the weights, in
-    # float32 (the adapt stage keeps a 16-bit checkpoint's tensors as they were; the stages after it compute on them)
-    sd = read_tensors(folder / layout.DECODER_WEIGHTS, widen=True)
+    # The tensors read become the parameters (assign=True on a meta-device model): one copy of the weights
+    sd = read_tensors(folder / layout.DECODER_WEIGHTS, widen=widen)
     inv_freq = sd.pop(INV_FREQ)
     with torch.device("meta"):
         model = StaticDecoder(spec)

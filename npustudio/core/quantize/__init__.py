@@ -38,12 +38,13 @@ from ..fsutil import atomic_write_json
 from ..graph import store
 from ..graph.decoder import io_names
 from ..graph.exported import write_test_vectors
+from ..graph.half_weights import widen_while_computing
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
 from ..recipe_rules import refusal
 from ..results import QuantizeResult, load_card, load_graphs, load_quantize
 from ..shape import DecoderShape
-from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotates
+from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotates, widens
 from ..targets import find_soc
 from . import adascale, export, int8_budget, simulate, spinquant
 from .fast_qdq import fast_per_tensor_qdq
@@ -71,7 +72,11 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     state.progress(0.0, "loading the adapted model")
     simulate.import_aimet()  # before the model exists: see import_aimet
     device = compute.resolve(options.device)
-    model, inv_freq = store.load(adapt_dir)
+    # a 16-bit checkpoint's weights stay 16-bit (and fold into their integer codes) unless a recipe step rewrites
+    # or trains them; each module computes in float32 (graph/half_weights.py), for the model's life: it is this
+    # stage's alone, and is let go before the export's last pass
+    model, inv_freq = store.load(adapt_dir, widen=widens(options.recipe))
+    widen_while_computing(model)
     validate(options, model.spec)
     check_overrides(options.overrides, model)  # before any calibration: a typo must not cost a run
     model.to(device)

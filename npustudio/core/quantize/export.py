@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,8 +24,10 @@ import torch
 from .. import layout
 from ..fsutil import atomic_write_json
 from ..graph.decoder import io_names
+from ..graph.half_weights import wide_value
 from ..progress import trim_heap
 from . import simulate
+from .simulate import packed_encoding
 
 _MIN_EXTERNAL = 1024  # bytes: smaller tensors stay inside the .onnx
 
@@ -74,6 +77,7 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
         # the trace is a forward pass: with autograd on, every layer's saved activations stayed alive until the
         # output was dropped (+1.3 GB at the stage's peak on a 1B model, AR-128 over CL 1024)
         stack.enter_context(torch.no_grad())
+        real = stack.enter_context(_stand_ins(model))
         stack.enter_context(aonnx._temporarily_unfold_param_quantizers(model))
         biased = _has_bias(model)
         if biased:  # its extra forward pass holds ~1.4 GB on the default model: only where needed
@@ -87,7 +91,7 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
         _requantize_in_place(model)
         stack.enter_context(aonnx._remove_fp16_quantizers(model))
         stack.enter_context(aonnx._remove_fp16_quantized_parameters(model))
-        stack.enter_context(patch_attr(aonnx._onnx, "export", _weights_outside(aonnx._onnx.export)))
+        stack.enter_context(patch_attr(aonnx._onnx, "export", _weights_outside(aonnx._onnx.export, real)))
         graph, enc_map = aonnx._to_onnx(model, args, str(float_onnx), **kw, propagate_int32_encodings=False)
     onnx.save(graph, str(float_onnx))
     with lean_lpbq_dicts():
@@ -228,6 +232,66 @@ def _grouped(enc: Any) -> bool:
     return not all(g == 1 for g in enc.block_grouping) and not enc.zero_point_shift
 
 
+@contextlib.contextmanager
+def _stand_ins(model: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+    """Within: every weight matrix of `model` (the parameters of two dims or more but the embedding table, which
+    the export re-quantizes in place) replaced by a stand-in of its shape that takes no memory: one small float,
+    its own, expanded; a folded weight's stand-in carries its encoding. The other parameters (norm gains, biases:
+    small, and de-duplicated by value as they were) are float32 ones. Yields `real`: a stand-in's float32 values
+    (its folded ones, for a weight held packed or in 16 bits), made when asked; any other tensor as it is.
+
+    The trace's forward computes with the stand-ins (the graph and its encodings do not depend on weight values;
+    one weight at a time is made contiguous by its convolution), so the export never holds the model in float32:
+    a 4B model's packed weights are 4 GB, in float32 16. A tensor the exporter folded from a stand-in would be
+    neither, and is refused."""
+    from aimet_torch.quantization.base import QuantizerBase
+    from aimet_torch.quantization.tensor import DequantizedTensor
+
+    makers: dict[int, Callable[[], torch.Tensor]] = {}
+    marks: set[float] = set()
+    held: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    for m in model.modules():
+        if isinstance(m, QuantizerBase):  # its min/max are the encodings the trace records
+            continue
+        for n, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            held.append((m, n, p))
+            if m is model.embed or n == "bias" or p.dim() < 2:
+                m._parameters[n] = torch.nn.Parameter(wide_value(m, n, p), requires_grad=p.requires_grad)
+                continue
+            mark = (len(marks) + 1) * 2.0**-24  # no constant of the graph is one of these
+            marks.add(mark)
+            stand_in = torch.tensor(mark).expand(p.shape)
+            encoding = packed_encoding(m, n) if not p.is_floating_point() else getattr(p, "encoding", None)
+            if encoding is not None:
+                stand_in = stand_in.as_subclass(DequantizedTensor)
+                stand_in.encoding = encoding
+            makers[stand_in.untyped_storage().data_ptr()] = partial(wide_value, m, n, p)
+            m._parameters[n] = torch.nn.Parameter(stand_in, requires_grad=False)
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        make = makers.get(t.untyped_storage().data_ptr())
+        if make is None:
+            flat = t.detach().reshape(-1)
+            if t.is_floating_point() and flat.numel() > 1 and float(flat[0]) in marks and bool((flat == flat[0]).all()):
+                raise RuntimeError(f"the ONNX export folded a weight into a constant of shape {tuple(t.shape)}")
+            return t
+        value = make().as_subclass(torch.Tensor)
+        if value.shape == t.shape:
+            return value
+        # a view the exporter folded (a norm's gain as (1, C, 1, 1)): exact when it only adds or drops dims of 1
+        if [d for d in value.shape if d != 1] != [d for d in t.shape if d != 1]:
+            raise RuntimeError(f"the ONNX export rearranged a weight {tuple(value.shape)} -> {tuple(t.shape)}")
+        return value.reshape(t.shape)
+
+    try:
+        yield real
+    finally:
+        for m, n, p in held:
+            m._parameters[n] = p
+
+
 @torch.no_grad()
 def _requantize_in_place(model: Any) -> None:
     """What aimet's `_apply_qdq_to_model_parameters` does to the embedding table and the biases, into their own
@@ -241,13 +305,14 @@ def _requantize_in_place(model: Any) -> None:
             simulate.qdq_by_slabs(param, quantizer, into=param.data.as_subclass(torch.Tensor))
 
 
-def _weights_outside(trace: Any) -> Any:
+def _weights_outside(trace: Any, real: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """aimet's trace (torch's TorchScript exporter) serializes every weight into the protobuf, parses it back
     and serializes it again: 3-4 copies of the weights at once, the stage's memory peak. Traced with
     `export_params=False`, the weights stay graph inputs; the tensors torch would have written (after its
     constant folding and de-duplication, so the same names and values) are caught on the way and written
-    straight from memory to `NAME.onnx.data` (folded into weights.bin by `share_weights`). aimet's graph
-    passes after the trace then also work on a graph of a few MB instead of copying the weights."""
+    straight from memory to `NAME.onnx.data` (folded into weights.bin by `share_weights`), each as `real`
+    gives its values (the trace ran on `_stand_ins`). aimet's graph passes after the trace then also work on a
+    graph of a few MB instead of copying the weights."""
     from aimet_torch.utils import patch_attr
 
     def traced(model: Any, args: Any, f: str, **kw: Any) -> Any:
@@ -261,7 +326,7 @@ def _weights_outside(trace: Any) -> Any:
 
         with patch_attr(torch._C, "_jit_pass_onnx_deduplicate_initializers", keep):
             out = trace(model, args, f, **kw, export_params=False)
-        attach_weights(Path(f), params)
+        attach_weights(Path(f), params, real)
         params.clear()
         trim_heap()
         return out
@@ -269,9 +334,11 @@ def _weights_outside(trace: Any) -> Any:
     return traced
 
 
-def attach_weights(path: Path, params: dict[str, torch.Tensor]) -> None:
+def attach_weights(path: Path, params: dict[str, torch.Tensor],
+                   real: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
     """Turn the graph inputs of `path` named in `params` into initializers; the large ones go to
-    `NAME.onnx.data`, written one tensor at a time from the tensors' own memory."""
+    `NAME.onnx.data`, written one tensor at a time from the tensors' own memory (or `real(tensor)`'s, made
+    for the write and let go after it)."""
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
@@ -280,7 +347,7 @@ def attach_weights(path: Path, params: dict[str, torch.Tensor]) -> None:
     weights = [i.name for i in inputs if i.name in params]
     with open(side, "wb") as blob:
         for name in weights:
-            t = params[name].detach().cpu().contiguous()
+            t = real(params[name]).detach().cpu().contiguous()
             raw = t.reshape(-1).view(torch.uint8).numpy()
             init = onnx.TensorProto(name=name, dims=list(t.shape), data_type=_ONNX_DTYPE[t.dtype])
             if raw.nbytes < _MIN_EXTERNAL:

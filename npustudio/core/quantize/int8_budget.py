@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..graph.half_weights import widened
 from ..graph.ops import Conv1x1
 from ..progress import StateLike
 from ..stage_options import INT8_BUDGET_PROBES, Overrides
@@ -43,14 +44,15 @@ class Choice:
 
 def on_grid(w: torch.Tensor, preset: Preset) -> torch.Tensor:
     """`w` (out, in, 1, 1) quantized and dequantized by the quantsim's own weight quantizer for the preset (aimet's
-    LPBQ blocks, or one scale per output channel), with the min-max encodings the `plain` recipe gives it: the
-    probe measures the grid the model will get."""
+    LPBQ blocks, or one scale per output channel), with the min-max encodings the `plain` recipe gives it, in
+    float32: the probe measures the grid the model will get."""
     from .simulate import weight_quantizer
 
+    w = widened(w)  # a 16-bit weight's grid is computed on its float32 values, as the quantsim's
     q = weight_quantizer(w, preset.weight_bits, preset.block_size).to(w.device)
     with q.compute_encodings():
         q(w)
-    return q(w).as_subclass(torch.Tensor).detach().to(w.dtype)
+    return q(w).as_subclass(torch.Tensor).detach()
 
 
 def groups(model: torch.nn.Module, wide: Callable[[str], bool]) -> dict[str, list[Conv1x1]]:
@@ -120,10 +122,10 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
             state.check()
             state.progress(i / len(todo), f"int8 budget: {g} at {preset.weight_bits} bits alone")
             first = layer_of[id(mods[0])]  # the layers before the group's give what they gave the reference
-            kept = [m.weight.detach().clone() for m in mods]
+            kept = [m._parameters["weight"] for m in mods]  # put back as they were (a 16-bit one stays 16-bit)
             try:
                 for m in mods:
-                    m.weight.copy_(on_grid(m.weight, preset))
+                    m._parameters["weight"] = torch.nn.Parameter(on_grid(m.weight, preset), requires_grad=False)
                 total_kl = 0.0
                 for s, r, out in zip(calib, ref, outs, strict=True):
                     with replaying(layers[:first], out):
@@ -132,7 +134,7 @@ def choose(model: torch.nn.Module, logits: Callable[[Sequence[int]], torch.Tenso
                 kl[g] = total_kl / len(calib)
             finally:
                 for m, w in zip(mods, kept, strict=True):
-                    m.weight.copy_(w)
+                    m._parameters["weight"] = w
     chosen: list[str] = []
     for g in sorted(kl, key=lambda g: kl[g] / size[g], reverse=True):
         if spent + size[g] <= budget * total:

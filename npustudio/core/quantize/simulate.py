@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
 from ..graph.decoder import StaticDecoder
+from ..graph.half_weights import HALF, UNPACK, hold_packed, restore_module, widen_module, widened
 from ..progress import heap_blocks_reused, trim_heap
 from ..targets import Soc
 from .presets import Overrides, Preset
@@ -209,6 +211,10 @@ def fold(sim: Any) -> None:
     weight still to be folded reads that storage; a tied embedding and LM head share one, so the first of them
     gets a new tensor and the last overwrites the original: one extra copy of the table at a time, not two
     (+1 GB at the fold's peak on a 1B model).
+
+    A weight held in 16 bits (a bf16 checkpoint, `graph.half_weights`) is folded into its integer codes instead,
+    one byte a weight where they fit one (every int4 and int8 weight), given back as float32 one module at a
+    time while it computes: a 4B model's folded weights take ~4 GB, not 16.
     """
     from aimet_torch.nn import BaseQuantizationMixin
 
@@ -216,15 +222,24 @@ def fold(sim: Any) -> None:
         param_encodings(sim.model)
     todo = [(module, name, quantizer) for module in sim.model.modules() if isinstance(module, BaseQuantizationMixin)
             for name, quantizer in list(module.param_quantizers.items()) if quantizer is not None]
+    # the weights on grids wider than a byte (the 16-bit embedding table) stay float32: folded last, once the 16-bit
+    # weights have been packed (a 4B model's 1.6 GB table beside its 8 GB of 16-bit weights was the fold's peak)
+    todo.sort(key=lambda t: getattr(t[2], "bitwidth", 32) > 8)
     readers = Counter(getattr(m, n).untyped_storage().data_ptr() for m, n, _ in todo)
     for module, name, quantizer in todo:
         param = getattr(module, name)
         storage = param.untyped_storage().data_ptr()
         readers[storage] -= 1
-        into = param.detach().as_subclass(torch.Tensor) if readers[storage] == 0 else None
-        setattr(module, name, torch.nn.Parameter(qdq_by_slabs(param, quantizer, into),
-                                                 requires_grad=param.requires_grad))
+        narrow = param.dtype in HALF
+        into = param.detach().as_subclass(torch.Tensor) if readers[storage] == 0 and not narrow else None
+        folded = qdq_by_slabs(param, quantizer, into)
         module.param_quantizers[name] = None
+        codes = packed(folded) if narrow else None
+        if codes is None:
+            setattr(module, name, torch.nn.Parameter(folded, requires_grad=param.requires_grad))
+        else:
+            hold_packed(module, name, codes, Unpack(cast(Any, folded).encoding))
+        del param, folded
     trim_heap()
 
 
@@ -294,14 +309,18 @@ def param_encodings(model: torch.nn.Module) -> None:
         lean = {n: q for n, q in quantizers.items() if type(q) is QuantizeDequantize and getattr(module, n) is not None}
         for n in lean:
             quantizers[n] = None
+        held = widen_module(module)  # a 16-bit weight's encoding is computed on its float32 values
         try:
-            module._compute_param_encodings(overwrite=True)  # the others (LPBQ), as aimet does them
-        finally:
+            try:
+                module._compute_param_encodings(overwrite=True)  # the others (LPBQ), as aimet does them
+            finally:
+                for n, q in lean.items():
+                    quantizers[n] = q
             for n, q in lean.items():
-                quantizers[n] = q
-        for n, q in lean.items():
-            if q._allow_overwrite and any(q._is_overwrite_allowed.values()):
-                _observe(q, getattr(module, n).detach().as_subclass(torch.Tensor))
+                if q._allow_overwrite and any(q._is_overwrite_allowed.values()):
+                    _observe(q, getattr(module, n).detach().as_subclass(torch.Tensor))
+        finally:
+            restore_module(module, held)
 
 
 @torch.no_grad()
@@ -343,28 +362,116 @@ _SLAB = 4 * 2**20  # elements quantized at once
 def qdq_by_slabs(param: torch.Tensor, quantizer: Any, into: torch.Tensor | None = None) -> torch.Tensor:
     """`quantizer(param)` computed row slab by row slab (every encoding here is per tensor, per output channel or
     per block of an output channel, so rows are independent), into a new tensor or `into` (which may be param's
-    own storage: each slab is read before it is written)."""
+    own storage: each slab is read before it is written); a 16-bit `param` is widened a slab at a time, so the
+    result is the float32 one."""
     from aimet_torch.quantization.affine import quantize_dequantize
     from aimet_torch.quantization.tensor import DequantizedTensor
 
     enc = quantizer.get_encodings()
     x = param.detach().as_subclass(torch.Tensor)
-    out = torch.empty_like(x) if into is None else into
+    out = torch.empty_like(x, dtype=torch.float32) if into is None else into
     rows = len(x) if x.dim() else 1
     step = max(1, _SLAB // max(1, x[0].numel() if x.dim() else 1))
 
-    def rows_of(t: torch.Tensor, sl: slice) -> torch.Tensor:
-        return t[sl] if t.dim() and t.shape[0] == rows and rows > 1 else t
-
     if x.dim() == 0:
-        out.copy_(quantize_dequantize(x, enc.scale, enc.offset, enc.qmin, enc.qmax, block_size=enc.block_size,
+        out.copy_(quantize_dequantize(widened(x), enc.scale, enc.offset, enc.qmin, enc.qmax, block_size=enc.block_size,
                                       zero_point_shift=enc.zero_point_shift))
     else:
         for a in range(0, rows, step):
             sl = slice(a, a + step)
-            out[sl] = quantize_dequantize(x[sl], rows_of(enc.scale, sl), rows_of(enc.offset, sl), enc.qmin, enc.qmax,
-                                          block_size=enc.block_size, zero_point_shift=enc.zero_point_shift)
+            out[sl] = quantize_dequantize(widened(x[sl]), _rows(enc.scale, sl, rows), _rows(enc.offset, sl, rows),
+                                          enc.qmin, enc.qmax, block_size=enc.block_size,
+                                          zero_point_shift=enc.zero_point_shift)
     res = out.as_subclass(DequantizedTensor)
     res.encoding = enc
     return res
 
+
+
+def _rows(t: torch.Tensor, sl: slice, rows: int) -> torch.Tensor:
+    return t[sl] if t.dim() and t.shape[0] == rows and rows > 1 else t
+
+
+@torch.no_grad()
+def packed(folded: Any) -> torch.Tensor | None:
+    """The int8 codes of a folded weight (a DequantizedTensor on a grid of at most 256 steps), from which
+    `unpacked` gives back exactly `folded`; None where the grid is wider or some value does not come back
+    bit for bit (the weight then stays float32)."""
+    from aimet_torch.quantization.affine import quantize
+
+    enc = folded.encoding
+    if enc.qmax - enc.qmin > 255 or folded.dim() == 0 or getattr(enc, "zero_point_shift", 0.0):
+        return None
+    shift = _shift(enc)
+    x = folded.as_subclass(torch.Tensor)
+    rows = len(x)
+    codes = torch.empty_like(x, dtype=torch.int8)
+    step = max(1, _SLAB // max(1, x[0].numel()))
+    for a in range(0, rows, step):
+        sl = slice(a, a + step)
+        scale, offset = _rows(enc.scale, sl, rows), _rows(enc.offset, sl, rows)
+        q = quantize(x[sl], scale, offset, enc.qmin, enc.qmax, block_size=enc.block_size)
+        if not torch.equal(_dequantized(q.clone(), scale, offset, enc.block_size), x[sl]):
+            return None
+        codes[sl] = (q.sub_(shift) if shift else q).to(torch.int8)
+    return codes
+
+
+def _shift(enc: Any) -> int:
+    """What moves the grid's integers into int8's range (0 for a signed grid of at most 8 bits)."""
+    lo, hi = torch.iinfo(torch.int8).min, torch.iinfo(torch.int8).max
+    return 0 if lo <= enc.qmin and enc.qmax <= hi else enc.qmin - lo
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, block_size: Any) -> torch.Tensor:
+    """aimet's dequantize, `(q + offset) * scale` by blocks, computed in `q`'s own memory (float32 integers)."""
+    from aimet_torch.quantization._utils import concretize_block_size, interleave
+
+    view = q
+    if block_size is not None:
+        block_size = concretize_block_size(q.shape, scale.shape, block_size)
+        # (scale dim, block dim) pairs, without the dims of 1 (torch broadcasts a few dims much faster than nine)
+        full = interleave(scale.shape, block_size)
+        keep = [i for i, n in enumerate(full) if n != 1]
+        view = q.view([full[i] for i in keep])
+        scale = scale.reshape([interleave(scale.shape, 1)[i] for i in keep])
+        offset = offset.reshape([interleave(offset.shape, 1)[i] for i in keep])
+    if bool(offset.any()):
+        view.add_(offset)
+    view.mul_(scale)
+    return q
+
+
+@dataclass(frozen=True)
+class Unpack:
+    """How a packed weight's float32 values come back (`half_weights.hold_packed`): its codes under `encoding`."""
+
+    encoding: Any
+
+    def __call__(self, codes: torch.Tensor) -> torch.Tensor:
+        return unpacked(codes, self.encoding)
+
+
+def packed_encoding(module: torch.nn.Module, name: str) -> Any:
+    """The encoding of `module.name` held packed (`fold`), else None."""
+    unpack = module.__dict__.get(UNPACK, {}).get(name)
+    return unpack.encoding if isinstance(unpack, Unpack) else None
+
+
+@torch.no_grad()
+def unpacked(codes: torch.Tensor, encoding: Any) -> torch.Tensor:
+    """The float32 weight `packed` took `codes` from (a DequantizedTensor carrying its encoding, as `fold` makes)."""
+    from aimet_torch.quantization.tensor import DequantizedTensor
+
+    rows = len(codes)
+    out = codes.to(torch.float32)
+    if shift := _shift(encoding):
+        out.add_(shift)  # the grid's integers again (exact: |q| < 2**24)
+    scale, offset = encoding.scale.to(codes.device), encoding.offset.to(codes.device)
+    step = max(1, _SLAB // max(1, codes[0].numel()))
+    for a in range(0, rows, step):
+        sl = slice(a, a + step)
+        _dequantized(out[sl], _rows(scale, sl, rows), _rows(offset, sl, rows), encoding.block_size)
+    res = out.as_subclass(DequantizedTensor)
+    res.encoding = encoding
+    return res
