@@ -265,6 +265,12 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     half = _card(params=1_235_814_400, stored_bits=16)
     assert 4.5e9 < host_cost.estimate(half).stages[0].peak_ram_bytes < 6.5e9
     assert host_cost.stage_cost("adapt", half, whole_float32=True).peak_ram_bytes == big.stages[0].peak_ram_bytes
+    # and through quantize on the plain recipe (measured 6.2 GB, widened whole 8.0); a recipe's steps widen it
+    q16 = host_cost.stage_cost("quantize", half).peak_ram_bytes
+    assert 5e9 < q16 < 7.5e9 and q16 < big.stages[1].peak_ram_bytes
+    assert host_cost.stage_cost("quantize", half, whole_float32=True).peak_ram_bytes == big.stages[1].peak_ram_bytes
+    widened = {r.recipe: r.ram_bytes for r in host_cost.estimate(half).recipes}
+    assert widened["plain"] == 0 and widened["seqmse"] == big.stages[1].peak_ram_bytes - q16
     # q carries the softmax scale in float32 unless a q-norm's gain takes it (Qwen3)
     assert host_cost.rescaled_params(half) == 16 * 32 * 64 * 2048
     assert host_cost.rescaled_params(half.model_copy(update={"qk_norm": True})) == 0

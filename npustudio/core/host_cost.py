@@ -42,6 +42,11 @@ GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a 
 # shape 4,867 MiB against 4,592; Qwen3-4B shape 10,648 against 11,373; Phi-4-mini shape 12,350 against 11,488;
 # widened whole, the 1B shape took 6,574)
 HALF_SAVES_BYTES_PER_PARAM = 2.0
+# the quantize stage of a 16-bit checkpoint on the plain recipe holds its weights as stored until the fold, then as
+# int8 codes, and exports from stand-ins (MiB, bytes per parameter; its peak is the 16-bit weights and one widened
+# table at 4B, the export at 1B): Llama-3.2-1B shape 6,178 MiB (w4a16, widened whole 8,002), Qwen3-4B shape
+# QWEN4B_PEAK MiB
+QUANTIZE_16BIT_RATES = (3644.0, 2.05)
 
 
 class StageCost(BaseModel):
@@ -94,7 +99,8 @@ def available_ram() -> int | None:
 def stage_cost(stage: str, card: Any, gguf: bool = False, cpus: int | None = None,
                whole_float32: bool = False) -> StageCost:
     """One stage's estimate (the same at w8a16 and w4a16: the float weights dominate either way). `whole_float32`:
-    the float model held widened whole (the MNN export), where adapt keeps a 16-bit checkpoint's own tensors."""
+    the float model held widened whole (the MNN export, a quantize recipe that trains or rewrites weights), where
+    adapt and quantize keep a 16-bit checkpoint's own tensors."""
     base, per_param, secs, per_mparam = RATES[stage]
     params = card.params
     ram = base * MB + per_param * params
@@ -102,6 +108,8 @@ def stage_cost(stage: str, card: Any, gguf: bool = False, cpus: int | None = Non
         ram += GGUF_EXTRA_BYTES_PER_PARAM * params
     elif stage == "adapt" and card.stored_bits == 16 and not whole_float32:
         ram -= HALF_SAVES_BYTES_PER_PARAM * (params - rescaled_params(card))
+    elif stage == "quantize" and card.stored_bits == 16 and not whole_float32:
+        ram = QUANTIZE_16BIT_RATES[0] * MB + QUANTIZE_16BIT_RATES[1] * params
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
     return StageCost(stage=stage, peak_ram_bytes=int(ram), seconds=round((secs + per_mparam * params / 1e6) * scale))
 
@@ -151,11 +159,15 @@ def int8_budget_seconds(card: Any, cpus: int | None = None) -> float:
 def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     """What a recipe holds beside the quantize stage's own peak: AdaScale keeps every layer's float inputs of each
     calibration call (the stream, the mask, the layer's KV cache) and one layer's quantized ones, in float32;
-    SpinQuant the rotated embedding table and LM head beside the ones they replace."""
-    from .stage_options import RECIPE_STEPS, AdaptOptions, QuantizeOptions
+    SpinQuant the rotated embedding table and LM head beside the ones they replace; and every recipe but plain
+    widens a 16-bit model to float32 whole."""
+    from .stage_options import RECIPE_STEPS, AdaptOptions, QuantizeOptions, widens
 
     steps = RECIPE_STEPS[recipe]
     ram = 2 * 4 * card.vocab * card.hidden if "spinquant" in steps else 0
+    if widens(recipe) and card.stored_bits == 16:  # a 16-bit model widened whole
+        ram += (stage_cost("quantize", card, whole_float32=True).peak_ram_bytes
+                - stage_cost("quantize", card).peak_ram_bytes)
     if "adascale" not in steps:
         return ram
     o, shape = options or QuantizeOptions(), AdaptOptions()

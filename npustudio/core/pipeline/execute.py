@@ -22,7 +22,7 @@ from ..genie import bundle as bundle_stage
 from ..progress import StateLike, free_big_blocks_at_once
 from ..project import Project, StageRecord
 from ..results import IntakeResult, StageOptions, load_card
-from ..stage_options import IntakeOptions
+from ..stage_options import IntakeOptions, widens
 from .status import _require
 
 INTAKE = stages.MODEL.name  # the stage that reads the model: its record, not work worth a project folder
@@ -180,8 +180,8 @@ def _made_from(project: Project, spec: stages.StageSpec, up: StageRecord, option
 
 def _quantize_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state: StateLike) -> dict[str, Any]:
     card, options = args
-    if card is not None:
-        host_cost.check_fits(card, "quantize")
+    if card is not None:  # a recipe that trains or rewrites the weights widens a 16-bit model whole
+        host_cost.check_fits(card, "quantize", whole_float32=widens(options.recipe))
     free_big_blocks_at_once()
     return quantize_stage.run(inputs["adapt"], options, out, state).model_dump()
 
