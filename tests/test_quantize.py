@@ -755,3 +755,33 @@ def test_a_bf16_model_is_quantized_in_16_bits_and_codes_to_the_widened_models_fi
     files = written(wide)
     assert files == written(narrow)
     assert [f for f in files if (wide / f).read_bytes() != (narrow / f).read_bytes()] == []
+
+
+def test_the_export_traces_stand_ins_and_writes_each_weights_real_values() -> None:
+    """The export traces each weight matrix as a stand-in that takes no memory and writes its real float32 values
+    (a 16-bit weight widened); a view that only adds or drops dims of 1 is the same values, and a tensor the
+    exporter rearranged or computed from a stand-in is refused rather than written wrong."""
+    import torch
+
+    from npustudio.core.quantize import export
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(4, 3)
+            self.w = torch.nn.Parameter(torch.randn(6, 5, 1, 1).bfloat16(), requires_grad=False)
+            self.g = torch.nn.Parameter(torch.randn(5))
+
+    m = Tiny()
+    w, g, table = m.w, m.g, m.embed.weight
+    with export._stand_ins(m) as real:
+        s = m.w
+        assert s.stride() == (0, 0, 0, 0) and s.untyped_storage().nbytes() == 4
+        assert real(s).dtype == torch.float32 and torch.equal(real(s), w.float())
+        assert torch.equal(real(s.view(6, 5)), w.float().view(6, 5))
+        assert torch.equal(m.g, g) and torch.equal(m.embed.weight, table)  # small ones and the table: real values
+        with pytest.raises(RuntimeError, match="rearranged"):
+            real(s.view(6, 5).t())
+        with pytest.raises(RuntimeError, match="folded"):
+            real(s.contiguous() * 1)
+    assert (m.w, m.g, m.embed.weight) == (w, g, table)

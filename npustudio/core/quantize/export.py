@@ -280,7 +280,7 @@ def _stand_ins(model: Any) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
         value = make().as_subclass(torch.Tensor)
         if value.shape == t.shape:
             return value
-        # a view the exporter folded (a norm's gain as (1, C, 1, 1)): exact when it only adds or drops dims of 1
+        # a view the exporter folded: the same values when it only adds or drops dims of 1
         if [d for d in value.shape if d != 1] != [d for d in t.shape if d != 1]:
             raise RuntimeError(f"the ONNX export rearranged a weight {tuple(value.shape)} -> {tuple(t.shape)}")
         return value.reshape(t.shape)
