@@ -101,6 +101,19 @@ def make_tiny_model(folder: Path, family: str = "llama", seed: int = 0, **config
     return folder
 
 
+def bf16_copy(src: Path, dest: Path) -> Path:
+    """`src` (a tiny model folder) saved again in bf16, as most checkpoints are shipped."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(dest)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

@@ -244,18 +244,10 @@ def test_a_bf16_checkpoint_is_adapted_in_16_bits_with_float32_arithmetic(tiny_mo
     takes), while every product is float32's: the adapted logits equal the float32-widened model's to float32
     rounding (bf16 arithmetic would be ~1e-2 off), and what is rescaled (Qwen3's q-norm gain, times 1/sqrt(32))
     is kept in float32, not rounded to bf16. The stages after it read float32."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
     from npustudio.core.evaluate import Reference, windows
+    from tests.conftest import bf16_copy
 
-    src = tiny_models["qwen3"]
-    half = tmp_path / "bf16"
-    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(half)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy2(f, half / f.name)
+    half = bf16_copy(tiny_models["qwen3"], tmp_path / "bf16")
     p = Project.open(tmp_path / "p")
     pipeline.adapt(p, str(half), FAST, State())
     folder = p.stage_dir("adapt")

@@ -711,18 +711,13 @@ def test_a_bf16_model_is_quantized_in_16_bits_and_codes_to_the_widened_models_fi
     file the same model widened to float32 at load gives (int8 budget probes, encodings, graphs, weights, test
     vectors)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from npustudio.core import quantize
     from npustudio.core.graph import store
     from npustudio.core.quantize import simulate
+    from tests.conftest import bf16_copy
 
-    src = tiny_models["qwen3"]
-    half = tmp_path / "bf16"
-    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(half)
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy2(f, half / f.name)
+    half = bf16_copy(tiny_models["qwen3"], tmp_path / "bf16")
     p = Project.open(tmp_path / "p")
     pipeline.adapt(p, str(half), AdaptOptions(ar=32, cl=128, eval_chars=2500, window=128, decode_tokens=8), State())
     adapt_dir = p.stage_dir("adapt")
