@@ -387,7 +387,6 @@ def qdq_by_slabs(param: torch.Tensor, quantizer: Any, into: torch.Tensor | None 
     return res
 
 
-
 def _rows(t: torch.Tensor, sl: slice, rows: int) -> torch.Tensor:
     return t[sl] if t.dim() and t.shape[0] == rows and rows > 1 else t
 
