@@ -125,9 +125,10 @@ def test_qdq_onnx_reproduces_the_quantsim_and_float_onnx_loads(w8: tuple[Project
             assert got["past_key_0_out"].shape == tv[ref]["past_key_0_out"].shape
 
 
-def test_traced_weights_are_attached_from_memory_to_one_side_file(tmp_path: Path) -> None:
+def test_traced_weights_are_attached_from_memory_to_one_weights_file(tmp_path: Path) -> None:
     """The trace runs without its weights (they stay graph inputs); they are written from the tensors to
-    NAME.onnx.data, small ones inline, with the same values, and only the real inputs stay inputs."""
+    NAME.onnx.data, or the weights file the stage shares between graphs, small ones inline, with the same values,
+    and only the real inputs stay inputs."""
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -162,6 +163,23 @@ def test_traced_weights_are_attached_from_memory_to_one_side_file(tmp_path: Path
     y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     want = x @ params["layers.0.w"].numpy() @ params["onnx::MatMul_7"].numpy() + params["bias"].float().numpy()
     assert np.allclose(y, want, atol=1e-4)
+
+    # two graphs written into one weights file (as the stage does): each weight stored once, 64-byte aligned
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for name in ("prompt", "token"):
+        onnx.save(model, str(shared / f"{name}.onnx"))
+    with export.Blobs(shared / "weights.bin") as blobs:
+        for name in ("prompt", "token"):
+            export.attach_weights(shared / f"{name}.onnx", params, blobs=blobs)
+    assert sorted(f.name for f in shared.iterdir()) == ["prompt.onnx", "token.onnx", "weights.bin"]
+    assert (blobs.written, blobs.saved) == ((32 * 32 + 32 * 16) * 4,) * 2
+    for name in ("prompt", "token"):
+        m = onnx.load(str(shared / f"{name}.onnx"), load_external_data=False)
+        at = [{e.key: e.value for e in t.external_data} for t in m.graph.initializer if t.external_data]
+        assert [(a["location"], int(a["offset"]) % 64) for a in at] == [("weights.bin", 0)] * 2
+        s = ort.InferenceSession(str(shared / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+        assert np.allclose(s.run(None, {"x": x})[0], want, atol=1e-4)
 
 
 def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, list[Partial]]) -> None:
@@ -504,7 +522,7 @@ def test_one_trace_export_writes_what_aimets_two_exporters_write(w8: tuple[Proje
         export.export_graph(sim, feeds, PROMPT, one)
     assert calls["lean"] >= 2 * 4 + 2 * 3 and calls["aimet"] == 0  # every conv weight of both layers, at least
     _aimet_two_exports(sim, feeds, PROMPT, two)
-    # the stage leaves each graph's weights in a side file until share_weights folds them into weights.bin
+    # a graph exported on its own keeps its weights in a side file (share_weights folds them into weights.bin)
     sides = [f"{PROMPT}.onnx.data", f"{PROMPT}_qdq.onnx.data"]
     assert sorted(f.name for f in one.iterdir()) == sorted([f.name for f in two.iterdir()] + sides)
     a, b = (json.loads((d / f"{PROMPT}.encodings").read_text()) for d in (one, two))

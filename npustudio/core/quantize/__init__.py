@@ -202,33 +202,35 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         for b in exports:
             b.stop()
     sim.model.cpu()  # the export (and its bit-for-bit checks) run where CI runs them
-    if options.export and not exports:
-        state.progress(0.8, "exporting ONNX + encodings")
-        traced: list[export.Traced] = []
-        for name in graph_list:
-            state.check()
-            # each graph's feeds and float outputs are let go once written: the next graph's trace is the export's
-            # peak, and the prompt graph's (its logits and the whole KV cache, twice) held ~0.3 GB of it on a 1B model
-            traced.append(_trace_with_vectors(sim, vectors.pop(0), fp_out.pop(0), name, out_dir))
+    with export.Blobs(out_dir / layout.WEIGHTS) as blobs:
+        if options.export and not exports:
+            state.progress(0.8, "exporting ONNX + encodings")
+            traced: list[export.Traced] = []
+            for name in graph_list:
+                state.check()
+                # each graph's feeds and float outputs are let go once written: the next graph's trace is the
+                # export's peak, and the prompt graph's (its logits and the whole KV cache, twice) held ~0.3 GB of
+                # it on a 1B model
+                traced.append(_trace_with_vectors(sim, vectors.pop(0), fp_out.pop(0), name, out_dir, blobs))
+                gc.collect()
+            # the QDQ pass reads the traced graphs and the weights on disk: the model goes first (its float weights
+            # are 5 GB on a 1B model; the pass adds the largest table and its integers to whatever is still held).
+            # Deleting the runners also empties the closures that hold them.
+            del sim, model, fp_run, q_run, vectors, fp_out
             gc.collect()
-        # the QDQ pass reads the traced graphs and the weights on disk: the model goes first (its float weights
-        # are 5 GB on a 1B model; the pass adds the largest table and its integers to whatever is still held).
-        # Deleting the runners also empties the closures that hold them.
-        del sim, model, fp_run, q_run, vectors, fp_out
-        gc.collect()
-        trim_heap()
-        state.progress(0.9, "writing the quantized (QDQ) graphs")
-        for t, name in zip(traced, graph_list, strict=True):
-            state.check()
-            files += [*export.write_qdq(t), _vector_file(out_dir, name)]
-    if files:
-        export.share_weights([f for f in files if f.suffix == ".onnx"], out_dir)
-        files.append(out_dir / layout.WEIGHTS)
-        for f in COPIED_FILES:
-            if (adapt_dir / f).is_file():
-                shutil.copy2(adapt_dir / f, out_dir / f)
-                files.append(out_dir / f)
-        lap("export")
+            trim_heap()
+            state.progress(0.9, "writing the quantized (QDQ) graphs")
+            for t, name in zip(traced, graph_list, strict=True):
+                state.check()
+                files += [*export.write_qdq(t, blobs), _vector_file(out_dir, name)]
+        if files:
+            export.share_weights([f for f in files if f.suffix == ".onnx"], blobs)
+            files.append(out_dir / layout.WEIGHTS)
+            for f in COPIED_FILES:
+                if (adapt_dir / f).is_file():
+                    shutil.copy2(adapt_dir / f, out_dir / f)
+                    files.append(out_dir / f)
+            lap("export")
     rows = export.write_manifest(out_dir, files) if files else []
     res = QuantizeResult(
         precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
@@ -261,10 +263,10 @@ def _calibrate_part(q_run: KVCacheRunner, seqs: list[list[int]], decode: int, ob
 
 
 def _trace_with_vectors(sim: Any, feeds: dict[str, torch.Tensor], fp_out: dict[str, torch.Tensor], name: str,
-                        out_dir: Path) -> export.Traced:
-    """One graph traced (its float ONNX and encodings written) and its test vectors: the feeds, the float model's
-    outputs and the quantsim's."""
-    traced = export.trace_graph(sim, feeds, name, out_dir)
+                        out_dir: Path, blobs: export.Blobs | None = None) -> export.Traced:
+    """One graph traced (its float ONNX and encodings written, its weights to `blobs` or its side file) and its
+    test vectors: the feeds, the float model's outputs and the quantsim's."""
+    traced = export.trace_graph(sim, feeds, name, out_dir, blobs)
     with simulate.frozen(sim.model):
         qo = TorchGraph(sim.model)(feeds)
     write_test_vectors(_vector_file(out_dir, name), feeds, fp_out, qo)

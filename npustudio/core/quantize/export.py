@@ -3,8 +3,8 @@
 - `{graph}.onnx` + `{graph}.encodings` (AIMET schema 1.0.0): float graph + encodings, for the QAIRT SDK
   (`qairt-converter --quantization_overrides`);
 - `{graph}_qdq.onnx`: quantized weights + QuantizeLinear/DequantizeLinear pairs, for onnxruntime-qnn.
-Every large tensor goes to one shared external-data file, `weights.bin`, stored once by content: the
-two graphs share their weights, and a tied embedding/LM head is one blob.
+Every large tensor goes to one shared external-data file, `weights.bin`, stored once by content as it is
+written (`Blobs`): the two graphs share their weights, and a tied embedding/LM head is one blob.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ from .simulate import packed_encoding
 _MIN_EXTERNAL = 1024  # bytes: smaller tensors stay inside the .onnx
 
 
-def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) -> list[Path]:
-    """`name`.onnx + .encodings and `name`_qdq.onnx for one graph shape (given by `feeds`), from ONE trace."""
-    return write_qdq(trace_graph(sim, feeds, name, out))
+def export_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path,
+                 blobs: Blobs | None = None) -> list[Path]:
+    """`name`.onnx + .encodings and `name`_qdq.onnx for one graph shape (given by `feeds`), from ONE trace; their
+    weights go to `blobs`, or to each graph's side file (`side_file`)."""
+    return write_qdq(trace_graph(sim, feeds, name, out, blobs), blobs)
 
 
 @dataclass
@@ -49,9 +51,10 @@ class Traced:
     qdq_onnx: Path
 
 
-def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) -> Traced:
-    """`name`.onnx + .encodings for one graph shape (given by `feeds`); `write_qdq` then writes `name`_qdq.onnx
-    from the same trace.
+def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path,
+                blobs: Blobs | None = None) -> Traced:
+    """`name`.onnx + .encodings for one graph shape (given by `feeds`), its weights written to `blobs` (or its
+    side file); `write_qdq` then writes `name`_qdq.onnx from the same trace.
 
     aimet's two public exporters (`sim.onnx.export`, `aimet_torch.onnx.export`) each trace the model; they run the
     same steps up to the traced graph and its tensor→encoding map, then write it two ways. We trace once and write
@@ -62,6 +65,7 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
     """
     import onnx
     from aimet_torch import onnx as aonnx
+    from aimet_torch.quantization.base import QuantizerBase
     from aimet_torch.utils import patch_attr
 
     trim_heap()  # what the evaluation freed goes back to the system before the export's peak
@@ -91,7 +95,10 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
         _requantize_in_place(model)
         stack.enter_context(aonnx._remove_fp16_quantizers(model))
         stack.enter_context(aonnx._remove_fp16_quantized_parameters(model))
-        stack.enter_context(patch_attr(aonnx._onnx, "export", _weights_outside(aonnx._onnx.export, real)))
+        store = stack.enter_context(_or_side_file(blobs, float_onnx))
+        quantizers = {n for n, q in model.named_modules() if isinstance(q, QuantizerBase)}
+        stack.enter_context(patch_attr(aonnx._onnx, "export", _weights_outside(
+            aonnx._onnx.export, real, store, inline=lambda name: name.rpartition(".")[0] in quantizers)))
         graph, enc_map = aonnx._to_onnx(model, args, str(float_onnx), **kw, propagate_int32_encodings=False)
     onnx.save(graph, str(float_onnx))
     with lean_lpbq_dicts():
@@ -103,8 +110,9 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path) 
     return Traced(graph, _compact(enc_map), float_onnx, enc_file, qdq_onnx)
 
 
-def write_qdq(t: Traced) -> list[Path]:
-    """`name`_qdq.onnx from a traced graph and the weights on disk (no torch model needed); the graph's files."""
+def write_qdq(t: Traced, blobs: Blobs | None = None) -> list[Path]:
+    """`name`_qdq.onnx from a traced graph and the weights on disk (no torch model needed), its quantized weights
+    written to `blobs` (or its side file); the graph's files."""
     import aimet_torch
     import onnx
     from aimet_torch import onnx as aonnx
@@ -113,11 +121,11 @@ def write_qdq(t: Traced) -> list[Path]:
     out = t.qdq_onnx.parent
     utils = _aimet_onnx_utils()
     # its LPBQ encodings are `LeanLPBQ`s already (`_compact`): aimet's own dicts would list every block's scale
-    with _SideFile(t.qdq_onnx) as side, \
-            patch_attr(utils, "_quantize_const", partial(_lean_quantize_const, utils._quantize_const, side)):
-        qdq = aonnx._to_onnx_qdq(t.graph, t.enc_map, prequantize_constants=True, base_dir=str(out))
-    t.graph = None
-    qdq = _weights_to_side_file(qdq, t.qdq_onnx)
+    with _or_side_file(blobs, t.qdq_onnx) as store:
+        with patch_attr(utils, "_quantize_const", partial(_lean_quantize_const, utils._quantize_const, store)):
+            qdq = aonnx._to_onnx_qdq(t.graph, t.enc_map, prequantize_constants=True, base_dir=str(out))
+        t.graph = None
+        qdq = _weights_outside_proto(qdq, store)
     trim_heap()
     aonnx._remove_intermediate_identity_nodes(qdq, base_dir=str(out))
     aonnx._remove_dangling_nodes_and_initializers(qdq)
@@ -305,14 +313,18 @@ def _requantize_in_place(model: Any) -> None:
             simulate.qdq_by_slabs(param, quantizer, into=param.data.as_subclass(torch.Tensor))
 
 
-def _weights_outside(trace: Any, real: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _weights_outside(trace: Any, real: Callable[[torch.Tensor], torch.Tensor], blobs: Blobs,
+                     inline: Callable[[str], bool]) -> Any:
     """aimet's trace (torch's TorchScript exporter) serializes every weight into the protobuf, parses it back
     and serializes it again: 3-4 copies of the weights at once, the stage's memory peak. Traced with
     `export_params=False`, the weights stay graph inputs; the tensors torch would have written (after its
     constant folding and de-duplication, so the same names and values) are caught on the way and written
-    straight from memory to `NAME.onnx.data` (folded into weights.bin by `share_weights`), each as `real`
-    gives its values (the trace ran on `_stand_ins`). aimet's graph passes after the trace then also work on a
-    graph of a few MB instead of copying the weights."""
+    straight from memory to `blobs`, each as `real` gives its values (the trace ran on `_stand_ins`). aimet's
+    graph passes after the trace then also work on a graph of a few MB instead of copying the weights.
+
+    The quantizers' own tensors (named after the quantizer; a per-channel scale: vocab floats) stay inside the
+    graph (`inline`): aimet drops them with the Identity nodes that mark encodings, and in the weights file they
+    would stay as blobs no graph reads."""
     from aimet_torch.utils import patch_attr
 
     def traced(model: Any, args: Any, f: str, **kw: Any) -> Any:
@@ -326,7 +338,7 @@ def _weights_outside(trace: Any, real: Callable[[torch.Tensor], torch.Tensor]) -
 
         with patch_attr(torch._C, "_jit_pass_onnx_deduplicate_initializers", keep):
             out = trace(model, args, f, **kw, export_params=False)
-        attach_weights(Path(f), params, real)
+        attach_weights(Path(f), params, real, blobs, inline)
         params.clear()
         trim_heap()
         return out
@@ -335,26 +347,25 @@ def _weights_outside(trace: Any, real: Callable[[torch.Tensor], torch.Tensor]) -
 
 
 def attach_weights(path: Path, params: dict[str, torch.Tensor],
-                   real: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
-    """Turn the graph inputs of `path` named in `params` into initializers; the large ones go to
-    `NAME.onnx.data`, written one tensor at a time from the tensors' own memory (or `real(tensor)`'s, made
-    for the write and let go after it)."""
+                   real: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, blobs: Blobs | None = None,
+                   inline: Callable[[str], bool] = lambda name: False) -> None:
+    """Turn the graph inputs of `path` named in `params` into initializers; the large ones (but those `inline`
+    keeps in the graph) go to `blobs` (or `NAME.onnx.data`), written one tensor at a time from the tensors' own
+    memory (or `real(tensor)`'s, made for the write and let go after it)."""
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
-    side = side_file(path)
     inputs = list(proto.graph.input)
     weights = [i.name for i in inputs if i.name in params]
-    with open(side, "wb") as blob:
+    with _or_side_file(blobs, path) as store:
         for name in weights:
             t = real(params[name]).detach().cpu().contiguous()
             raw = t.reshape(-1).view(torch.uint8).numpy()
             init = onnx.TensorProto(name=name, dims=list(t.shape), data_type=_ONNX_DTYPE[t.dtype])
-            if raw.nbytes < _MIN_EXTERNAL:
+            if raw.nbytes < _MIN_EXTERNAL or inline(name):
                 init.raw_data = raw.tobytes()
             else:
-                _point_at(init, side.name, blob.tell(), raw.nbytes)
-                blob.write(raw.data)
+                store.point(init, raw)
             proto.graph.initializer.append(init)
     del proto.graph.input[:]
     proto.graph.input.extend(i for i in inputs if i.name not in params)
@@ -364,8 +375,56 @@ def attach_weights(path: Path, params: dict[str, torch.Tensor],
 
 
 def side_file(onnx_path: Path) -> Path:
-    """`NAME.onnx.data`: where a graph's weights wait until `share_weights` folds them into weights.bin."""
+    """`NAME.onnx.data`: where a graph exported on its own (in a forked copy of the stage) keeps its weights until
+    `share_weights` folds them into weights.bin."""
     return onnx_path.with_name(onnx_path.name + ".data")
+
+
+class Blobs:
+    """A weights file that holds each large tensor's bytes once, by content, as they are written: the prompt and
+    token graphs' copies of a weight, or a tied embedding and LM head, are one blob. Each blob starts 64-byte
+    aligned, so it can be memory-mapped as an array. Written straight to weights.bin, a 4B model's export needs
+    its ~19 GB of weights on disk; written per graph and folded afterwards, it needed ~55 GB."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.index: dict[bytes, tuple[int, int]] = {}  # sha-256 -> (offset, length)
+        self.written = self.saved = 0
+        self._fh: Any = None
+
+    def __enter__(self) -> Blobs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def put(self, raw: Any) -> tuple[int, int]:
+        """Store `raw` (bytes, or a contiguous array's memory) unless the same bytes are stored; their offset and
+        length. Flushed at once: the QDQ pass reads the float weights back while it writes the quantized ones."""
+        view = memoryview(raw).cast("B")
+        key = hashlib.sha256(view).digest()
+        if key in self.index:
+            self.saved += view.nbytes
+            return self.index[key]
+        if self._fh is None:  # the file exists once something is stored in it
+            self._fh = open(self.path, "wb")  # closed by __exit__
+        self._fh.write(b"\0" * (-self._fh.tell() % 64))
+        self.index[key] = (self._fh.tell(), view.nbytes)
+        self._fh.write(view)
+        self._fh.flush()
+        self.written += view.nbytes
+        return self.index[key]
+
+    def point(self, tensor: Any, raw: Any) -> None:
+        """Store `raw` and make the TensorProto `tensor` refer to it."""
+        _point_at(tensor, self.path.name, *self.put(raw))
+
+
+def _or_side_file(blobs: Blobs | None, onnx_path: Path) -> contextlib.AbstractContextManager[Blobs]:
+    """`blobs`, left open for the graphs still to come, or `onnx_path`'s own side file, closed after the `with`."""
+    return contextlib.nullcontext(blobs) if blobs is not None else Blobs(side_file(onnx_path))
 
 
 def _point_at(tensor: Any, location: str, offset: int, length: int) -> None:
@@ -385,17 +444,15 @@ _ONNX_DTYPE = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.uint16: 4,
                torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16}
 
 
-def _weights_to_side_file(proto: Any, path: Path) -> Any:
-    """Write the large tensors of `proto` to `NAME.onnx.data` and return a compact copy of it: aimet's passes
+def _weights_outside_proto(proto: Any, blobs: Blobs) -> Any:
+    """Write the large tensors still inside `proto` to `blobs` and return a compact copy of it: aimet's passes
     after the QDQ one copy every initializer (+1.8 GB on a 1B model), and a protobuf keeps the memory of
     cleared bytes until it is dropped."""
     import onnx
-    from onnx.external_data_helper import convert_model_to_external_data, write_external_data_tensors
 
-    # (onnx appends to what `_SideFile` wrote)
-    convert_model_to_external_data(proto, all_tensors_to_one_file=True, location=side_file(path).name,
-                                   size_threshold=_MIN_EXTERNAL)
-    write_external_data_tensors(proto, str(path.parent))
+    for t in _initializers(proto):
+        if t.HasField("raw_data") and len(t.raw_data) >= _MIN_EXTERNAL:
+            blobs.point(t, t.raw_data)
     compact = onnx.ModelProto()
     compact.ParseFromString(proto.SerializeToString())
     return compact
@@ -407,38 +464,23 @@ def _aimet_onnx_utils() -> Any:
     return _utils
 
 
-class _SideFile:
-    """`NAME.onnx.data`, which quantized weights are written to as they are made."""
+def _put_ir(blobs: Blobs, tensor: Any) -> Any:
+    """Store an onnx_ir tensor's bytes; an onnx_ir tensor that points at them."""
+    import onnx_ir
 
-    def __init__(self, onnx_path: Path) -> None:
-        self.path = side_file(onnx_path)
-
-    def __enter__(self) -> _SideFile:
-        self.fh = open(self.path, "wb")  # closed by __exit__
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.fh.close()
-
-    def put(self, tensor: Any) -> Any:
-        """Write `tensor`'s bytes and return an onnx_ir tensor that points at them."""
-        import onnx_ir
-
-        offset = self.fh.tell()
-        tensor.tofile(self.fh)
-        self.fh.flush()  # aimet may read it back
-        return onnx_ir.ExternalTensor(self.path.name, offset, self.fh.tell() - offset, tensor.dtype,
-                                      shape=tensor.shape, name=tensor.name, base_dir=str(self.path.parent))
+    offset, length = blobs.put(tensor.tobytes())
+    return onnx_ir.ExternalTensor(blobs.path.name, offset, length, tensor.dtype, shape=tensor.shape,
+                                  name=tensor.name, base_dir=str(blobs.path.parent))
 
 
-def _lean_quantize_const(aimets: Any, side: _SideFile, const: Any, name: str, y_scale: Any, y_zero_point: Any,
+def _lean_quantize_const(aimets: Any, blobs: Blobs, const: Any, name: str, y_scale: Any, y_zero_point: Any,
                          axis: Any, block_size: Any, output_dtype: str, per_block_int_scale: Any, opset: Any) -> Any:
     """aimet's `_quantize_const`, computed a slab of rows at a time into the integer array.
 
     aimet divides the whole fp32 weight in float64 (an int64 zero point is added) and rounds and clips it
     in new arrays: about 6x the weight at once, 6 GB for a 1B model's 1 GB LM head. Same operations, same
     dtypes per element, so the same integers (tests compare with aimet's own export). The result goes
-    straight to the side file and the weight's memory-mapped bytes are released: the pass then holds one
+    straight to the weights file and the weight's memory-mapped bytes are released: the pass then holds one
     weight at a time, not all of them quantized (+1.8 GB on a 1B model, twice: in the graph and its proto)."""
     import numpy as np
 
@@ -467,7 +509,7 @@ def _lean_quantize_const(aimets: Any, side: _SideFile, const: Any, name: str, y_
     value = opset.DequantizeLinear.make_arr(out, dtype=output_dtype, name=name)
     del out
     if value.const_value.nbytes >= _MIN_EXTERNAL:
-        value.const_value = side.put(value.const_value)  # the graph holds no copy of the quantized weights
+        value.const_value = _put_ir(blobs, value.const_value)  # the graph holds no copy of the quantized weights
     return value
 
 
@@ -494,50 +536,33 @@ def _add_input_encodings(data: dict[str, Any], quantizers: dict[str, Any]) -> No
             "enc_type": "PER_TENSOR"})
 
 
-def share_weights(onnx_files: list[Path], out: Path) -> dict[str, int]:
-    """Move every large initializer of `onnx_files` into one content-addressed `weights.bin`.
+def share_weights(onnx_files: list[Path], blobs: Blobs) -> None:
+    """Move the large initializers of `onnx_files` that are not in `blobs` yet (those of graphs exported in a
+    forked copy of the stage, in their side files) into it, then delete the side files.
 
-    A blob already written (same bytes: the other graph's copy, or a tied head) is referenced, not
-    written again. Tensors are read one at a time from the graphs' side files (a whole 1B graph loaded
-    at once was 5 GB). Each .onnx is rewritten atomically; returns bytes written and bytes saved.
-    """
+    Read a tensor at a time, float graphs first and each file's blobs in the order they were written, so the
+    weights file comes out as the stage writes it in one process: blob for blob, byte for byte. Each .onnx
+    changed is rewritten atomically."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
-    blob_path = out / layout.WEIGHTS
-    offsets: dict[str, tuple[int, int]] = {}
-    written = saved = 0
-    with open(blob_path, "ab") as blob:
-        for f in onnx_files:
-            model = onnx.load(str(f), load_external_data=False)
-            for t in _initializers(model):
-                if uses_external_data(t):
-                    info = ExternalDataInfo(t)
-                    with open(f.parent / info.location, "rb") as fh:
-                        fh.seek(info.offset or 0)
-                        raw = fh.read(info.length) if info.length else fh.read()
-                else:
-                    raw = t.raw_data
-                if len(raw) < _MIN_EXTERNAL:
-                    continue
-                key = hashlib.sha256(raw).hexdigest()
-                if key in offsets:
-                    saved += len(raw)
-                else:
-                    pad = (-blob.tell()) % 64  # aligned blobs can be memory-mapped as arrays
-                    blob.write(b"\0" * pad)
-                    offsets[key] = (blob.tell(), len(raw))
-                    blob.write(raw)
-                    written += len(raw)
-                del raw
-                _point_at(t, layout.WEIGHTS, *offsets[key])
+    for f in sorted(onnx_files, key=lambda f: f.stem.endswith("_qdq")):
+        model = onnx.load(str(f), load_external_data=False)
+        outside = [(ExternalDataInfo(t), t) for t in _initializers(model) if uses_external_data(t)]
+        moved = [(info, t) for info, t in outside if info.location != blobs.path.name]
+        for info, t in sorted(moved, key=lambda it: (it[0].location, it[0].offset or 0)):
+            with open(f.parent / info.location, "rb") as fh:
+                fh.seek(info.offset or 0)
+                raw = fh.read(info.length) if info.length else fh.read()
+            blobs.point(t, raw)
+            del raw
+        if moved:
             tmp = f.with_name(f.name + ".tmp")
             onnx.save(model, str(tmp))
             os.replace(tmp, f)
-            del model
+        del model
     for f in onnx_files:  # only now: a QDQ graph may still have read its float twin's side file
         side_file(f).unlink(missing_ok=True)
-    return {"weights_bytes": written, "deduplicated_bytes": saved}
 
 
 def _initializers(model: Any) -> list[Any]:
