@@ -210,6 +210,24 @@ def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, 
     assert "weights.bin" in listed and f"test_vectors/{PROMPT}.npz" in listed
 
 
+def test_a_quantize_the_disk_cannot_hold_is_refused_before_it_starts(w8: tuple[Project, list[Partial]],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the stage writes is estimated from the model (weights.bin: its float32 weights and the quantized ones)
+    and held against the disk's free space before any work: the project keeps its last quantize output."""
+    from npustudio.core import host_cost
+    from npustudio.core.results import load_card
+
+    p = w8[0]
+    weights = p.stage_dir("quantize") / "weights.bin"
+    written, stamp, rec = weights.stat().st_size, weights.stat().st_mtime_ns, p.record("quantize")
+    need = host_cost.quantize_disk_bytes(load_card(p.stage_dir("adapt")), "w8a16")
+    assert written <= need <= 1.01 * written  # the files beside weights.bin are small
+    monkeypatch.setattr(host_cost.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(2**40, 2**40, need - 1))
+    with pytest.raises(UserError, match=r"The quantize stage writes about 0.0 GB \(an estimate\) to .* 0.0 GB free"):
+        pipeline.quantize(p, QuantizeOptions(precision="w8a16", **FAST), State(), force=True)
+    assert p.record("quantize") == rec and weights.stat().st_mtime_ns == stamp
+
+
 def test_work_beside_the_stage_writes_what_one_process_writes(w8: tuple[Project, list[Partial]], tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A small model is calibrated half in a forked copy of the stage (its observed ranges merged back) and its

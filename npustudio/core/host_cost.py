@@ -11,6 +11,8 @@ cannot hold instead of letting the system's out-of-memory killer end it.
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -204,3 +206,24 @@ def check_fits(card: Any, stage: str, gguf: bool = False, whole_float32: bool = 
                         f"{need / 2**30:.1f} GiB of memory (an estimate); this computer has {ram / 2**30:.1f} GiB.",
                         "Use a machine with more memory, a smaller model, or run the heavy stages on a computer "
                         "that has it.")
+
+
+def quantize_disk_bytes(card: Any, precision: str) -> int:
+    """What the quantize stage writes, nearly all of it weights.bin: the float32 weights (the float graphs the QAIRT
+    SDK reads) and the quantized ones (the QDQ graphs onnxruntime-qnn reads), each stored once for both graphs. A
+    tied table is two there: the embedding on its 16-bit grid, the LM head on its 8-bit one."""
+    from .models import fit_estimate
+
+    tied = card.vocab * card.hidden if card.tied_embeddings else 0
+    return 4 * (card.params + tied) + fit_estimate(card, precision, 1024).weight_bytes
+
+
+def check_disk(folder: Path, stage: str, need: int) -> None:
+    """Refuse a stage whose output would not fit on the disk it is written to, before it starts (a Qwen3-4B shape's
+    quantize stage wrote for 75 minutes, then found the disk full)."""
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise UserError(f"The {stage} stage writes about {need / 1e9:.1f} GB (an estimate) to {folder}; that disk has "
+                        f"{free / 1e9:.1f} GB free.",
+                        "Free space on that disk, or move the project to a disk with more room, then run the stage "
+                        "again.")
