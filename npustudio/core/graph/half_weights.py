@@ -34,17 +34,20 @@ def hold_packed(module: nn.Module, name: str, held: torch.Tensor, unpack: Callab
     module.__dict__.setdefault(UNPACK, {})[name] = unpack
 
 
+def _packed(module: nn.Module, name: str, p: torch.Tensor) -> bool:
+    """Whether `module.name`, held as `p`, is integer codes `hold_packed` registered."""
+    return name in module.__dict__.get(UNPACK, {}) and not p.is_floating_point()
+
+
 def narrow(module: nn.Module) -> dict[str, nn.Parameter]:
     """`module`'s own parameters that are held narrower than float32 (16-bit or packed), by name."""
-    unpack = module.__dict__.get(UNPACK, {})
     return {n: p for n, p in module._parameters.items()
-            if p is not None and (p.dtype in HALF or (n in unpack and not p.is_floating_point()))}
+            if p is not None and (p.dtype in HALF or _packed(module, n, p))}
 
 
 def wide_value(module: nn.Module, name: str, p: torch.Tensor) -> torch.Tensor:
     """The float32 values of `module.name`, held as `p` (16-bit or packed)."""
-    unpack = module.__dict__.get(UNPACK, {})
-    return unpack[name](p) if name in unpack and not p.is_floating_point() else p.float()
+    return module.__dict__[UNPACK][name](p) if _packed(module, name, p) else p.float()
 
 
 def widen_module(module: nn.Module) -> dict[str, nn.Parameter]:
