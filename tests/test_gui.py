@@ -69,6 +69,8 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert m.advice.text().startswith("Recommended: w8a16 for a phone")
     mnn = {r[0]: r[5] for r in cells(m.fit)}  # the MNN model's size at each weight width, beside the bundle's
     assert mnn["w8a16"].endswith(("KB", "MB")) and mnn["w4a16"] != mnn["w8a16"]
+    assert "This computer, estimated: adapt" in m.host.text()
+    assert " at w8a16, " in m.host.text() and "to disk." in m.host.text()  # the quantize stage's output
     shot(w, "tiny_model")
 
     # Target: picked from the SoC table

@@ -255,8 +255,12 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     from npustudio.core.project import Project
 
     assert main(["info", str(tiny_llama), "--json"]) == 0
-    host = json.loads(capsys.readouterr().out)["host"]
+    info = json.loads(capsys.readouterr().out)
+    host = info["host"]
     assert [s["stage"] for s in host["stages"]] == ["adapt", "quantize", "compile"] and host["fits"]
+    # what the quantize stage writes: the float32 weights, then the quantized ones, fewer bytes at 4 bits
+    disk = host["quantize_disk_bytes"]
+    assert list(disk) == ["w8a16", "w4a16"] and disk["w8a16"] > disk["w4a16"] > 4 * info["params"]
     small, big = (host_cost.estimate(_card(params=n)) for n in (135_000_000, 1_235_814_400))
     assert all(b.peak_ram_bytes > s.peak_ram_bytes and b.seconds > s.seconds
                for s, b in zip(small.stages, big.stages, strict=True))

@@ -73,6 +73,10 @@ def host_table(h: Any) -> None:
     if h.int8_budget_seconds:
         out.print(f"at w4a16 the int8 budget (--int8-budget, default {DEFAULT_INT8_BUDGET:.0%}) measures which "
                   f"weights to keep int8: +{about_duration(h.int8_budget_seconds)}")
+    if h.quantize_disk_bytes:
+        out.print("the quantize stage writes to disk about "
+                  + ", ".join(f"{human_bytes(n)} at {p}" for p, n in h.quantize_disk_bytes.items())
+                  + " (its weights file: the float32 weights and the quantized ones)")
     out.print(("fits this computer's memory" if h.fits else "[bold red]needs more memory than this computer has[/]")
               + f" ({h.note})")
 

@@ -69,6 +69,7 @@ class HostEstimate(BaseModel):
     stages: list[StageCost]
     recipes: list[RecipeCost] = []
     int8_budget_seconds: float = 0.0  # added to the quantize stage by --int8-budget at w4a16
+    quantize_disk_bytes: dict[str, int] = {}  # precision -> what the quantize stage writes (`quantize_disk_bytes`)
     peak_ram_bytes: int
     seconds: float
     machine_ram_bytes: int | None
@@ -187,12 +188,15 @@ def recipe_costs(card: Any, cpus: int | None = None) -> list[RecipeCost]:
 
 
 def estimate(card: Any, gguf: bool = False) -> HostEstimate:
+    from .models import PRECISIONS
+
     cpus = os.cpu_count() or 1
     stages = [stage_cost(s, card, gguf, cpus) for s in RATES]
     peak = max(s.peak_ram_bytes for s in stages)
     ram = machine_ram()
     return HostEstimate(stages=stages, peak_ram_bytes=peak,
                         recipes=recipe_costs(card, cpus), int8_budget_seconds=int8_budget_seconds(card, cpus),
+                        quantize_disk_bytes={p: quantize_disk_bytes(card, p) for p in PRECISIONS},
                         seconds=round(sum(s.seconds for s in stages)), machine_ram_bytes=ram, cpus=cpus,
                         fits=ram is None or peak <= ram)
 
