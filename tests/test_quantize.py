@@ -219,9 +219,12 @@ def test_a_quantize_the_disk_cannot_hold_is_refused_before_it_starts(w8: tuple[P
 
     p = w8[0]
     weights = p.stage_dir("quantize") / "weights.bin"
-    written, stamp, rec = weights.stat().st_size, weights.stat().st_mtime_ns, p.record("quantize")
+    written = sum(f.stat().st_size for f in p.stage_dir("quantize").rglob("*") if f.is_file())
+    stamp, rec = weights.stat().st_mtime_ns, p.record("quantize")
     need = host_cost.quantize_disk_bytes(load_card(p.stage_dir("adapt")), "w8a16")
-    assert written <= need <= 1.01 * written  # the files beside weights.bin are small
+    # at least its weights file; at most all it wrote (a tiny model's graphs and encodings are large beside its
+    # weights: the Qwen3-4B shape's 22.42 GB were estimated at 22.36)
+    assert weights.stat().st_size <= need <= written
     monkeypatch.setattr(host_cost.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(2**40, 2**40, need - 1))
     with pytest.raises(UserError, match=r"The quantize stage writes about 0.0 GB \(an estimate\) to .* 0.0 GB free"):
         pipeline.quantize(p, QuantizeOptions(precision="w8a16", **FAST), State(), force=True)

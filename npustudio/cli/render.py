@@ -76,7 +76,7 @@ def host_table(h: Any) -> None:
     if h.quantize_disk_bytes:
         out.print("the quantize stage writes to disk about "
                   + ", ".join(f"{human_bytes(n)} at {p}" for p, n in h.quantize_disk_bytes.items())
-                  + " (its weights file: the float32 weights and the quantized ones)")
+                  + " (mostly its weights file: the float32 weights and the quantized ones)")
     out.print(("fits this computer's memory" if h.fits else "[bold red]needs more memory than this computer has[/]")
               + f" ({h.note})")
 

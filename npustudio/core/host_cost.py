@@ -46,8 +46,11 @@ GGUF_EXTRA_BYTES_PER_PARAM = 4.0  # transformers dequantizes a GGUF file into a 
 HALF_SAVES_BYTES_PER_PARAM = 2.0
 # the quantize stage of a 16-bit checkpoint on the plain recipe holds its weights as stored until the fold, then as
 # int8 codes, and exports from stand-ins (MiB, bytes per parameter), fitted to two w4a16 runs: the Llama-3.2-1B
-# shape's 6,178 MiB (widened whole: 8,002) and the Qwen3-4B shape's 12,276 MiB (its export then ended on a full disk)
-QUANTIZE_16BIT_RATES = (3473.0, 2.3)
+# shape's 6,178 MiB (widened whole: 8,002) and the Qwen3-4B shape's 11,921 MiB
+QUANTIZE_16BIT_RATES = (3630.0, 2.16)
+# the AIMET 1.0.0 .encodings file lists each LPBQ block's integer scale: 12.8 bytes a block (the Qwen3-4B shape at
+# w4a16: 692 MB a graph)
+LPBQ_ENCODINGS_BYTES_PER_BLOCK = 12.8
 
 
 class StageCost(BaseModel):
@@ -213,13 +216,19 @@ def check_fits(card: Any, stage: str, gguf: bool = False, whole_float32: bool = 
 
 
 def quantize_disk_bytes(card: Any, precision: str) -> int:
-    """What the quantize stage writes, nearly all of it weights.bin: the float32 weights (the float graphs the QAIRT
-    SDK reads) and the quantized ones (the QDQ graphs onnxruntime-qnn reads), each stored once for both graphs. A
-    tied table is two there: the embedding on its 16-bit grid, the LM head on its 8-bit one."""
-    from .models import fit_estimate
+    """What the quantize stage writes: weights.bin, the float32 weights (the float graphs the QAIRT SDK reads) and
+    the quantized ones (the QDQ graphs onnxruntime-qnn reads), each stored once for both graphs (a tied table is
+    two there: the embedding on its 16-bit grid, the LM head on its 8-bit one); at 4 bits also the two graphs'
+    .encodings files, which list every LPBQ block's integer scale; the test vectors, about three of the prompt
+    graph's float32 logits. Qwen3-4B shape at w4a16: 22.42 GB written, 22.36 estimated."""
+    from .models import PRECISIONS, _layer_params, fit_estimate
+    from .stage_options import DEFAULT_INT8_BUDGET
 
     tied = card.vocab * card.hidden if card.tied_embeddings else 0
-    return 4 * (card.params + tied) + fit_estimate(card, precision, 1024).weight_bytes
+    blocks = (1 - DEFAULT_INT8_BUDGET) * card.layers * _layer_params(card)[0] / 64 if \
+        PRECISIONS[precision]["layer"] < 8 else 0
+    return (4 * (card.params + tied) + fit_estimate(card, precision, 1024).weight_bytes
+            + int(2 * LPBQ_ENCODINGS_BYTES_PER_BLOCK * blocks) + 3 * 4 * 128 * card.vocab)
 
 
 def check_disk(folder: Path, stage: str, need: int) -> None:

@@ -384,7 +384,7 @@ class Blobs:
     """A weights file that holds each large tensor's bytes once, by content, as they are written: the prompt and
     token graphs' copies of a weight, or a tied embedding and LM head, are one blob. Each blob starts 64-byte
     aligned, so it can be memory-mapped as an array. Written straight to weights.bin, a 4B model's export needs
-    its ~19 GB of weights on disk; written per graph and folded afterwards, it needed ~55 GB."""
+    its 20.8 GB of weights on disk; written per graph and folded afterwards, it needed ~55 GB."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
