@@ -35,6 +35,11 @@ def human_bytes(n: float) -> str:
     return f"{n}"
 
 
+def per_precision(sizes: dict[str, int]) -> str:
+    """Byte counts keyed by precision, in one phrase: "22.7 GB at w8a16, 22.4 GB at w4a16"."""
+    return ", ".join(f"{human_bytes(n)} at {p}" for p, n in sizes.items())
+
+
 def kept_int8(groups: list[str], share: float) -> str:
     """What `--int8-budget` kept at 8 bits, in one line: the groups and their share of the decoder's linear weights."""
     return f"{', '.join(groups) or 'nothing'} ({share:.1%} of the decoder's linear weights)"

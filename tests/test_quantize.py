@@ -20,7 +20,7 @@ from npustudio.core.graph import encodings
 from npustudio.core.graph.exported import read_test_vectors
 from npustudio.core.progress import Partial, State
 from npustudio.core.project import Project
-from npustudio.core.quantize import QuantizeOptions
+from npustudio.core.quantize import QuantizeOptions, adapt_graphs
 from npustudio.core.quantize.presets import Overrides, load_overrides
 from npustudio.core.stage_options import RECIPE_STEPS
 
@@ -221,7 +221,8 @@ def test_a_quantize_the_disk_cannot_hold_is_refused_before_it_starts(w8: tuple[P
     weights = p.stage_dir("quantize") / "weights.bin"
     written = sum(f.stat().st_size for f in p.stage_dir("quantize").rglob("*") if f.is_file())
     stamp, rec = weights.stat().st_mtime_ns, p.record("quantize")
-    need = host_cost.quantize_disk_bytes(load_card(p.stage_dir("adapt")), "w8a16")
+    ar = adapt_graphs(p.stage_dir("adapt"))[0]
+    need = host_cost.quantize_disk_bytes(load_card(p.stage_dir("adapt")), "w8a16", ar)
     # at least its weights file; at most all it wrote (a tiny model's graphs and encodings are large beside its
     # weights: the Qwen3-4B shape's 22.42 GB were estimated at 22.36)
     assert weights.stat().st_size <= need <= written

@@ -53,7 +53,7 @@ def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str
 
 
 def host_table(h: Any) -> None:
-    from ..display import human_bytes
+    from ..display import human_bytes, per_precision
 
     ram = human_bytes(h.machine_ram_bytes) if h.machine_ram_bytes else "unknown"
     t = Table(title=f"This computer ({h.cpus} CPUs, {ram} RAM): estimate per stage")
@@ -74,9 +74,8 @@ def host_table(h: Any) -> None:
         out.print(f"at w4a16 the int8 budget (--int8-budget, default {DEFAULT_INT8_BUDGET:.0%}) measures which "
                   f"weights to keep int8: +{about_duration(h.int8_budget_seconds)}")
     if h.quantize_disk_bytes:
-        out.print("the quantize stage writes to disk about "
-                  + ", ".join(f"{human_bytes(n)} at {p}" for p, n in h.quantize_disk_bytes.items())
-                  + " (mostly its weights file: the float32 weights and the quantized ones)")
+        out.print(f"the quantize stage writes to disk about {per_precision(h.quantize_disk_bytes)}"
+                  " (mostly its weights file: the float32 weights and the quantized ones)")
     out.print(("fits this computer's memory" if h.fits else "[bold red]needs more memory than this computer has[/]")
               + f" ({h.note})")
 

@@ -215,20 +215,23 @@ def check_fits(card: Any, stage: str, gguf: bool = False, whole_float32: bool = 
                         "that has it.")
 
 
-def quantize_disk_bytes(card: Any, precision: str) -> int:
+def quantize_disk_bytes(card: Any, precision: str, ar: int | None = None, int8_budget: float | None = None) -> int:
     """What the quantize stage writes: weights.bin, the float32 weights (the float graphs the QAIRT SDK reads) and
-    the quantized ones (the QDQ graphs onnxruntime-qnn reads), each stored once for both graphs (a tied table is
-    two there: the embedding on its 16-bit grid, the LM head on its 8-bit one); at 4 bits also the two graphs'
-    .encodings files, which list every LPBQ block's integer scale; the test vectors, about three of the prompt
-    graph's float32 logits. Qwen3-4B shape at w4a16: 22.42 GB written, 22.36 estimated."""
-    from .models import PRECISIONS, _layer_params, fit_estimate
-    from .stage_options import DEFAULT_INT8_BUDGET
+    the quantized ones (the QDQ graphs onnxruntime-qnn reads), each stored once for the prompt and token graphs (a
+    tied table is two there: the embedding on its 16-bit grid, the LM head on its 8-bit one); at 4 bits also the two
+    graphs' .encodings files, which list every LPBQ block's integer scale of the weights left int4 (`int8_budget`:
+    the share kept int8, the stage's default unless given); the test vectors, about three of the prompt graph's
+    float32 logits (`ar` tokens, the adapt stage's default unless given). Qwen3-4B shape at w4a16: 22.42 GB
+    written, 22.36 estimated."""
+    from .models import PRECISIONS, _layer_params, weight_bytes
+    from .stage_options import DEFAULT_INT8_BUDGET, AdaptOptions
 
+    ar = ar or AdaptOptions().ar
+    share = DEFAULT_INT8_BUDGET if int8_budget is None else int8_budget
     tied = card.vocab * card.hidden if card.tied_embeddings else 0
-    blocks = (1 - DEFAULT_INT8_BUDGET) * card.layers * _layer_params(card)[0] / 64 if \
-        PRECISIONS[precision]["layer"] < 8 else 0
-    return (4 * (card.params + tied) + fit_estimate(card, precision, 1024).weight_bytes
-            + int(2 * LPBQ_ENCODINGS_BYTES_PER_BLOCK * blocks) + 3 * 4 * 128 * card.vocab)
+    blocks = (1 - share) * card.layers * _layer_params(card)[0] / 64 if PRECISIONS[precision]["layer"] < 8 else 0
+    return (4 * (card.params + tied) + weight_bytes(card, precision)
+            + int(2 * LPBQ_ENCODINGS_BYTES_PER_BLOCK * blocks) + 3 * 4 * ar * card.vocab)
 
 
 def check_disk(folder: Path, stage: str, need: int) -> None:

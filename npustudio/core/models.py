@@ -728,16 +728,19 @@ def mnn_bytes(card: ArchCard, bits: int, block: int, lm_head_bits: int = 8) -> i
     return linear * bits // 8 + 8 * groups + head + embed + 4 * card.hidden * (2 * card.layers + 1)
 
 
+def weight_bytes(card: ArchCard, precision: str) -> int:
+    """The model's weights at `precision`: the embedding table, the LM head and every layer, norms kept 16-bit."""
+    b = PRECISIONS[precision]
+    layer_bytes = _layer_params(card)[0] * b["layer"] / 8 + 2 * card.hidden * 2
+    return int(card.vocab * card.hidden * (b["embed"] + b["lm_head"]) / 8 + card.layers * layer_bytes)
+
+
 def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 128,
                  max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> FitEstimate:
     b = PRECISIONS[precision]
-    d = card.hidden
-    layer_params, _ = _layer_params(card)
-    layer_bytes = layer_params * b["layer"] / 8 + 2 * d * 2  # norms kept 16-bit
-    embed = card.vocab * d * b["embed"] / 8
-    head = card.vocab * d * b["lm_head"] / 8
-    weights = int(embed + head + card.layers * layer_bytes)
-    on_htp = weights - int(embed)  # the lookup table stays on the CPU, and decode reads one row of it
+    weights = weight_bytes(card, precision)
+    # the lookup table stays on the CPU, and decode reads one row of it
+    on_htp = weights - int(card.vocab * card.hidden * b["embed"] / 8)
     kv = card.kv_bytes_per_token * context_length
     ar = min(ar, max(1, context_length - 1))
     pm = part_model(card, precision, ar, context_length)

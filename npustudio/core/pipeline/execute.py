@@ -183,7 +183,9 @@ def _quantize_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, st
     if card is not None:  # a recipe that trains or rewrites the weights widens a 16-bit model whole
         host_cost.check_fits(card, "quantize", whole_float32=widens(options.recipe))
         if options.export:
-            host_cost.check_disk(out, "quantize", host_cost.quantize_disk_bytes(card, options.precision))
+            ar = quantize_stage.adapt_graphs(inputs["adapt"])[0]
+            host_cost.check_disk(out, "quantize", host_cost.quantize_disk_bytes(card, options.precision, ar,
+                                                                                options.int8_budget))
     free_big_blocks_at_once()
     return quantize_stage.run(inputs["adapt"], options, out, state).model_dump()
 

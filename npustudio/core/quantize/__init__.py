@@ -80,7 +80,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     validate(options, model.spec)
     check_overrides(options.overrides, model)  # before any calibration: a typo must not cost a run
     model.to(device)
-    ar, cl, graph_list = _adapt_graphs(adapt_dir)
+    ar, cl, graph_list = adapt_graphs(adapt_dir)
     spec = model.spec
     plan = _eval_plan(adapt_dir, options, cl)
     reference = _reference(adapt_dir, plan)
@@ -223,8 +223,9 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
             for t, name in zip(traced, graph_list, strict=True):
                 state.check()
                 files += [*export.write_qdq(t, blobs), _vector_file(out_dir, name)]
-        if files:
+        if exports:  # graphs exported in forked copies wrote side files; the graphs written here point at blobs
             export.share_weights([f for f in files if f.suffix == ".onnx"], blobs)
+        if files:
             files.append(out_dir / layout.WEIGHTS)
             for f in COPIED_FILES:
                 if (adapt_dir / f).is_file():
@@ -284,7 +285,7 @@ def _vector_file(out_dir: Path, graph: str) -> Path:
     return out_dir / layout.TEST_VECTORS / f"{graph}.npz"
 
 
-def _adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
+def adapt_graphs(adapt_dir: Path) -> tuple[int, int, list[str]]:
     """AR, CL and the names of the prompt and token graphs, as the adapt stage wrote them."""
     specs = {g.kind: g for g in load_graphs(adapt_dir)}
     return specs["prompt"].ar, specs["prompt"].cl, [specs["prompt"].name, specs["token"].name]
@@ -305,7 +306,7 @@ def resolved(options: QuantizeOptions, adapt_dir: Path) -> QuantizeOptions:
     the adapt stage's plan). The stage key hashes these: `npustudio run` passed its eval corpus ("default") where
     `npustudio quantize` left it unset, the same eval, and the quantize stage (2-5 min on the default model) was
     redone for nothing."""
-    plan = _eval_plan(adapt_dir, options, _adapt_graphs(adapt_dir)[1])
+    plan = _eval_plan(adapt_dir, options, adapt_graphs(adapt_dir)[1])
     return options.model_copy(update={
         "target": find_soc(options.target).soc, "int8_budget": int8_budget_of(options.precision, options.int8_budget),
         "eval_corpus": plan.corpus, "eval_chars": plan.chars,
@@ -345,7 +346,7 @@ def calibration(adapt_dir: Path, options: QuantizeOptions) -> list[list[int]]:
     """The token sequences the stage calibrates with for `options`, cut to the adapted graphs' context (the
     tokenizer, ~50 MB for a 128k vocabulary, is let go before the quantsim's peak)."""
     ids = _tokenizer(adapt_dir)(load_corpus(options.calib_corpus, "calib"))["input_ids"]
-    return _sequences(ids, options, _adapt_graphs(adapt_dir)[1])
+    return _sequences(ids, options, adapt_graphs(adapt_dir)[1])
 
 
 def _sequences(ids: list[int], o: QuantizeOptions, cl: int) -> list[list[int]]:

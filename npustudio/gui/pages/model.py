@@ -139,7 +139,7 @@ class ModelPage(Page):
                         for s in h.stages)
         verdict = "fits this computer's memory" if h.fits else "needs more memory than this computer has"
         recipes = ", ".join(f"{r.recipe} +{about_duration(r.seconds)}" for r in h.recipes if r.seconds)
-        disk = ", ".join(f"{display.human_bytes(n)} at {p}" for p, n in h.quantize_disk_bytes.items())
+        disk = display.per_precision(h.quantize_disk_bytes)
         self.host.setText(f"This computer, estimated: {per} — {verdict}."
                           + (f" Quantize recipes add: {recipes}." if recipes else "")
                           + (f" Quantize writes {disk} to disk." if disk else ""))
