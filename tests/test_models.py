@@ -265,6 +265,9 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     assert all(b.peak_ram_bytes > s.peak_ram_bytes and b.seconds > s.seconds
                for s, b in zip(small.stages, big.stages, strict=True))
     assert 6e9 < big.stages[0].peak_ram_bytes < 9e9  # adapt of a 1B model (measured 6.8 GB)
+    # the compile of a model in several parts holds one part at a time: a 4B model's was 7.6 GB, not 4x a 1B's 5.9
+    four_b = host_cost.estimate(_card(params=4_022_468_096, hidden=2560, layers=36, intermediate=9728))
+    assert 7e9 < four_b.stages[2].peak_ram_bytes < 9e9 and 5.5e9 < big.stages[2].peak_ram_bytes < 7e9
     # a bf16 checkpoint's weights stay bf16 in adapt (measured 5.1 GB); the MNN export widens them whole
     half = _card(params=1_235_814_400, stored_bits=16)
     assert 4.5e9 < host_cost.estimate(half).stages[0].peak_ram_bytes < 6.5e9

@@ -48,6 +48,12 @@ HALF_SAVES_BYTES_PER_PARAM = 2.0
 # int8 codes, and exports from stand-ins (MiB, bytes per parameter), fitted to two w4a16 runs: the Llama-3.2-1B
 # shape's 6,178 MiB (widened whole: 8,002) and the Qwen3-4B shape's 11,921 MiB
 QUANTIZE_16BIT_RATES = (3630.0, 2.16)
+# the compile stage gives the HTP compiler one part of a graph at a time: beyond the size one part holds (the
+# Llama-3.2-1B shape, 1.24 B parameters, compiles in one part) its memory grows only with what the simulator check
+# loads, all of a graph's part contexts (the Qwen3-4B shape in 3 parts: 7,642 MiB peak RSS, the 3.2 B/param of one
+# part would say 11,900)
+COMPILE_ONE_PART_PARAMS = 1.24e9
+COMPILE_BYTES_PER_PARAM_BEYOND = 0.63
 # the AIMET 1.0.0 .encodings file lists each LPBQ block's integer scale: 12.8 bytes a block (the Qwen3-4B shape at
 # w4a16: 692 MB a graph)
 LPBQ_ENCODINGS_BYTES_PER_BLOCK = 12.8
@@ -115,6 +121,9 @@ def stage_cost(stage: str, card: Any, gguf: bool = False, cpus: int | None = Non
         ram -= HALF_SAVES_BYTES_PER_PARAM * (params - rescaled_params(card))
     elif stage == "quantize" and card.stored_bits == 16 and not whole_float32:
         ram = QUANTIZE_16BIT_RATES[0] * MB + QUANTIZE_16BIT_RATES[1] * params
+    elif stage == "compile" and params > COMPILE_ONE_PART_PARAMS:
+        ram = (base * MB + per_param * COMPILE_ONE_PART_PARAMS
+               + COMPILE_BYTES_PER_PARAM_BEYOND * (params - COMPILE_ONE_PART_PARAMS))
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
     return StageCost(stage=stage, peak_ram_bytes=int(ram), seconds=round((secs + per_mparam * params / 1e6) * scale))
 
