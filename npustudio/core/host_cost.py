@@ -52,7 +52,7 @@ QUANTIZE_16BIT_RATES = (3630.0, 2.16)
 # the compile stage gives the HTP compiler one part of a graph at a time: beyond the size one part holds (the
 # Llama-3.2-1B shape, 1.24 B parameters, compiles in one part) its memory grows only with what the simulator check
 # loads, all of a graph's part contexts (the Qwen3-4B shape in 3 parts: 7,642 MiB peak RSS, the 3.2 B/param of one
-# part would say 11,900)
+# part would say 14,476)
 COMPILE_ONE_PART_PARAMS = 1.24e9
 COMPILE_BYTES_PER_PARAM_BEYOND = 0.63
 # the AIMET 1.0.0 .encodings file lists each LPBQ block's integer scale: 12.8 bytes a block (the Qwen3-4B shape at
