@@ -57,9 +57,8 @@ def main() -> None:
     from npustudio.core.graph import store
     from npustudio.core.graph.kv_cache import KVCacheRunner
     from npustudio.core.progress import State
-    from npustudio.core.quantize import QuantizeOptions, calibration, int8_budget
+    from npustudio.core.quantize import QuantizeOptions, adapt_graphs, calibration, int8_budget
     from npustudio.core.quantize.presets import Overrides, int8_budget_of, preset
-    from npustudio.core.results import load_graphs
 
     if a.adapted:
         adapt_dir = Path(a.adapted)
@@ -70,8 +69,7 @@ def main() -> None:
     options = QuantizeOptions(precision="w4a16", int8_budget=a.budget)
     budget = int8_budget_of(options.precision, options.int8_budget)
     model, inv_freq = store.load(adapt_dir)
-    graphs = {g.kind: g for g in load_graphs(adapt_dir)}
-    ar, cl = graphs["prompt"].ar, graphs["prompt"].cl
+    ar, cl, _ = adapt_graphs(adapt_dir)
     calib = calibration(adapt_dir, options)
     score = partial(KVCacheRunner.over(model, ar, cl, inv_freq).score, decode_tokens=0)
 
