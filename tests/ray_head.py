@@ -7,8 +7,9 @@ import os
 import signal
 import socket
 import subprocess
-import sys
+import sysconfig
 import time
+import venv
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,12 @@ def loopback_head(cpus: int, temp_dir: Path) -> Iterator[str]:
     `ray stop` would stop every Ray process of this user on the machine (another test run's head, a developer's
     own cluster): the head runs in the foreground (`--block`) in a process group of its own, which is ended."""
     port = free_port()
-    ray = Path(sys.executable).with_name("ray")
     temp_dir.mkdir(parents=True, exist_ok=True)
+    python = layered_venv(temp_dir / "venv")
     log = open(temp_dir / "head.log", "w+")  # closed below, after the head is gone
     head = subprocess.Popen(
-        [str(ray), "start", "--head", "--block", f"--port={port}", f"--num-cpus={cpus}", "--num-gpus=0",
+        [str(python), "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+         f"--num-cpus={cpus}", "--num-gpus=0",
          "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
          f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"],
         env=os.environ | ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -48,6 +50,19 @@ def loopback_head(cpus: int, temp_dir: Path) -> Iterator[str]:
     finally:
         _end_group(head)
         log.close()
+
+
+def layered_venv(root: Path) -> Path:
+    """A virtualenv of its own that imports this one's packages; its python. The head and its workers run in it:
+    for a `pip` runtime_env (--cluster-install) Ray copies the workers' virtualenv whole, which for this one is
+    8 GB of torch and CUDA libraries (a CI disk filled up with it), and a layered one is a few kilobytes."""
+    if not (root / "bin" / "python").exists():
+        venv.create(root, with_pip=False, symlinks=True)
+    here = sysconfig.get_paths()["purelib"]
+    there = Path(sysconfig.get_paths(vars={"base": str(root), "platbase": str(root)})["purelib"])
+    # addsitedir, not a bare path line: it also reads this venv's own .pth files (the editable npustudio)
+    (there / "layered_on.pth").write_text(f"import site; site.addsitedir({here!r})\n")
+    return root / "bin" / "python"
 
 
 def _wait_listening(head: subprocess.Popen[bytes], port: int, log: Any) -> None:

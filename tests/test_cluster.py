@@ -198,6 +198,18 @@ def test_a_killed_worker_is_said_and_the_project_keeps_its_last_good_state(head:
     assert p.load().attempts["quantize"].status == "failed"
 
 
+def test_a_worker_disk_filled_by_the_install_is_said_as_such() -> None:
+    """What Ray said when --cluster-install's copy of the workers' virtualenv filled a CI disk."""
+    import ray
+
+    said = ("shutil.Error: [('/w/.venv/lib/python3.11/site-packages/nvidia/cu13/lib/libcufft.so.12', '/tmp/ray/x', "
+            "\"[Errno 28] No space left on device: '/w/.venv/.../libcufft.so.12' -> '/tmp/ray/x'\")]")
+    with pytest.raises(UserError) as e, cluster._failures("adapt", "10.0.0.5:6379"):
+        raise ray.exceptions.RuntimeEnvSetupError(said)
+    assert "10.0.0.5:6379 ran out of disk" in e.value.problem
+    assert "Free that much disk" in e.value.fix and "without --cluster-install" in e.value.fix
+
+
 def test_other_versions_on_the_workers_are_refused_before_any_work(head: str, genie_project: Project,
                                                                    tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

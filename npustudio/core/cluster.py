@@ -572,6 +572,13 @@ def _failures(stage: str, address: str) -> Iterator[None]:
     try:
         yield
     except ray.exceptions.RuntimeEnvSetupError as e:
+        if "No space left on device" in str(e):  # Ray copies a worker's virtualenv whole for the runtime_env
+            raise UserError(f"A worker of {address} ran out of disk while Ray set up NPU Studio's requirements "
+                            "there: for --cluster-install Ray first copies the virtualenv the workers run in "
+                            "(torch's alone is gigabytes) into its session folder.",
+                            "Free that much disk on the workers (Ray's temp folder, /tmp/ray unless `ray start "
+                            "--temp-dir` moved it), or install the versions there yourself and run without "
+                            "--cluster-install.") from e
         raise UserError(f"Ray could not install NPU Studio's requirements on the workers of {address} "
                         f"({_first_line(e)}).",
                         "Check that the workers reach their package index, or install the versions there yourself "
