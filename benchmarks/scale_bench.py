@@ -6,8 +6,9 @@ alone): adapt -> quantize -> compile -> bundle, then Genie on the HTP simulator 
 same prompt greedily and their tokens are compared (contexts over one HTP protection domain, a 1B model's, are
 bundled with --token-graphs-only: the simulator's Genie loads those). Along Genie's answer, our own KV-cache runner
 on the same binaries must pick Genie's token at every step (else Genie and NPU Studio drive the graphs
-differently: the run fails), and the CPU preview may prefer another token only by what the simulator's fp16
-arithmetic measurably moves the logits along that same path (else the run fails). Random weights: perplexities
+differently: the run fails), and from the CPU's own cache before each answer step the binaries must compute that
+position within 3 x the compile stage's measured tolerance of the CPU graphs (else a position is wrong: the
+run fails); the CPU preview's own picks along Genie's path are reported. Random weights: perplexities
 mean nothing here, cost does; their logits are flat (top-1/top-2 gaps of 0.004-0.08 logits at the Qwen3-1.7B
 width), so greedy answers part at the first near tie.
 
@@ -161,10 +162,12 @@ def genie_vs_preview(bundle: str, tolerance: float | None, tokens: int = GENIE_T
     bundle's prompt graph, or one token at a time when it has none; each answer token through the token graph):
     - `runner_on_simulator`: our KV-cache runner on the same binaries on the simulator. Genie's token must be its
       top-1 at every step: anything else is Genie and our runner driving the graphs differently (a real defect).
-    - `teacher_forced`: the CPU preview (the prepared graphs in fp32). Where its top-1 is not Genie's token, the
-      margin is set against what the two runners' logits measurably differ by along the same path
-      (`simulator_vs_cpu_max_abs_logit_diff`, d): a margin up to 2·d is a near tie the fp16 arithmetic of the HTP
-      breaks the other way (Genie's token leads on the simulator by ≥ 0, so the CPU can lead by at most 2·d).
+    - `one_step_from_cpu_cache`: the same binaries run each answer step from the CPU runner's cache, so both
+      sides compute that position from identical inputs; the largest |logit difference| must stay within
+      ONE_STEP_FACTOR x `tolerance` (see `one_step`).
+    - `teacher_forced`: the CPU preview (the prepared graphs in fp32) along Genie's path, its own cache; its
+      margins, reported: each is within 2 x `simulator_vs_cpu_max_abs_logit_diff` whenever the simulator's top-1
+      is Genie's token, so they judge nothing by themselves.
     `tolerance`: the compile stage's own |logit difference| (simulator vs CPU) over its verification text."""
     from npustudio.core.genie import host
 
@@ -186,19 +189,23 @@ def genie_vs_preview(bundle: str, tolerance: float | None, tokens: int = GENIE_T
     same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     prompt = [pv.bos] + pv.tok(PROMPT, add_special_tokens=False)["input_ids"]
     genie = token_ids(pv.tok, a)
-    cpu = along(pv.runner, prompt, genie)
+    caches: list[Any] = []
+    cpu = along(pv.runner, prompt, genie, caches)
     pv.runner.release()
     del pv
     t0 = time.perf_counter()
-    sim = along(simulator_runner(Path(bundle)), prompt, genie)
+    runner = simulator_runner(Path(bundle))
+    sim = along(runner, prompt, genie)
+    sim_s = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    from_cpu = one_step(runner, caches, genie, cpu) | {"tolerance": tolerance,
+                                                       "seconds": round(time.perf_counter() - t0, 1)}
     d = float((sim - cpu).abs().max()) if len(genie) else 0.0
     return out | {"agreeing_prefix": same, "compared": max(len(a), len(b)),
-                  "runner_on_simulator": steps_along(sim, genie, None) | {
-                      "seconds": round(time.perf_counter() - t0, 1)},
+                  "runner_on_simulator": steps_along(sim, genie, None) | {"seconds": sim_s},
                   "simulator_vs_cpu_max_abs_logit_diff": round(d, 4),
-                  "teacher_forced": steps_along(cpu, genie, tolerance) | {"explained_by_fp16": round(
-                      sum(s["top1"] or s["margin"] <= 2 * d for s in steps_along(cpu, genie, None)["steps"])
-                      / max(1, len(genie)), 4)}}
+                  "one_step_from_cpu_cache": from_cpu,
+                  "teacher_forced": steps_along(cpu, genie, tolerance)}
 
 
 def token_ids(tok: Any, pieces: list[str]) -> list[int]:
@@ -210,10 +217,10 @@ def token_ids(tok: Any, pieces: list[str]) -> list[int]:
     return ids
 
 
-def along(runner: Any, prompt: list[int], answer: list[int]) -> Any:
+def along(runner: Any, prompt: list[int], answer: list[int], caches: list[Any] | None = None) -> Any:
     """The logits that chose each token of `answer`, computed as Genie computes them: the prompt through the
     prompt graph (the token graph alone when the bundle has no prompt graph), then one token-graph step per
-    answer token."""
+    answer token; `caches` receives the runner's cache before each of those steps."""
     import torch
 
     if not answer:
@@ -221,8 +228,29 @@ def along(runner: Any, prompt: list[int], answer: list[int]) -> Any:
     runner.reset()
     rows = [runner.prefill(prompt)[-1]]
     for t in answer[:-1]:
+        if caches is not None:
+            caches.append(runner.snapshot())
         rows.append(runner.step([t], 1)[-1])
     return torch.stack(rows)
+
+
+# The one-step bound, in multiples of the compile stage's tolerance. Measured on the Qwen3-1.7B shape (w8a16,
+# tolerance 0.147): the simulator's one-step differences were 0.080-0.246 (at most 1.7 x), while the CPU graphs
+# themselves stepped one position off (RoPE row, mask and cache slot shifted: the usual defect) part from their own
+# logits by 1.28-1.95 (at least 8.7 x) at the same 15 positions.
+ONE_STEP_FACTOR = 3
+
+
+def one_step(runner: Any, caches: list[Any], answer: list[int], cpu: Any) -> dict[str, Any]:
+    """Each answer step on `runner` (the simulator) from the CPU runner's own cache before it, so both compute
+    that position from identical inputs: the largest |logit difference| at each position. Along their own caches
+    the two part further at every step (each reads entries the other did not write); here nothing accumulates,
+    so a step far off is a defect at that position (its RoPE row, mask, cache slot), not drift."""
+    diffs = []
+    for cache, t, row in zip(caches, answer[:-1], cpu[1:], strict=True):
+        runner.resume(cache)
+        diffs.append(round(float((runner.step([t], 1)[-1] - row).abs().max()), 4))
+    return {"positions": [c.n_past for c in caches], "max_abs_logit_diff": diffs, "max": max(diffs, default=0.0)}
 
 
 def simulator_runner(bundle: Path) -> Any:
@@ -275,17 +303,21 @@ def steps_along(logits: Any, genie: list[int], tolerance: float | None) -> dict[
 
 def disagreement(row: dict[str, Any]) -> str | None:
     """Why the Genie check fails the run: Genie's answer is not our runner's on the same binaries (a real defect:
-    the two drive the graphs differently), or the CPU preview prefers another token by more than the simulator's
-    fp16 arithmetic measurably explains along the same path."""
-    sim, cpu = row.get("runner_on_simulator"), row.get("teacher_forced")
-    if sim is None or cpu is None:
+    the two drive the graphs differently), or, from the CPU's own cache, the binaries compute an answer position
+    further from the CPU graphs than the compile stage measured over its own text (a defect at that position).
+    The CPU preview's own preferences along Genie's path are reported, not judged: any margin it has is within
+    the two runners' difference along that path once the simulator's top-1 is Genie's token."""
+    sim, step = row.get("runner_on_simulator"), row.get("one_step_from_cpu_cache")
+    if sim is None or step is None:
         return None
     if sim["top1_agreement"] < 1.0:
         return (f"Genie's token is not our runner's top-1 on the same binaries at "
                 f"{sum(not s['top1'] for s in sim['steps'])} of {len(sim['steps'])} steps")
-    if cpu["explained_by_fp16"] < 1.0:
-        return (f"the CPU preview prefers another token by more than 2 x the measured simulator-vs-CPU difference "
-                f"({row['simulator_vs_cpu_max_abs_logit_diff']}) at some step (max margin {cpu['max_margin']})")
+    tol = step["tolerance"]
+    if tol is not None and step["max"] > ONE_STEP_FACTOR * tol:
+        worst = step["max_abs_logit_diff"].index(step["max"])
+        return (f"from the CPU's own cache, the simulator's logits at position {step['positions'][worst]} differ from "
+                f"the CPU's by {step['max']}, more than {ONE_STEP_FACTOR} x the compile stage's measured {tol}")
     return None
 
 
