@@ -17,6 +17,7 @@ width), so greedy answers part at the first near tie.
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --stage compile --work /tmp/scale   # rerun one piece
     .venv/bin/python benchmarks/scale_bench.py --model qwen3-1.7b:4 --tokens 8   # the 1.7B widths, 4 layers
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --precision w4a16 --cl 4096   # a longer context
+    .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --precision w4a16 --lm-head-bits 4   # 4-bit head
 
 A stage whose inputs are unchanged is skipped by the project (its figures are then the recorded ones: pass
 --force to measure it again).
@@ -383,20 +384,22 @@ def over_one_domain(project: Path) -> bool:
 
 
 def bench(model: str, precision: str, stages: list[str], work: Path, force: bool,
-          tokens: int = GENIE_TOKENS, cl: int | None = None) -> dict[str, Any]:
+          tokens: int = GENIE_TOKENS, cl: int | None = None, lm_head_bits: int = 8) -> dict[str, Any]:
     npu = [sys.executable, "-m", "npustudio.cli"]
     name = model.replace(":", "-L")
     folder = build_model(model, work / "models" / name)
     if cl is not None:  # its own projects: the adapted graphs' KV cache is sized by the context
         name += f"-cl{cl}"
-    project = work / f"{name}-{precision}"
-    log = work / f"{name}-{precision}.log"
+    variant = f"{name}-{precision}" + ("-head4" if lm_head_bits == 4 else "")  # its own project and log
+    project = work / variant
+    log = work / f"{variant}.log"
     seed_adapted(work, name, project)
     f = ["--force"] if force else []
     cmds = {
         "adapt": [*npu, "adapt", str(folder), "--project", str(project), "--json", *f,
                   *(["--cl", str(cl)] if cl is not None else [])],
-        "quantize": [*npu, "quantize", "--project", str(project), "--precision", precision, "--json", *f],
+        "quantize": [*npu, "quantize", "--project", str(project), "--precision", precision,
+                     "--lm-head-bits", str(lm_head_bits), "--json", *f],
         "compile": [*npu, "compile", "--project", str(project), "--json", *f],
         "bundle": [*npu, "bundle", "--project", str(project), "--json", *f],
         "genie": [sys.executable, __file__, "--child-genie", str(project / "stages" / "bundle"),
@@ -427,7 +430,7 @@ def bench(model: str, precision: str, stages: list[str], work: Path, force: bool
         if "error" in row:
             break
     pipeline = [s for s in ("adapt", "quantize", "compile", "bundle") if s in rows]
-    return {"model": model, "precision": precision, "cl": cl, "stages": rows,
+    return {"model": model, "precision": precision, "lm_head_bits": lm_head_bits, "cl": cl, "stages": rows,
             "pipeline_seconds": round(sum(rows[s]["seconds"] for s in pipeline), 1),
             "max_peak_rss_mb": max((r["peak_rss_mb"] for r in rows.values()), default=0)}
 
@@ -446,6 +449,8 @@ def main() -> None:
                          "the simulator: ~70 s at the Qwen3-1.7B width)")
     ap.add_argument("--cl", type=int, default=None, help="context length (KV-cache entries; adapt's default "
                     "when left out)")
+    ap.add_argument("--lm-head-bits", type=int, choices=(4, 8), default=8,
+                    help="the quantize stage's --lm-head-bits (w4a16: 4 puts the LM head in LPBQ blocks too)")
     ap.add_argument("--child-genie", help=argparse.SUPPRESS)
     ap.add_argument("--tolerance", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-build", nargs=2, help=argparse.SUPPRESS)
@@ -458,7 +463,7 @@ def main() -> None:
         return
     work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-scale-"))
     models = list(MODELS) if a.model == "all" else a.model.split(",")
-    results = [bench(m, p, a.stage.split(","), work, a.force, a.tokens, a.cl)
+    results = [bench(m, p, a.stage.split(","), work, a.force, a.tokens, a.cl, a.lm_head_bits)
                for m in models for p in a.precision.split(",")]
     print(json.dumps({"work": str(work), "cpus": os.cpu_count(), "runs": results}, indent=None if a.json else 2))
     if any("error" in r for run in results for r in run["stages"].values()):

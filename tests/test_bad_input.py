@@ -913,6 +913,11 @@ def test_a_recipe_the_model_cannot_take_is_refused_before_any_stage_runs(tmp_pat
                           "--no-ask"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 2 and "--precision w4a16" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "p" / "stages" / "adapt").exists()
+    # a 4-bit LM head goes in LPBQ blocks, which w8a16 has none of: refused, not made per-channel int4
+    res = subprocess.run([exe, "run", "--project", str(tmp_path / "p"), "--precision", "w8a16", "--lm-head-bits", "4",
+                          "--no-ask"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 2 and "--lm-head-bits" in res.stderr and "--precision w4a16" in res.stderr, res.stderr
+    assert not (tmp_path / "p" / "stages" / "adapt").exists()
     info = subprocess.run([exe, "info", "default"], capture_output=True, text=True, timeout=600)
     assert info.returncode == 0, info.stderr
     assert "not for this model: spinquant (" in info.stdout

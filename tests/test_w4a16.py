@@ -89,6 +89,44 @@ def test_genie_answers_with_the_host_runners_greedy_tokens_on_the_same_binaries(
     assert genie.text == text
 
 
+def test_a_4bit_lm_head_compiles_in_lpbq_blocks_and_shrinks_the_binaries(w4: Project,
+                                                                           tmp_path_factory: pytest.TempPathFactory
+                                                                           ) -> None:
+    """`--lm-head-bits 4`: the head joins the layers' LPBQ blocks, so no Conv is left, every node is still on QNN,
+    the binaries shrink by about half the head's int8 bytes, and the simulator still agrees with the quantsim."""
+    import shutil
+
+    from npustudio.core import pipeline
+    from npustudio.core.compile import CompileOptions
+    from npustudio.core.graph import encodings as enc
+    from npustudio.core.progress import State
+    from npustudio.core.quantize import QuantizeOptions
+
+    root = tmp_path_factory.mktemp("head4") / "p"
+    shutil.copytree(w4.root, root)
+    p = Project.open(root, create=False)
+    o = QuantizeOptions.model_validate(w4.record("quantize").options).model_copy(update={"lm_head_bits": 4})
+    pipeline.quantize(p, o, State())
+    q = p.record("quantize").result
+    assert q["lm_head_bits"] == 4
+    table = enc.read(p.stage_dir("quantize") / f"{q['graphs'][0]}.encodings", kinds=("param",))
+    head = [r for r in table.rows if r.name == "lm_head.weight"]
+    assert head and head[0].bitwidth == 4 and head[0].granularity == "block" and head[0].block_size == 64, head
+    pipeline.compile_graphs(p, CompileOptions(verify_tokens=64), State())
+    r = p.record("compile").result
+    assert r["nodes_on_cpu"] == 0
+    for g in r["graphs"]:
+        model = onnx.load(str(p.stage_dir("compile") / "prepared" / f"{g['graph']}.onnx"), load_external_data=False)
+        assert [n.op_type for n in model.graph.node].count("Conv") == 0
+    w8_head = {g["graph"]: g["bin_bytes"] for g in w4.record("compile").result["graphs"]}
+    vocab, hidden = 384, 128  # llama64's head: int8 per channel in `w4`, int4 in blocks of 64 here
+    for g in r["graphs"]:
+        # half the head's int8 bytes less its block scales, in the binary's 4 KiB pages: 20 KiB here
+        assert w8_head[g["graph"]] - g["bin_bytes"] > 0.3 * vocab * hidden, (g, w8_head)
+    v = r["verification"]
+    assert abs(v["nll_diff"]) < 0.01 and v["top1_agreement"] >= 0.95, v
+
+
 # -- the rewrite itself, on one layer -----------------------------------------------------------------------------
 def _lpbq_conv_graph(folder: Path, k: int, n: int, t: int, seed: int = 0) -> Path:
     """One LPBQ 1x1 Conv exactly as aimet exports it (int4 [N, K, 1, 1] blocks of 64 along K under uint8 block

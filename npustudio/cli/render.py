@@ -83,7 +83,8 @@ def host_table(h: Any) -> None:
 def print_quantize(q: QuantizeSummary) -> None:
     from ..display import human_bytes, kept_int8
 
-    how = f" with the {q.recipe} recipe" * (q.recipe != "plain") + " (stream rotated)" * q.rotated
+    how = (f" with the {q.recipe} recipe" * (q.recipe != "plain") + " (stream rotated)" * q.rotated
+           + f", {q.lm_head}" * bool(q.lm_head))
     out.print(f"Quantized {q.precision} for {q.target}{how}: "
               f"PPL {q.ppl_quant:.3f} vs FP {q.ppl_fp:.3f} (ratio {q.ratio:.4f}), "
               f"top-1 agreement {q.top1_agreement:.3f} over {q.eval_tokens} tokens")

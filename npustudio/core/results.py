@@ -86,6 +86,7 @@ class QuantizeResult(BaseModel):
     dsp_arch: str
     recipe: str = "plain"  # the weight-encoding recipe (stage_options.RECIPE_STEPS)
     rotated: bool = False
+    lm_head_bits: int = 8  # as quantized: --lm-head-bits, or the override file's `lm_head` pattern
     kept_int8: list[str] = Field(default_factory=list, description="the groups `--int8-budget` kept at 8 bits, most "
                                                                     "sensitive first")
     int8_share: float | None = Field(None, description="with --int8-budget: the decoder's linear weights kept wider")

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from .. import models, parts, stages
 from ..project import Project, StageRecord
+from ..quantize.presets import takes_4bit_head
 from ..results import AdaptResult, BundleResult, CompileResult, MnnResult, QuantizeResult, Verification
 from .phone import SampleAnswer
 
@@ -35,6 +36,7 @@ class QuantizeSummary(BaseModel):
     rotated: bool
     kept_int8: list[str] = []
     int8_share: float | None = None
+    lm_head: str | None = Field(None, description="the LM head's width where it is a choice (w4a16)")
     ppl_fp: float
     ppl_quant: float
     ratio: float
@@ -112,7 +114,9 @@ def adapt_summary(r: AdaptResult) -> AdaptSummary:
 
 def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:
     return QuantizeSummary(precision=r.precision, target=r.target, recipe=r.recipe, rotated=r.rotated,
-                           kept_int8=r.kept_int8, int8_share=r.int8_share, ppl_fp=r.ppl_fp, ppl_quant=r.ppl_quant,
+                           kept_int8=r.kept_int8, int8_share=r.int8_share,
+                           lm_head=f"LM head {r.lm_head_bits}-bit" if takes_4bit_head(r.precision) else None,
+                           ppl_fp=r.ppl_fp, ppl_quant=r.ppl_quant,
                            ratio=r.ratio, top1_agreement=r.top1_agreement,
                            eval_tokens=r.eval_tokens, folder=str(folder), files=r.files, steps=r.steps)
 

@@ -48,7 +48,7 @@ from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotat
 from ..targets import find_soc
 from . import adascale, export, int8_budget, simulate, spinquant
 from .fast_qdq import fast_per_tensor_qdq
-from .presets import check_overrides, int8_budget_of, preset, takes_int8_budget
+from .presets import check_overrides, int8_budget_of, preset, takes_4bit_head, takes_int8_budget, with_head
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
 FORMAT = stages.QUANTIZE.format  # bumped in core/stages.py when the output changes meaning
@@ -65,7 +65,7 @@ def load_result(stage_dir: Path) -> QuantizeResult:
 @compute.plain_convolutions
 @fast_per_tensor_qdq()
 def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLike) -> QuantizeResult:
-    pre, target = preset(options.precision), find_soc(options.target)
+    pre, target = with_head(preset(options.precision), options.lm_head_bits), find_soc(options.target)
     lap = Laps()
     steps = lap.steps
 
@@ -235,7 +235,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     rows = export.write_manifest(out_dir, files) if files else []
     res = QuantizeResult(
         precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
-        rotated=rotates(options.recipe),
+        rotated=rotates(options.recipe), lm_head_bits=overrides.weight_bits("lm_head", pre.head_bits),
         kept_int8=kept.kept if kept else [], int8_share=kept.share if kept else None,
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
@@ -298,6 +298,10 @@ def validate(options: QuantizeOptions, shape: DecoderShape) -> None:
     if options.int8_budget and not takes_int8_budget(options.precision):
         raise UserError(f"--int8-budget keeps some 4-bit weights at 8 bits, and at {options.precision} no weight is "
                         "4-bit.", "Add --precision w4a16, or leave --int8-budget out.")
+    if options.lm_head_bits == 4 and not takes_4bit_head(options.precision):
+        raise UserError(f"--lm-head-bits 4 puts the LM head in 4-bit LPBQ blocks, and {options.precision} has no "
+                        "blocks (4-bit weights without them do not run exactly on the HTP).",
+                        "Add --precision w4a16, or leave --lm-head-bits out.")
 
 
 def resolved(options: QuantizeOptions, adapt_dir: Path) -> QuantizeOptions:

@@ -50,6 +50,17 @@ def takes_int8_budget(precision: str) -> bool:
     return preset(precision).weight_bits < 8
 
 
+def takes_4bit_head(precision: str) -> bool:
+    """Whether `--lm-head-bits 4` applies at `precision`: a 4-bit head needs the preset's LPBQ blocks (per-channel
+    int4 without blocks runs several steps off on the HTP simulator)."""
+    return preset(precision).block_size is not None
+
+
+def with_head(p: Preset, lm_head_bits: int) -> Preset:
+    """`p` with the LM head at `lm_head_bits` (an override file's `lm_head` pattern still wins)."""
+    return p.model_copy(update={"head_bits": lm_head_bits})
+
+
 def int8_budget_of(precision: str, given: float | None) -> float:
     """The int8 budget a quantize run at `precision` spends: the one given, else the default where it has 4-bit
     weights (`--int8-budget` left out, or a project made before the option had a default)."""

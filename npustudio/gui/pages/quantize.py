@@ -21,9 +21,9 @@ from ...core import host_cost, isolated, pipeline, stages
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
 from ...core.progress import about_duration
-from ...core.quantize.presets import int8_budget_of, load_overrides, takes_int8_budget
+from ...core.quantize.presets import int8_budget_of, load_overrides, takes_4bit_head, takes_int8_budget
 from ...core.results import IntakeResult, QuantizeResult
-from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, bounds, help_of
+from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, bounds, choices, help_of
 from ...display import human_bytes, kept_int8
 from .. import worker
 from ..charts import PplChart
@@ -88,6 +88,9 @@ class QuantizePage(Page):
         self.int8_budget.setPrefix("int8 budget ")
         self.int8_budget.setSuffix(" %")
         self.int8_budget.setToolTip(help_of(QuantizeOptions, "int8_budget") or "")
+        heads = choices(QuantizeOptions, "lm_head_bits") or ()
+        self.lm_head_bits = combo(QuantizeOptions, "lm_head_bits", {b: f"LM head {b}-bit" for b in heads})
+        self.lm_head_bits.setToolTip(help_of(QuantizeOptions, "lm_head_bits") or "")
         self._budgets: dict[str, int] = {}  # the budget last shown per precision, kept while another is chosen
         self._budget_of: str | None = None
         self.precision.currentIndexChanged.connect(self._budget_applies)
@@ -100,6 +103,7 @@ class QuantizePage(Page):
         self.form.addRow("Calibration text:", _file_row(self.calib, "Calibration text", "Text (*.txt)", self))
         mixed = _file_row(self.overrides, "Overrides", "JSON (*.json)", self)
         mixed.layout().addWidget(self.int8_budget)  # type: ignore[union-attr]
+        mixed.layout().addWidget(self.lm_head_bits)  # type: ignore[union-attr]
         self.form.addRow("Mixed precision:", mixed)
         self.form.addRow("Compute on:", self.device)
         self.add_strip("Quantize", redo=True)
@@ -129,6 +133,7 @@ class QuantizePage(Page):
                                calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
                                overrides=load_overrides(self.overrides.text().strip() or None),
                                int8_budget=self.int8_budget.value() / 100 if self.int8_budget.isEnabled() else 0.0,
+                               lm_head_bits=self.lm_head_bits.currentData(),
                                device=self.device.currentData())
 
     def start(self, force: bool = False) -> None:
@@ -157,6 +162,7 @@ class QuantizePage(Page):
             self.precision.setCurrentIndex(max(0, self.precision.findData(o.precision)))
             self.recipe.setCurrentIndex(max(0, self.recipe.findData(o.recipe)))
             self.int8_budget.setValue(round(100 * int8_budget_of(o.precision, o.int8_budget)))
+            self.lm_head_bits.setCurrentIndex(max(0, self.lm_head_bits.findData(o.lm_head_bits)))
             self.calib_samples.setValue(o.calib_samples)
             self.calib_len.setValue(o.calib_len)
             self.calib.setText(o.calib_corpus)
@@ -173,6 +179,9 @@ class QuantizePage(Page):
             self._budgets[self._budget_of] = self.int8_budget.value()
         self._budget_of = precision
         self.int8_budget.setEnabled(takes_int8_budget(precision))
+        self.lm_head_bits.setEnabled(takes_4bit_head(precision))
+        if not self.lm_head_bits.isEnabled():  # without LPBQ blocks the head stays at its default width
+            self.lm_head_bits.setCurrentIndex(self.lm_head_bits.findData(default(QuantizeOptions, "lm_head_bits")))
         self.int8_budget.setValue(self._budgets.get(precision, round(100 * int8_budget_of(precision, None))))
 
     def show_recipe_costs(self) -> None:
@@ -197,7 +206,7 @@ class QuantizePage(Page):
         if not self.chart.series:
             self.chart.extend(list(r.per_window))
         rows = [("Precision / target", f"{s.precision} / {s.target}{'' if s.recipe == 'plain' else ' + ' + s.recipe}"
-                                      f"{' + rotation' if s.rotated else ''}"),
+                                      f"{' + rotation' if s.rotated else ''}{', ' + s.lm_head if s.lm_head else ''}"),
                 ("Perplexity FP", f"{s.ppl_fp:.3f}"), ("Perplexity quantized", f"{s.ppl_quant:.3f}"),
                 ("Ratio", f"×{s.ratio:.4f}"), ("Top-1 agreement", f"{s.top1_agreement:.3f}")]
         if s.int8_share is not None:
