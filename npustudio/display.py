@@ -43,3 +43,15 @@ def per_precision(sizes: dict[str, int]) -> str:
 def kept_int8(groups: list[str], share: float) -> str:
     """What `--int8-budget` kept at 8 bits, in one line: the groups and their share of the decoder's linear weights."""
     return f"{', '.join(groups) or 'nothing'} ({share:.1%} of the decoder's linear weights)"
+
+
+def four_bit_head_note(precision: str, context_bytes_phone: int, decode_tok_s: float, ppl_ratio: float | None,
+                       head4: Any) -> str:
+    """What `--lm-head-bits 4` would change at `precision` (`head4`: core's HeadVariant), in one sentence."""
+    def ppl(r: float | None) -> str:
+        return f"×{r:.3f}" if r else "not measured"
+
+    return (f"{precision} with --lm-head-bits 4 (the LM head in 4-bit blocks too): bundle "
+            f"{human_bytes(head4.context_bytes_phone)} for a phone against {human_bytes(context_bytes_phone)}, "
+            f"decode bound {head4.decode_tok_s_bound:,.0f} tok/s against {decode_tok_s:,.0f}; the default model's "
+            f"perplexity {ppl(head4.ppl_ratio_default_model)} against {ppl(ppl_ratio)}")

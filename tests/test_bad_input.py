@@ -922,3 +922,6 @@ def test_a_recipe_the_model_cannot_take_is_refused_before_any_stage_runs(tmp_pat
     assert info.returncode == 0, info.stderr
     assert "not for this model: spinquant (" in info.stdout
     assert "at w4a16 the int8 budget (--int8-budget, default 5%) measures which weights to keep int8: +~" in info.stdout
+    # what the 4-bit head would save and cost, beside the table
+    assert _flat("w4a16 with --lm-head-bits 4 (the LM head in 4-bit blocks too): bundle") in _flat(info.stdout)
+    assert _flat("perplexity ×1.421 against ×1.213") in _flat(info.stdout)

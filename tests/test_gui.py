@@ -103,7 +103,14 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     q.precision.setCurrentIndex(q.precision.findData("w4a16"))  # w4a16 shows its default budget, 5 %
     assert q.int8_budget.isEnabled() and q.int8_budget.text() == "int8 budget 5 %"
     assert q.options().int8_budget == 0.05
+    # the LM head joins the 4-bit blocks only when asked, and only where there are blocks
+    assert q.lm_head_bits.isEnabled() and q.options().lm_head_bits == 8
+    q.lm_head_bits.setCurrentIndex(q.lm_head_bits.findData(4))
+    assert q.options().lm_head_bits == 4 and q.lm_head_bits.currentText() == "4-bit blocks, as the layers"
     shot(w, "tiny_quantize_int8_budget")
+    q.precision.setCurrentIndex(q.precision.findData("w8a16"))
+    assert not q.lm_head_bits.isEnabled() and q.options().lm_head_bits == 8
+    q.precision.setCurrentIndex(q.precision.findData("w4a16"))
     q.int8_budget.setValue(10)
     assert q.options().int8_budget == 0.1
     q.precision.setCurrentIndex(q.precision.findData("w8a16"))

@@ -637,6 +637,14 @@ PHONE_RAM_TIERS_GB = (6, 8, 12, 16, 24)
 TYPICAL_PHONE_RAM_GB = 8  # the window's fit colours when no phone is selected
 
 
+class HeadVariant(BaseModel):
+    """The same precision with `--lm-head-bits 4` (the LM head in the layers' 4-bit LPBQ blocks): what it saves."""
+
+    context_bytes_phone: int
+    decode_tok_s_bound: float
+    ppl_ratio_default_model: float | None = None
+
+
 class FitEstimate(BaseModel):
     precision: str
     context_length: int
@@ -657,6 +665,7 @@ class FitEstimate(BaseModel):
                                                                      "default model at this precision")
     mnn_bytes: int = Field(0, description="the MNN model for a phone's CPU or GPU (`compile --backend mnn`) at this "
                                           "weight width, MNN's default block, LM head 8-bit")
+    with_4bit_head: HeadVariant | None = Field(None, description="with --lm-head-bits 4, where it applies")
     assumptions: str
 
 
@@ -664,13 +673,16 @@ class FitEstimate(BaseModel):
 # quantize stage's ratio, 2 cores; w4a16 with its default int8 budget): what a precision costs a real model, shown
 # beside the estimates
 MEASURED_PPL_RATIO = {"w8a16": 1.0069, "w4a16": 1.213}
+# the same at w4a16 with `--lm-head-bits 4` (the quantize stage on one adapted project, default int8 budget)
+MEASURED_PPL_RATIO_4BIT_HEAD = 1.421
+LPBQ_BITS = 4.0 + 4.0 / 64  # a 4-bit weight and its share of its block's scale
 
 PRECISIONS = {
     # bits per weight for the decoder layers, the LM head and the embedding table (Genie's lookup table on the
     # CPU, in the 16-bit encoding of the first graph's input: not in the HTP contexts); w4 adds LPBQ per-block
     # 4-bit scales (block 64), and its default int8 budget keeps up to that share of the layers' weights 8-bit.
     "w8a16": {"layer": 8.0, "lm_head": 8.0, "embed": 16.0},
-    "w4a16": {"layer": (1 - DEFAULT_INT8_BUDGET) * (4.0 + 4.0 / 64) + DEFAULT_INT8_BUDGET * 8.0, "lm_head": 8.0,
+    "w4a16": {"layer": (1 - DEFAULT_INT8_BUDGET) * LPBQ_BITS + DEFAULT_INT8_BUDGET * 8.0, "lm_head": 8.0,
               "embed": 16.0},
 }
 
@@ -742,6 +754,14 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
     # the lookup table stays on the CPU, and decode reads one row of it
     on_htp = weights - int(card.vocab * card.hidden * b["embed"] / 8)
     kv = card.kv_bytes_per_token * context_length
+    from .targets import DEFAULT_SOC, decode_tok_s_bound, find_soc
+
+    head4 = None
+    if b["layer"] < 8:  # LPBQ blocks the head can join
+        small = on_htp - int(card.vocab * card.hidden * (b["lm_head"] - LPBQ_BITS) / 8)
+        head4 = HeadVariant(context_bytes_phone=int(small * parts.CONTEXT_PER_WEIGHT),
+                            decode_tok_s_bound=decode_tok_s_bound(find_soc(DEFAULT_SOC), small + kv),
+                            ppl_ratio_default_model=MEASURED_PPL_RATIO_4BIT_HEAD)
     ar = min(ar, max(1, context_length - 1))
     pm = part_model(card, precision, ar, context_length)
     problem: str | None = None
@@ -749,7 +769,7 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
         ranges: list[range] | None = parts.plan(pm, int(max_part_mb * 2**20))
     except UserError as e:
         ranges, problem = None, e.problem
-    from .targets import APP_RAM_SHARE, DEFAULT_SOC, RUNTIME_RAM_BYTES, decode_tok_s_bound, find_soc, fits_phone_ram
+    from .targets import APP_RAM_SHARE, RUNTIME_RAM_BYTES, fits_phone_ram
     ram = int(weights * 1.1 + kv + RUNTIME_RAM_BYTES)  # +10 % I/O buffers, + the Genie/QNN runtime
     tier = next((g for g in PHONE_RAM_TIERS_GB if fits_phone_ram(ram, g * GiB)), None)
     return FitEstimate(
@@ -761,7 +781,7 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
         context_bytes_simulator=int(2 * on_htp * parts.CONTEXT_PER_WEIGHT),
         decode_tok_s_bound=decode_tok_s_bound(find_soc(DEFAULT_SOC), on_htp + kv),
         ppl_ratio_default_model=MEASURED_PPL_RATIO.get(precision),
-        mnn_bytes=mnn_bytes(card, 8 if b["layer"] >= 8 else 4, largest_block(card, MNN_BLOCK)),
+        mnn_bytes=mnn_bytes(card, 8 if b["layer"] >= 8 else 4, largest_block(card, MNN_BLOCK)), with_4bit_head=head4,
         assumptions=("weights at the preset's bitwidths (LM head 8-bit; the embedding table a 16-bit lookup table "
                      "on the CPU, outside the HTP contexts), 8-bit KV "
                      f"cache, each part's HTP graph under {max_part_mb:,.0f} MiB (the HTP refuses graphs over "
@@ -828,6 +848,7 @@ def plan(fit: list[FitEstimate], destination: Literal["phone", "simulator"], pre
                 why=why)
 
 
-__all__ = ["ArchCard", "FitEstimate", "LoadedModel", "ModelSource", "Plan", "download", "fingerprint", "fit_estimate",
+__all__ = ["ArchCard", "FitEstimate", "HeadVariant", "LoadedModel", "ModelSource", "Plan", "download", "fingerprint",
+           "fit_estimate",
            "fit_table", "load", "make_card", "plan", "read_card",
            "resolve_source"]

@@ -89,7 +89,9 @@ class QuantizePage(Page):
         self.int8_budget.setSuffix(" %")
         self.int8_budget.setToolTip(help_of(QuantizeOptions, "int8_budget") or "")
         heads = choices(QuantizeOptions, "lm_head_bits") or ()
-        self.lm_head_bits = combo(QuantizeOptions, "lm_head_bits", {b: f"LM head {b}-bit" for b in heads})
+        self.lm_head_bits = combo(QuantizeOptions, "lm_head_bits",
+                                  {b: "4-bit blocks, as the layers" if b == 4 else f"{b}-bit per channel"
+                                   for b in heads})
         self.lm_head_bits.setToolTip(help_of(QuantizeOptions, "lm_head_bits") or "")
         self._budgets: dict[str, int] = {}  # the budget last shown per precision, kept while another is chosen
         self._budget_of: str | None = None
@@ -97,13 +99,13 @@ class QuantizePage(Page):
         self._budget_applies()
         self.device = device_choice(window.settings.device)
         self.form.addRow("Precision:", self.precision)
+        self.form.addRow("LM head:", self.lm_head_bits)
         self.form.addRow("Recipe:", self.recipe)
         self.form.addRow("Calibration sequences:", self.calib_samples)
         self.form.addRow("Tokens per sequence:", self.calib_len)
         self.form.addRow("Calibration text:", _file_row(self.calib, "Calibration text", "Text (*.txt)", self))
         mixed = _file_row(self.overrides, "Overrides", "JSON (*.json)", self)
         mixed.layout().addWidget(self.int8_budget)  # type: ignore[union-attr]
-        mixed.layout().addWidget(self.lm_head_bits)  # type: ignore[union-attr]
         self.form.addRow("Mixed precision:", mixed)
         self.form.addRow("Compute on:", self.device)
         self.add_strip("Quantize", redo=True)
