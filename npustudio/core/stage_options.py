@@ -50,7 +50,7 @@ DEFAULT_DECODE = 16
 Precision = Literal["w8a16", "w4a16"]  # the quantize presets (core/quantize/presets.py), best quality first
 PRECISION_NAMES: tuple[str, ...] = get_args(Precision)
 PRECISION_NOTES = {"w8a16": "int8 weights, 16-bit activations (best quality)",
-                   "w4a16": "int4 weight blocks (smallest), LM head int8 unless 4-bit is chosen"}
+                   "w4a16": "int4 weight blocks, 16-bit activations (smallest)"}
 # the weight-encoding recipes of the quantize stage, each a sequence of aimet-torch's own PTQ algorithms
 # (core/quantize/__init__.py runs the steps): a rotation of the float weights before the quantsim is built, then
 # the steps that choose weight encodings before activations are calibrated

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QFileDialog,
     QHBoxLayout,
     QHeaderView,
+    QLabel,
     QLineEdit,
     QPushButton,
     QSpinBox,
@@ -98,8 +99,15 @@ class QuantizePage(Page):
         self.precision.currentIndexChanged.connect(self._budget_applies)
         self._budget_applies()
         self.device = device_choice(window.settings.device)
-        self.form.addRow("Precision:", self.precision)
-        self.form.addRow("LM head:", self.lm_head_bits)
+        weights = QWidget()  # the head's width beside the precision: one row, so the charts stay in view
+        wl = QHBoxLayout(weights)
+        wl.setContentsMargins(0, 0, 0, 0)
+        wl.addWidget(self.precision, 1)
+        wl.addWidget(QLabel("LM head:"))
+        wl.addWidget(self.lm_head_bits)
+        self.precision.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.precision.setMinimumContentsLength(24)
+        self.form.addRow("Precision:", weights)
         self.form.addRow("Recipe:", self.recipe)
         self.form.addRow("Calibration sequences:", self.calib_samples)
         self.form.addRow("Tokens per sequence:", self.calib_len)
