@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .core.models import FitEstimate
 
 
 def format_value(v: Any) -> str:
@@ -45,13 +48,16 @@ def kept_int8(groups: list[str], share: float) -> str:
     return f"{', '.join(groups) or 'nothing'} ({share:.1%} of the decoder's linear weights)"
 
 
-def four_bit_head_note(precision: str, context_bytes_phone: int, decode_tok_s: float, ppl_ratio: float | None,
-                       head4: Any) -> str:
-    """What `--lm-head-bits 4` would change at `precision` (`head4`: core's HeadVariant), in one sentence."""
+def four_bit_head_note(f: FitEstimate) -> str | None:
+    """What `--lm-head-bits 4` would change at `f`'s precision, in one sentence (None where it does not apply)."""
+    h = f.with_4bit_head
+    if h is None:
+        return None
+
     def ppl(r: float | None) -> str:
         return f"×{r:.3f}" if r else "not measured"
 
-    return (f"{precision} with --lm-head-bits 4 (the LM head in 4-bit blocks too): bundle "
-            f"{human_bytes(head4.context_bytes_phone)} for a phone against {human_bytes(context_bytes_phone)}, "
-            f"decode bound {head4.decode_tok_s_bound:,.0f} tok/s against {decode_tok_s:,.0f}; the default model's "
-            f"perplexity {ppl(head4.ppl_ratio_default_model)} against {ppl(ppl_ratio)}")
+    return (f"{f.precision} with --lm-head-bits 4 (the LM head in 4-bit blocks too): bundle "
+            f"{human_bytes(h.context_bytes_phone)} for a phone against {human_bytes(f.context_bytes_phone)}, "
+            f"decode bound {h.decode_tok_s_bound:,.0f} tok/s against {f.decode_tok_s_bound:,.0f}; the default "
+            f"model's perplexity {ppl(h.ppl_ratio_default_model)} against {ppl(f.ppl_ratio_default_model)}")

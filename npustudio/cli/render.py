@@ -47,14 +47,12 @@ def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str
     for e in fits:
         if e["parts_problem"]:
             out.print(f"{e['precision']}: {e['parts_problem']}")
-    from types import SimpleNamespace
-
+    from ..core.models import FitEstimate
     from ..display import four_bit_head_note
 
     for e in fits:
-        if h := e.get("with_4bit_head"):
-            out.print(four_bit_head_note(e["precision"], e["context_bytes_phone"], e["decode_tok_s_bound"],
-                                         e.get("ppl_ratio_default_model"), SimpleNamespace(**h)))
+        if note := four_bit_head_note(FitEstimate.model_validate(e)):
+            out.print(note)
     if plans:
         for where, pl in plans.items():
             out.print(f"recommended for {where}: [bold]{pl['precision']}[/] — {escape(pl['why'])}")

@@ -168,9 +168,7 @@ class ModelPage(Page):
         fill(self.fit, rows, colours)
         if self.fits:
             phone, sim = (models.plan(self.fits, where) for where in ("phone", "simulator"))
-            heads = [display.four_bit_head_note(f.precision, f.context_bytes_phone, f.decode_tok_s_bound,
-                                                f.ppl_ratio_default_model, f.with_4bit_head)
-                     for f in self.fits if f.with_4bit_head]
+            heads = [n for f in self.fits if (n := display.four_bit_head_note(f))]
             self.advice.setText(f"Recommended: {phone.precision} for a phone ({phone.why.partition(': ')[2]}); "
                                 f"{sim.precision} on this computer's simulator ({sim.why.partition(': ')[2]})."
                                 + "".join(f" {h}." for h in heads))
