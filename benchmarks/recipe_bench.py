@@ -11,6 +11,7 @@ cost of one recipe on a random Llama-3.2-1B-shaped model (its quality means noth
     .venv/bin/python benchmarks/recipe_bench.py --json
     .venv/bin/python benchmarks/recipe_bench.py --recipes plain,adascale --llama-1b adascale --work /tmp/rb
     .venv/bin/python benchmarks/recipe_bench.py --recipes adascale --adascale-iterations 300 --calib-samples 16
+    .venv/bin/python benchmarks/recipe_bench.py --recipes omniquant --omniquant-iterations 400
     .venv/bin/python benchmarks/recipe_bench.py --recipes plain,adascale --int8-budget 0.05
 
 A recipe the model cannot take (SpinQuant on a hidden size with no Hadamard matrix) is listed as refused, with why.
@@ -31,7 +32,7 @@ import quantize_bench
 from npustudio.core.stage_options import RECIPE_NAMES, QuantizeOptions
 
 
-def one_recipe(adapt_dir: str, recipe: str, iterations: str, samples: str, budget: str = "0") -> None:
+def one_recipe(adapt_dir: str, recipe: str, options_json: str) -> None:
     """Child: one w4a16 quantize run with `recipe`, its figures as JSON on stdout, with the share of the decoder
     layers' linear weights (by count) the export encodes at 4 bits."""
     import torch
@@ -48,8 +49,7 @@ def one_recipe(adapt_dir: str, recipe: str, iterations: str, samples: str, budge
              if isinstance(m, Conv1x1) and n.startswith("layers.")}
     del model
     with tempfile.TemporaryDirectory() as out:
-        options = QuantizeOptions(precision="w4a16", recipe=recipe, adascale_iterations=int(iterations),
-                                  calib_samples=int(samples), int8_budget=float(budget))
+        options = QuantizeOptions(precision="w4a16", recipe=recipe, **json.loads(options_json))
         try:
             r = run(Path(adapt_dir), options, Path(out), State())
         except UserError as e:  # a recipe this model cannot take (SpinQuant on a hidden size with no Hadamard matrix)
@@ -81,13 +81,15 @@ def main() -> None:
                                                                        "Llama-3.2-1B-shaped model")
     ap.add_argument("--adascale-iterations", type=int, default=QuantizeOptions.model_fields[
         "adascale_iterations"].default, help="AdaScale's steps per decoder layer (for recipes that run it)")
+    ap.add_argument("--omniquant-iterations", type=int, default=QuantizeOptions.model_fields[
+        "omniquant_iterations"].default, help="OmniQuant's steps per decoder layer (for recipes that run it)")
     ap.add_argument("--calib-samples", type=int, default=QuantizeOptions.model_fields["calib_samples"].default,
                     help="calibration sequences (what the recipes learn from)")
     ap.add_argument("--int8-budget", type=float, default=0.0, metavar="SHARE",
                     help="the share of the decoder's linear weights each recipe may keep int8 (measured choice)")
     ap.add_argument("--work", default=None, help="scratch folder (kept, so reruns skip the adapt step)")
     ap.add_argument("--json", action="store_true", help="print only the JSON")
-    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         one_recipe(*a.child)
@@ -95,14 +97,14 @@ def main() -> None:
     work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-recipes-"))
     src = quantize_bench.adapted_default(work)
     rows = []
+    options = {"adascale_iterations": a.adascale_iterations, "omniquant_iterations": a.omniquant_iterations,
+               "calib_samples": a.calib_samples, "int8_budget": a.int8_budget}
     for recipe in a.recipes.split(","):
-        args = [str(src), recipe, str(a.adascale_iterations), str(a.calib_samples), str(a.int8_budget)]
-        rows.append({"recipe": recipe} | _child(["--child", *args]))
+        rows.append({"recipe": recipe} | _child(["--child", str(src), recipe, json.dumps(options)]))
         if not a.json:
             print(json.dumps(rows[-1]), file=sys.stderr)
     out: dict = {"model": "SmolLM2-135M-Instruct (default)", "precision": "w4a16",
-                 "adascale_iterations": a.adascale_iterations, "calib_samples": a.calib_samples,
-                 "int8_budget": a.int8_budget, "results": rows}
+                 **options, "results": rows}
     good = [r for r in rows if "error" not in r and "refused" not in r]
     if good:
         out["best"] = min(good, key=lambda r: r["ratio"])["recipe"]

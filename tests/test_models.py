@@ -294,6 +294,7 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     assert costs[0]["spinquant"] < costs[0]["seqmse"]  # a rotation merged into the weights: ~1-2 min on a 1B model
     ram = {r.recipe: r.ram_bytes for r in big.recipes}  # AdaScale holds each layer's inputs: ~0.7 GB on a 1B model
     assert ram["plain"] == ram["seqmse"] == 0 and 0.4e9 < ram["adascale"] < 1.2e9
+    assert 0.4e9 < ram["omniquant"] < ram["adascale"]  # the float inputs alone
     assert ram["spinquant"] == 2 * 4 * 128256 * 2048  # the rotated embedding table and head beside the old ones
     assert not any(r.refused for r in big.recipes)
     # SmolLM2-135M's hidden size 576 has no Hadamard matrix in aimet: said per recipe before any run

@@ -296,6 +296,78 @@ def test_spinquant_keeps_the_float_model(w8: tuple[Project, list[Partial]]) -> N
     assert model.lm_head.weight.data_ptr() != model.embed.weight.data_ptr()
 
 
+@pytest.fixture(scope="module")
+def adapted_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 (q/k/v biases, one KV head for four query heads), adapted."""
+    from tests.conftest import make_tiny_model
+
+    root = tmp_path_factory.mktemp("q2")
+    p = Project.open(root / "p")
+    pipeline.adapt(p, str(make_tiny_model(root / "m", "qwen2")), AdaptOptions(ar=32, cl=128, eval_chars=600,
+                                                                               window=64, decode_tokens=0), State())
+    return p.root
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_omniquant_channel_scales_leave_the_float_model_and_its_cache_consistent(
+        family: str, adapted_project: Path, request: pytest.FixtureRequest) -> None:
+    """OmniQuant's LET pairs on the adapted decoder (norms -> q/k/v and gate/up, each KV head's v and its bias ->
+    the o channels of the query heads reading it (GQA), up -> down) change nothing the float layer computes, also
+    for a second AR-N chunk reading the first one's cached v; folded, the model answers as before over two chunks,
+    its weights rescaled."""
+    import torch
+    from aimet_torch.utils import remove_activation_quantizers, remove_all_quantizers
+
+    from npustudio.core.graph import store
+    from npustudio.core.graph.decoder import io_names
+    from npustudio.core.graph.kv_cache import KVCacheRunner
+    from npustudio.core.quantize import _vector_feeds, omniquant, simulate
+    from npustudio.core.quantize.layer_training import capture
+    from npustudio.core.quantize.presets import preset
+    from npustudio.core.targets import find_soc
+
+    root = adapted_project if family == "llama" else request.getfixturevalue("adapted_qwen2")
+    adapt_dir = Project.open(root).stage_dir("adapt")
+    ar, cl, _ = adapt_graphs(adapt_dir)
+    model, inv_freq = store.load(adapt_dir)
+    assert model.spec.heads > model.spec.kv_heads  # GQA: o's channels gather the scales of the KV heads
+    assert (family == "qwen2") == model.spec.qkv_bias
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for conv in (c for layer in model.layers for c in layer.attn.v if c.bias is not None):
+            conv.bias.normal_()  # a random model's biases are zeros: these must be scaled like the weights
+    ids = list(range(5, 5 + 2 * ar))  # two AR-N chunks
+    feeds = _vector_feeds(KVCacheRunner.over(model, ar, cl, inv_freq), ids, ar)[0]
+    sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset("w4a16"),
+                         find_soc("SM8750"), Overrides())
+    prefill = lambda m, seq: KVCacheRunner.over(m, ar, cl, inv_freq).prefill(seq)  # noqa: E731
+    with torch.no_grad(), remove_all_quantizers(sim.model):
+        before = prefill(sim.model, ids)
+        calls = capture(sim.model, list(sim.model.layers), [ids], prefill)
+    assert len(calls[0]) == 2 and calls[0][1][0][4].abs().sum() > 0  # the second call reads a cached v
+    weight_omq, gain_omq = omniquant._quantizer_classes()
+    down = sim.model.layers[0].mlp.down.weight.detach().clone()
+    torch.manual_seed(0)
+    with torch.no_grad(), remove_activation_quantizers(sim.model):
+        for i, layer in enumerate(sim.model.layers):
+            params, fold = omniquant._install(layer, weight_omq, gain_omq)
+            for s in params[:len(omniquant._let_pairs(layer))]:  # the LET scales (then each weight's range)
+                s.uniform_(0.5, 2.0)
+            for q in layer.modules():
+                if isinstance(q, weight_omq):
+                    q.run_qdq = False  # LET alone: what the float layer computes
+            for args, kwargs in calls[i]:
+                with remove_all_quantizers(layer):
+                    plain = layer(*args, **kwargs)[0]
+                let = layer(*args, **kwargs)[0]
+                assert torch.allclose(let, plain, atol=1e-5 * plain.abs().max().item()), i
+            fold()
+        with remove_all_quantizers(sim.model):
+            after = prefill(sim.model, ids)
+    assert torch.allclose(after, before, atol=1e-4 * before.abs().max().item())
+    assert not torch.allclose(sim.model.layers[0].mlp.down.weight, down)  # the scales went into the weights
+
+
 def test_spinquant_refuses_what_it_cannot_rotate_before_any_work() -> None:
     """aimet builds Hadamard matrices of 2^n and 12/20/28·2^n only: SmolLM2-135M's hidden size 576 is neither, so
     the recipe is refused with the reason and the recipes that work."""
@@ -321,7 +393,7 @@ def test_test_vectors_are_plain_arrays(w8: tuple[Project, list[Partial]]) -> Non
         assert z["in/input_ids"].shape == (1, 1)
 
 
-@pytest.mark.parametrize("recipe", ["seqmse", "adascale", "spinquant_adascale"])
+@pytest.mark.parametrize("recipe", ["seqmse", "adascale", "omniquant", "spinquant_adascale"])
 def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Path, recipe: str) -> None:
     """Each recipe's weights still export as LPBQ (AdaScale learns plain blocks: they are grouped again)."""
     ov = tmp_path / "ov.json"
@@ -330,7 +402,8 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
     p = Project.open(tmp_path / "p")
     st = State()
     pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov),
-                                         recipe=recipe, adascale_iterations=4, seq_mse_candidates=4, **FAST), st)
+                                         recipe=recipe, adascale_iterations=4, omniquant_iterations=4,
+                                         seq_mse_candidates=4, **FAST), st)
     r = p.record("quantize").result
     assert r["recipe"] == recipe and r["rotated"] == ("spinquant" in recipe) and 0.8 < r["ratio"] < 1.3
     assert set(RECIPE_STEPS[recipe]) <= set(r["steps"])

@@ -30,6 +30,7 @@ RATES: dict[str, tuple[float, float, float, float]] = {s.name: s.host_rates for 
 # candidates (that one beside another job: ~0.3 of it taken off). Seconds per million decoder parameters
 ADASCALE_S_PER_MPARAM_STEP = 0.071
 ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN = 4.8e-5  # each layer's inputs: a prompt pass of the whole model
+OMNIQUANT_S_PER_MPARAM_STEP = 0.071
 SEQMSE_S_PER_MPARAM_CANDIDATE = 0.45
 # SpinQuant merges a hidden x hidden rotation into every weight: seconds per million parameters per 1,000 hidden
 # (0.040-0.046 measured beside a 2-core job on 128M and 256M models of hidden 1,024 and 2,048; alone, a Llama-3.2-1B
@@ -150,6 +151,8 @@ def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None
     tokens = o.calib_samples * o.calib_len
     per = {"adascale": ADASCALE_S_PER_MPARAM_STEP * decoder_m * o.adascale_iterations
            + ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * card.params / 1e6 * tokens * card.layers,
+           "omniquant": OMNIQUANT_S_PER_MPARAM_STEP * decoder_m * o.omniquant_iterations
+           + ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * card.params / 1e6 * tokens,
            "seq_mse": SEQMSE_S_PER_MPARAM_CANDIDATE * decoder_m * o.seq_mse_candidates,
            "spinquant": SPINQUANT_S_PER_MPARAM_KHIDDEN * card.params / 1e6 * card.hidden / 1000}
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
@@ -173,9 +176,9 @@ def int8_budget_seconds(card: Any, cpus: int | None = None) -> float:
 
 def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     """What a recipe holds beside the quantize stage's own peak: AdaScale keeps every layer's float inputs of each
-    calibration call (the stream, the mask, the layer's KV cache) and one layer's quantized ones, in float32;
-    SpinQuant the rotated embedding table and LM head beside the ones they replace; and every recipe but plain
-    widens a 16-bit model to float32 whole."""
+    calibration call (the stream, the mask, the layer's KV cache) and one layer's quantized ones, in float32,
+    OmniQuant the float ones alone; SpinQuant the rotated embedding table and LM head beside the ones they
+    replace; and every recipe but plain widens a 16-bit model to float32 whole."""
     from .stage_options import RECIPE_STEPS, AdaptOptions, QuantizeOptions, widens
 
     steps = RECIPE_STEPS[recipe]
@@ -183,12 +186,13 @@ def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     if widens(recipe) and card.stored_bits == 16:  # a 16-bit model widened whole
         ram += (stage_cost("quantize", card, whole_float32=True).peak_ram_bytes
                 - stage_cost("quantize", card).peak_ram_bytes)
-    if "adascale" not in steps:
+    held = max([{"adascale": card.layers + 1, "omniquant": card.layers}.get(s, 0) for s in steps], default=0)
+    if not held:
         return ram
     o, shape = options or QuantizeOptions(), AdaptOptions()
     calls = o.calib_samples * -(-min(o.calib_len, shape.cl) // shape.ar)
     per_call = 4 * (card.hidden * shape.ar + shape.ar * shape.cl + 2 * card.kv_heads * card.head_dim * shape.cl)
-    return max(ram, int((card.layers + 1) * calls * per_call))
+    return max(ram, int(held * calls * per_call))
 
 
 def recipe_costs(card: Any, cpus: int | None = None) -> list[RecipeCost]:

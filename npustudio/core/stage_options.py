@@ -54,15 +54,17 @@ PRECISION_NOTES = {"w8a16": "int8 weights, 16-bit activations (best quality)",
 # the weight-encoding recipes of the quantize stage, each a sequence of aimet-torch's own PTQ algorithms
 # (core/quantize/__init__.py runs the steps): a rotation of the float weights before the quantsim is built, then
 # the steps that choose weight encodings before activations are calibrated
-Recipe = Literal["plain", "seqmse", "adascale", "spinquant", "spinquant_adascale"]
+Recipe = Literal["plain", "seqmse", "adascale", "omniquant", "spinquant", "spinquant_adascale"]
 RECIPE_NAMES: tuple[str, ...] = get_args(Recipe)
 RECIPE_STEPS: dict[str, tuple[str, ...]] = {
-    "plain": (), "seqmse": ("seq_mse",), "adascale": ("adascale",),
+    "plain": (), "seqmse": ("seq_mse",), "adascale": ("adascale",), "omniquant": ("omniquant",),
     "spinquant": ("spinquant",), "spinquant_adascale": ("spinquant", "adascale")}
 ROTATION_STEPS = ("spinquant",)  # the steps on the float model, before the quantsim exists
 RECIPE_NOTES = {"plain": "min-max weight encodings (fastest)",
                 "seqmse": "SeqMSE: each weight's encodings searched against its layer's output",
                 "adascale": "AdaScale: each decoder layer's weight scales learned against the float layer",
+                "omniquant": "OmniQuant: each decoder layer's weight clipping and equivalent channel scales learned "
+                             "against the float layer",
                 "spinquant": "SpinQuant: Hadamard rotations of the residual stream and of each head's values, folded "
                              "into the weights",
                 "spinquant_adascale": "SpinQuant's rotations, then AdaScale"}
@@ -162,6 +164,8 @@ class QuantizeOptions(StageOptions):
                                                 + "; ".join(f"{k}: {v}" for k, v in RECIPE_NOTES.items()))
     adascale_iterations: int = Field(150, ge=1, le=100_000, description="AdaScale optimizer steps per decoder "
                                                                          "layer")
+    omniquant_iterations: int = Field(150, ge=1, le=100_000, description="OmniQuant optimizer steps per decoder "
+                                                                           "layer")
     int8_budget: float | None = Field(
         None, ge=0.0, le=0.5, description="w4a16: the share of the decoder's linear weights that may stay int8, given "
         "to the layers' attention or MLP weights whose 4 bits move the model's output most (measured on the "

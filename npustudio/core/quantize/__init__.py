@@ -46,7 +46,7 @@ from ..results import QuantizeResult, load_card, load_graphs, load_quantize
 from ..shape import DecoderShape
 from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotates, widens
 from ..targets import find_soc
-from . import adascale, export, int8_budget, simulate, spinquant
+from . import adascale, export, int8_budget, omniquant, simulate, spinquant
 from .fast_qdq import fast_per_tensor_qdq
 from .presets import check_overrides, int8_budget_of, preset, takes_4bit_head, takes_int8_budget, with_head
 
@@ -132,6 +132,8 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         share = state.sub(0.2 + 0.25 * i / len(steps_of_recipe), 0.2 + 0.25 * (i + 1) / len(steps_of_recipe))
         if step == "adascale":
             adascale.apply(sim, calib, lambda m, ids: runner(m).prefill(ids), options.adascale_iterations, share)
+        elif step == "omniquant":
+            omniquant.apply(sim, calib, lambda m, ids: runner(m).prefill(ids), options.omniquant_iterations, share)
         else:
             share.progress(0.0, "SeqMSE: searching weight encodings layer by layer")
             _seq_mse(sim, calib, runner, options)

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..progress import StateLike, about_duration
-
-Capture = list[tuple[tuple[Any, ...], dict[str, Any]]]
+from ..progress import StateLike
+from .layer_training import Prefill, capture, layer_by_layer, lpbq_quantizers, on_lpbq_grid, regroup
 
 
 def _aimet_adascale() -> Any:
@@ -35,7 +33,6 @@ def _aimet_adascale() -> Any:
     from aimet_torch.adascale.adascale_optimizer import AdaScale
     from aimet_torch.adascale.adascale_quantizer import AdaScaleConv2dQuantizeDequantize
     from aimet_torch.quantization.affine import GroupedBlockQuantizeDequantize
-    from aimet_torch.quantization.affine.backends import quantize_dequantize
 
     from .aimet_ops import QuantizedConv1x1
 
@@ -56,13 +53,7 @@ def _aimet_adascale() -> Any:
             self.lpbq = qdq if isinstance(qdq, GroupedBlockQuantizeDequantize) else None
 
         def get_scale(self, dtype: Any = None) -> Any:
-            raw = super().get_scale(dtype)
-            if self.lpbq is None or raw is None:
-                return raw
-            per_channel = GroupedBlockQuantizeDequantize._get_per_channel_scale(self.lpbq, raw)
-            return quantize_dequantize(raw, per_channel, torch.zeros_like(per_channel), qmin=1,
-                                       qmax=2 ** (self.lpbq.decompressed_bw - self.lpbq.bitwidth),
-                                       block_size=self.lpbq.block_grouping)
+            return on_lpbq_grid(self.lpbq, super().get_scale(dtype))
 
     class DecoderAdaScale(AdaScale):
         @staticmethod
@@ -78,91 +69,17 @@ def stream_loss(fp_out: Any, q_out: Any, _index: int) -> torch.Tensor:
     return (fp_out[0] - q_out[0]).pow(2).sum(-1).mean()
 
 
-def apply(sim: Any, calib: Sequence[Sequence[int]], prefill: Callable[[torch.nn.Module, Sequence[int]], object],
-          iterations: int, state: StateLike) -> None:
+def apply(sim: Any, calib: Sequence[Sequence[int]], prefill: Prefill, iterations: int, state: StateLike) -> None:
     """Optimize every decoder layer's weight encodings with AdaScale on `calib` (before activations are calibrated:
     the activation quantizers are off throughout, as in `apply_adascale`)."""
     from aimet_torch.adascale.adascale_optimizer import _SamplingIterable
-    from aimet_torch.nn import compute_param_encodings
-    from aimet_torch.utils import remove_activation_quantizers, remove_all_quantizers
 
     ada = _aimet_adascale()
-    model = sim.model
-    grouped = _lpbq_quantizers(model)
-    compute_param_encodings(model)
-    model.requires_grad_(False)
-    layers = list(model.layers)
-    with remove_activation_quantizers(model):
-        with remove_all_quantizers(model):
-            fp_inputs = _capture(model, layers, calib, prefill)
-        began = time.monotonic()
-        for i, layer in enumerate(layers):
-            state.check()  # a cancel lands between layers: nothing is folded yet, the stage output is not written
-            left = f", {about_duration((time.monotonic() - began) / i * (len(layers) - i))} left" if i else ""
-            state.progress(i / len(layers), f"AdaScale: layer {i + 1} of {len(layers)}{left}")
-            qt_inputs = _capture(model, [layer], calib, prefill)[0]
-            mixed = _SamplingIterable(qt_inputs, fp_inputs[i], ratio=0.5)
-            with contextlib.redirect_stderr(io.StringIO()):  # aimet's own bar: this stage reports through `state`
-                ada.adascale_block(layer, fp_inputs[i], mixed, num_iterations=iterations, loss_fn=stream_loss)
-            fp_inputs[i] = []
-    ada.fold_adascale_quantizers(model)
-    _regroup(model, grouped)
-    state.progress(1.0, "AdaScale: done")
-
-
-@torch.no_grad()
-def _capture(model: torch.nn.Module, layers: list[torch.nn.Module], calib: Sequence[Sequence[int]],
-             prefill: Callable[[torch.nn.Module, Sequence[int]], object]) -> list[Capture]:
-    """Every call's (args, kwargs) into each of `layers` while the prompt loop reads `calib`, on the CPU (copied
-    when seen: the runner updates its KV cache in place)."""
-    seen: list[Capture] = [[] for _ in layers]
-
-    def hook(i: int) -> Callable[..., None]:
-        def keep(_m: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            seen[i].append(_detached((args, kwargs)))
-        return keep
-
-    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        for seq in calib:
-            prefill(model, seq)
-    finally:
-        for h in handles:
-            h.remove()
-    # cloned again here: copies made inside the runner's inference mode cannot take part in autograd
-    return [[_detached(c) for c in calls] for calls in seen]
-
-
-def _detached(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().as_subclass(torch.Tensor).cpu().clone()
-    if isinstance(x, tuple | list):
-        return type(x)(_detached(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _detached(v) for k, v in x.items()}
-    return x
-
-
-def _lpbq_quantizers(model: torch.nn.Module) -> dict[Any, Any]:
-    from aimet_torch.quantization.affine import GroupedBlockQuantizeDequantize
-
-    from .aimet_ops import QuantizedConv1x1
-
-    return {m: m.param_quantizers["weight"] for m in model.modules()
-            if isinstance(m, QuantizedConv1x1) and isinstance(m.param_quantizers["weight"],
-                                                                GroupedBlockQuantizeDequantize)}
-
-
-@torch.no_grad()
-def _regroup(model: torch.nn.Module, grouped: dict[Any, Any]) -> None:
-    """Each LPBQ weight's grouped quantizer back, over the block ranges AdaScale learned, frozen there."""
-    from aimet_torch.quantization.affine import GroupedBlockQuantizeDequantize
-
-    for module, old in grouped.items():
-        learned = module.param_quantizers["weight"]
-        q = GroupedBlockQuantizeDequantize(old.shape, bitwidth=old.bitwidth, symmetric=True,
-                                           decompressed_bw=old.decompressed_bw, block_size=old.block_size,
-                                           block_grouping=old.block_grouping)
-        q.set_range(learned.min, learned.max)
-        q.allow_overwrite(False)
-        module.param_quantizers["weight"] = q.to(learned.min.device)
+    grouped = lpbq_quantizers(sim.model)
+    for layer, fp_inputs in layer_by_layer(sim, calib, prefill, "AdaScale", state):
+        qt_inputs = capture(sim.model, [layer], calib, prefill)[0]
+        mixed = _SamplingIterable(qt_inputs, fp_inputs, ratio=0.5)
+        with contextlib.redirect_stderr(io.StringIO()):  # aimet's own bar: this stage reports through `state`
+            ada.adascale_block(layer, fp_inputs, mixed, num_iterations=iterations, loss_fn=stream_loss)
+    ada.fold_adascale_quantizers(sim.model)
+    regroup(sim.model, grouped)

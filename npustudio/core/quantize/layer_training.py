@@ -1,0 +1,118 @@
+"""What the layer-by-layer weight-encoding learners (AdaScale, OmniQuant) share on the adapted decoder.
+
+- each layer's inputs, captured from the real prompt loop (the host KV-cache runner Genie's loop mirrors: the
+  second AR-N chunk of a sequence attends to the first one's cache), not from one whole-sequence call;
+- LPBQ's own scale grid while a quantizer learns (each block an integer 1..16 times its channel's scale,
+  straight-through for the gradient), so the encodings it ends with are exactly the LPBQ encodings exported;
+- each LPBQ weight's grouped quantizer back afterwards, over the ranges learned (aimet's learners leave plain
+  block quantizers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..progress import StateLike, about_duration
+
+Capture = list[tuple[tuple[Any, ...], dict[str, Any]]]
+Prefill = Callable[[torch.nn.Module, Sequence[int]], object]
+
+
+def layer_by_layer(sim: Any, calib: Sequence[Sequence[int]], prefill: Prefill, what: str,
+                   state: StateLike) -> Iterator[tuple[torch.nn.Module, Capture]]:
+    """Each decoder layer of `sim` in order, with the float model's inputs to it on `calib`, the weight encodings
+    computed and the activation quantizers off (a learner's weight encodings come before activations are
+    calibrated, as in aimet's); progress is said and a cancel lands between layers (nothing is folded yet then:
+    the stage output is not written)."""
+    from aimet_torch.nn import compute_param_encodings
+    from aimet_torch.utils import remove_activation_quantizers, remove_all_quantizers
+
+    model = sim.model
+    compute_param_encodings(model)
+    model.requires_grad_(False)
+    layers = list(model.layers)
+    with remove_activation_quantizers(model):
+        with remove_all_quantizers(model):
+            fp_inputs = capture(model, layers, calib, prefill)
+        began = time.monotonic()
+        for i, layer in enumerate(layers):
+            state.check()
+            left = f", {about_duration((time.monotonic() - began) / i * (len(layers) - i))} left" if i else ""
+            state.progress(i / len(layers), f"{what}: layer {i + 1} of {len(layers)}{left}")
+            yield layer, fp_inputs[i]
+            fp_inputs[i] = []
+    state.progress(1.0, f"{what}: done")
+
+
+def on_lpbq_grid(lpbq: Any, raw: torch.Tensor | None) -> torch.Tensor | None:
+    """`raw` block scales as LPBQ rounds them for `lpbq` (a GroupedBlockQuantizeDequantize; None: left as they are)."""
+    from aimet_torch.quantization.affine import GroupedBlockQuantizeDequantize
+    from aimet_torch.quantization.affine.backends import quantize_dequantize
+
+    if lpbq is None or raw is None:
+        return raw
+    per_channel = GroupedBlockQuantizeDequantize._get_per_channel_scale(lpbq, raw)
+    return quantize_dequantize(raw, per_channel, torch.zeros_like(per_channel), qmin=1,
+                               qmax=2 ** (lpbq.decompressed_bw - lpbq.bitwidth), block_size=lpbq.block_grouping)
+
+
+@torch.no_grad()
+def capture(model: torch.nn.Module, layers: list[torch.nn.Module], calib: Sequence[Sequence[int]],
+            prefill: Prefill) -> list[Capture]:
+    """Every call's (args, kwargs) into each of `layers` while the prompt loop reads `calib`, on the CPU (copied
+    when seen: the runner updates its KV cache in place)."""
+    seen: list[Capture] = [[] for _ in layers]
+
+    def hook(i: int) -> Callable[..., None]:
+        def keep(_m: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            seen[i].append(_detached((args, kwargs)))
+        return keep
+
+    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        for seq in calib:
+            prefill(model, seq)
+    finally:
+        for h in handles:
+            h.remove()
+    # cloned again here: copies made inside the runner's inference mode cannot take part in autograd
+    return [[_detached(c) for c in calls] for calls in seen]
+
+
+def _detached(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().as_subclass(torch.Tensor).cpu().clone()
+    if isinstance(x, tuple | list):
+        return type(x)(_detached(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _detached(v) for k, v in x.items()}
+    return x
+
+
+def lpbq_quantizers(model: torch.nn.Module) -> dict[Any, Any]:
+    from aimet_torch.quantization.affine import GroupedBlockQuantizeDequantize
+
+    from .aimet_ops import QuantizedConv1x1
+
+    return {m: m.param_quantizers["weight"] for m in model.modules()
+            if isinstance(m, QuantizedConv1x1) and isinstance(m.param_quantizers["weight"],
+                                                                GroupedBlockQuantizeDequantize)}
+
+
+@torch.no_grad()
+def regroup(model: torch.nn.Module, grouped: dict[Any, Any]) -> None:
+    """Each LPBQ weight's grouped quantizer back, over the block ranges AdaScale learned, frozen there."""
+    from aimet_torch.quantization.affine import GroupedBlockQuantizeDequantize
+
+    for module, old in grouped.items():
+        learned = module.param_quantizers["weight"]
+        q = GroupedBlockQuantizeDequantize(old.shape, bitwidth=old.bitwidth, symmetric=True,
+                                           decompressed_bw=old.decompressed_bw, block_size=old.block_size,
+                                           block_grouping=old.block_grouping)
+        q.set_range(learned.min, learned.max)
+        q.allow_overwrite(False)
+        module.param_quantizers["weight"] = q.to(learned.min.device)
