@@ -97,7 +97,8 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     # each recipe says what it adds to this model's quantize stage here, before anything runs
     labels = {q.recipe.itemData(i): q.recipe.itemText(i) for i in range(q.recipe.count())}
     assert q.recipe.currentData() == "plain" and "estimated" not in labels["plain"]
-    assert "AdaScale" in labels["adascale"] and "here, estimated)" in labels["adascale"]
+    assert all(name in labels[r] and "here, estimated)" in labels[r]
+               for r, name in (("adascale", "AdaScale"), ("omniquant", "OmniQuant")))
     # the int8 budget widens 4-bit weights: off at w8a16, where there are none, and part of the options at w4a16
     assert q.precision.currentData() == "w8a16" and not q.int8_budget.isEnabled()
     q.precision.setCurrentIndex(q.precision.findData("w4a16"))  # w4a16 shows its default budget, 5 %

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -297,24 +298,33 @@ def test_spinquant_keeps_the_float_model(w8: tuple[Project, list[Partial]]) -> N
 
 
 @pytest.fixture(scope="module")
-def adapted_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen2 (q/k/v biases, one KV head for four query heads), adapted."""
+def adapted_families(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Tiny models of other families, adapted when first asked for: qwen2 (q/k/v biases, one KV head for four
+    query heads), olmo2 (post-norm blocks, attention biases)."""
     from tests.conftest import make_tiny_model
 
-    root = tmp_path_factory.mktemp("q2")
-    p = Project.open(root / "p")
-    pipeline.adapt(p, str(make_tiny_model(root / "m", "qwen2")), AdaptOptions(ar=32, cl=128, eval_chars=600,
-                                                                               window=64, decode_tokens=0), State())
-    return p.root
+    made: dict[str, Path] = {}
+    options = {"qwen2": {}, "olmo2": {"pad_token_id": 0, "attention_bias": True, "num_key_value_heads": 1}}
+
+    def adapted(family: str) -> Path:
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            p = Project.open(root / "p")
+            model = make_tiny_model(root / "m", family, **options[family])
+            pipeline.adapt(p, str(model), AdaptOptions(ar=32, cl=128, eval_chars=600, window=64, decode_tokens=0),
+                           State())
+            made[family] = p.root
+        return made[family]
+    return adapted
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(("family", "precision"), [("llama", "w4a16"), ("qwen2", "w8a16"), ("olmo2", "w4a16")])
 def test_omniquant_channel_scales_leave_the_float_model_and_its_cache_consistent(
-        family: str, adapted_project: Path, request: pytest.FixtureRequest) -> None:
-    """OmniQuant's LET pairs on the adapted decoder (norms -> q/k/v and gate/up, each KV head's v and its bias ->
-    the o channels of the query heads reading it (GQA), up -> down) change nothing the float layer computes, also
-    for a second AR-N chunk reading the first one's cached v; folded, the model answers as before over two chunks,
-    its weights rescaled."""
+        family: str, precision: str, adapted_project: Path, adapted_families: Callable[[str], Path]) -> None:
+    """OmniQuant's LET pairs on the adapted decoder (norms -> q/k/v and gate/up in a pre-norm block, each KV
+    head's v and its bias -> the o channels of the query heads reading it (GQA), up -> down) change nothing the
+    float layer computes, also for a second AR-N chunk reading the first one's cached v; folded, the model
+    answers as before over two chunks, its weights rescaled."""
     import torch
     from aimet_torch.utils import remove_activation_quantizers, remove_all_quantizers
 
@@ -326,19 +336,19 @@ def test_omniquant_channel_scales_leave_the_float_model_and_its_cache_consistent
     from npustudio.core.quantize.presets import preset
     from npustudio.core.targets import find_soc
 
-    root = adapted_project if family == "llama" else request.getfixturevalue("adapted_qwen2")
+    root = adapted_project if family == "llama" else adapted_families(family)
     adapt_dir = Project.open(root).stage_dir("adapt")
     ar, cl, _ = adapt_graphs(adapt_dir)
     model, inv_freq = store.load(adapt_dir)
     assert model.spec.heads > model.spec.kv_heads  # GQA: o's channels gather the scales of the KV heads
-    assert (family == "qwen2") == model.spec.qkv_bias
+    assert (family != "llama") == model.spec.qkv_bias and (family == "olmo2") == model.spec.post_norms
     torch.manual_seed(0)
     with torch.no_grad():
         for conv in (c for layer in model.layers for c in layer.attn.v if c.bias is not None):
             conv.bias.normal_()  # a random model's biases are zeros: these must be scaled like the weights
     ids = list(range(5, 5 + 2 * ar))  # two AR-N chunks
     feeds = _vector_feeds(KVCacheRunner.over(model, ar, cl, inv_freq), ids, ar)[0]
-    sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset("w4a16"),
+    sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset(precision),
                          find_soc("SM8750"), Overrides())
     prefill = lambda m, seq: KVCacheRunner.over(m, ar, cl, inv_freq).prefill(seq)  # noqa: E731
     with torch.no_grad(), remove_all_quantizers(sim.model):

@@ -26,11 +26,12 @@ MB = 2**20
 # each stage's own declaration (core/stages.py) holds its figures and where they were measured
 RATES: dict[str, tuple[float, float, float, float]] = {s.name: s.host_rates for s in stages.SPECS if s.host_rates}
 # the weight-encoding recipes, from benchmarks/recipe_bench.py on the default model (106 M decoder parameters, 30
-# layers, 4 x 256 calibration tokens, 2 cores): AdaScale 1,331 s at 150 steps a layer, SeqMSE 1,160 s at 20
-# candidates (that one beside another job: ~0.3 of it taken off). Seconds per million decoder parameters
+# layers, 4 x 256 calibration tokens, 2 cores): AdaScale 1,331 s at 150 steps a layer, OmniQuant 1,049 s at 150
+# steps a layer (one capture of the float inputs), SeqMSE 1,160 s at 20 candidates (that one beside another job:
+# ~0.3 of it taken off). Seconds per million decoder parameters
 ADASCALE_S_PER_MPARAM_STEP = 0.071
 ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN = 4.8e-5  # each layer's inputs: a prompt pass of the whole model
-OMNIQUANT_S_PER_MPARAM_STEP = 0.071
+OMNIQUANT_S_PER_MPARAM_STEP = 0.065
 SEQMSE_S_PER_MPARAM_CANDIDATE = 0.45
 # SpinQuant merges a hidden x hidden rotation into every weight: seconds per million parameters per 1,000 hidden
 # (0.040-0.046 measured beside a 2-core job on 128M and 256M models of hidden 1,024 and 2,048; alone, a Llama-3.2-1B
