@@ -26,8 +26,8 @@ def layer_by_layer(sim: Any, calib: Sequence[Sequence[int]], prefill: Prefill, w
                    state: StateLike) -> Iterator[tuple[torch.nn.Module, Capture]]:
     """Each decoder layer of `sim` in order, with the float model's inputs to it on `calib`, the weight encodings
     computed and the activation quantizers off (a learner's weight encodings come before activations are
-    calibrated, as in aimet's); progress is said and a cancel lands between layers (nothing is folded yet then:
-    the stage output is not written)."""
+    calibrated, as in aimet's); progress is said and a cancel lands between layers (the stage stops there and
+    writes no output: what was learned so far lived in this process's model only)."""
     from aimet_torch.nn import compute_param_encodings
     from aimet_torch.utils import remove_activation_quantizers, remove_all_quantizers
 
