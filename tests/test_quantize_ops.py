@@ -94,3 +94,64 @@ def test_plain_op_fake_quantization_equals_torchs_kernel_ties_included() -> None
                            (k + 0.5) * s, k * s, torch.tensor([0.0, 1e30, -1e30])])  # ties, the grid, far out
             want = torch.fake_quantize_per_tensor_affine(x, s, zp, qmin, qmax)
             assert torch.equal(per_tensor_qdq(x, s, zp, qmin, qmax), want), (qmin, qmax, scale)
+
+
+def _adascale_quantizer(out_c: int, in_c: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """AdaScale's quantizer for an LPBQ conv weight (blocks of 64), its scales moved off their start."""
+    from npustudio.core.quantize import aimet_ops
+    from npustudio.core.quantize.adascale import _aimet_adascale
+    from npustudio.core.quantize.simulate import weight_quantizer
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_c, in_c, 1, 1, generator=g) * 0.02
+    q = weight_quantizer(w, 4, 64)
+    with torch.no_grad():
+        m = w.abs().reshape(out_c, -1, 64).amax(-1).reshape(q.shape)
+        q.set_range(-m, m)
+    aq = _aimet_adascale()._get_adascale_qdq_mapping()[aimet_ops.QuantizedConv1x1](q, w.shape)
+    with torch.no_grad():
+        for p in aq.parameters():
+            if p.requires_grad:
+                p.normal_(0.0, 0.05, generator=g)
+    return aq, w
+
+
+def test_a_learners_compiled_quantizer_gives_eagers_numbers_and_falls_back_without_a_compiler(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """AdaScale's weight quantizer runs through torch.compile: the same weights and gradients to float rounding
+    (the fused kernel's exp and divisions may differ from eager's by an ulp), with and without autograd; where
+    compiling fails, every call runs eager and the log says so."""
+    from aimet_torch.adascale.adascale_quantizer import AdaScaleConv2dQuantizeDequantize as Eager
+
+    from npustudio.core.quantize import layer_training
+
+    for out_c, in_c in ((96, 128), (128, 192), (96, 128)):  # the third shares the first's graph
+        aq, w = _adascale_quantizer(out_c, in_c)
+        learned = [p for p in aq.parameters() if p.requires_grad]
+        want = Eager.forward(aq, w)
+        want_grads = torch.autograd.grad(want.square().sum(), learned, allow_unused=True)
+        got = aq(w)
+        assert "_compiled_forward" in aq.__dict__
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        grads = torch.autograd.grad(got.square().sum(), learned, allow_unused=True)
+        assert [g is None for g in grads] == [g is None for g in want_grads]
+        assert any(g is not None and g.abs().sum() > 0 for g in grads)
+        for g, h in zip(grads, want_grads, strict=True):
+            if g is not None:
+                torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-9)
+        with torch.no_grad():
+            torch.testing.assert_close(aq(w), want, rtol=1e-5, atol=1e-7)
+
+    def no_compiler(fn: object, **_: object) -> object:
+        def fails(*a: object) -> object:
+            raise RuntimeError("Compiler: cc not found")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    forward = layer_training.compiled_forward(Eager.forward)
+    aq, w = _adascale_quantizer(96, 128)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(forward(aq, w), Eager.forward(aq, w))
+        assert torch.equal(forward(aq, w), Eager.forward(aq, w))
+    assert [r.getMessage() for r in caplog.records if "torch.compile failed" in r.getMessage()] == [
+        "torch.compile failed (RuntimeError: Compiler: cc not found); the learners' quantizers run eager (slower)"]

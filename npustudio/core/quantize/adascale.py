@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..progress import StateLike
-from .layer_training import Prefill, capture, layer_by_layer, lpbq_quantizers, on_lpbq_grid, regroup
+from .layer_training import Prefill, capture, compiled_forward, layer_by_layer, lpbq_quantizers, on_lpbq_grid, regroup
 
 
 def _aimet_adascale() -> Any:
@@ -52,8 +52,12 @@ def _aimet_adascale() -> Any:
             self.s2 = torch.nn.Parameter(torch.zeros(weight_shape, device=qdq.min.device))
             self.lpbq = qdq if isinstance(qdq, GroupedBlockQuantizeDequantize) else None
 
+        # what forward calls reads no variable of the enclosing function (torch.compile cannot lift those)
+        _learned_scale = AdaScaleConv2dQuantizeDequantize.get_scale
+        forward = compiled_forward(AdaScaleConv2dQuantizeDequantize.forward)
+
         def get_scale(self, dtype: Any = None) -> Any:
-            return on_lpbq_grid(self.lpbq, super().get_scale(dtype))
+            return on_lpbq_grid(self.lpbq, self._learned_scale(dtype))
 
     class DecoderAdaScale(AdaScale):
         @staticmethod

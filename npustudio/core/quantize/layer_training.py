@@ -5,11 +5,13 @@
 - LPBQ's own scale grid while a quantizer learns (each block an integer 1..16 times its channel's scale,
   straight-through for the gradient), so the encodings it ends with are exactly the LPBQ encodings exported;
 - each LPBQ weight's grouped quantizer back afterwards, over the ranges learned (aimet's learners leave plain
-  block quantizers).
+  block quantizers);
+- the learning quantizer's forward through torch.compile (`compiled_forward`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 
 from ..progress import StateLike, about_duration
+
+log = logging.getLogger(__name__)
 
 Capture = list[tuple[tuple[Any, ...], dict[str, Any]]]
 Prefill = Callable[[torch.nn.Module, Sequence[int]], object]
@@ -46,6 +50,42 @@ def layer_by_layer(sim: Any, calib: Sequence[Sequence[int]], prefill: Prefill, w
             yield layer, fp_inputs[i]
             fp_inputs[i] = []
     state.progress(1.0, f"{what}: done")
+
+
+def compiled_forward(forward: Callable[[Any, torch.Tensor], Any]) -> Callable[[Any, torch.Tensor], Any]:
+    """A learning quantizer's `forward` through torch.compile, or `forward` itself where that does not compile.
+
+    Each step a learner's quantizer makes some twenty element-wise passes over its whole weight, forward and
+    backward (the per-weight scale, LPBQ's block scales, the rounding and its mask); the compiler fuses them.
+    Measured on Llama-3.2-1B-shaped LPBQ weights on 2 cores, forward and backward: the 8192 x 2048 gate 0.52 s
+    eager, 0.16 s compiled; weights and gradients agree to float rounding (the fused exp and divisions may
+    differ by an ulp). Each quantizer compiles its own bound forward (an unbound one, the quantizer an argument,
+    does not trace through aimet's autograd function); quantizers of one weight shape share the compiled graph.
+    torch.compile needs a C++ compiler for the CPU (Triton for a CUDA GPU): without one the first call fails and
+    every call runs eager, with a warning in the log."""
+    import types
+
+    import torch._dynamo.config
+
+    # a decoder's weight shapes (q, k/v, o, gate/up, down), with and without gradients: one graph each
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    eager = False
+
+    def call(quantizer: Any, x: torch.Tensor) -> Any:
+        nonlocal eager
+        if not eager:
+            fast = quantizer.__dict__.get("_compiled_forward")
+            if fast is None:
+                fast = quantizer.__dict__["_compiled_forward"] = torch.compile(types.MethodType(forward, quantizer))
+            try:
+                return fast(x)
+            except Exception as e:  # a compiler missing or failing: the same function, eager
+                eager = True
+                log.warning("torch.compile failed (%s: %s); the learners' quantizers run eager (slower)",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return forward(quantizer, x)
+
+    return call
 
 
 def on_lpbq_grid(lpbq: Any, raw: torch.Tensor | None) -> torch.Tensor | None:
