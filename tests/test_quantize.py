@@ -318,6 +318,49 @@ def adapted_families(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str]
     return adapted
 
 
+def test_a_layers_captured_inputs_come_from_the_layers_before_it_alone(adapted_project: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A learner captures a layer's inputs over two AR-N chunks (the second reads the first one's cache) computing
+    the decoder only as far as that layer: the same inputs as a pass through the whole decoder, the later layers
+    and the LM head not run, and the model whole again afterwards."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from npustudio.core.graph import store
+    from npustudio.core.graph.kv_cache import KVCacheRunner
+    from npustudio.core.quantize.layer_training import capture
+
+    adapt_dir = Project.open(adapted_project).stage_dir("adapt")
+    ar, cl, _ = adapt_graphs(adapt_dir)
+    model, inv_freq = store.load(adapt_dir)
+    assert len(model.layers) > 1
+    prefill = lambda m, seq: KVCacheRunner.over(m, ar, cl, inv_freq).prefill(seq)  # noqa: E731
+    ids = list(range(5, 5 + 2 * ar))
+    logits = prefill(model, ids)
+    whole = capture(model, list(model.layers), [ids], prefill)
+    ran: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda m, a, name=name: ran.append(name))
+             for name, m in (("last mlp", model.layers[-1].mlp), ("first mlp", model.layers[0].mlp))]
+    head = type(model.lm_head).forward
+
+    def computed_head(m: Any, x: Any) -> Any:  # every 1x1 convolution's forward: the head's is counted
+        if m is model.lm_head:
+            ran.append("head")
+        return head(m, x)
+
+    monkeypatch.setattr(type(model.lm_head), "forward", computed_head)
+    first = capture(model, [model.layers[0]], [ids], prefill)[0]
+    monkeypatch.undo()
+    for h in hooks:
+        h.remove()
+    assert ran == ["first mlp", "first mlp"]  # one call a chunk, nothing after layer 0
+    assert len(first) == 2 and first[1][0][3].abs().sum() > 0  # the second chunk reads a cached k
+    got, want = tree_leaves(first), tree_leaves(whole[0])
+    assert len(got) == len(want) and all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                                         for a, b in zip(got, want, strict=True))
+    assert not any("forward" in vars(m) for m in model.modules()) and torch.equal(prefill(model, ids), logits)
+
+
 @pytest.mark.parametrize(("family", "precision"), [("llama", "w4a16"), ("qwen2", "w8a16"), ("olmo2", "w4a16")])
 def test_omniquant_channel_scales_leave_the_float_model_and_its_cache_consistent(
         family: str, precision: str, adapted_project: Path, adapted_families: Callable[[str], Path]) -> None:
