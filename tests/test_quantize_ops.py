@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from functools import partial
 from pathlib import Path
@@ -60,11 +61,12 @@ def test_quantsim_wraps_the_adapted_decoder_and_w8a16_keeps_perplexity(tiny_llam
     assert res.test_ppl / res.ref_ppl == pytest.approx(1.0, abs=0.05)
     assert res.top1_agreement > 0.8
 
-    # the quantize stage runs aimet's per-tensor fake quantization as plain tensor ops: the same logits, bit for bit
-    from npustudio.core.quantize.fast_qdq import fast_per_tensor_qdq
+    # the quantize stage runs aimet's per-tensor and per-channel (the weights: not folded here) fake quantization
+    # as plain tensor ops: the same logits, bit for bit
+    from npustudio.core.quantize.fast_qdq import fast_fake_quantize
 
     aimet_logits = q.score(ids[:100], decode_tokens=4)
-    with fast_per_tensor_qdq():
+    with fast_fake_quantize():
         fast_logits = q.score(ids[:100], decode_tokens=4)
     assert torch.equal(aimet_logits, fast_logits)
 
@@ -82,7 +84,7 @@ def test_quantsim_wraps_the_adapted_decoder_and_w8a16_keeps_perplexity(tiny_llam
 
 
 def test_plain_op_fake_quantization_equals_torchs_kernel_ties_included() -> None:
-    from npustudio.core.quantize.fast_qdq import per_tensor_qdq
+    from npustudio.core.quantize.fast_qdq import per_channel_qdq, per_tensor_qdq
 
     g = torch.Generator().manual_seed(0)
     for qmin, qmax in ((0, 65535), (0, 255), (-128, 127), (0, 15)):
@@ -94,6 +96,18 @@ def test_plain_op_fake_quantization_equals_torchs_kernel_ties_included() -> None
                            (k + 0.5) * s, k * s, torch.tensor([0.0, 1e30, -1e30])])  # ties, the grid, far out
             want = torch.fake_quantize_per_tensor_affine(x, s, zp, qmin, qmax)
             assert torch.equal(per_tensor_qdq(x, s, zp, qmin, qmax), want), (qmin, qmax, scale)
+        # per channel, along either axis of a weight: each channel its own scale and zero point (far out here is
+        # a thousand ranges away: the kernel's int64 cast overflows beyond 2^63 steps, a weight never is)
+        scales = torch.tensor([3.1e-6, 0.00731, 0.5, 7.0])
+        zps = torch.tensor([0, (qmin + qmax) // 3, qmax // 2, qmin], dtype=torch.int32)
+        k = torch.arange(qmin - 4, qmax + 5, max(1, (qmax - qmin) // 2000)).float()
+        x = torch.stack([torch.cat([torch.randn(20_000, generator=g) * sc * (qmax - qmin) / 4,
+                                    (k - z + 0.5) * sc, (k - z) * sc,
+                                    torch.tensor([0.0, 1e3, -1e3]) * sc * (qmax - qmin)])
+                         for sc, z in zip(scales.tolist(), zps.tolist(), strict=True)])
+        for axis, t in ((0, x), (1, x.t().contiguous())):
+            want = torch.fake_quantize_per_channel_affine(t, scales, zps, axis, qmin, qmax)
+            assert torch.equal(per_channel_qdq(t, scales, zps, axis, qmin, qmax), want), (qmin, qmax, axis)
 
 
 def _adascale_quantizer(out_c: int, in_c: int) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -125,7 +139,9 @@ def test_a_learners_compiled_quantizer_gives_eagers_numbers_and_falls_back_witho
 
     from npustudio.core.quantize import layer_training
 
+    caplog.set_level("WARNING")
     for out_c, in_c in ((96, 128), (128, 192), (96, 128)):  # the third shares the first's graph
+        caplog.clear()
         aq, w = _adascale_quantizer(out_c, in_c)
         learned = [p for p in aq.parameters() if p.requires_grad]
         want = Eager.forward(aq, w)
@@ -141,6 +157,8 @@ def test_a_learners_compiled_quantizer_gives_eagers_numbers_and_falls_back_witho
                 torch.testing.assert_close(g, h, rtol=1e-4, atol=1e-9)
         with torch.no_grad():
             torch.testing.assert_close(aq(w), want, rtol=1e-5, atol=1e-7)
+        if shutil.which("g++"):  # the C++ compiler torch's CPU backend builds with: it compiled
+            assert "torch.compile failed" not in caplog.text
 
     def no_compiler(fn: object, **_: object) -> object:
         def fails(*a: object) -> object:

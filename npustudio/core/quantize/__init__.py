@@ -47,7 +47,7 @@ from ..shape import DecoderShape
 from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotates, widens
 from ..targets import find_soc
 from . import adascale, export, int8_budget, omniquant, simulate, spinquant
-from .fast_qdq import fast_per_tensor_qdq
+from .fast_qdq import fast_fake_quantize
 from .presets import check_overrides, int8_budget_of, preset, takes_4bit_head, takes_int8_budget, with_head
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
@@ -63,7 +63,7 @@ def load_result(stage_dir: Path) -> QuantizeResult:
 
 
 @compute.plain_convolutions
-@fast_per_tensor_qdq()
+@fast_fake_quantize()
 def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLike) -> QuantizeResult:
     pre, target = with_head(preset(options.precision), options.lm_head_bits), find_soc(options.target)
     lap = Laps()
