@@ -38,7 +38,7 @@ def _quantizer_classes() -> tuple[type, type]:
     """aimet's OmniQuant quantizer for a conv weight (LET and LWC; an LPBQ weight through LPBQ's scale grid) and
     for a norm gain (LET only)."""
     from aimet_torch.experimental.omniquant.let_quantizer import OmqQuantizeDequantize
-    from aimet_torch.quantization.affine import QuantizeDequantize
+    from aimet_torch.quantization.affine import GroupedBlockQuantizeDequantize, QuantizeDequantize
 
     class Layout:
         """aimet's `_update_param` scales a Linear's 2-D weight and repeats a follow scale per channel: these take
@@ -59,9 +59,9 @@ def _quantizer_classes() -> tuple[type, type]:
             return w.reshape(weight.shape)
 
     class WeightOmq(Layout, OmqQuantizeDequantize, QuantizeDequantize):
-        def __init__(self, qdq: Any, lpbq: Any) -> None:
+        def __init__(self, qdq: Any) -> None:
             super().__init__(qdq)
-            self.lpbq = lpbq
+            self.lpbq = qdq if isinstance(qdq, GroupedBlockQuantizeDequantize) else None
 
         def get_scale(self, dtype: Any = None) -> Any:
             return on_lpbq_grid(self.lpbq, super().get_scale(dtype))
@@ -85,18 +85,16 @@ def _let_pairs(layer: Any) -> list[tuple[list[Any], list[Any]]]:
 def _install(layer: Any, weight_omq: type, gain_omq: type) -> tuple[list[torch.nn.Parameter], Callable[[], None]]:
     """OmniQuant's quantizers on `layer` with LET scales registered (all ones: the float layer unchanged); returns
     the parameters to learn and a function that folds the scales and restores quantizers that take part in export."""
-    from aimet_torch.quantization.affine import GroupedBlockQuantizeDequantize
-
     from .aimet_ops import QuantizedConv1x1
 
     convs = [m for m in layer.modules() if isinstance(m, QuantizedConv1x1)]
     before = {m: dict(m.param_quantizers.items()) for m in layer.modules() if hasattr(m, "param_quantizers")}
     for m in convs:
-        q = m.param_quantizers["weight"]
-        m.param_quantizers["weight"] = weight_omq(q, q if isinstance(q, GroupedBlockQuantizeDequantize) else None)
+        m.param_quantizers["weight"] = weight_omq(m.param_quantizers["weight"])
     attn, hd, g = layer.attn, layer.attn.hd, layer.attn.g
+    pairs = _let_pairs(layer)
     scales: list[torch.nn.Parameter] = []
-    for prev, follow in _let_pairs(layer):
+    for prev, follow in pairs:
         width = sum(m.weight.shape[0] for m in prev)
         s = torch.nn.Parameter(torch.ones(width, device=follow[0].weight.device))
         scales.append(s)
@@ -116,7 +114,7 @@ def _install(layer: Any, weight_omq: type, gain_omq: type) -> tuple[list[torch.n
             if m is attn.o:  # o's channel c: query head c // hd, which reads KV head (c // hd) // G
                 c = torch.arange(m.weight.shape[1], device=s.device)
                 m.param_quantizers["weight"].foll_index = (c // hd) // g * hd + c % hd
-    v_scale = scales[0]
+    v_scale = scales[next(i for i, (prev, _) in enumerate(pairs) if prev[0] is attn.v[0])]
 
     def divide_cached_v(_m: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """The cache's earlier v entries (KV, 1, CL-N, hd) divided like the new ones, while the scales learn (not
