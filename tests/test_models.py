@@ -280,6 +280,12 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     # and through quantize on the plain recipe (measured 6.2 GB, widened whole 8.0); a recipe's steps widen it
     q16 = host_cost.stage_cost("quantize", half).peak_ram_bytes
     assert 5e9 < q16 < 7.5e9 and q16 < big.stages[1].peak_ram_bytes
+    # the int8 head's copies grow with the embedding table: the Phi-4-mini shape (200k vocabulary) peaked at
+    # 13,532 MiB, more than the Qwen3-4B shape's 11,921 with more parameters
+    phi = _card(params=3_836_021_760, hidden=3072, layers=32, intermediate=8192, vocab=200064, stored_bits=16)
+    qwen = _card(params=4_022_468_096, hidden=2560, layers=36, intermediate=9728, vocab=151936, stored_bits=16)
+    assert all(abs(host_cost.stage_cost("quantize", c).peak_ram_bytes / 2**20 / mib - 1) < 0.05
+               for c, mib in ((phi, 13_532), (qwen, 11_921)))
     assert host_cost.stage_cost("quantize", half, whole_float32=True).peak_ram_bytes == big.stages[1].peak_ram_bytes
     widened = {r.recipe: r.ram_bytes for r in host_cost.estimate(half).recipes}
     assert widened["plain"] == 0 and widened["seqmse"] == big.stages[1].peak_ram_bytes - q16
