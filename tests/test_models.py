@@ -298,9 +298,12 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
     costs = [{r.recipe: r.seconds for r in e.recipes} for e in (big, three_b)]
     assert costs[0]["plain"] == 0 and all(0 < costs[0][r] < costs[1][r] for r in RECIPE_NAMES[1:])
     assert costs[0]["spinquant"] < costs[0]["seqmse"]  # a rotation merged into the weights: ~1-2 min on a 1B model
-    ram = {r.recipe: r.ram_bytes for r in big.recipes}  # AdaScale holds each layer's inputs: ~0.7 GB on a 1B model
-    assert ram["plain"] == ram["seqmse"] == 0 and 0.4e9 < ram["adascale"] < 1.2e9
-    assert 0.4e9 < ram["omniquant"] < ram["adascale"]  # the float inputs alone
+    # AdaScale holds each layer's inputs (~0.7 GB on a 1B model) and one layer's training state: measured 13,750 MiB
+    # at its peak on the 1B shape, 5.7 GB over the plain stage's estimate
+    ram = {r.recipe: r.ram_bytes for r in big.recipes}
+    assert ram["plain"] == ram["seqmse"] == 0 and 5.0e9 < ram["adascale"] < 6.5e9
+    assert abs((big.stages[1].peak_ram_bytes + ram["adascale"]) / 2**20 / 13_750 - 1) < 0.05
+    assert 0.4e9 < ram["omniquant"] < 1.2e9  # the float inputs alone
     assert ram["spinquant"] == 2 * 4 * 128256 * 2048  # the rotated embedding table and head beside the old ones
     assert not any(r.refused for r in big.recipes)
     # SmolLM2-135M's hidden size 576 has no Hadamard matrix in aimet: said per recipe before any run

@@ -25,12 +25,18 @@ MB = 2**20
 # stage -> (MiB of libraries and buffers, bytes per parameter, seconds, seconds per million parameters) on 2 cores:
 # each stage's own declaration (core/stages.py) holds its figures and where they were measured
 RATES: dict[str, tuple[float, float, float, float]] = {s.name: s.host_rates for s in stages.SPECS if s.host_rates}
-# the weight-encoding recipes, from benchmarks/recipe_bench.py on the default model (106 M decoder parameters, 30
-# layers, 4 x 256 calibration tokens, 2 cores): AdaScale 1,331 s at 150 steps a layer, OmniQuant 1,049 s at 150
-# steps a layer (one capture of the float inputs), SeqMSE 1,160 s at 20 candidates (that one beside another job:
-# ~0.3 of it taken off). Seconds per million decoder parameters
-ADASCALE_S_PER_MPARAM_STEP = 0.071
-ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN = 4.8e-5  # each layer's inputs: a prompt pass of the whole model
+# the weight-encoding recipes, from benchmarks/recipe_bench.py on 2 cores. AdaScale (its quantizer compiled) fitted
+# to the Llama-3.2-1B shape: 2,838 s at 150 steps a layer over 4 x 256 calibration tokens, its captures of each
+# layer's inputs (computed through that layer only) ~540 s of it, at the rate one capture measured; the default
+# model (106 M decoder parameters, 30 layers, smaller matrices) took 548 s against the 352 s these rates say.
+# OmniQuant 1,049 s at 150 steps a layer on the default model (one capture of the float inputs), SeqMSE 1,160 s at
+# 20 candidates (that one beside another job: ~0.3 of it taken off). Seconds per million decoder parameters
+ADASCALE_S_PER_MPARAM_STEP = 0.0158
+ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN = 5.7e-5  # a prompt pass through the decoder's layers up to the one captured
+# one layer's AdaScale training state (its learned per-weight scales, their gradients and Adam moments, what the
+# backward keeps): bytes per parameter of one decoder layer, beside the stage's own peak (1B shape 13,750 MiB
+# against the plain stage's 8,082 and the inputs held; default model 3,129 MiB)
+ADASCALE_BYTES_PER_LAYER_PARAM = 80.0
 OMNIQUANT_S_PER_MPARAM_STEP = 0.065
 SEQMSE_S_PER_MPARAM_CANDIDATE = 0.45
 # SpinQuant merges a hidden x hidden rotation into every weight: seconds per million parameters per 1,000 hidden
@@ -153,10 +159,10 @@ def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None
     o = options or QuantizeOptions()
     decoder_m = max(0, card.params - card.vocab * card.hidden) / 1e6
     tokens = o.calib_samples * o.calib_len
-    per = {"adascale": ADASCALE_S_PER_MPARAM_STEP * decoder_m * o.adascale_iterations
-           + ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * card.params / 1e6 * tokens * card.layers,
+    per = {"adascale": ADASCALE_S_PER_MPARAM_STEP * decoder_m * o.adascale_iterations  # a capture a layer, after
+           + ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * decoder_m * tokens * (1 + (card.layers + 1) / 2),  # the float one
            "omniquant": OMNIQUANT_S_PER_MPARAM_STEP * decoder_m * o.omniquant_iterations
-           + ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * card.params / 1e6 * tokens,
+           + ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * decoder_m * tokens,
            "seq_mse": SEQMSE_S_PER_MPARAM_CANDIDATE * decoder_m * o.seq_mse_candidates,
            "spinquant": SPINQUANT_S_PER_MPARAM_KHIDDEN * card.params / 1e6 * card.hidden / 1000}
     scale = REFERENCE_CPUS / max(1, min(cpus or os.cpu_count() or 1, 16))
@@ -180,9 +186,9 @@ def int8_budget_seconds(card: Any, cpus: int | None = None) -> float:
 
 def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     """What a recipe holds beside the quantize stage's own peak: AdaScale keeps every layer's float inputs of each
-    calibration call (the stream, the mask, the layer's KV cache) and one layer's quantized ones, in float32,
-    OmniQuant the float ones alone; SpinQuant the rotated embedding table and LM head beside the ones they
-    replace; and every recipe but plain widens a 16-bit model to float32 whole."""
+    calibration call (the stream, the mask, the layer's KV cache) and one layer's quantized ones, in float32, and
+    one layer's training state, OmniQuant the float inputs alone; SpinQuant the rotated embedding table and LM head
+    beside the ones they replace; and every recipe but plain widens a 16-bit model to float32 whole."""
     from .stage_options import RECIPE_STEPS, AdaptOptions, QuantizeOptions, widens
 
     steps = RECIPE_STEPS[recipe]
@@ -196,7 +202,8 @@ def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     o, shape = options or QuantizeOptions(), AdaptOptions()
     calls = o.calib_samples * -(-min(o.calib_len, shape.cl) // shape.ar)
     per_call = 4 * (card.hidden * shape.ar + shape.ar * shape.cl + 2 * card.kv_heads * card.head_dim * shape.cl)
-    return max(ram, int(held * calls * per_call))
+    training = ADASCALE_BYTES_PER_LAYER_PARAM * (card.params - card.vocab * card.hidden) / card.layers
+    return max(ram, int(held * calls * per_call + (training if "adascale" in steps else 0)))
 
 
 def recipe_costs(card: Any, cpus: int | None = None) -> list[RecipeCost]:
