@@ -724,6 +724,33 @@ def test_encodings_against_another_run_shows_what_a_recipe_changed(adapted_proje
     assert "the most damaged first" in table and "tensors gained" in table
 
 
+def test_a_recipes_encodings_are_the_same_for_the_same_seed(adapted_project: Path, tmp_path: Path) -> None:
+    """AdaScale draws which elements of a layer's inputs come from the float model: a rerun with the same seed
+    gives the same encodings, and `--seed` (run as a user runs it) another draw."""
+    options = dict(precision="w4a16", recipe="adascale", adascale_iterations=6, int8_budget=0.0, calib_samples=2,
+                   calib_len=64, eval_chars=2500)
+
+    def encodings(name: str) -> dict:
+        raw = json.loads(next(Project.open(tmp_path / name).stage_dir("quantize").glob(f"{PROMPT}.encodings"))
+                         .read_text())
+        return {e["name"]: e for e in raw["param_encodings"]}
+
+    for name in ("first", "again", "other"):
+        shutil.copytree(adapted_project, tmp_path / name)
+    for name in ("first", "again"):
+        pipeline.quantize(Project.open(tmp_path / name), QuantizeOptions(**options), State())
+    subprocess.run([str(Path(sys.executable).parent / "npustudio"), "quantize", "--project", str(tmp_path / "other"),
+                    "--precision", "w4a16", "--recipe", "adascale", "--adascale-iterations", "6", "--int8-budget",
+                    "0", "--calib-samples", "2", "--calib-len", "64", "--eval-chars", "2500", "--seed", "1"],
+                   capture_output=True, text=True, check=True)
+    assert Project.open(tmp_path / "other").record("quantize").options["seed"] == 1
+    first = encodings("first")
+    assert encodings("again") == first
+    other = encodings("other")
+    assert other.keys() == first.keys() and other != first
+    assert other["lm_head.weight"] == first["lm_head.weight"]  # AdaScale learns the layers' weights, not the head
+
+
 def test_int8_budget_keeps_the_layer_four_bits_hurt_most(adapted_project: Path) -> None:
     """A layer whose weights have outliers loses most on the 4-bit grid (each outlier widens its block's scale, and
     the block's other weights round to zero) though they cost the float model nothing: the budget keeps that one

@@ -120,6 +120,7 @@ def quantize_args(s: argparse.ArgumentParser) -> None:
     option(s, O, "recipe")
     option(s, O, "adascale_iterations")
     option(s, O, "omniquant_iterations")
+    option(s, O, "seed")
     option(s, O, "int8_budget", metavar="SHARE")
     option(s, O, "lm_head_bits", type=int)
     option(s, O, "calib_corpus", type=given, help="default | text file | datasets:ID")
@@ -223,7 +224,7 @@ def quantize_options(a: argparse.Namespace) -> QuantizeOptions:
 
     chosen = {"precision": a.precision} if a.precision else {}  # `run` plans it when neither flag nor settings do
     return QuantizeOptions(target=a.target, recipe=a.recipe, adascale_iterations=a.adascale_iterations,
-                           omniquant_iterations=a.omniquant_iterations,
+                           omniquant_iterations=a.omniquant_iterations, seed=a.seed,
                            int8_budget=a.int8_budget, lm_head_bits=a.lm_head_bits,
                            calib_corpus=a.calib_corpus, calib_samples=a.calib_samples, calib_len=a.calib_len,
                            overrides=load_overrides(a.overrides), eval_chars=a.eval_chars, device=a.device,

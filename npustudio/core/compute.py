@@ -6,8 +6,9 @@ chosen device; file formats, exports and QNN compilation stay on the CPU, so a G
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
 from .errors import UserError
@@ -29,6 +30,17 @@ def resolve(device: str) -> str:
         raise UserError("--device cuda was asked for, but torch sees no CUDA GPU on this machine.",
                         "Use --device auto or cpu, or check the GPU driver (`nvidia-smi`).")
     return "cpu"
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: str) -> Iterator[None]:
+    """torch's random draws start from `seed` inside, and the caller's generators are as they were after: a recipe
+    that draws (AdaScale mixes float and quantized inputs at random) gives the same encodings run after run."""
+    import torch
+
+    with torch.random.fork_rng(devices=[torch.device(device)] if device == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 P = ParamSpec("P")

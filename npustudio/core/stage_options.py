@@ -166,6 +166,8 @@ class QuantizeOptions(StageOptions):
                                                                          "layer")
     omniquant_iterations: int = Field(150, ge=1, le=100_000, description="OmniQuant optimizer steps per decoder "
                                                                            "layer")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="where the recipes' random draws start (AdaScale mixes "
+                      "float and quantized layer inputs at random): the same seed gives the same encodings")
     int8_budget: float | None = Field(
         None, ge=0.0, le=0.5, description="w4a16: the share of the decoder's linear weights that may stay int8, given "
         "to the layers' attention or MLP weights whose 4 bits move the model's output most (measured on the "

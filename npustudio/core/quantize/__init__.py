@@ -130,13 +130,15 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     steps_of_recipe = tuple(s for s in RECIPE_STEPS[options.recipe] if s not in ROTATION_STEPS)
     for i, step in enumerate(steps_of_recipe):  # between 0.2 and 0.45 of the stage, a share each
         share = state.sub(0.2 + 0.25 * i / len(steps_of_recipe), 0.2 + 0.25 * (i + 1) / len(steps_of_recipe))
-        if step == "adascale":
-            adascale.apply(sim, calib, lambda m, ids: runner(m).prefill(ids), options.adascale_iterations, share)
-        elif step == "omniquant":
-            omniquant.apply(sim, calib, lambda m, ids: runner(m).prefill(ids), options.omniquant_iterations, share)
-        else:
-            share.progress(0.0, "SeqMSE: searching weight encodings layer by layer")
-            _seq_mse(sim, calib, runner, options)
+        with compute.seeded(options.seed, device):
+            if step == "adascale":
+                adascale.apply(sim, calib, lambda m, ids: runner(m).prefill(ids), options.adascale_iterations, share)
+            elif step == "omniquant":
+                omniquant.apply(sim, calib, lambda m, ids: runner(m).prefill(ids), options.omniquant_iterations,
+                                share)
+            else:
+                share.progress(0.0, "SeqMSE: searching weight encodings layer by layer")
+                _seq_mse(sim, calib, runner, options)
         lap(step)
     sim.model.to(device)  # the quantizers a recipe replaced were made on the CPU: where the model is
     state.check()
