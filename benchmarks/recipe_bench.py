@@ -5,7 +5,8 @@ w4a16 preset: every decoder linear is LPBQ int4 (blocks of 64), the LM head int8
 budget of 0 where the stage's w4a16 default is 0.05); with `--int8-budget` the stage keeps the groups it
 measures most sensitive int8 within that share (listed per row as `kept_int8`). Per recipe: the perplexity
 ratio against FP measured in the same run, top-1 agreement, the share of the decoder's linear weights at 4 bits
-(read back from the exported encodings), minutes and peak RSS. `--llama-1b` adds the
+(read back from the exported encodings), minutes and peak RSS; with `--seeds`, each recipe once per seed and
+the mean, best and worst ratio over them (the best recipe is the one of the lowest mean). `--llama-1b` adds the
 cost of one recipe on a random Llama-3.2-1B-shaped model (its quality means nothing: random weights).
 
     .venv/bin/python benchmarks/recipe_bench.py --json
@@ -13,6 +14,7 @@ cost of one recipe on a random Llama-3.2-1B-shaped model (its quality means noth
     .venv/bin/python benchmarks/recipe_bench.py --recipes adascale --adascale-iterations 300 --calib-samples 16
     .venv/bin/python benchmarks/recipe_bench.py --recipes omniquant --omniquant-iterations 400
     .venv/bin/python benchmarks/recipe_bench.py --recipes plain,adascale --int8-budget 0.05
+    .venv/bin/python benchmarks/recipe_bench.py --recipes adascale --int8-budget 0.05 --seeds 0,1,2
 
 A recipe the model cannot take (SpinQuant on a hidden size with no Hadamard matrix) is listed as refused, with why.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,6 +88,8 @@ def main() -> None:
         "omniquant_iterations"].default, help="OmniQuant's steps per decoder layer (for recipes that run it)")
     ap.add_argument("--calib-samples", type=int, default=QuantizeOptions.model_fields["calib_samples"].default,
                     help="calibration sequences (what the recipes learn from)")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds: each recipe runs once per seed (the "
+                    "spread of a recipe that draws at random, as AdaScale does)")
     ap.add_argument("--int8-budget", type=float, default=0.0, metavar="SHARE",
                     help="the share of the decoder's linear weights each recipe may keep int8 (measured choice)")
     ap.add_argument("--work", default=None, help="scratch folder (kept, so reruns skip the adapt step)")
@@ -99,15 +104,25 @@ def main() -> None:
     rows = []
     options = {"adascale_iterations": a.adascale_iterations, "omniquant_iterations": a.omniquant_iterations,
                "calib_samples": a.calib_samples, "int8_budget": a.int8_budget}
+    seeds = [int(x) for x in a.seeds.split(",")]
     for recipe in a.recipes.split(","):
-        rows.append({"recipe": recipe} | _child(["--child", str(src), recipe, json.dumps(options)]))
-        if not a.json:
-            print(json.dumps(rows[-1]), file=sys.stderr)
+        for seed in seeds:
+            row = _child(["--child", str(src), recipe, json.dumps(options | {"seed": seed})])
+            rows.append({"recipe": recipe, "seed": seed} | row)
+            if not a.json:
+                print(json.dumps(rows[-1]), file=sys.stderr)
+            if "refused" in row:
+                break
     out: dict = {"model": "SmolLM2-135M-Instruct (default)", "precision": "w4a16",
-                 **options, "results": rows}
-    good = [r for r in rows if "error" not in r and "refused" not in r]
-    if good:
-        out["best"] = min(good, key=lambda r: r["ratio"])["recipe"]
+                 **options, "seeds": seeds, "results": rows}
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        if "error" not in r and "refused" not in r:
+            ratios.setdefault(r["recipe"], []).append(r["ratio"])
+    if ratios:
+        out["ratio_over_seeds"] = {k: {"mean": round(statistics.fmean(v), 4), "worst": max(v), "best": min(v)}
+                                   for k, v in ratios.items()}
+        out["best"] = min(ratios, key=lambda k: statistics.fmean(ratios[k]))
     if a.llama_1b:
         big = quantize_bench.llama_1b_shaped(work, src)
         variant = f"w4a16+{a.llama_1b}" if a.llama_1b != "plain" else "w4a16"
