@@ -151,13 +151,19 @@ def rescaled_params(card: Any) -> int:
     return card.layers * (q + out) + table
 
 
+def _decoder_params(card: Any) -> int:
+    """The weights a recipe learns or searches, and what its time and memory grow with: all but the embedding
+    table (a lookup)."""
+    return max(0, card.params - card.vocab * card.hidden)
+
+
 def recipe_seconds(recipe: str, card: Any, options: Any = None, cpus: int | None = None) -> float:
     """What a weight-encoding recipe adds to the quantize stage: each step's time grows with the decoder's weights
     (all but the embedding table), the tokens it reads and, for AdaScale, its optimizer steps per layer."""
     from .stage_options import RECIPE_STEPS, QuantizeOptions
 
     o = options or QuantizeOptions()
-    decoder_m = max(0, card.params - card.vocab * card.hidden) / 1e6
+    decoder_m = _decoder_params(card) / 1e6
     tokens = o.calib_samples * o.calib_len
     per = {"adascale": ADASCALE_S_PER_MPARAM_STEP * decoder_m * o.adascale_iterations  # a capture a layer, after
            + ADASCALE_CAPTURE_S_PER_MPARAM_TOKEN * decoder_m * tokens * (1 + (card.layers + 1) / 2),  # the float one
@@ -202,7 +208,7 @@ def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     o, shape = options or QuantizeOptions(), AdaptOptions()
     calls = o.calib_samples * -(-min(o.calib_len, shape.cl) // shape.ar)
     per_call = 4 * (card.hidden * shape.ar + shape.ar * shape.cl + 2 * card.kv_heads * card.head_dim * shape.cl)
-    training = ADASCALE_BYTES_PER_LAYER_PARAM * (card.params - card.vocab * card.hidden) / card.layers
+    training = ADASCALE_BYTES_PER_LAYER_PARAM * _decoder_params(card) / card.layers
     return max(ram, int(held * calls * per_call + (training if "adascale" in steps else 0)))
 
 

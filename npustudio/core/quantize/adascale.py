@@ -24,7 +24,16 @@ from typing import Any
 import torch
 
 from ..progress import StateLike
-from .layer_training import Prefill, capture, compiled_forward, layer_by_layer, lpbq_quantizers, on_lpbq_grid, regroup
+from .layer_training import (
+    Prefill,
+    capture,
+    compiled_forward,
+    compiling,
+    layer_by_layer,
+    lpbq_quantizers,
+    on_lpbq_grid,
+    regroup,
+)
 
 
 def _aimet_adascale() -> Any:
@@ -102,7 +111,7 @@ def apply(sim: Any, calib: Sequence[Sequence[int]], prefill: Prefill, iterations
         qt_inputs = capture(sim.model, [layer], calib, prefill)[0]
         mixed = _SamplingIterable(qt_inputs, fp_inputs, ratio=0.5)
         # aimet's own progress bar goes to stderr: this stage reports through `state`
-        with contextlib.redirect_stderr(io.StringIO()), _saved_tensors_not_mutated():
+        with contextlib.redirect_stderr(io.StringIO()), _saved_tensors_not_mutated(), compiling():
             ada.adascale_block(layer, fp_inputs, mixed, num_iterations=iterations, loss_fn=stream_loss)
     ada.fold_adascale_quantizers(sim.model)
     regroup(sim.model, grouped)

@@ -43,10 +43,9 @@ def _qdq(x: torch.Tensor, sc: torch.Tensor, zp: torch.Tensor, qmin: int, qmax: i
     return torch.mul(x, 1.0 / sc).round_().add_(zp).clamp_(qmin, qmax).sub_(zp).mul_(sc)
 
 
-def _plain(x: torch.Tensor) -> bool:
-    """A call the plain ops may take: float32, no gradient wanted, not traced by a compiler or an export."""
-    from aimet_torch.quantization.affine.backends import torch_builtins as tb
-
+def _plain(x: torch.Tensor, tb: Any) -> bool:
+    """A call the plain ops may take: float32, no gradient wanted, not traced by a compiler or an export (asked of
+    aimet's `torch_builtins`, `tb`)."""
     return not (x.dtype != torch.float32 or (x.requires_grad and torch.is_grad_enabled())
                 or tb._torch_compiler_is_exporting() or tb._torch_compiler_is_compiling())
 
@@ -60,13 +59,13 @@ def fast_fake_quantize() -> Iterator[None]:
     per_tensor, per_channel = tb._call_torch_fake_quantize_per_tensor, tb._call_torch_fake_quantize_per_channel
 
     def tensor_call(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> Any:
-        if not _plain(x):
+        if not _plain(x, tb):
             return per_tensor(x, scale, zero_point, qmin, qmax)
         return per_tensor_qdq(x, scale, zero_point, qmin, qmax)
 
     def channel_call(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, qmin: int,
                      qmax: int) -> Any:
-        if not _plain(x):
+        if not _plain(x, tb):
             return per_channel(x, scale, zero_point, axis, qmin, qmax)
         return per_channel_qdq(x, scale, zero_point, axis, qmin, qmax)
 

@@ -66,10 +66,6 @@ def compiled_forward(forward: Callable[[Any, torch.Tensor], Any]) -> Callable[[A
     every call runs eager, with a warning in the log."""
     import types
 
-    import torch._dynamo.config
-
-    # a decoder's weight shapes (q, k/v, o, gate/up, down), with and without gradients: one graph each
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     eager = False
 
     def call(quantizer: Any, x: torch.Tensor) -> Any:
@@ -87,6 +83,14 @@ def compiled_forward(forward: Callable[[Any, torch.Tensor], Any]) -> Callable[[A
         return forward(quantizer, x)
 
     return call
+
+
+def compiling() -> contextlib.AbstractContextManager[None]:
+    """torch.compile's settings while quantizers from `compiled_forward` learn: a decoder's weight shapes (q, k/v,
+    o, gate/up, down), with and without gradients, one graph each, within the recompile limit."""
+    import torch._dynamo.config
+
+    return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 32))
 
 
 def on_lpbq_grid(lpbq: Any, raw: torch.Tensor | None) -> torch.Tensor | None:
