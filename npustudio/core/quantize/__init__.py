@@ -48,6 +48,7 @@ from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotat
 from ..targets import find_soc
 from . import adascale, export, int8_budget, omniquant, simulate, spinquant
 from .fast_qdq import fast_fake_quantize
+from .layer_training import Prefill
 from .presets import check_overrides, int8_budget_of, preset, takes_4bit_head, takes_int8_budget, with_head
 
 # bumped when the exported graphs change shape or meaning: an older stage output is then redone
@@ -95,6 +96,10 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     def runner(m: torch.nn.Module) -> KVCacheRunner:
         return KVCacheRunner.over(m, ar, cl, inv_freq)
 
+    def prefill(m: torch.nn.Module, ids: Sequence[int]) -> None:
+        """One calibration sequence through `m` as Genie feeds it: what every recipe's layer capture runs."""
+        runner(m).prefill(ids)
+
     fp_run = runner(model)
     ref: list[torch.Tensor] = []
     if reference:
@@ -132,13 +137,12 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         share = state.sub(0.2 + 0.25 * i / len(steps_of_recipe), 0.2 + 0.25 * (i + 1) / len(steps_of_recipe))
         with compute.seeded(options.seed, device):
             if step == "adascale":
-                adascale.apply(sim, calib, lambda m, ids: runner(m).prefill(ids), options.adascale_iterations, share)
+                adascale.apply(sim, calib, prefill, options.adascale_iterations, share)
             elif step == "omniquant":
-                omniquant.apply(sim, calib, lambda m, ids: runner(m).prefill(ids), options.omniquant_iterations,
-                                share)
+                omniquant.apply(sim, calib, prefill, options.omniquant_iterations, share)
             else:
                 share.progress(0.0, "SeqMSE: searching weight encodings layer by layer")
-                _seq_mse(sim, calib, runner, options)
+                _seq_mse(sim, calib, prefill, options)
         lap(step)
     sim.model.to(device)  # the quantizers a recipe replaced were made on the CPU: where the model is
     state.check()
@@ -375,10 +379,7 @@ def _vector_feeds(r: KVCacheRunner, seq: list[int], ar: int) -> list[dict[str, t
     return [first, second]
 
 
-def _seq_mse(sim: Any, calib: list[list[int]], runner: Any, o: QuantizeOptions) -> None:
+def _seq_mse(sim: Any, calib: list[list[int]], prefill: Prefill, o: QuantizeOptions) -> None:
     from aimet_torch.seq_mse import apply_seq_mse
 
-    def forward(model: torch.nn.Module, ids: list[int]) -> None:
-        runner(model).prefill(ids)
-
-    apply_seq_mse(sim, calib[:2], num_candidates=o.seq_mse_candidates, forward_fn=forward)
+    apply_seq_mse(sim, calib[:2], num_candidates=o.seq_mse_candidates, forward_fn=prefill)
