@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,15 @@ def _isolated_user_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: p
     monkeypatch.setenv("HF_HOME", str(home / "hf"))
     monkeypatch.setenv("PYTHON_KEYRING_BACKEND", "keyring.backends.null.Keyring")
     monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+NPUSTUDIO = str(Path(sys.executable).parent / "npustudio")  # the console script pip installed
+
+
+def npustudio(*args: str, timeout: float = 900, cwd: Path | None = None,
+              input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`npustudio ARGS` run as a user runs it: a process of the console script, `input` typed, its output captured."""
+    return subprocess.run([NPUSTUDIO, *args], input=input, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def wait_until(cond: Callable[[], object], timeout: float) -> None:

@@ -27,6 +27,7 @@ from npustudio.cli import main
 from npustudio.core.errors import UserError
 from npustudio.core.project import Project
 from npustudio.core.shape import DecoderSpec
+from tests.conftest import npustudio
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -519,7 +520,6 @@ def test_a_killed_stages_partial_folder_is_removed_when_the_project_is_next_open
                                                                                   capsys: Any) -> None:
     """A killed stage's `.quantize.partial` (gigabytes for a real model) stayed until quantize ran again. Any command
     opening the project removes it, except while another process holds the project: its stage may be writing it."""
-    import subprocess
 
     p = Project.open(tmp_path / "proj")
     partial = p.root / "stages/.quantize.partial"
@@ -901,24 +901,22 @@ def test_a_recipe_the_model_cannot_take_is_refused_before_any_stage_runs(tmp_pat
     """`npustudio run --recipe spinquant` as a user runs it, on the default model: SpinQuant needs a Hadamard matrix
     of the hidden size and SmolLM2-135M's is 576, which aimet cannot build. Exit 2 with the reason and the choices
     that work, before the adapt stage spends minutes; `npustudio info` lists the recipe as not for this model."""
-    exe = str(Path(sys.executable).parent / "npustudio")
-    res = subprocess.run([exe, "run", "--project", str(tmp_path / "p"), "--recipe", "spinquant_adascale", "--no-ask"],
-                         capture_output=True, text=True, timeout=600)
+    res = npustudio("run", "--project", str(tmp_path / "p"), "--recipe", "spinquant_adascale", "--no-ask")
     assert res.returncode == 2, res.stderr
     assert _flat("this model's hidden size is 576") in _flat(res.stderr)
     assert "adascale" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "p" / "stages" / "adapt").exists()
     # an int8 budget widens 4-bit weights: at w8a16 there are none, so it is refused rather than ignored
-    res = subprocess.run([exe, "run", "--project", str(tmp_path / "p"), "--precision", "w8a16", "--int8-budget", "0.05",
-                          "--no-ask"], capture_output=True, text=True, timeout=600)
+    res = npustudio("run", "--project", str(tmp_path / "p"), "--precision", "w8a16", "--int8-budget", "0.05",
+                    "--no-ask")
     assert res.returncode == 2 and "--precision w4a16" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "p" / "stages" / "adapt").exists()
     # a 4-bit LM head goes in LPBQ blocks, which w8a16 has none of: refused, not made per-channel int4
-    res = subprocess.run([exe, "run", "--project", str(tmp_path / "p"), "--precision", "w8a16", "--lm-head-bits", "4",
-                          "--no-ask"], capture_output=True, text=True, timeout=600)
+    res = npustudio("run", "--project", str(tmp_path / "p"), "--precision", "w8a16", "--lm-head-bits", "4",
+                    "--no-ask")
     assert res.returncode == 2 and "--lm-head-bits" in res.stderr and "--precision w4a16" in res.stderr, res.stderr
     assert not (tmp_path / "p" / "stages" / "adapt").exists()
-    info = subprocess.run([exe, "info", "default"], capture_output=True, text=True, timeout=600)
+    info = npustudio("info", "default")
     assert info.returncode == 0, info.stderr
     assert "not for this model: spinquant (" in info.stdout
     assert "at w4a16 the int8 budget (--int8-budget, default 5%) measures which weights to keep int8: +~" in info.stdout

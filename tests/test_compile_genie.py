@@ -25,6 +25,7 @@ from npustudio.core.graph.graph_io import IOEncoding
 from npustudio.core.graph.ort_graph import OrtGraph, cpu_session
 from npustudio.core.progress import State
 from npustudio.core.project import Project
+from tests.conftest import npustudio
 
 PROMPT = "The capital of France is"
 
@@ -32,10 +33,6 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def project(genie_project: Project) -> Project:
     return genie_project
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "npustudio.cli", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_every_node_lands_on_the_htp_and_the_binaries_are_written(project: Project) -> None:
@@ -75,7 +72,7 @@ def test_compile_cli_json_lists_binaries_and_nodes_on_cpu(project: Project, tmp_
     # on a copy: the CLI's options are not the fixture's, so the stage runs again, and on the session's project
     # that left its bundle out of date for every later test that reads it as built
     copy = shutil.copytree(project.root, tmp_path / "p")
-    res = _cli("compile", "--project", str(copy), "--no-embedding-lut", "--json")
+    res = npustudio("compile", "--project", str(copy), "--no-embedding-lut", "--json")
     assert res.returncode == 0, res.stderr
     c = json.loads(res.stdout)
     assert c["nodes_on_cpu"] == 0 and c["dsp_arch"] == "v79"
@@ -144,14 +141,14 @@ def test_a_broken_config_shows_genies_own_message(tmp_path: Path) -> None:
 def test_genie_run_streams_begin_end_and_writes_its_profile(project: Project, tmp_path: Path) -> None:
     cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
     prof = tmp_path / "p.json"
-    res = _cli("genie-run", "-c", str(cfg), "-p", PROMPT, "--profile", str(prof), "--max-tokens", "6")
+    res = npustudio("genie-run", "-c", str(cfg), "-p", PROMPT, "--profile", str(prof), "--max-tokens", "6")
     assert res.returncode == 0, res.stderr
     templated = genie_config.as_chat_prompt(cfg.parent, PROMPT)  # a bare question goes in the chat template
     assert templated.startswith("user\n" + PROMPT) and templated.endswith("assistant\n")  # BOS is Genie's
     assert res.stdout.startswith(f"[PROMPT]: {templated}\n\n[BEGIN]: ")
     body = res.stdout.split("[BEGIN]: ", 1)[1]
     assert body.rstrip().endswith("[END]") and len(body) > len("[END]") + 1
-    s = json.loads(_cli("profile", str(prof), "--json", "--bundle", str(cfg.parent)).stdout)
+    s = json.loads(npustudio("profile", str(prof), "--json", "--bundle", str(cfg.parent)).stdout)
     assert s["summary"]["runner"] == "genie"
     from transformers import PreTrainedTokenizerFast
 
@@ -166,7 +163,7 @@ def test_genie_run_keeps_a_templated_or_raw_prompt_as_given(project: Project) ->
     cfg = project.stage_dir("bundle") / layout.GENIE_CONFIG
     by_hand = f"user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"  # already holds a special token
     for args, sent in ((["-p", PROMPT, "--raw"], PROMPT), (["-p", by_hand], by_hand)):
-        res = _cli("genie-run", "-c", str(cfg), *args, "--preview", "--max-tokens", "2")
+        res = npustudio("genie-run", "-c", str(cfg), *args, "--preview", "--max-tokens", "2")
         assert res.returncode == 0, res.stderr
         assert res.stdout.startswith(f"[PROMPT]: {sent}\n\n[BEGIN]: ")
 
@@ -295,7 +292,7 @@ def test_profile_reader_tolerates_missing_fields_and_names_bad_files(tmp_path: P
         with pytest.raises(UserError) as e:
             profile.parse(bad, "p.json")
         assert words in e.value.problem
-    res = _cli("profile", str(tmp_path / "missing.json"))
+    res = npustudio("profile", str(tmp_path / "missing.json"))
     assert res.returncode == 2 and "No Genie profile at" in res.stderr
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,13 +12,7 @@ import pytest
 from npustudio.core import layout, pipeline
 from npustudio.core.progress import State
 from npustudio.core.project import Project
-from tests.conftest import make_tiny_model
-
-NPUSTUDIO = str(Path(sys.executable).parent / "npustudio")
-
-
-def npustudio(*args: str, timeout: float = 900, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([NPUSTUDIO, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+from tests.conftest import make_tiny_model, npustudio
 
 
 def mnn_json(*args: str, cwd: Path | None = None) -> dict:
@@ -253,8 +245,8 @@ def test_the_mnn_model_answers_on_a_device_through_llm_demo(tiny_models: dict[st
         two_lines = npustudio("chat", "--mnn", "--device", phone.serial, "--bundle", str(stage),
                               "first line\nsecond line", timeout=120)  # a chat of its own: not refused for history
         assert two_lines.returncode == 2 and "one prompt per line" in two_lines.stderr
-        talk = subprocess.run([NPUSTUDIO, "chat", "--mnn", "--device", phone.serial, "--bundle", str(stage)],
-                              input="hello\n", capture_output=True, text=True, timeout=120)
+        talk = npustudio("chat", "--mnn", "--device", phone.serial, "--bundle", str(stage), input="hello\n",
+                         timeout=120)
         assert talk.returncode == 2 and "answers one question on its own" in talk.stderr
     finally:
         device.client().disconnect(phone.serial)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from npustudio.core.project import Project
 from npustudio.core.quantize import QuantizeOptions, adapt_graphs
 from npustudio.core.quantize.presets import Overrides, load_overrides
 from npustudio.core.stage_options import RECIPE_STEPS
+from tests.conftest import npustudio
 
 FAST = dict(calib_samples=2, calib_len=64, calib_decode=4, eval_chars=2500, window=128, decode_tokens=8)
 PROMPT, TOKEN = "prompt_ar32_cl128_1_of_1", "token_ar1_cl128_1_of_1"
@@ -710,18 +709,19 @@ def test_encodings_against_another_run_shows_what_a_recipe_changed(adapted_proje
         pipeline.quantize(p, QuantizeOptions(precision="w4a16", recipe=recipe, adascale_iterations=20, **FAST),
                           State())
         files[recipe] = next(p.stage_dir("quantize").glob(f"{PROMPT}.encodings"))
-    cli = [str(Path(sys.executable).parent / "npustudio"), "encodings", str(files["adascale"]), "--against",
-           str(files["plain"])]
-    rows = {r["name"]: r for r in json.loads(subprocess.run([*cli, "--json"], capture_output=True, text=True,
-                                                            check=True).stdout)}
+    cli = ("encodings", str(files["adascale"]), "--against", str(files["plain"]))
+    res = npustudio(*cli, "--json")
+    assert res.returncode == 0, res.stderr
+    rows = {r["name"]: r for r in json.loads(res.stdout)}
     down = rows["layers.0.mlp.down.weight"]
     assert down["change_db"] == pytest.approx(down["after_db"] - down["before_db"])
     # AdaScale moved the decoder layers' weight encodings and left the LM head's (outside every layer) as it was
     assert any(abs(r["change_db"]) > 0.01 for n, r in rows.items() if n.startswith("layers.") and n.endswith("weight")
                and r["change_db"] is not None)
     assert rows["lm_head.weight"]["change_db"] == 0
-    table = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
-    assert "the most damaged first" in table and "tensors gained" in table
+    res = npustudio(*cli)
+    assert res.returncode == 0, res.stderr
+    assert "the most damaged first" in res.stdout and "tensors gained" in res.stdout
 
 
 def test_a_recipes_encodings_are_the_same_for_the_same_seed(adapted_project: Path, tmp_path: Path) -> None:
@@ -739,10 +739,10 @@ def test_a_recipes_encodings_are_the_same_for_the_same_seed(adapted_project: Pat
         shutil.copytree(adapted_project, tmp_path / name)
     for name in ("first", "again"):
         pipeline.quantize(Project.open(tmp_path / name), QuantizeOptions(**options), State())
-    subprocess.run([str(Path(sys.executable).parent / "npustudio"), "quantize", "--project", str(tmp_path / "other"),
-                    "--precision", "w4a16", "--recipe", "adascale", "--adascale-iterations", "6", "--int8-budget",
-                    "0", "--calib-samples", "2", "--calib-len", "64", "--eval-chars", "2500", "--seed", "1"],
-                   capture_output=True, text=True, check=True)
+    res = npustudio("quantize", "--project", str(tmp_path / "other"), "--precision", "w4a16", "--recipe", "adascale",
+                    "--adascale-iterations", "6", "--int8-budget", "0", "--calib-samples", "2", "--calib-len", "64",
+                    "--eval-chars", "2500", "--seed", "1")
+    assert res.returncode == 0, res.stderr
     assert Project.open(tmp_path / "other").record("quantize").options["seed"] == 1
     first = encodings("first")
     assert encodings("again") == first
@@ -806,10 +806,8 @@ def test_int8_budget_through_the_quantize_command(adapted_project: Path, tmp_pat
     """`npustudio quantize --precision w4a16 --int8-budget` as a user runs it: the groups it reports are 8-bit in the
     exported encodings, every other decoder weight 4-bit, and the share it reports is what the encodings hold."""
     shutil.copytree(adapted_project, tmp_path / "p")
-    exe = str(Path(sys.executable).parent / "npustudio")
-    res = subprocess.run([exe, "quantize", "--project", str(tmp_path / "p"), "--precision", "w4a16",
-                          "--int8-budget", "0.3", "--calib-samples", "2", "--calib-len", "64", "--eval-chars", "2500",
-                          "--json"], capture_output=True, text=True, timeout=900)
+    res = npustudio("quantize", "--project", str(tmp_path / "p"), "--precision", "w4a16", "--int8-budget", "0.3",
+                    "--calib-samples", "2", "--calib-len", "64", "--eval-chars", "2500", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     kept, share = out["kept_int8"], out["int8_share"]
