@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from npustudio.core.errors import UserError
 from npustudio.core.progress import Cancelled, Partial, Progress, State
 from npustudio.core.project import Project
 from npustudio.core.quantize import QuantizeOptions
+from tests.conftest import wait_until
 
 from .ray_head import free_port, loopback_head
 
@@ -187,8 +189,11 @@ def test_a_killed_worker_is_said_and_the_project_keeps_its_last_good_state(head:
     before = _hashes(p, "quantize")
     cluster.release()
 
+    killed: list[int] = []
+
     def kill(_st: State) -> None:
         for w in _workers():
+            killed.append(w.pid)
             os.kill(w.pid, signal.SIGKILL)
 
     err = _run_until(p, head, "ppl", kill)
@@ -196,6 +201,13 @@ def test_a_killed_worker_is_said_and_the_project_keeps_its_last_good_state(head:
     assert "stopped before it finished" in err.problem and "run the command again" in err.fix
     assert _hashes(p, "quantize") == before and not p.changed("quantize")
     assert p.load().attempts["quantize"].status == "failed"
+    # killed, the worker could not empty its scratch folder (the project's inputs): the next worker removes it
+    left = [d for pid in killed for d in Path(tempfile.gettempdir()).glob(f"{cluster.SCRATCH_PREFIX}{pid}-*")]
+    assert left and all((d / "in").is_dir() for d in left)
+    wait_until(lambda: not any(psutil.pid_exists(pid) for pid in killed), 30)
+    new = cluster.scratch_root()  # what a new worker does first
+    assert not any(d.exists() for d in left)
+    shutil.rmtree(new)
 
 
 def test_a_worker_disk_filled_by_the_install_is_said_as_such() -> None:

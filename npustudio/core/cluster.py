@@ -202,11 +202,35 @@ def connect(address: str) -> None:
     connect.address = address  # type: ignore[attr-defined]
 
 
+SCRATCH_PREFIX = "npustudio-stage-"
+
+
+def scratch_root() -> Path:
+    """A new worker's scratch folder, named after its process. A worker ended with its driver or its node (killed,
+    so it never emptied its folder) left its inputs and outputs behind, gigabytes on a real model: the folders of
+    processes that are gone are removed first."""
+    for old in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = old.name.removeprefix(SCRATCH_PREFIX).split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class Worker:
     """The stage's side on the cluster: a scratch folder, the stage run in a thread, its events kept to be pulled."""
 
     def __init__(self, libraries: tuple[str, ...]) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="npustudio-stage-"))
+        self.root = scratch_root()
         self.events: list[tuple[Any, ...]] = []
         self.state = State()
         self.state.subscribe(self._keep)
