@@ -1300,6 +1300,28 @@ def test_a_recorded_deploy_shows_as_done_on_the_step_and_its_page_when_reopened(
     assert w.deploy_page.strip.status.text().startswith("Deployed to 127.0.0.1:40215:/data/local/tmp/npustudio/proj")
 
 
+def test_run_on_a_page_keeps_the_options_the_page_does_not_show(
+        qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    """A project made outside the window (by the pipeline, as the CLI makes it) from a model folder, with options
+    the pages do not show (calibration decode steps, eval sizes): Run on each stage's page finds the stage current
+    and redoes nothing. The pages built their options from their own fields and the defaults, and the project did
+    not remember its model, so Run on Adapt adapted the embedded default model instead."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    p = Project.open(root, create=False)
+    ran = {s: p.record(s).started for s in ("adapt", "quantize", "compile", "bundle")}  # type: ignore[union-attr]
+    assert p.record("quantize").options["calib_decode"] == 4  # type: ignore[union-attr]  # not the default 8
+    assert p.choices().model == str(genie_project.root.parent / "m")
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    for page in (w.adapt_page, w.quantize_page, w.compile_page):
+        run_page(qtbot, page)
+    assert {s: p.record(s).started for s in ran} == ran  # type: ignore[union-attr]
+    assert marks(w) == ["done"] * 5 + ["todo"]  # all but Deploy, never done here
+
+
 def test_the_chat_is_ready_as_soon_as_compile_has_built_the_bundle(
         qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
     """The chat said "No bundle yet (Compile step)." after Compile had built one, until the window was reopened:

@@ -44,7 +44,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 class ModelSource(BaseModel):
     kind: Literal["default", "hf_dir", "gguf", "hub"]
-    spec: str  # what the user typed
+    spec: str  # what the user typed; a local file or folder as an absolute path (the project opens from anywhere)
     path: str | None = None  # folder holding the files (after download, for hub)
     gguf_file: str | None = None
     repo_id: str | None = None
@@ -91,10 +91,10 @@ def resolve_source(spec: str) -> ModelSource:
     """Decide what kind of source `spec` names, and check the files are there. Does not download."""
     if spec == "default":
         return ModelSource(kind="default", spec=spec, path=str(default_gguf_dir()), gguf_file=DEFAULT_GGUF)
-    p = Path(spec).expanduser()
+    p = Path(spec).expanduser().absolute()  # as typed, from anywhere: neither `..` nor links are resolved
     if p.is_file():
         if p.suffix.lower() == ".gguf":
-            return ModelSource(kind="gguf", spec=spec, path=str(p.resolve().parent), gguf_file=p.name)
+            return ModelSource(kind="gguf", spec=str(p), path=str(p.resolve().parent), gguf_file=p.name)
         if p.suffix.lower() in PICKLE_SUFFIXES:
             raise UserError(f"{p} is a pickled PyTorch checkpoint; NPU Studio never loads those (they can run code).",
                             "Use the model's safetensors release, or convert it to safetensors first.")
@@ -102,7 +102,7 @@ def resolve_source(spec: str) -> ModelSource:
                         "Pass a Hugging Face model folder, a .gguf file, a hub id like org/name, or `default`.")
     if p.is_dir():
         check_hf_dir(p)
-        return ModelSource(kind="hf_dir", spec=spec, path=str(p.resolve()))
+        return ModelSource(kind="hf_dir", spec=str(p), path=str(p.resolve()))
     repo, _, rev = spec.partition("@")  # org/name@revision
     if HUB_ID.match(repo) and not _looks_like_path(spec):
         check_hub_id(repo)

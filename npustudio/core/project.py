@@ -217,6 +217,20 @@ class Project:
     def record(self, name: str) -> StageRecord | None:
         return self.load().stages.get(name)
 
+    def rerun_options(self, name: str, model: type[Record], **shown: Any) -> Record:
+        """The options a view reruns stage `name` with: the values it shows, and for every option it does not show
+        the value the stage last ran with (`quantize --seed 1` from the command line stays 1 when the window reruns
+        it), else the default. A value the options refuse is a UserError that names it."""
+        rec = self.record(name)
+        try:
+            return model.model_validate({**(rec.options if rec is not None else {}), **shown})
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(map(str, err["loc"]))
+            raise UserError(f"The {name} option {where} is not valid: {err['msg']}.",
+                            "Change it on the page, or rerun the stage from the command line with a valid value."
+                            ) from e
+
     def choices(self) -> Choices:
         return self.load().choices
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPaintEvent
@@ -25,12 +25,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core.errors import UserError
 from . import worker
 from .window import StudioWindow
 
 if TYPE_CHECKING:
     from ..core.project import Project
 
+T = TypeVar("T")
 GOOD, BAD, WARN = QColor("#d7f5dd"), QColor("#f8d7da"), QColor("#fff3cd")
 
 
@@ -296,6 +298,14 @@ class Page(QWidget):
         if project is None:
             raise RuntimeError(f"{type(self).__name__} used with no project open")
         return project
+
+    def unless_refused(self, make: Callable[[], T]) -> T | None:
+        """What `make` builds (a stage's options), or None once the user was shown why it is refused."""
+        try:
+            return make()
+        except UserError as e:
+            show_error(self, e.problem, e.fix)
+            return None
 
     def start(self, force: bool = False) -> None:
         """Run the page's stage (`force`: again, though its inputs and options are unchanged); the Redo button of

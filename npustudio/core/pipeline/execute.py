@@ -74,6 +74,8 @@ def intake(project: Project, model: str, cl: int, state: StateLike,
         return res.model_dump()
 
     rec, _ = project.run_stage(INTAKE, inputs={"model": fp}, options={"cl": cl}, fn=fn, force=force)
+    # what the project is made from is the model now, from the CLI too: the window reopens it and reruns with it
+    project.choose(model=source.spec, cl=cl)
     state.progress(1.0, "model read")
     return source, rec
 

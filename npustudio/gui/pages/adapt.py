@@ -36,11 +36,14 @@ class AdaptPage(Page):
         self.strip.run.clicked.connect(lambda: self.start())
 
     def options(self) -> AdaptOptions:
-        return AdaptOptions(ar=self.ar.value(), cl=self.cl.value(), device=self.window_.settings.device,
-                            accept_mismatch=self.accept_mismatch.isChecked())
+        return self.project.rerun_options("adapt", AdaptOptions, ar=self.ar.value(), cl=self.cl.value(),
+                                          device=self.window_.settings.device,
+                                          accept_mismatch=self.accept_mismatch.isChecked())
 
     def start(self, force: bool = False) -> None:
-        project, opts = self.project, self.options()
+        project, opts = self.project, self.unless_refused(self.options)
+        if opts is None:
+            return
         model = project.choices().model
         self.chart.clear()
         self.strip.status.setStyleSheet("")

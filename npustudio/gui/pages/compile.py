@@ -88,9 +88,10 @@ class CompilePage(Page):
             self.sdk.setEnabled(False)
 
     def options(self) -> CompileOptions:
-        return CompileOptions(backend="qairt" if self.sdk.isChecked() else "ort-qnn", verify_tokens=self.verify.value(),
-                              weight_sharing=self.share.isChecked(), embedding_lut=self.lut.isChecked(),
-                              optimize="quick" if self.quick.isChecked() else "phone")
+        return self.project.rerun_options(
+            "compile", CompileOptions, backend="qairt" if self.sdk.isChecked() else "ort-qnn",
+            verify_tokens=self.verify.value(), weight_sharing=self.share.isChecked(),
+            embedding_lut=self.lut.isChecked(), optimize="quick" if self.quick.isChecked() else "phone")
 
     def _backend_chosen(self, mnn: bool) -> None:
         """MNN takes its own options; the QNN ones stay out of its way (and its result is shown when it has one)."""
@@ -105,7 +106,9 @@ class CompilePage(Page):
         if self.mnn.isChecked():
             self._start_mnn(force)
             return
-        project, opts = self.project, self.options()
+        project, opts = self.project, self.unless_refused(self.options)
+        if opts is None:
+            return
         cluster = self.window_.settings.cluster  # None: here
 
         def work(state: Any) -> tuple[CompileResult, BundleResult]:
@@ -116,7 +119,11 @@ class CompilePage(Page):
         self.strip.start(work, self.finish, "Compiling")
 
     def _start_mnn(self, force: bool) -> None:
-        project, opts = self.project, MnnOptions(bits=self.mnn_bits.currentData())
+        project = self.project
+        opts = self.unless_refused(
+            lambda: project.rerun_options(stages.MNN.name, MnnOptions, bits=self.mnn_bits.currentData()))
+        if opts is None:
+            return
 
         def work(state: Any) -> MnnResult:
             rec = pipeline.run_stage(project, stages.MNN, opts, state, force=force, where="child")

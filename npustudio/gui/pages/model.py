@@ -110,7 +110,6 @@ class ModelPage(Page):
 
         def work(state: Any) -> IntakeResult:
             _src, rec = pipeline.intake(project, spec, cl, state, force=force)
-            project.choose(model=spec, cl=cl)
             return rec.result_as(IntakeResult)
 
         self.strip.start(work, self.finish, f"Reading {spec}")

@@ -31,7 +31,7 @@ from ..charts import PplChart
 from ..fields import combo, default, spin
 from ..inspector import Inspector
 from ..settings_dialog import device_choice
-from ..widgets import Page, TabsSizedToShown, fill, show_error, table
+from ..widgets import Page, TabsSizedToShown, fill, table
 from ..window import StudioWindow
 
 
@@ -51,6 +51,9 @@ def _file_row(edit: QLineEdit, title: str, filt: str, parent: QWidget) -> QWidge
 
     b.clicked.connect(browse)
     return w
+
+
+NO_OVERRIDES = "optional: per-module bitwidth overrides (JSON)"
 
 
 def _recipe_label(name: str, cost: host_cost.RecipeCost | None = None) -> str:
@@ -83,7 +86,7 @@ class QuantizePage(Page):
         self.calib = QLineEdit(default(QuantizeOptions, "calib_corpus"))
         self.calib.setToolTip("default (offline text), a UTF-8 text file, or datasets:ID")
         self.overrides = QLineEdit()
-        self.overrides.setPlaceholderText("optional: per-module bitwidth overrides (JSON)")
+        self.overrides.setPlaceholderText(NO_OVERRIDES)
         self.int8_budget = QSpinBox()  # a share, shown in percent
         self.int8_budget.setRange(0, round(100 * (bounds(QuantizeOptions, "int8_budget").hi or 0)))
         self.int8_budget.setPrefix("int8 budget ")
@@ -137,20 +140,18 @@ class QuantizePage(Page):
 
     def options(self) -> QuantizeOptions:
         target = self.project.choices().target_soc
-        return QuantizeOptions(precision=self.precision.currentData(), target=target,
-                               recipe=self.recipe.currentData(),
-                               calib_corpus=self.calib.text().strip() or default(QuantizeOptions, "calib_corpus"),
-                               calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
-                               overrides=load_overrides(self.overrides.text().strip() or None),
-                               int8_budget=self.int8_budget.value() / 100 if self.int8_budget.isEnabled() else 0.0,
-                               lm_head_bits=self.lm_head_bits.currentData(),
-                               device=self.device.currentData())
+        shown = dict(precision=self.precision.currentData(), target=target, recipe=self.recipe.currentData(),
+                     calib_corpus=self.calib.text().strip() or default(QuantizeOptions, "calib_corpus"),
+                     calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
+                     int8_budget=self.int8_budget.value() / 100 if self.int8_budget.isEnabled() else 0.0,
+                     lm_head_bits=self.lm_head_bits.currentData(), device=self.device.currentData())
+        if path := self.overrides.text().strip():  # else the last run's overrides (its file may be anywhere)
+            shown["overrides"] = load_overrides(path)
+        return self.project.rerun_options("quantize", QuantizeOptions, **shown)
 
     def start(self, force: bool = False) -> None:
-        try:
-            opts = self.options()
-        except UserError as e:
-            show_error(self, e.problem, e.fix)
+        opts = self.unless_refused(self.options)
+        if opts is None:
             return
         project = self.project
         self.chart.clear()
@@ -177,9 +178,13 @@ class QuantizePage(Page):
             self.calib_len.setValue(o.calib_len)
             self.calib.setText(o.calib_corpus)
             self.device.setCurrentIndex(max(0, self.device.findData(o.device)))
+            n = len(o.overrides.weights) + len(o.overrides.activations)
+            self.overrides.setPlaceholderText(f"the last run's {n} override pattern{'s' * (n != 1)}, kept unless a "
+                                              "file is chosen" if n else NO_OVERRIDES)
             self.show_result(rec.result_as(QuantizeResult))
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
+            self.overrides.setPlaceholderText(NO_OVERRIDES)
 
     def _budget_applies(self) -> None:
         """The int8 budget widens 4-bit weights: at a precision without them there is nothing to widen. A precision
