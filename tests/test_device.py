@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from npustudio.core.errors import UserError
 from npustudio.core.fsutil import atomic_write_json
 from npustudio.core.progress import State
 from npustudio.core.project import Project
-from tests.conftest import wait_until
+from tests.conftest import running, wait_until
 
 
 def _connect(vd: VirtualDevice) -> None:
@@ -248,9 +249,10 @@ def test_known_failures_are_explained(vdev: VirtualDevice, bundle: Path, line: s
 
 
 def test_stop_closes_the_stream_and_kills_the_remote_process(vdev: VirtualDevice, bundle: Path) -> None:
+    marker = f"npustudio-looping-{uuid.uuid4().hex}"  # found in the process list: its pid is its sandbox's own
     looping = [sys.executable, "-c", "import os, sys, time\n"  # a host process the device starts and must end
-               "open('genie.pid', 'w').write(str(os.getpid()))\nsys.stdout.write('[BEGIN]: ')\n"
-               "while True:\n    sys.stdout.write('tok'); sys.stdout.flush(); time.sleep(0.05)\n"]
+               "sys.stdout.write('[BEGIN]: ')\n"
+               "while True:\n    sys.stdout.write('tok'); sys.stdout.flush(); time.sleep(0.05)\n", marker]
     stop = threading.Event()
     got: list[str] = []
 
@@ -263,10 +265,7 @@ def test_stop_closes_the_stream_and_kills_the_remote_process(vdev: VirtualDevice
     with _genie(vdev, looping):
         res = remote_genie.run(vdev.serial, deploy.remote_dir(bundle), "hi", on_out, stop=stop)
     assert res.status == "stopped" and time.monotonic() - t0 < 20
-    pid = int((_remote(vdev, bundle) / "genie.pid").read_text())
-    time.sleep(0.5)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    wait_until(lambda: not running(marker), 10)
 
 
 def test_chat_on_the_virtual_device_streams_an_answer_with_real_genie(vdev: VirtualDevice, bundle: Path,

@@ -44,6 +44,8 @@ def cmd_virtual_device(a: argparse.Namespace) -> int:
     kind = "preview runner" if a.preview else "real Genie on the HTP simulator"
     err.print(f"virtual device {vd.serial} ({a.soc}, {kind}) is connected; its /data/local/tmp is "
               f"{vd.root / 'data/local/tmp'}. Ctrl-C stops it.")
+    if vd.notice:
+        err.print(vd.notice, style="yellow", markup=False, highlight=False)
     sys.stdout.write(vd.serial + "\n")
     sys.stdout.flush()
     try:

@@ -185,6 +185,8 @@ class DevicePanel(QWidget):
             self.stop_virtual.setEnabled(True)
             how = "CPU preview" if preview else "Genie on the HTP simulator"
             self.log(f"Virtual device {vd.serial} started ({how}).")
+            if vd.notice:
+                self.log(vd.notice)
             self.refresh()
 
         def failed(problem: str, fix: str) -> None:

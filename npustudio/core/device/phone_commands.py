@@ -404,6 +404,21 @@ def llm_demo(call: Call) -> int:
             p = _path(call, a)
             if p is None:
                 return 1
+            if i == 0 and p.is_file() and (named := _config_outside(p)) is not None:
+                file, key, value = named
+                return call.error(f"{file}: '{key}' names {value!r}, outside the model's folder")
             a = str(p)
         argv.append(a)
     return call.spawn(argv, {})
+
+
+def _config_outside(config: Path) -> tuple[str, str, str] | None:
+    """Where an MNN config names a file outside its model folder (`mnn.config_check`); a config that is no readable
+    JSON is left to llm_demo, which says so as the phone's does."""
+    from ..errors import UserError
+    from ..mnn import config_check
+
+    try:
+        return config_check.outside(config)
+    except UserError:
+        return None

@@ -359,8 +359,8 @@ class Session:
         `kill` of its pid ends its whole process group."""
         cwd = self.device.host_path(self.cwd)
         pid = self.pid if replaces_shell else self.device.new_pid()
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(self.device.confined(argv, cwd), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         self.child = proc
         self.device.processes[pid] = proc
         try:

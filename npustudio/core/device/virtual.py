@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..targets import DEFAULT_SOC, find_soc
-from . import adbauth, phone_commands, phone_shell
+from . import adbauth, confine, phone_commands, phone_shell
 from .phone_shell import HOME, Program
 
 A_CNXN, A_OPEN, A_OKAY, A_CLSE, A_WRTE, A_AUTH = 0x4E584E43, 0x4E45504F, 0x59414B4F, 0x45534C43, 0x45545257, 0x48545541
@@ -216,6 +216,15 @@ class VirtualDevice:
         self.stopping = threading.Event()
         self._server: socket.socket | None = None
         self._connections: list[_Connection] = []
+        self.unconfined = confine.why_not()  # None: every host program runs confined to the sandbox (`confine`)
+
+    @property
+    def notice(self) -> str | None:
+        """What a person starting this device must know: its programs cannot be confined on this computer."""
+        if self.unconfined is None:
+            return None
+        return (f"The virtual device's programs run unconfined: {self.unconfined}. Device paths are still checked "
+                "one by one, but a runtime may open files its config names outside the sandbox.")
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -313,6 +322,12 @@ class VirtualDevice:
         if real != self.root and self.root not in real.parents:
             raise PermissionError(device_path)
         return real
+
+    def confined(self, argv: list[str], cwd: Path) -> list[str]:
+        """`argv` as the device runs it: inside the sandbox at the operating-system level where it can be."""
+        if self.unconfined is not None:
+            return argv
+        return confine.command(argv, self.root, self.root / "data" / "local" / "tmp", cwd)
 
     def writable(self, p: Path, itself: bool = True) -> bool:
         """Whether the shell user may change this sandbox path: /data/local/tmp (`itself`) and below."""

@@ -127,37 +127,18 @@ def _file(folder: Path, name: Any) -> str:
     return str((folder / name).resolve())
 
 
-def inside(config: Any, folder: Path, where: str = "") -> None:
-    """UserError for the first string in the config that names a file outside `folder`: one that has a
-    path separator or is absolute, or names an entry of the folder (a link) that leads out of it."""
+def inside(config: Any, folder: Path) -> None:
+    """UserError for the first string in the config that names a file outside `folder` (`config_paths`)."""
+    from ..config_paths import first_outside
     from ..errors import UserError
 
-    if isinstance(config, dict):
-        for k, v in config.items():
-            inside(v, folder, f"{where}.{k}" if where else str(k))
-    elif isinstance(config, list):
-        for i, v in enumerate(config):
-            inside(v, folder, f"{where}[{i}]")
-    elif isinstance(config, str):
-        name = config.split("\0", 1)[0]  # Genie opens files by C string: what a NUL hides is not read
-        if not name.strip():
-            return
-        p = folder / name
-        try:
-            named = "/" in name or "\\" in name or name.strip() in (".", "..") or p.is_symlink() or p.exists()
-        except OSError:  # too long to be a file name
-            named = False
-        if not named:
-            return  # a plain word: "basic", "QnnHtp", "rope", "0x3" …
-        try:
-            real: Path | None = p.resolve()
-        except (OSError, RuntimeError):  # a link loop
-            real = None
-        if real is None or folder not in real.parents:
-            raise UserError(f"{layout.GENIE_CONFIG} names {config!r} ({where}), which is outside the bundle folder "
-                            f"{folder}.",
-                            "A bundle's config names only files inside its folder: rebuild the bundle with "
-                            "`npustudio bundle`.")
+    found = first_outside(config, folder)
+    if found is not None:
+        where, value = found
+        raise UserError(f"{layout.GENIE_CONFIG} names {value!r} ({where}), which is outside the bundle folder "
+                        f"{Path(folder).resolve()}.",
+                        "A bundle's config names only files inside its folder: rebuild the bundle with "
+                        "`npustudio bundle`.")
 
 
 def read(path: Path) -> dict[str, Any]:

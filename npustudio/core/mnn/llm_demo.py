@@ -101,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(config).is_file():
         print("LLM init error", file=sys.stderr)  # what the phone's program says; it, too, exits 0
         return 0
+    from ..errors import UserError
+    from .config_check import check
+
+    try:
+        check(Path(config))  # never a file outside the model folder, whatever the config names
+    except UserError as e:
+        print(f"{e.problem}\nLLM init error", file=sys.stderr)
+        return 1
     llm = mnn_llm.create(config)
     llm.set_config({"tmp_path": "tmp"})
     llm.load()  # the binding returns nothing: a failed load leaves the context's status at NOT_LOADED

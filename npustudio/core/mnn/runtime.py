@@ -47,7 +47,9 @@ class MnnModel:
             raise UserError(f"{folder} holds no MNN model ({layout.MNN_CONFIG} is missing).",
                             "Make it with `npustudio compile --backend mnn --project P`.")
         from ..native_io import fd_redirected
+        from .config_check import check
 
+        check(config)  # MNN opens whatever its config names: only the model folder's own files
         with fd_redirected(1, 2):  # MNN says its CPU's features on stdout: the answer streams there
             import MNN.llm as mnn_llm
 
