@@ -229,6 +229,19 @@ def test_the_mnn_model_answers_on_a_device_through_llm_demo(tiny_models: dict[st
         assert linked.returncode == 2 and "tokenizer.extra in the MNN model" in linked.stderr
         assert "is a link" in linked.stderr and not remote.exists()
         (stage / layout.MNN_MODEL / "tokenizer.extra").unlink()
+        weight = stage / layout.MNN_MODEL / "llm.mnn.weight"  # checked against the stage's record, as a bundle is
+        weight.rename(tmp_path / "w")
+        missing = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
+        assert missing.returncode == 2 and "incomplete: llm.mnn.weight is missing" in missing.stderr
+        (tmp_path / "w").rename(weight)
+        config = stage / layout.MNN_MODEL / layout.MNN_CONFIG
+        original = config.read_bytes()
+        edited = json.loads(original) | {"tokenizer_file": "../../../../../../../../etc/passwd"}
+        config.write_text(json.dumps(edited))
+        changed = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
+        assert changed.returncode == 2 and "config.json in the MNN model" in changed.stderr
+        assert "changed since the stage made it" in changed.stderr and not remote.exists()
+        config.write_bytes(original)
         pushed = npustudio("deploy", str(stage), "--device", phone.serial, "--json", timeout=300)
         assert pushed.returncode == 0, pushed.stderr[-1500:]
         sent = {f["file"] for f in json.loads(pushed.stdout)["files"]}

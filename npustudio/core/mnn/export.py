@@ -19,7 +19,7 @@ from typing import Any
 from .. import layout
 from ..errors import UserError
 from ..forked import child_env
-from ..fsutil import atomic_write_json
+from ..fsutil import atomic_write_json, sha256_file
 from ..progress import StateLike
 from ..stage_options import Sampler
 
@@ -130,5 +130,7 @@ def versions() -> str:
 
 
 def model_files(folder: Path) -> list[dict[str, Any]]:
-    return [{"file": f.name, "bytes": f.stat().st_size} for f in sorted(folder.iterdir()) if f.is_file()]
+    """The model's files as the stage made them: what deploy checks the folder against before it pushes."""
+    return [{"file": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(folder.iterdir())
+            if f.is_file()]
 

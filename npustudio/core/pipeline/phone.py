@@ -48,13 +48,15 @@ def deploy_mnn(stage_dir: Path, dev: Any, state: StateLike, force: bool = False)
     A phone needs that runtime, and is refused before any byte moves without it; the virtual device answers
     llm_demo itself (MNN's runtime on this computer)."""
     from ..device import deploy as device_deploy
-    from ..mnn import android, load_result
+    from ..mnn import android, config_check, load_result
 
     stage_dir = Path(stage_dir)
-    load_result(stage_dir)  # "not an MNN model" before anything else
+    record = load_result(stage_dir)  # "not an MNN model" before anything else
     files = device_deploy.folder_files(stage_dir / layout.MNN_MODEL, MNN_HOST_ONLY.__contains__, "the MNN model",
                                        "Export the model again: `npustudio compile --backend mnn --project P "
                                        "--force`.")
+    _as_recorded(stage_dir / layout.MNN_MODEL, record.files)
+    config_check.check(stage_dir / layout.MNN_MODEL / layout.MNN_CONFIG)
     root = android.configured()
     if root is None and not dev.virtual:
         raise UserError(f"{dev.serial} needs MNN's Android runtime (llm_demo and its libraries) to run the MNN "
@@ -67,6 +69,28 @@ def deploy_mnn(stage_dir: Path, dev: Any, state: StateLike, force: bool = False)
                         "Point it at the build folder with llm_demo and its libraries only.")
     rdir = device_deploy.remote_dir(stage_dir, MNN_REMOTE_SUFFIX)
     return device_deploy.deploy_files(files + runtime, rdir, dev, state, force)
+
+
+def _as_recorded(folder: Path, recorded: list[dict[str, Any]]) -> None:
+    """UserError naming the first file of the MNN model that is missing, added or changed since the stage made it
+    (its size, and its sha256 where the record has one)."""
+    from ..fsutil import sha256_file
+
+    fix = "Make the model again: `npustudio compile --backend mnn --project P --force`."
+    want = {f["file"]: f for f in recorded}
+    have = {p.name for p in folder.iterdir() if p.is_file() or p.is_symlink()} if folder.is_dir() else set()
+    for name in sorted(want.keys() - have):
+        raise UserError(f"The MNN model in {folder} is incomplete: {name} is missing.", fix)
+    for name in sorted(have - want.keys() - set(MNN_HOST_ONLY)):
+        raise UserError(f"The MNN model in {folder} holds {name}, which the stage did not make.",
+                        f"Remove {name} from the folder, or {fix[0].lower()}{fix[1:]}")
+    for name, f in sorted(want.items()):
+        p = folder / name
+        size = p.lstat().st_size
+        if size != f["bytes"] or ("sha256" in f and not p.is_symlink() and sha256_file(p) != f["sha256"]):
+            raise UserError(f"{name} in the MNN model {folder} changed since the stage made it "
+                            f"({size:,} bytes, recorded {f['bytes']:,}" +
+                            (")." if size != f["bytes"] else "; its content differs)."), fix)
 
 
 def open_chat(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"], serial: str | None = None,
