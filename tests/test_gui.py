@@ -1597,3 +1597,36 @@ def test_the_pages_take_each_options_range_default_and_choices_from_core(qtbot: 
     assert c.options().embedding_lut == so.CompileOptions().embedding_lut  # the table leaves the graphs by default
     c.lut.setChecked(False)
     assert not c.options().embedding_lut
+
+
+def test_stop_on_this_computers_genie_says_stopping_ends_the_turn_and_quitting_asks(qtbot: Any, genie_project: Project,
+                                                                                 tmp_path: Path) -> None:
+    """Window III: Stop while the desktop Genie worked showed no "Stopping…" (the progress line overwrote it) and
+    quitting during an answer asked nothing. Now the line says it until the turn ends, nothing of the child is left,
+    and closing the window mid-answer asks first, as during a stage."""
+    import multiprocessing
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    c = w.chat
+    c.runner.setCurrentIndex(c.runner.findData("desktop"))
+    c.ask("Tell me a long story about a river. " * 6)
+    assert c.busy
+    w.close()  # asks first: Cancel keeps the window and the answer coming
+    box = w.quit_box
+    assert box is not None and box.isVisible() and "The chat's answer is still running" in box.text()
+    box.button(QMessageBox.StandardButton.Cancel).click()
+    assert w.isVisible() and c.busy
+    c.stop_btn.click()
+    assert c.stats.text().startswith("Stopping…")
+    qtbot.wait(700)  # the progress line ticks every 500 ms: it keeps saying so
+    assert c.stats.text().startswith("Stopping…") or not c.busy
+    qtbot.waitUntil(lambda: not c.busy, timeout=60_000)
+    assert not c.stats.text().startswith(("Stopping", "processing"))
+    assert not [p for p in multiprocessing.active_children() if "run_in_child" in p.name]  # Genie's child is gone
+    w.close()
+    assert not w.isVisible()

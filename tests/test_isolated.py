@@ -200,3 +200,38 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def deaf(state: State) -> None:
+    """Work with no safe point for minutes, as Genie reading a long prompt: it never looks at the cancel."""
+    import os
+
+    state.partial("pid", pid=os.getpid())
+    time.sleep(600)
+
+
+def test_a_child_deaf_to_the_cancel_is_ended_after_its_grace() -> None:
+    """Window III: Stop while the desktop Genie reads a prompt was ignored for minutes. With `grace_s` the child
+    that has not stopped by then is ended, and the caller gets `Cancelled` at once."""
+    import os
+    import threading
+
+    state = State()
+    pids: list[int] = []
+    state.subscribe(lambda ev: pids.append(ev.data["pid"]) if isinstance(ev, Partial) else None)
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            isolated.run(deaf, state=state, grace_s=0.5)
+        except BaseException as e:
+            outcome.append(e)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    wait_until(lambda: pids, 60)
+    state.cancel()
+    caller.join(timeout=60)  # the child sleeps 600 s: only its end lets the caller return
+    assert not caller.is_alive() and isinstance(outcome[0], Cancelled)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)

@@ -105,3 +105,34 @@ def test_default_model_on_the_simulator_matches_the_quantsim_and_genie_answers_p
     assert "Paris" in answer and answer.rstrip().endswith("[END]")
     s = json.loads(subprocess.run([*cli, "profile", str(prof), "--json"], capture_output=True, text=True).stdout)
     assert s["summary"]["runner"] == "genie" and s["summary"]["generated_tokens"] >= 6 and s["summary"]["ttft_s"] > 0
+
+
+def test_stop_while_genie_reads_a_long_prompt_ends_it_at_once(default_project: Path) -> None:
+    """Window III: Stop while this computer's Genie read a prompt was ignored for minutes (Genie looks at an abort
+    only between tokens). The window's runner (`run_apart`) ends the child instead: the turn comes back at once,
+    aborted, with nothing made up, and no process is left."""
+    import multiprocessing
+    import threading
+    import time
+
+    from npustudio.core.genie import host
+
+    cfg = default_project / "stages" / "bundle" / "genie_config.json"
+    if not cfg.is_file():  # run alone
+        assert main(["run", "--project", str(default_project), *RUN]) == 0
+    prompt = "Tell me about the long history of Paris, its streets and its river. " * 25  # ~400 tokens: 4 AR-128 calls
+    stop, reading = threading.Event(), threading.Event()
+    got: list[str] = []
+    box: dict[str, host.RunResult] = {}
+    turn = threading.Thread(target=lambda: box.update(res=host.run_apart(cfg, prompt, got.append, stop=stop,
+                                                                         on_query=reading.set)))
+    turn.start()
+    assert reading.wait(600)  # loaded: Genie starts on the prompt (~60 s per AR-128 call on the simulator)
+    time.sleep(2)
+    t0 = time.monotonic()
+    stop.set()
+    turn.join(timeout=120)
+    waited = time.monotonic() - t0
+    assert not turn.is_alive() and box["res"].status == "aborted" and got == [] and box["res"].text == ""
+    assert waited < 10, f"Stop took {waited:.1f} s"  # the old runner waited for the whole prompt: minutes
+    assert not multiprocessing.active_children()

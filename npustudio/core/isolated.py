@@ -24,25 +24,30 @@ from .progress import Cancelled, State, StateLike
 _POLL_S = 0.05
 
 
-def run(fn: Callable[..., Any], *args: Any, state: StateLike, pass_state: bool = True, nice: int = 10) -> Any:
+def run(fn: Callable[..., Any], *args: Any, state: StateLike, pass_state: bool = True, nice: int = 10,
+        grace_s: float | None = None) -> Any:
     """`fn(*args, state)` (or `fn(*args)`) in a spawned process; `fn` must be a module-level function (it is
     pickled by name) and its result picklable. The child runs `nice`r than its caller: on a 2-core machine the
     export's threads otherwise take the window's CPU (stalls of 61-86 ms on the default model).
 
     Without `pass_state`, `fn` has no safe point to stop at (a read): once `state` is cancelled the child is
-    ended where it is and `Cancelled` raised at once, instead of waiting seconds for a result nobody wants."""
+    ended where it is and `Cancelled` raised at once, instead of waiting seconds for a result nobody wants.
+    With `grace_s`, a child that has not stopped `grace_s` after the cancel is ended the same way: for work whose
+    safe points may be minutes apart (Genie reads a whole prompt before it looks at an abort)."""
     ctx = mp.get_context("spawn")
     events: Any = ctx.Queue()
     cancel = ctx.Event()
     proc = ctx.Process(target=_child, args=(fn, args, pass_state, events, cancel, os.getpid(), nice), daemon=True,
                        name=f"npustudio-{getattr(fn, '__name__', 'stage')}")
     proc.start()
+    asked: float | None = None  # when the cancel was passed on
     try:
         while True:
             if state.cancelled:
                 cancel.set()
-                if not pass_state:
-                    proc.terminate()
+                asked = asked or time.monotonic()
+                if not pass_state or (grace_s is not None and time.monotonic() - asked > grace_s):
+                    _end(proc)
                     raise Cancelled("stopped by the user")
             try:
                 kind, payload = events.get(timeout=_POLL_S)
@@ -69,10 +74,18 @@ def run(fn: Callable[..., Any], *args: Any, state: StateLike, pass_state: bool =
                 raise RuntimeError(payload.splitlines()[0])
     finally:
         cancel.set()
-        proc.join(timeout=60)
+        proc.join(timeout=60 if grace_s is None else grace_s)
         if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=10)
+            _end(proc)
+
+
+def _end(proc: Any) -> None:
+    """End a child now: SIGTERM, then SIGKILL if it is still there a second later."""
+    proc.terminate()
+    proc.join(timeout=1)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
 
 
 def _child(fn: Callable[..., Any], args: tuple[Any, ...], pass_state: bool, events: Any, cancel: Any,

@@ -325,7 +325,7 @@ class MainWindow(QMainWindow):
         """With a stage running, ask first (`quit_box`); then cancel what runs and close without waiting for it:
         waiting here for the inspector's encodings read froze the window 6.5-16 s with no word on screen. What
         must finish (the settings write) is waited for by `main` once the window is gone."""
-        if self.busy() and not self._stopping_to_quit:
+        if (self.busy() or self.chat.busy) and not self._stopping_to_quit:
             event.ignore()
             self.quit_box = self._ask_to_quit()
             return
@@ -335,7 +335,8 @@ class MainWindow(QMainWindow):
         super().closeEvent(event)
 
     def _ask_to_quit(self) -> QMessageBox:
-        running = ", ".join(p.title for p in self.pages if p.strip.busy)
+        running = ", ".join([p.title for p in self.pages if p.strip.busy] + (["The chat's answer"] if self.chat.busy
+                                                                               else []))
         box = QMessageBox(QMessageBox.Icon.Question, "NPU Studio", f"{running} is still running.",
                           QMessageBox.StandardButton.Cancel, self)
         box.setObjectName("quit_dialog")
@@ -356,7 +357,7 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage("Stopping the running stage, then quitting…")
 
         def close_when_stopped() -> None:
-            if self.busy():
+            if self.busy() or self.chat.busy:
                 QTimer.singleShot(100, close_when_stopped)
             else:
                 self.close()

@@ -315,6 +315,7 @@ class ChatPanel(QWidget):
         self.last_answer = ""
         self._answer: Bubble | None = None
         self._t0, self._pieces = 0.0, 0
+        self._stopping = False  # Stop was pressed: the status line says so until the turn ends
         self._first: float | None = None  # when the first piece of the answer came
         self._regenerated: str | None = None  # the answer a Regenerate replaces, to say when it came back the same
         self.greedy = False  # the runner picks the likeliest token every time (`_note_greedy`)
@@ -471,6 +472,7 @@ class ChatPanel(QWidget):
         self.transcript.add("user", "You", text)
         self._answer = self.transcript.add("model", "Model: answering…")
         self._t0, self._pieces, self._first, self._regenerated = time.monotonic(), 0, None, None
+        self._stopping = False
         self._tick.start()
         self._show_progress()
         self.window_.devices.log(f"> {text}")
@@ -497,7 +499,9 @@ class ChatPanel(QWidget):
     def _show_progress(self) -> None:
         """While an answer comes: the seconds spent on the prompt, then the pieces so far and their rate."""
         now = time.monotonic()
-        if self._first is None:
+        if self._stopping:
+            self.stats.setText(f"Stopping… ({tokens(self._pieces)} kept)")
+        elif self._first is None:
             self.stats.setText(f"processing the prompt… {now - self._t0:.0f} s")
         else:
             self.stats.setText(f"answering: {tokens(self._pieces)} so far, {now - self._t0:.0f} s (the rate and TTFT "
@@ -581,7 +585,8 @@ class ChatPanel(QWidget):
         if self.job is not None:
             self.job.cancel()
         if self.busy:
-            self.stats.setText("stopping…")
+            self._stopping = True
+            self._show_progress()
 
     def copy(self) -> None:
         QGuiApplication.clipboard().setText(self.last_answer)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .bundle import BundleMeta
 
 OnText = Callable[[str], None]
+STOP_GRACE_S = 1.0  # how long Genie has to take an abort before its child process is ended (Stop within 2 s)
 
 
 class RunResult(BaseModel):
@@ -44,7 +45,10 @@ class RunResult(BaseModel):
 
 def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None = None, log_level: str = "error",
         on_log: Callable[[str], None] | None = None, stop: threading.Event | None = None,
-        max_tokens: int | None = None, preview: bool = False) -> RunResult:
+        max_tokens: int | None = None, preview: bool = False,
+        on_query: Callable[[], None] | None = None) -> RunResult:
+    """`on_query` is called once the runner is loaded and starts on the prompt: the wait a person sees splits there
+    into loading and reading the prompt."""
     if not prompt:
         raise UserError("The prompt is empty.", "Give a prompt with -p or --prompt_file.")
     genie_config.check_prompt(prompt)
@@ -52,30 +56,40 @@ def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | No
         check_output_file(Path(profile_path), "--profile")
     if preview:
         return _preview(Path(config_path), prompt, on_text, profile_path, stop, max_tokens)
-    return _genie(Path(config_path), prompt, on_text, profile_path, log_level, on_log, stop, max_tokens)
+    return _genie(Path(config_path), prompt, on_text, profile_path, log_level, on_log, stop, max_tokens, on_query)
 
 
 def run_apart(config_path: Path, prompt: str, on_text: OnText, stop: threading.Event | None = None,
               max_tokens: int | None = None, log_level: str = "error",
-              on_log: Callable[[str], None] | None = None) -> RunResult:
+              on_log: Callable[[str], None] | None = None, on_query: Callable[[], None] | None = None) -> RunResult:
     """`run` with real Genie in a child process at a lower CPU priority (`isolated.run`), its text and log
     arriving here as Genie produces them and `stop` aborting it there. For the window: in its process the HTP
     simulator's threads took both cores at the window's own priority for minutes, and the tokenizer's load held
     the GIL, and its event loop stalled 60-150 ms a dozen times per answer (the default model, 2 cores)."""
     from ..isolated import run as run_isolated
+    from ..progress import Cancelled
 
     state = State.stopped_by(stop) if stop is not None else State()  # the caller's Stop cancels the child
+    streamed: list[str] = []
 
     def forward(ev: Any) -> None:
         kind = getattr(ev, "kind", None)
         if kind == "text":
+            streamed.append(ev.data["text"])
             on_text(ev.data["text"])
         elif kind == "log" and on_log is not None:
             on_log(ev.data["line"])
+        elif kind == "query" and on_query is not None:
+            on_query()
 
     state.subscribe(forward)
-    result: RunResult = run_isolated(_run_in_child, Path(config_path), prompt, max_tokens, log_level,
-                                     on_log is not None, state=state)
+    t0 = time.perf_counter()
+    try:
+        result: RunResult = run_isolated(_run_in_child, Path(config_path), prompt, max_tokens, log_level,
+                                         on_log is not None, state=state, grace_s=STOP_GRACE_S)
+    except Cancelled:  # Genie did not take the abort in time (it reads a whole prompt first): its child was ended
+        return RunResult(text="".join(streamed), status="aborted", runner="genie (HTP simulator)",
+                         seconds=round(time.perf_counter() - t0, 3))
     return result
 
 
@@ -84,7 +98,8 @@ def _run_in_child(config_path: Path, prompt: str, max_tokens: int | None, log_le
     """`run_apart`'s child: the parent's stop arrives as `state`'s cancel, which Genie's abort watcher waits on."""
     return run(config_path, prompt, lambda s: state.partial("text", text=s), stop=state.stop_event,
                max_tokens=max_tokens, log_level=log_level,
-               on_log=(lambda line: state.partial("log", line=line)) if with_log else None)
+               on_log=(lambda line: state.partial("log", line=line)) if with_log else None,
+               on_query=lambda: state.partial("query"))
 
 
 def until_done(work: Callable[[], Any], stop: threading.Event, on_stop: Callable[[], None] | None = None) -> Any:
@@ -127,7 +142,8 @@ def check_output_file(path: Path, what: str) -> None:
 
 
 def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None, log_level: str,
-           on_log: Callable[[str], None] | None, stop: threading.Event | None, max_tokens: int | None) -> RunResult:
+           on_log: Callable[[str], None] | None, stop: threading.Event | None, max_tokens: int | None,
+           on_query: Callable[[], None] | None = None) -> RunResult:
     cfg = genie_config.absolute(genie_config.read(config_path), config_path.parent)
     try:
         shared = _metadata(config_path.parent).weight_shared
@@ -165,6 +181,8 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
                 pieces.append(s)
                 on_text(s)
 
+        if on_query is not None:
+            on_query()
         status = 1 if stop is not None and stop.is_set() else dialog.query(prompt, text)
     finally:
         done.set()
