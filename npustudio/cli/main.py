@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet.libraries()
     if not getattr(args, "fn", None):
         return account.cmd_gui(args)
+    # SIGTERM (a session logging out, `kill`, a service manager) stops a command as Ctrl-C does: at the stage's next
+    # safe point, its partial output removed, said on the way out; not cut off mid-write with no word
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if refused is not None:
             raise refused

@@ -78,6 +78,16 @@ def leave(fd: int, data: bytes) -> None:
         f.write(data)
 
 
+# `python -m MODULE ARGS` that first asks to die with its parent, before the seconds its imports take: a parent
+# killed meanwhile (`kill -9` of the CLI) left its compiles running; one already gone ends it at once
+_BOOT = ("import ctypes, os, runpy, sys\n"
+         "try:\n    ctypes.CDLL(None).prctl(1, 9)\nexcept (OSError, AttributeError):\n    pass\n"
+         "parent, module = int(sys.argv[1]), sys.argv[2]\n"
+         "if os.getppid() != parent:\n    os._exit(1)\n"
+         "sys.argv = [sys.argv[0], *sys.argv[3:]]\n"
+         "runpy.run_module(module, run_name='__main__', alter_sys=True)\n")
+
+
 class Started:
     """`python -m module *args FD` in a fresh interpreter (an argument list, no shell) that imports this very
     package (`child_env`) and leaves its outcome in the `Outcome` whose descriptor FD it inherits; its stderr is
@@ -87,7 +97,8 @@ class Started:
         self.what = what
         self._out = Outcome()
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", module, *args, str(self._out.fd)], stdin=stdin,
+        self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(os.getpid()), module, *args, str(self._out.fd)],
+                                     stdin=stdin,
                                      stdout=subprocess.DEVNULL, stderr=self._err, pass_fds=(self._out.fd,),
                                      env=child_env())
 
