@@ -278,4 +278,5 @@ def bundle_options(a: argparse.Namespace) -> BundleOptions:
     from ..core.genie.config import check_prompt
 
     return BundleOptions(question=check_prompt(a.question), sampler=Sampler(greedy=not a.sample),
-                         prompt_graphs=not a.token_graphs_only)
+                         prompt_graphs=not a.token_graphs_only, draft=getattr(a, "draft", None),
+                         draft_len=getattr(a, "draft_len", so.default(BundleOptions, "draft_len")))

@@ -72,6 +72,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
         turn = until_done(lambda: session.send(text, show, stop), stop)
         rate = f", {turn.generation_tok_s:.2f} tok/s" if turn.generation_tok_s else ""
+        if turn.tokens_per_call is not None:
+            rate += f", {turn.tokens_per_call:.2f} tokens per target call"
         err.print(f"\n[dim]({engine.name}{rate}{', stopped' if turn.stopped else ''})[/]")
         return not turn.stopped
 

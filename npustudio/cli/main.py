@@ -145,6 +145,8 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     s.add_argument("--token-graphs-only", action="store_true",
                    help="leave the AR-N prompt graphs out: half the contexts (a model over ~3 GB of them loads on "
                         "the HTP simulator), the prompt read one token at a time")
+    option(s, BundleOptions, "draft", type=given, metavar="DRAFT_PROJECT")
+    option(s, BundleOptions, "draft_len", metavar="K")
     force_arg(s)
     json_arg(s)
 

@@ -160,5 +160,11 @@ def print_bundle(b: BundleSummary) -> None:
         out.print(f"  {f['file']:<40} {f['bytes']:>12,d} B")
     if b.runtime_missing:
         out.print("  phone runtime not included (set QNN_SDK_ROOT): " + ", ".join(b.runtime_missing))
+    if b.decoding == "spd":
+        check = b.spd_check or {}
+        rate = check.get("tokens_per_target_call")
+        out.print(f"  decoding: draft model proposes {b.draft_len} tokens per target call"
+                  + (f"; greedy answer unchanged over {check['tokens_compared']} tokens, {rate} tokens per target "
+                     "call (Genie's profile)" if check else ""))
     for note in b.notes:
         out.print(f"  [bold]note:[/] {escape(note)}")

@@ -35,6 +35,7 @@ class Turn(BaseModel):
     runner: str
     stopped: bool = False
     generation_tok_s: float | None = None
+    tokens_per_call: float | None = None  # draft-model decoding: tokens each target call yielded (Genie's profile)
     ttft_s: float | None = None
     at: float = Field(default_factory=time.time)
 
@@ -415,7 +416,8 @@ class ChatSession:
         self.last_profile = prof
         summary = profile.summarize(profile.parse(prof)).model_dump() if prof else self.engine.figures
         turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.engine.name, stopped=stopped,
-                    generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"))
+                    generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"),
+                    tokens_per_call=summary.get("tokens_per_call"))
         self.turns = [*before, turn]
         self.save()
         return turn

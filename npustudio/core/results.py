@@ -158,6 +158,10 @@ class BundleResult(BaseModel):
     context_bytes: int = 0
     embedding_lut_bytes: int = Field(0, description="Genie's embedding lookup table (CPU memory, not in the contexts)")
     notes: list[str] = Field(default_factory=list, description="what a person should know before running it")
+    decoding: str = Field("basic", description="Genie's dialog: basic, or spd (a draft model proposes tokens)")
+    draft_len: int | None = None
+    spd_check: dict[str, Any] | None = Field(None, description="the draft-model dialog's greedy answer compared with "
+                                                               "the target's alone on the same binaries")
 
 
 class MnnResult(BaseModel):

@@ -243,6 +243,12 @@ class BundleOptions(StageOptions):
                                                   "prompt one token at a time through the AR-1 graphs, and the "
                                                   "bundle holds half the contexts (what lets a model over ~3 GB "
                                                   "of contexts load on the HTP simulator)")
+    draft: str | None = Field(None, description="a compiled project whose smaller model drafts for this one "
+                                                "(Genie's draft-model decoding, `spd`): same tokenizer, compiled "
+                                                "with --no-embedding-lut")
+    draft_len: int = Field(4, ge=1, le=32, description="tokens the draft proposes per target call")
+    draft_key: str | None = Field(None, description="the draft's compile record (set by the pipeline: a draft "
+                                                    "compiled again makes the bundle stale)")
 
 
 class MnnOptions(StageOptions):

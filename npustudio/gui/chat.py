@@ -218,6 +218,8 @@ def figures(t: Turn) -> str:
     TTFT), worded alike in the status line and the answer's header; "" when there are none (an answer stopped
     early)."""
     parts = [f"{human_number(t.generation_tok_s)} tok/s"] if t.generation_tok_s else []
+    if t.tokens_per_call is not None:
+        parts.append(f"{human_number(t.tokens_per_call)} tokens per call")
     if t.ttft_s is not None:
         parts.append(f"TTFT {human_number(t.ttft_s)} s")
     return ", ".join(parts)

@@ -39,7 +39,7 @@ from ..stage_options import DEFAULT_QUESTION as DEFAULT_QUESTION  # re-exported:
 from ..stage_options import BundleOptions
 from ..targets import Soc, find_soc
 from . import config as genie_config
-from . import libgenie
+from . import draft, libgenie
 from .libgenie import PD_BUDGET_BYTES
 
 FORMAT = stages.BUNDLE.format  # bumped in core/stages.py when the output changes meaning
@@ -81,6 +81,8 @@ class BundleMeta(BaseModel):
     runtime_files: list[str] = Field(default_factory=list)
     runtime_missing: list[str] = Field(default_factory=list)
     project_compile_dir: str | None = None
+    decoding: str = "basic"  # Genie's dialog type: basic (one token per call) or spd (a draft model proposes)
+    draft: dict[str, Any] | None = None  # the draft model of an spd bundle (`draft.describe`)
 
 
 def read_metadata(bundle_dir: Path) -> BundleMeta:
@@ -169,8 +171,22 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
         link_or_copy(compile_dir / layout.PREPARED / layout.EMBEDDING_LUT, out_dir / layout.EMBEDDING_LUT)
         embedding = genie_config.embedding_config(layout.EMBEDDING_LUT, card.hidden, comp.io[LUT_INPUT])
 
+    draft_meta = None
+    if options.draft:  # Genie's draft-model dialog: the draft's binaries beside the target's, checked as a pair
+        if not options.prompt_graphs:
+            raise UserError("Draft-model decoding checks the draft's tokens with the target's prompt graph: it cannot "
+                            "be left out.", "Bundle with the prompt graphs (drop --token-graphs-only).")
+        pair = draft.open_model(Path(options.draft))
+        draft.check_pair(draft.Model(compile_dir.parent.parent, compile_dir, adapt_dir, card, comp, graphs), pair,
+                         options.draft_len)
+        draft_bins = draft.link(pair, out_dir)
+        draft_meta = draft.describe(pair, options.draft_len, draft_bins)
     cfg = genie_config.dialog_config(card.model_dump(), cl, bins, options.sampler, options.n_threads, htp_ext=True,
                                      embedding=embedding)
+    if options.draft:
+        cfg = genie_config.speculative(cfg, genie_config.engine_config(pair.card.model_dump(), draft_bins,
+                                                                       options.n_threads, htp_ext=True),
+                                       options.draft_len)
     atomic_write_json(out_dir / layout.GENIE_CONFIG, cfg)
     atomic_write_json(out_dir / layout.HTP_EXT_CONFIG, genie_config.htp_ext_config(target, shared))
 
@@ -191,7 +207,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
         versions=_versions(), decoder=spec,
         rope_inv_freq=inv_freq.tolist(), eos_ids=card.eos_ids, bos_id=card.bos_id, question=options.question,
         chat_template=card.chat_template, runtime_files=copied, runtime_missing=missing,
-        project_compile_dir=str(compile_dir.resolve()))
+        project_compile_dir=str(compile_dir.resolve()), decoding="spd" if draft_meta else "basic", draft=draft_meta)
     atomic_write_json(out_dir / layout.METADATA, meta.model_dump())
 
     state.progress(0.7, "validating genie_config.json with libGenie")
@@ -199,14 +215,26 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     if status != 0:
         raise UserError(f"libGenie rejected the bundle's genie_config.json: status {libgenie.describe(status)}.\n"
                         + "\n".join(log[-10:]), "This is a bug in the bundle writer; please report it with the log.")
+    spd_check = None
+    if options.draft and shared:
+        notes_extra = ["The draft's effect on the answer was not checked on this computer: weight-shared binaries "
+                       "load only on a phone."]
+    else:
+        notes_extra = []
+    if options.draft and not shared:  # weight-shared binaries are a phone's: the simulator cannot load them
+        state.progress(0.8, "checking that the draft leaves the answer unchanged (greedy, on the HTP simulator)")
+        sample = (out_dir / layout.SAMPLE_PROMPT).read_text(encoding="utf-8")
+        spd_check = draft.check_lossless(out_dir, cfg, sample)
     files = [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(out_dir.iterdir()) if p.is_file()]
-    context_bytes = sum((out_dir / b).stat().st_size for b in bins)
+    context_bytes = sum((out_dir / b).stat().st_size for b in bins + (draft_meta["binaries"] if draft_meta else []))
     lut_bytes = (out_dir / layout.EMBEDDING_LUT).stat().st_size if embedding else 0
     state.progress(1.0, "bundle ready")
     res = BundleResult(folder=str(out_dir), target=target.soc, dsp_arch=target.dsp_arch, files=files,
                        genie_api=libgenie.api_version(), validated=True, runtime_files=copied,
                        runtime_missing=missing, context_bytes=context_bytes, embedding_lut_bytes=lut_bytes,
-                       notes=_notes(context_bytes, shared, options.prompt_graphs, lut_bytes))
+                       notes=_notes(context_bytes, shared, options.prompt_graphs, lut_bytes) + notes_extra,
+                       decoding="spd" if draft_meta else "basic", draft_len=options.draft_len if draft_meta else None,
+                       spd_check=spd_check)
     atomic_write_json(out_dir / layout.BUNDLE_RESULT, res.model_dump())
     return res
 

@@ -61,14 +61,22 @@ def embedding_config(lut: str, width: int, enc: IOEncoding) -> dict[str, Any]:
             "quant-param": {"scale": enc.scale, "offset": -enc.zero_point}}
 
 
-def dialog_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: Sampler, n_threads: int = 2,
-                  htp_ext: bool = False, embedding: dict[str, Any] | None = None) -> dict[str, Any]:
-    eos = card["eos_ids"]
+def engine_config(card: dict[str, Any], ctx_bins: list[str], n_threads: int = 2,
+                  htp_ext: bool = False) -> dict[str, Any]:
+    """One model's engine: its binaries on the HTP, its KV head size and RoPE (a draft model has its own)."""
     qnn = {"version": 1, "use-mmap": False, "spill-fill-bufsize": 0, "mmap-budget": 0, "poll": False,
            "cpu-mask": "0x3", "kv-dim": card["head_dim"], "allow-async-init": False}
     backend: dict[str, Any] = {"version": 1, "type": "QnnHtp", "QnnHtp": qnn}
     if htp_ext:
         backend["extensions"] = layout.HTP_EXT_CONFIG
+    return {"version": 1, "n-threads": n_threads, "backend": backend,
+            "model": {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": ctx_bins},
+                      "positional-encoding": rope(card)}}
+
+
+def dialog_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: Sampler, n_threads: int = 2,
+                  htp_ext: bool = False, embedding: dict[str, Any] | None = None) -> dict[str, Any]:
+    eos = card["eos_ids"]
     samp: dict[str, Any] = {"version": 1, "seed": sampler.seed, "temp": sampler.temp, "top-k": sampler.top_k,
                             "top-p": sampler.top_p}
     if sampler.greedy:  # Genie samples from top-k unless k is 1
@@ -79,12 +87,21 @@ def dialog_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: S
                     "eos-token": eos[0] if len(eos) == 1 else eos},
         "sampler": samp,
         "tokenizer": {"version": 1, "path": layout.TOKENIZER},
-        "engine": {"version": 1, "n-threads": n_threads, "backend": backend,
-                   "model": {"version": 1, "type": "binary", "binary": {"version": 1, "ctx-bins": ctx_bins},
-                             "positional-encoding": rope(card)}}}
+        "engine": engine_config(card, ctx_bins, n_threads, htp_ext)}
     if embedding:
         dialog["embedding"] = embedding
     return {"dialog": dialog}
+
+
+def speculative(config: dict[str, Any], draft_engine: dict[str, Any], draft_len: int) -> dict[str, Any]:
+    """A basic dialog turned into Genie's draft-model dialog (`spd`): the draft proposes `draft_len` tokens, the
+    target checks them in one call and keeps those it would have chosen (with greedy sampling, the same answer)."""
+    out = copy.deepcopy(config)
+    d = out["dialog"]
+    d["type"] = "spd"
+    d["spd"] = {"version": 1, "draft-len": draft_len}
+    d["engine"] = [draft_engine | {"role": "draft"}, d["engine"] | {"role": "target"}]
+    return out
 
 
 def htp_ext_config(target: Soc, weight_sharing: bool) -> dict[str, Any]:
@@ -108,13 +125,15 @@ def absolute(config: dict[str, Any], folder: Path) -> dict[str, Any]:
     try:
         d = c["dialog"]
         d["tokenizer"]["path"] = _file(folder, d["tokenizer"]["path"])
-        binary = d["engine"]["model"]["binary"]
-        binary["ctx-bins"] = [_file(folder, b) for b in binary["ctx-bins"]]
         if "lut-path" in d.get("embedding", {}):  # Genie opens it from its working folder, not the config's
             d["embedding"]["lut-path"] = _file(folder, d["embedding"]["lut-path"])
-        backend = d["engine"]["backend"]
-        if "extensions" in backend:
-            backend["extensions"] = _file(folder, backend["extensions"])
+        # one engine, or a speculative dialog's pair (a draft and a target, each with its own binaries)
+        for engine in d["engine"] if isinstance(d["engine"], list) else [d["engine"]]:
+            binary = engine["model"]["binary"]
+            binary["ctx-bins"] = [_file(folder, b) for b in binary["ctx-bins"]]
+            backend = engine["backend"]
+            if "extensions" in backend:
+                backend["extensions"] = _file(folder, backend["extensions"])
     except (KeyError, TypeError) as e:
         raise UserError(f"The {layout.GENIE_CONFIG} in {folder} is not a Genie dialog over context binaries "
                         f"({type(e).__name__}: {e}).", "Rebuild the bundle with `npustudio bundle`.") from e

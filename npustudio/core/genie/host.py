@@ -216,7 +216,21 @@ def _room(cfg: dict[str, Any], prompt: str) -> int:
     if n >= size:
         raise UserError(f"The prompt is {n} tokens; the model's context holds {size}.",
                         "Shorten the prompt (or the chat history).")
+    if cfg["dialog"].get("type") == "spd":
+        # the target checks the draft's tokens with its widest graph, whose cache holds the context less its width:
+        # past that, libGenie 1.21 aborts the whole process (measured on the HTP simulator), so the answer stops there
+        size -= _check_width(cfg)
+        if n >= size:
+            raise UserError(f"The prompt is {n} tokens; with draft-model decoding the context holds {size}.",
+                            "Shorten the prompt (or the chat history), or use a bundle without a draft.")
     return size - n
+
+
+def _check_width(cfg: dict[str, Any]) -> int:
+    """The widest graph of an spd dialog's target (its binaries' AR, from the bundle's metadata beside them)."""
+    target = next(e for e in cfg["dialog"]["engine"] if e.get("role") == "target")
+    folder = Path(target["model"]["binary"]["ctx-bins"][0]).parent
+    return max(g.ar for g in _metadata(folder).graphs)
 
 
 class TextPieces:

@@ -31,6 +31,7 @@ class Event(BaseModel):
     generated_tokens: int | None = None
     generation_rate: float | None = None  # tokens/s
     generation_time_us: int | None = None
+    tokens_per_call: float | None = None  # speculative dialogs: tokens each target call yields ("acceptance rate")
 
 
 class Profile(BaseModel):
@@ -49,11 +50,13 @@ class Summary(BaseModel):
     generation_tok_s: float | None
     query_s: float | None
     total_s: float | None
+    tokens_per_call: float | None = None  # a speculative dialog's tokens per target-graph call (Genie's profile)
 
 
 _FIELDS = {"init-time": "init_time_us", "num-prompt-tokens": "prompt_tokens", "prompt-processing-rate": "prompt_rate",
            "time-to-first-token": "ttft_us", "num-generated-tokens": "generated_tokens",
-           "token-generation-rate": "generation_rate", "token-generation-time": "generation_time_us"}
+           "token-generation-rate": "generation_rate", "token-generation-time": "generation_time_us",
+           "token-acceptance-rate": "tokens_per_call"}
 
 
 def parse(text: str, source: str = "profile") -> Profile:
@@ -112,7 +115,8 @@ def summarize(p: Profile) -> Summary:
         ttft_s=_s(last.ttft_us) if last else None, prompt_tokens=last.prompt_tokens if last else None,
         prompt_tok_s=last.prompt_rate if last else None, generated_tokens=last.generated_tokens if last else None,
         generation_tok_s=last.generation_rate if last else None, query_s=_s(last.duration_us) if last else None,
-        total_s=_s(max(stops) - min(starts)) if starts and stops else None)
+        total_s=_s(max(stops) - min(starts)) if starts and stops else None,
+        tokens_per_call=last.tokens_per_call if last else None)
 
 
 def roofline(target: Soc, weight_bytes: int, kv_bytes_per_token: int, context: int) -> dict[str, float]:

@@ -17,6 +17,7 @@ from .. import mnn as mnn_stage
 from .. import quantize as quantize_stage
 from ..cluster import Cluster, Job
 from ..config_audit import check_context
+from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..genie import bundle as bundle_stage
 from ..progress import StateLike, free_big_blocks_at_once
@@ -134,7 +135,20 @@ def compile_graphs(project: Project, options: compile_stage.CompileOptions, stat
 
 def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike,
            force: bool = False) -> StageRecord:
-    """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie."""
+    """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie. A draft project
+    (draft-model decoding) is named by its absolute folder and its compile record: compiled again, it makes the
+    bundle stale."""
+    if options.draft:
+        folder = Path(options.draft).expanduser().resolve()
+        if folder == project.root.resolve():
+            raise UserError("The draft project is this project itself: a model drafting for itself proposes exactly "
+                            "what it checks, and gains nothing.", "Name another project, with a smaller model.")
+        rec = Project.open(folder, create=False).record(stages.COMPILE.name) if folder.is_dir() else None
+        if rec is None or rec.status != "done":
+            raise UserError(f"The draft project {folder} has no finished compile stage.",
+                            f"Take the draft model through the compile stage first (`npustudio run MODEL --project "
+                            f"{folder} --no-embedding-lut`).")
+        options = options.model_copy(update={"draft": str(folder), "draft_key": rec.key})
     return _made_from(project, stages.BUNDLE, _require(project, stages.COMPILE), options, state, force, None)
 
 

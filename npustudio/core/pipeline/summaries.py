@@ -81,6 +81,9 @@ class BundleSummary(BaseModel):
     embedding_lut_bytes: int = 0
     runtime_missing: list[str] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
+    decoding: str = "basic"
+    draft_len: int | None = None
+    spd_check: dict[str, Any] | None = None
 
 
 class StageFigures(BaseModel):
@@ -135,7 +138,8 @@ def compile_summary(r: CompileResult) -> CompileSummary:
 def bundle_summary(r: BundleResult) -> BundleSummary:
     return BundleSummary(folder=r.folder, validated=r.validated, files=r.files, genie_api=r.genie_api,
                          context_bytes=r.context_bytes, embedding_lut_bytes=r.embedding_lut_bytes,
-                         runtime_missing=r.runtime_missing, notes=r.notes)
+                         runtime_missing=r.runtime_missing, notes=r.notes, decoding=r.decoding, draft_len=r.draft_len,
+                         spd_check=r.spd_check)
 
 
 def summary(stage: str, rec: StageRecord, project: Project) -> BaseModel:

@@ -1,0 +1,158 @@
+"""Draft-model decoding (Genie's `spd` dialog): a second compiled model in the bundle proposes tokens, the target
+checks them; with greedy sampling the answer must be the target's own, proven with the real libGenie on the HTP
+simulator, and a draft the target cannot use is refused before anything is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from npustudio.core import layout
+from npustudio.core.errors import UserError
+from npustudio.core.genie import draft, host
+from npustudio.core.project import Project
+from tests.conftest import genie_pipeline, make_tiny_model, make_tokenizer, npustudio
+
+PROMPTS = ["Hello, tell me a story about the sea.", "def add(a, b):", "List three colours:"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Project, Project]:
+    """A tiny target and a draft with its very weights, each compiled on its own, both taking token ids (no
+    embedding lookup table: Genie's speculative dialogs refuse it)."""
+    root = tmp_path_factory.mktemp("spd")
+    model = make_tiny_model(root / "m", "llama64")
+    target = genie_pipeline(root / "target", model, embedding_lut=False)
+    same = genie_pipeline(root / "draft", model, embedding_lut=False)
+    return target, same  # type: ignore[return-value]
+
+
+def _answers(config: Path, prompts: list[str]) -> list[host.RunResult]:
+    return [host.run(config, p, lambda _s: None, max_tokens=20) for p in prompts]
+
+
+def _basic_beside(bundle: Path) -> Path:
+    """The bundle's target engine alone, as a basic dialog on the same binaries (a config beside the real one)."""
+    cfg = json.loads((bundle / layout.GENIE_CONFIG).read_text())
+    d = cfg["dialog"]
+    target = next(e for e in d["engine"] if e["role"] == "target")
+    d["type"], d["engine"] = "basic", {k: v for k, v in target.items() if k != "role"}
+    del d["spd"]
+    path = bundle / "basic_check.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_a_draft_model_bundle_answers_as_the_target_alone(pair: tuple[Project, Project]) -> None:
+    """`npustudio bundle --draft D --draft-len 3`, as a process: an spd dialog over both models' binaries, validated
+    by libGenie, whose greedy answers equal the target's alone on the same binaries for several prompts, with more
+    than one token per target call (Genie's own profile)."""
+    target, same = pair
+    res = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--draft-len", "3", "--json",
+                    timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert out["validated"] and out["decoding"] == "spd" and out["draft_len"] == 3
+    assert out["spd_check"]["same_answer"] and out["spd_check"]["tokens_per_target_call"] > 1
+    bundle = target.stage_dir("bundle")
+    cfg = json.loads((bundle / layout.GENIE_CONFIG).read_text())["dialog"]
+    assert cfg["type"] == "spd" and cfg["spd"] == {"version": 1, "draft-len": 3}
+    assert [e["role"] for e in cfg["engine"]] == ["draft", "target"]
+    assert all(b.startswith(draft.PREFIX) and (bundle / b).is_file() for b in cfg["engine"][0]["model"]["binary"]
+               ["ctx-bins"])
+    meta = json.loads((bundle / layout.METADATA).read_text())
+    assert meta["decoding"] == "spd" and meta["draft"]["project"] == "draft" and "/" not in meta["draft"]["project"]
+    fast = _answers(bundle / layout.GENIE_CONFIG, PROMPTS)
+    try:
+        alone = _answers(_basic_beside(bundle), PROMPTS)
+    finally:
+        (bundle / "basic_check.json").unlink()
+    assert [a.text for a in fast] == [a.text for a in alone] and all(a.text for a in alone)
+    rates = [draft._acceptance(a.profile) for a in fast]
+    assert all(r is not None and r > 1 for r in rates), rates
+    again = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--draft-len", "3",
+                      timeout=300)
+    assert again.returncode == 0 and "tokens per target call" in again.stdout  # what a person reads
+    chat = npustudio("chat", "--desktop", "--bundle", str(bundle), "--new", PROMPTS[0], timeout=600)
+    assert chat.returncode == 0 and "tokens per target call" in chat.stderr, chat.stderr[-1500:]
+
+
+def test_a_draft_the_target_cannot_use_is_refused_naming_why(pair: tuple[Project, Project], genie_project: Any,
+                                                             tmp_path: Path) -> None:
+    """Refused before anything is written, each naming the difference: the project itself, a draft whose graphs
+    take the embedding lookup table, more proposals than the target's widest graph checks, a folder that is no
+    project."""
+    target, same = pair
+    before = (target.stage_dir("bundle") / layout.BUNDLE_RESULT).read_bytes()
+    cases = [(str(target.root), "3", "is this project itself"),
+             (str(genie_project.root), "3", "take Genie's embedding lookup table"),
+             (str(same.root), "32", "needs a graph of AR-33 or wider; its widest is AR-32"),
+             (str(tmp_path), "3", "is not an NPU Studio project")]
+    for folder, k, said in cases:
+        res = npustudio("bundle", "--project", str(target.root), "--draft", folder, "--draft-len", k, timeout=300)
+        assert res.returncode == 2 and said in res.stderr, (folder, res.stderr[-1500:])
+    assert (target.stage_dir("bundle") / layout.BUNDLE_RESULT).read_bytes() == before  # the last good bundle stays
+
+
+def test_a_draft_with_another_tokenizer_or_context_is_refused(pair: tuple[Project, Project], tmp_path: Path) -> None:
+    """The draft's token ids go straight into the target: another vocabulary, id mapping, special tokens or merges
+    is refused naming it, and so is a shorter context."""
+    target, same = pair
+    t, d = draft.open_model(target.root, "target"), draft.open_model(same.root)
+    draft.check_pair(t, d, 3)  # the same model: nothing to refuse
+
+    def with_tokenizer(change: Any) -> draft.Model:
+        adapt = tmp_path / f"adapt{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(d.adapt_dir, adapt)
+        tok = json.loads((adapt / layout.TOKENIZER).read_text())
+        change(tok)
+        (adapt / layout.TOKENIZER).write_text(json.dumps(tok))
+        return dataclasses.replace(d, adapt_dir=adapt)
+
+    def swap_ids(tok: dict[str, Any]) -> None:
+        vocab = tok["model"]["vocab"]
+        a, b = list(vocab)[300:302]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+
+    def other_special(tok: dict[str, Any]) -> None:
+        tok["added_tokens"][0]["special"] = False
+
+    def other_merges(tok: dict[str, Any]) -> None:
+        tok["model"]["merges"] = tok["model"]["merges"][:-1]
+
+    wider = d.card.model_copy(update={"vocab": d.card.vocab + 64})
+    cases = [(dataclasses.replace(d, card=wider), "vocabulary has 448"),
+             (dataclasses.replace(d, card=d.card.model_copy(update={"eos_ids": [0]})), "special tokens differ"),
+             (with_tokenizer(swap_ids), "maps text to other ids"),
+             (with_tokenizer(other_special), "special tokens differ"),
+             (with_tokenizer(other_merges), "merges differ"),
+             (dataclasses.replace(d, graphs=[g.model_copy(update={"cl": 64}) for g in d.graphs]),
+              "context (64 tokens) is shorter than the target's (128)")]
+    for model, said in cases:
+        with pytest.raises(UserError) as e:
+            draft.check_pair(t, model, 3)
+        assert said in e.value.problem, (said, e.value.problem)
+
+
+def test_a_draft_that_changes_the_answer_is_refused(tmp_path: Path) -> None:
+    """With the libGenie we ship, on the HTP simulator, a draft with other weights was measured to change the greedy
+    answer (it must not): a target with a 2,048-token vocabulary and a one-layer random draft part after 21
+    characters of the sample answer, where the target alone ends. The bundle stage compares the two on the sample
+    question and refuses such a bundle, quoting both answers; the project keeps its basic bundle."""
+    def compiled(name: str, seed: int, layers: int) -> Any:
+        model = make_tiny_model(tmp_path / f"m{name}", "llama64", seed=seed, vocab_size=2048, num_hidden_layers=layers)
+        make_tokenizer(model, vocab=2048)
+        return genie_pipeline(tmp_path / name, model, embedding_lut=False)
+
+    target, other = compiled("target", 0, 2), compiled("draft", 1, 1)
+    before = (target.stage_dir("bundle") / layout.GENIE_CONFIG).read_bytes()
+    res = npustudio("bundle", "--project", str(target.root), "--draft", str(other.root), "--draft-len", "4",
+                    timeout=900)
+    assert res.returncode == 2, res.stdout[-1000:]
+    assert "draft-model decoding changed the answer" in res.stderr and "the target alone says" in res.stderr
+    assert (target.stage_dir("bundle") / layout.GENIE_CONFIG).read_bytes() == before
