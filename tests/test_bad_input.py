@@ -923,3 +923,15 @@ def test_a_recipe_the_model_cannot_take_is_refused_before_any_stage_runs(tmp_pat
     # what the 4-bit head would save and cost, beside the table
     assert _flat("w4a16 with --lm-head-bits 4 (the LM head in 4-bit blocks too): bundle") in _flat(info.stdout)
     assert _flat("perplexity ×1.421 against ×1.213") in _flat(info.stdout)
+
+
+def test_a_fix_that_names_a_log_option_names_a_command_that_has_it() -> None:
+    """Reliability IV: a failing runner's fix said "Run with `--log verbose`", which `chat` does not accept; the fix
+    now gives the whole command, and that command takes the option."""
+    from npustudio.core.genie import libgenie
+    from tests.conftest import npustudio
+
+    fix = libgenie._fix(-1, ["something Genie said"])
+    assert "`npustudio genie-run -c BUNDLE/genie_config.json -p hi --log verbose`" in fix
+    assert "--log {error,warn,info,verbose}" in npustudio("genie-run", "--help").stdout
+    assert "--log" not in npustudio("chat", "--help").stdout  # why the fix cannot say "chat --log"

@@ -171,6 +171,17 @@ def test_desktop_entry_keeps_an_entry_it_did_not_write(tmp_path: Path) -> None:
         assert entry_file.read_bytes() == before
 
 
+def test_desktop_entry_install_where_it_cannot_write_says_where(tmp_path: Path) -> None:
+    """XDG_DATA_HOME a file, or a read-only folder: a plain message naming the place and what to do (it ended
+    "failed unexpectedly: NotADirectoryError")."""
+    a_file = tmp_path / "data"
+    a_file.write_text("not a folder")
+    res = subprocess.run([str(SCRIPT), "desktop-entry", "install"], env=_env(XDG_DATA_HOME=str(a_file)),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and f"cannot be written under {a_file}" in res.stderr, res.stderr
+    assert "XDG_DATA_HOME" in res.stderr and "unexpectedly" not in res.stderr
+
+
 def test_the_packaged_launcher_runs_a_module_as_python_m_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """A packaged app is its own interpreter: the pipeline's helper processes (`python -m MODULE`: each graph's
     compile, the virtual device's genie-t2t-run) start it with `-m`, which its launcher must run as python does

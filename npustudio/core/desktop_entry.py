@@ -116,16 +116,23 @@ def install() -> Written:
                             f"Remove {entry} yourself if it is no longer wanted, then install again.")
         replaced = owner if owner != _string(here) else None
     icons = []
-    for size, src in ICONS.items():
+    for src in ICONS.values():
         if not src.is_file():
             raise UserError(f"This installation has no icon {src}.",
                             "Reinstall NPU Studio (bash packaging/bootstrap.sh) from its source folder.")
-        dest = data_home() / "icons" / "hicolor" / size / "apps" / (ICON_NAME + src.suffix)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(dest, src.read_bytes())
-        icons.append(dest)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(entry, text(argv, here))
+    try:
+        for size, src in ICONS.items():
+            dest = data_home() / "icons" / "hicolor" / size / "apps" / (ICON_NAME + src.suffix)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(dest, src.read_bytes())
+            icons.append(dest)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(entry, text(argv, here))
+    except OSError as e:  # XDG_DATA_HOME a file, read-only, full: say where, not "failed unexpectedly"
+        where = Path(e.filename) if e.filename else data_home()
+        raise UserError(f"The desktop entry cannot be written under {data_home()}: {where}: "
+                        f"{e.strerror or e}.", "Point XDG_DATA_HOME at a writable folder (or unset it to use "
+                        "~/.local/share), then install again.") from e
     return Written(entry, icons, argv, replaced)
 
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
-from . import layout
+from . import layout, stages
 from .errors import UserError
 from .evaluate import EvalPlan
 from .fsutil import read_json
@@ -205,7 +205,9 @@ Record = TypeVar("Record", bound=BaseModel)
 def load(stage_dir: Path, file: str, model: type[Record], stage: str) -> Record:
     """`stage_dir/file` as `model`; a clear UserError when it is missing or damaged."""
     path = Path(stage_dir) / file
-    fix = f"Run the {stage} stage again (with --force) to rewrite it."
+    spec = next((s for s in stages.SPECS if s.name == stage), None)
+    command = f"npustudio {spec.command} --project P --force" if spec is not None else f"the {stage} stage again"
+    fix = f"Run `{command}` to rewrite it." if spec is not None else f"Run {command} to rewrite it."
     if not path.is_file():
         raise UserError(f"{stage_dir} holds no {stage} result ({file} is missing).", fix)
     return validated(path, read_json(path, f"the {stage} stage's result ({file})", fix), model, fix)

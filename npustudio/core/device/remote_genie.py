@@ -89,7 +89,9 @@ def explain(output: str, prompt: str | None = None) -> UserError | None:
     log = "\n".join(out.before + (out.after if out.ended else [out.answer])) if out.begun else output
     said = [line.strip() for line in log.splitlines() if line.strip() and not line.startswith(t2t.PROMPT)]
     return remote_shell.explained(log, said, FAILURES, "genie-t2t-run",
-                                  "Run with --log verbose and look at Genie's messages.")
+                                  "Look at Genie's own messages: on the device, `genie-t2t-run -c genie_config.json "
+                                  "-p hi --log verbose` in the bundle's folder (`adb shell`), or on this computer "
+                                  "`npustudio genie-run -c BUNDLE/genie_config.json -p hi --log verbose`.")
 
 
 def answer(output: str, prompt: str | None = None) -> str:

@@ -240,12 +240,17 @@ class GenieError(UserError):
         self.status = status
 
 
+# a command that has the option (`chat` has none): the same bundle through genie-t2t-run's stand-in, Genie's log shown
+VERBOSE_FIX = ("`npustudio genie-run -c BUNDLE/genie_config.json -p hi --log verbose` shows Genie's and QNN's full "
+               "log")
+
+
 def _fix(status: int, lines: list[str]) -> str:
     text = "\n".join(lines)
     if status in (-7, -8, -9, -4):
         if not text.strip():  # Genie refused the config without a word: say what the status means instead
             return (f"Genie gave no message with it ({describe(status)}): rebuild the bundle with `npustudio bundle` "
-                    "(a hand-edited genie_config.json must follow Genie's schema), or run with `--log verbose`.")
+                    "(a hand-edited genie_config.json must follow Genie's schema); " + VERBOSE_FIX + ".")
         return "Fix genie_config.json as Genie's message says (or rebuild the bundle with `npustudio bundle`)."
     if "Shared weights buffer" in text:
         return "Weight-shared binaries do not run on the x86 simulator: compile for the simulator (one binary " \
@@ -260,4 +265,4 @@ def _fix(status: int, lines: list[str]) -> str:
         return "The AR-N and AR-1 graphs disagree on an I/O encoding: re-run the compile stage."
     if "No such file" in text or "Could not open" in text or "not found" in text.lower():
         return "A file named in genie_config.json is missing: check the bundle folder."
-    return "Run with `--log verbose` to see Genie's and QNN's full log."
+    return VERBOSE_FIX[0].upper() + VERBOSE_FIX[1:] + "."
