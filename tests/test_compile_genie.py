@@ -280,7 +280,8 @@ def test_each_stage_reads_its_record_back_typed_and_names_a_damaged_one(project:
     (damaged / layout.QUANTIZE_RESULT).write_text(json.dumps({"precision": "w8a16"}))
     with pytest.raises(UserError) as e:
         compile_stage.run(damaged, project.stage_dir("adapt"), CompileOptions(), tmp_path / "out", State())
-    assert f"{layout.QUANTIZE_RESULT} is damaged" in e.value.problem and "quantize stage" in (e.value.fix or "")
+    assert f"{layout.QUANTIZE_RESULT} is damaged" in e.value.problem
+    assert "`npustudio quantize --project P --force`" in (e.value.fix or "")  # the stage's own command
 
 
 def test_profile_reader_tolerates_missing_fields_and_names_bad_files(tmp_path: Path) -> None:

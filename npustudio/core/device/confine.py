@@ -57,7 +57,10 @@ def command(argv: list[str], sandbox: Path, writable: Path, cwd: Path) -> list[s
     tool = bwrap()
     if tool is None:
         raise RuntimeError("bubblewrap is not installed")
-    out = [str(tool), "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
+    # a private /tmp first: later binds may lie under /tmp (a checkout, a virtual environment, the sandbox itself),
+    # and bubblewrap applies its options in order, so a tmpfs after them would hide them
+    out = [str(tool), "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--proc", "/proc", "--dev", "/dev",
+           "--tmpfs", "/tmp"]
     for d in _SYSTEM:
         p = Path(d)
         if p.is_symlink():
@@ -69,8 +72,7 @@ def command(argv: list[str], sandbox: Path, writable: Path, cwd: Path) -> list[s
             out += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
     for folder in runtime_folders():
         out += ["--ro-bind", str(folder), str(folder)]
-    out += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            "--ro-bind", str(sandbox), str(sandbox), "--bind", str(writable), str(writable),
+    out += ["--ro-bind", str(sandbox), str(sandbox), "--bind", str(writable), str(writable),
             "--chdir", str(cwd), "--"]
     return out + argv
 
