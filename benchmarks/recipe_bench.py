@@ -107,7 +107,10 @@ def main() -> None:
     seeds = [int(x) for x in a.seeds.split(",")]
     for recipe in a.recipes.split(","):
         for seed in seeds:
-            row = _child(["--child", str(src), recipe, json.dumps(options | {"seed": seed})])
+            own = {k: v for k, v in options.items()  # a recipe's step count only for the recipe that runs it
+                   if not (k == "adascale_iterations" and "adascale" not in recipe)
+                   and not (k == "omniquant_iterations" and recipe != "omniquant")}
+            row = _child(["--child", str(src), recipe, json.dumps(own | {"seed": seed})])
             rows.append({"recipe": recipe, "seed": seed} | row)
             if not a.json:
                 print(json.dumps(rows[-1]), file=sys.stderr)

@@ -916,6 +916,11 @@ def test_a_recipe_the_model_cannot_take_is_refused_before_any_stage_runs(tmp_pat
                     "--no-ask")
     assert res.returncode == 2 and "--lm-head-bits" in res.stderr and "--precision w4a16" in res.stderr, res.stderr
     assert not (tmp_path / "p" / "stages" / "adapt").exists()
+    # a recipe's step count for another recipe changes nothing but the record (it redid the stage): refused
+    res = npustudio("run", "--project", str(tmp_path / "p"), "--recipe", "plain", "--omniquant-iterations", "5",
+                    "--no-ask")
+    assert res.returncode == 2 and "--omniquant-iterations sets a step of the omniquant recipe" in res.stderr
+    assert "--recipe omniquant" in res.stderr and not (tmp_path / "p" / "stages" / "adapt").exists(), res.stderr
     info = npustudio("info", "default")
     assert info.returncode == 0, info.stderr
     assert "not for this model: spinquant (" in info.stdout

@@ -4,6 +4,7 @@ the project's float model, measured against it; refused up front where it would 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -221,6 +222,18 @@ def test_the_mnn_model_answers_on_a_device_through_llm_demo(tiny_models: dict[st
         (runtime / "libMNN.so").write_bytes(Path("/bin/ls").read_bytes())  # this computer's CPU, not a phone's
         wrong = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
         assert wrong.returncode == 2 and "not a phone's arm64-v8a CPU" in wrong.stderr and not remote.exists()
+        monkeypatch.delenv("MNN_ANDROID_ROOT")  # the same folder from Settings > MNN Android runtime: the CLI reads it
+        settings_file = Path(os.environ["XDG_CONFIG_HOME"]) / "npustudio" / "settings.json"
+        settings_file.parent.mkdir(parents=True, exist_ok=True)
+        settings_file.write_text(json.dumps({"mnn_android_root": str(runtime)}))
+        wrong = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
+        assert wrong.returncode == 2 and "not a phone's arm64-v8a CPU" in wrong.stderr and not remote.exists()
+        settings_file.write_text(json.dumps({"mnn_android_root": str(runtime) + "\u0000x"}))
+        nul = npustudio("deploy", str(stage), "--device", phone.serial, timeout=120)
+        assert nul.returncode == 2 and str(settings_file) in nul.stderr and "mnn_android_root" in nul.stderr
+        assert "NUL byte" in nul.stderr and "unexpectedly" not in nul.stderr
+        settings_file.unlink()
+        monkeypatch.setenv("MNN_ANDROID_ROOT", str(runtime))
         _arm64_elf(runtime / "libMNN.so", ["libc.so", "libm.so"])
         secret = tmp_path / "secret.txt"
         secret.write_text("not for the phone")

@@ -453,9 +453,10 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
     shutil.copytree(adapted_project, tmp_path / "p")
     p = Project.open(tmp_path / "p")
     st = State()
-    pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov),
-                                         recipe=recipe, adascale_iterations=4, omniquant_iterations=4,
-                                         seq_mse_candidates=4, **FAST), st)
+    steps = {"seqmse": {"seq_mse_candidates": 4}, "adascale": {"adascale_iterations": 4},  # each recipe's own
+             "omniquant": {"omniquant_iterations": 4}, "spinquant_adascale": {"adascale_iterations": 4}}[recipe]
+    pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov), recipe=recipe, **steps,
+                                         **FAST), st)
     r = p.record("quantize").result
     assert r["recipe"] == recipe and r["rotated"] == ("spinquant" in recipe) and 0.8 < r["ratio"] < 1.3
     assert set(RECIPE_STEPS[recipe]) <= set(r["steps"])
@@ -706,8 +707,8 @@ def test_encodings_against_another_run_shows_what_a_recipe_changed(adapted_proje
     for recipe in ("plain", "adascale"):
         shutil.copytree(adapted_project, tmp_path / recipe)
         p = Project.open(tmp_path / recipe)
-        pipeline.quantize(p, QuantizeOptions(precision="w4a16", recipe=recipe, adascale_iterations=20, **FAST),
-                          State())
+        steps = {"adascale_iterations": 20} if recipe == "adascale" else {}
+        pipeline.quantize(p, QuantizeOptions(precision="w4a16", recipe=recipe, **steps, **FAST), State())
         files[recipe] = next(p.stage_dir("quantize").glob(f"{PROMPT}.encodings"))
     cli = ("encodings", str(files["adascale"]), "--against", str(files["plain"]))
     res = npustudio(*cli, "--json")

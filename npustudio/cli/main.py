@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         prefs, refused = user_settings.load(), None
+        prefs.apply()  # the tool folders of Settings, as the window applies them (MNN's runtime, the QNN SDK, adb)
     except UserError as e:
         prefs, refused = user_settings.Settings(), e
     args = build_parser(prefs).parse_args(argv)

@@ -62,6 +62,14 @@ class Settings(BaseModel):
             raise ValueError(f"not a precision NPU Studio knows (use one of: {', '.join(PRECISIONS)})")
         return v
 
+    @field_validator("qnn_sdk_root", "adb_path", "mnn_android_root")
+    @classmethod
+    def _a_path(cls, v: str) -> str:
+        """A folder or file name: a NUL byte (no path holds one) stopped the window with "ValueError"."""
+        if "\0" in v:
+            raise ValueError("holds a NUL byte, which no file name has")
+        return v
+
     @field_validator("default_target")
     @classmethod
     def _known_target(cls, v: str) -> str:

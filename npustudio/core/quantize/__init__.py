@@ -306,6 +306,13 @@ def validate(options: QuantizeOptions, shape: DecoderShape) -> None:
     if options.int8_budget and not takes_int8_budget(options.precision):
         raise UserError(f"--int8-budget keeps some 4-bit weights at 8 bits, and at {options.precision} no weight is "
                         "4-bit.", "Add --precision w4a16, or leave --int8-budget out.")
+    for field, flag, users in (("adascale_iterations", "--adascale-iterations", ("adascale", "spinquant_adascale")),
+                               ("omniquant_iterations", "--omniquant-iterations", ("omniquant",)),
+                               ("seq_mse_candidates", "seq_mse_candidates", ("seqmse",))):
+        if getattr(options, field) != QuantizeOptions.model_fields[field].default and options.recipe not in users:
+            raise UserError(f"{flag} sets a step of the {' or '.join(users)} recipe, and the recipe is "
+                            f"{options.recipe}: it would change nothing but the stage's record.",
+                            f"Add --recipe {users[0]}, or leave {flag} out.")
     if options.lm_head_bits == 4 and not takes_4bit_head(options.precision):
         raise UserError(f"--lm-head-bits 4 puts the LM head in 4-bit LPBQ blocks, and {options.precision} has no "
                         "blocks (4-bit weights without them do not run exactly on the HTP).",
