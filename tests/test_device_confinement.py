@@ -135,7 +135,9 @@ def test_a_killed_device_program_leaves_nothing_running(phone: VirtualDevice, ad
         conn = d.shell("cd /data/local/tmp && echo NPUSTUDIO_PID=$$ && exec sleeper 2>&1", stream=True)
         head = b""
         while b"up\n" not in head:
-            head += conn.conn.recv(4096)
+            got = conn.conn.recv(4096)
+            assert got, head  # the stream closed before the program said it was up: it did not start
+            head += got
         pid = head.split(b"NPUSTUDIO_PID=")[1].split(b"\n")[0].decode()
         assert running(marker)
         d.shell(["kill", pid], timeout=20)
