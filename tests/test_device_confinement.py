@@ -13,12 +13,14 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from npustudio.core import device
 from npustudio.core.device import confine
 from npustudio.core.device.virtual import VirtualDevice
+from npustudio.core.progress import State
 from tests.conftest import running
 
 # what a hostile program tries from inside: every host path must be missing, the network unreachable, the sandbox's
@@ -159,3 +161,31 @@ def test_without_confinement_the_device_says_so(tmp_path: Path, monkeypatch: pyt
     monkeypatch.undo()
     assert VirtualDevice(tmp_path / "p3").notice is None
     assert os.path.basename(VirtualDevice(tmp_path / "p4").confined(["x"], tmp_path)[0]) == "bwrap"
+
+
+def test_the_preview_device_reads_the_projects_graphs_and_nothing_else(genie_project: Any, adb_server: list[str],
+                                                                      tmp_path: Path) -> None:
+    """A virtual device started in preview mode answers with the CPU preview of the project's prepared graphs: that
+    one folder of this computer is readable inside the confinement (the window's default-model chat timed out
+    without it); a pushed metadata.json naming any other folder gets nothing."""
+    from npustudio.core import chat
+    from npustudio.core.device import deploy
+
+    bundle = genie_project.stage_dir("bundle")
+    vd = VirtualDevice(tmp_path / "phone", preview=True).start()
+    try:
+        assert "connected" in str(device.client().connect(vd.serial, timeout=15))
+        deploy.deploy(bundle, device.info(vd.serial), State())
+        session = chat.ChatSession(bundle, chat.DeviceEngine(vd.serial, bundle), history_file=tmp_path / "h.json")
+        pieces: list[str] = []
+        turn = session.send("Hello", pieces.append)
+        assert turn.assistant and "".join(pieces).strip() == turn.assistant
+        remote = vd.root / "data/local/tmp/npustudio" / deploy.remote_dir(bundle).rsplit("/", 1)[-1]
+        meta = json.loads((remote / "metadata.json").read_text())
+        meta["project_compile_dir"] = "/etc"  # not a compile stage: nothing of it is made readable
+        (remote / "metadata.json").write_text(json.dumps(meta))
+        out = _sh(adb_server, vd, f"cd {deploy.remote_dir(bundle)} && genie-t2t-run -c genie_config.json -p hi")
+        assert "Paris" not in out and "root:" not in out and "preview needs the project" in out, out
+    finally:
+        device.client().disconnect(vd.serial)
+        vd.stop()

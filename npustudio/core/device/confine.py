@@ -51,9 +51,10 @@ def runtime_folders() -> list[Path]:
     return sorted(f for f in real if f.is_dir())
 
 
-def command(argv: list[str], sandbox: Path, writable: Path, cwd: Path) -> list[str]:
+def command(argv: list[str], sandbox: Path, writable: Path, cwd: Path, readable: tuple[Path, ...] = ()) -> list[str]:
     """`argv` under bubblewrap: `sandbox` read-only at its own path (so the paths in `argv` stay valid), `writable`
-    (inside it) read-write, `cwd` the working folder. Raises RuntimeError where `why_not()` is not None."""
+    (inside it) read-write, `cwd` the working folder, and `readable` folders of this computer the caller chose
+    (read-only). Raises RuntimeError where `why_not()` is not None."""
     tool = bwrap()
     if tool is None:
         raise RuntimeError("bubblewrap is not installed")
@@ -71,6 +72,8 @@ def command(argv: list[str], sandbox: Path, writable: Path, cwd: Path) -> list[s
         if Path("/etc", name).exists():
             out += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
     for folder in runtime_folders():
+        out += ["--ro-bind", str(folder), str(folder)]
+    for folder in readable:
         out += ["--ro-bind", str(folder), str(folder)]
     out += ["--ro-bind", str(sandbox), str(sandbox), "--bind", str(writable), str(writable),
             "--chdir", str(cwd), "--"]

@@ -371,6 +371,7 @@ def genie_t2t_run(call: Call) -> int:
     flags = t2t.device_flags()
     argv = t2t.command(*(["--preview"] if call.device.preview else []))
     args: Iterator[str] = iter(call.args)
+    config: Path | None = None
     for a in args:
         flag = flags.get(a)
         if flag is None:
@@ -386,10 +387,33 @@ def genie_t2t_run(call: Call) -> int:
             if p is None:
                 return 1
             value = str(p)
+            if a in ("-c", "--config"):
+                config = p
         argv += [a, value]
     # the SDK's own x86 libGenie, when the user has one, is the runner's only need from this computer
     sdk = {"QNN_SDK_ROOT": os.environ["QNN_SDK_ROOT"]} if os.environ.get("QNN_SDK_ROOT") else {}
-    return call.spawn(argv, sdk)
+    return call.spawn(argv, sdk, _preview_graphs(config) if call.device.preview and config is not None else ())
+
+
+def _preview_graphs(config: Path) -> tuple[Path, ...]:
+    """The CPU preview answers with the prepared graphs of the project that built the bundle, on this computer (the
+    virtual device is this computer): the one folder it may read besides the sandbox, read-only, and only when it is
+    an NPU Studio compile stage's `prepared` folder (a pushed metadata.json names it, so it is checked, not
+    trusted)."""
+    from .. import layout
+    from ..errors import UserError
+    from ..genie.bundle import read_metadata
+
+    try:
+        compile_dir = read_metadata(config.parent).project_compile_dir
+    except UserError:
+        return ()
+    if not compile_dir:
+        return ()
+    prepared = Path(compile_dir).resolve() / layout.PREPARED
+    if prepared.is_dir() and (prepared.parent / layout.COMPILE_RESULT).is_file():
+        return (prepared,)
+    return ()
 
 
 def llm_demo(call: Call) -> int:

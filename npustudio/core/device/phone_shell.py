@@ -247,7 +247,7 @@ class Call:
         """The sandbox file for a device path, relative to the shell's folder (PermissionError outside)."""
         return self.device.host_path(device_path, cwd=self.shell.cwd, follow=follow)
 
-    def spawn(self, argv: list[str], extra_env: dict[str, str] | None = None) -> int:
+    def spawn(self, argv: list[str], extra_env: dict[str, str] | None = None, readable: tuple[Path, ...] = ()) -> int:
         """Run a host program for the device: in the sandbox folder, with an environment built from an allow-list
         (`VirtualDevice.host_env`) plus `extra_env`, which comes from this computer, never from the device line.
         Under LD_PRELOAD or LD_AUDIT it is not started: said as Android's linker says a link failure."""
@@ -255,7 +255,8 @@ class Call:
         if injected is not None:
             self.write(f'CANNOT LINK EXECUTABLE "{self.name}": {injected} is not honoured on this device\n')
             return 1
-        return self.shell.spawn(argv, self.device.host_env(self.env) | (extra_env or {}), self.replaces_shell)
+        return self.shell.spawn(argv, self.device.host_env(self.env) | (extra_env or {}), self.replaces_shell,
+                                readable)
 
 
 class Session:
@@ -354,12 +355,13 @@ class Session:
             raise Stopped(result)
         return result
 
-    def spawn(self, argv: list[str], env: dict[str, str], replaces_shell: bool) -> int:
+    def spawn(self, argv: list[str], env: dict[str, str], replaces_shell: bool,
+              readable: tuple[Path, ...] = ()) -> int:
         """A host child in the shell's folder; its output streams to the host; the host closing the stream or
         `kill` of its pid ends its whole process group."""
         cwd = self.device.host_path(self.cwd)
         pid = self.pid if replaces_shell else self.device.new_pid()
-        proc = subprocess.Popen(self.device.confined(argv, cwd), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(self.device.confined(argv, cwd, readable), cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         self.child = proc
         self.device.processes[pid] = proc

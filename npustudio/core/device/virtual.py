@@ -323,11 +323,12 @@ class VirtualDevice:
             raise PermissionError(device_path)
         return real
 
-    def confined(self, argv: list[str], cwd: Path) -> list[str]:
-        """`argv` as the device runs it: inside the sandbox at the operating-system level where it can be."""
+    def confined(self, argv: list[str], cwd: Path, readable: tuple[Path, ...] = ()) -> list[str]:
+        """`argv` as the device runs it: inside the sandbox at the operating-system level where it can be, with
+        `readable` folders of this computer (chosen by this computer's code, never by a device line) read-only."""
         if self.unconfined is not None:
             return argv
-        return confine.command(argv, self.root, self.root / "data" / "local" / "tmp", cwd)
+        return confine.command(argv, self.root, self.root / "data" / "local" / "tmp", cwd, readable)
 
     def writable(self, p: Path, itself: bool = True) -> bool:
         """Whether the shell user may change this sandbox path: /data/local/tmp (`itself`) and below."""
