@@ -226,7 +226,8 @@ def test_a_pushed_library_never_loads_into_a_process_on_this_computer(phone: Vir
     # the deploy's own line still runs, and what reaches the host process comes from this computer or the allow-list
     seen: list[dict[str, str]] = []
 
-    def spawn(_self: object, _argv: list[str], env: dict[str, str], _replaces: bool) -> int:
+    def spawn(_self: object, _argv: list[str], env: dict[str, str], _replaces: bool,
+              _readable: tuple[Path, ...] = ()) -> int:
         seen.append(env)
         return 0
 

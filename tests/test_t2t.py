@@ -128,7 +128,7 @@ def test_the_devices_genie_t2t_run_starts_the_runner_and_no_cli_module(phone: Vi
     `npustudio.cli`, its settings or its other commands), each argument its own argv item, file options inside the
     sandbox, --preview only from the device's mode."""
     seen: list[list[str]] = []
-    monkeypatch.setattr(phone_shell.Session, "spawn", lambda _s, argv, _env, _r: seen.append(argv) or 0)
+    monkeypatch.setattr(phone_shell.Session, "spawn", lambda _s, argv, _env, _r, _readable=(): seen.append(argv) or 0)
     tmp = phone.root / "data/local/tmp"
     assert _shell(phone, "cd /data/local/tmp && genie-t2t-run -c genie_config.json -p 'a; rm -rf / $(x)' "
                          "--prompt_file p.txt --profile out.json --log info --max-tokens 4 --raw") == ""
