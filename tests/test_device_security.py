@@ -356,3 +356,15 @@ def test_file_commands_go_on_past_a_bad_path_and_refuse_bad_input_before_acting(
     assert "bad mode 'u+q'" in out and "rc=1" in out and (tmp / "d").stat().st_mode & 0o777 == 0o600
     out = _sh(adb_server, phone, "cd /data/local/tmp && mkdir e e; ls -d e; echo rc=$?")
     assert "e: File exists" in out and "rc=0" in out  # the ls after it ran
+
+
+def test_a_fault_in_the_devices_own_code_is_said_not_an_empty_success(phone: VirtualDevice,
+                                                                      adb_server: list[str]) -> None:
+    """A device command that fails inside the virtual device answers with what went wrong, never with nothing."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(phone_shell.Session, "spawn", lambda *_a: 1 // 0)
+    try:
+        out = _sh(adb_server, phone, "cd /data/local/tmp && genie-t2t-run -c genie_config.json -p hi")
+    finally:
+        mp.undo()
+    assert "virtual device: internal error (ZeroDivisionError" in out, out

@@ -191,8 +191,13 @@ class _Connection:
 
     @staticmethod
     def _run(handler: Callable[[_Stream], None], stream: _Stream) -> None:
+        """A fault in the device's own code is said on the stream: an empty answer would look like success."""
         try:
             handler(stream)
+        except Exception as e:  # any fault of a service ends only that stream, said to its reader
+            stream.write(f"virtual device: internal error ({type(e).__name__}: {e}); the command did not run to its "
+                         "end. Please report it with the device log.\n".encode())
+            raise
         finally:
             stream.close()
 
