@@ -156,3 +156,49 @@ def test_a_draft_that_changes_the_answer_is_refused(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stdout[-1000:]
     assert "draft-model decoding changed the answer" in res.stderr and "the target alone says" in res.stderr
     assert (target.stage_dir("bundle") / layout.GENIE_CONFIG).read_bytes() == before
+
+
+def test_decoding_modes_that_cannot_be_built_exactly_are_refused_before_any_stage(pair: tuple[Project, Project],
+                                                                                   tmp_path: Path) -> None:
+    """`--decoding lade|ssd-q1|eaglet` says what each lacks; `spd` without a draft and `basic` with one are
+    contradictions; `run` refuses before its first stage (nothing is made) and `bundle` keeps the last good bundle.
+    Asking `--decoding spd` with the draft names the same work as leaving it implied: nothing is redone."""
+    target, same = pair
+    before = (target.stage_dir("bundle") / layout.BUNDLE_RESULT).read_bytes()
+    cases = [(["--decoding", "lade"], "Lookahead decoding (`lade`) is not built"),
+             (["--decoding", "ssd-q1"], "forecast-token embeddings"),
+             (["--decoding", "eaglet"], "draft head trained on the target's hidden states"),
+             (["--decoding", "spd"], "needs a draft model"),
+             (["--decoding", "basic", "--draft", str(same.root)], "basic decoding, which never calls it")]
+    for flags, said in cases:
+        res = npustudio("bundle", "--project", str(target.root), *flags, timeout=300)
+        assert res.returncode == 2 and said in res.stderr and "fix:" in res.stderr, (flags, res.stderr[-1500:])
+        fresh = tmp_path / "fresh"
+        res = npustudio("run", "--project", str(fresh), "--no-ask", *flags, timeout=300)
+        assert res.returncode == 2 and said in res.stderr, (flags, res.stderr[-1500:])
+        assert not (fresh / "stages").exists()
+    assert (target.stage_dir("bundle") / layout.BUNDLE_RESULT).read_bytes() == before
+    implied = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--json", timeout=600)
+    assert implied.returncode == 0, implied.stderr[-1500:]
+    rec = Project.open(target.root, create=False).record("bundle")
+    said = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--decoding", "spd",
+                     "--json", timeout=600)
+    assert said.returncode == 0 and json.loads(said.stdout)["decoding"] == "spd", said.stderr[-1500:]
+    again = Project.open(target.root, create=False).record("bundle")
+    assert rec is not None and again is not None and (again.key, again.started) == (rec.key, rec.started)
+
+
+def test_run_with_a_draft_makes_a_draft_model_bundle_that_answers_on_the_virtual_device(
+        pair: tuple[Project, Project], tmp_path: Path) -> None:
+    """`npustudio run MODEL --draft D` as a user types it: the target is compiled to take token ids (Genie's
+    speculative dialogs refuse the lookup table) without being told, the bundle is draft-model decoding, and the
+    answer on the virtual device comes from Genie's two-engine dialog, more than one token per target call."""
+    _target, same = pair
+    model = same.root.parent / "m"
+    res = npustudio("run", "--model", str(model), "--project", str(tmp_path / "p"), "--cl", "128", "--ar", "8", "--draft",
+                    str(same.root), "--draft-len", "3", timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "draft-model decoding, 3 proposals per target call" in res.stdout, res.stdout[-2000:]
+    assert "tokens per target call" in res.stdout, res.stdout[-2000:]
+    cfg = json.loads((layout.stage_dir(tmp_path / "p", "bundle") / layout.GENIE_CONFIG).read_text())
+    assert cfg["dialog"]["type"] == "spd" and cfg["dialog"]["spd"]["draft-len"] == 3

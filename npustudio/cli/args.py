@@ -154,7 +154,9 @@ def compile_args(s: argparse.ArgumentParser, job: bool = False) -> None:
                help=f"{O.model_fields['weight_sharing'].description} (default: as the plan decides)")
     else:
         option(s, O, "weight_sharing")
-    option(s, O, "embedding_lut", action=argparse.BooleanOptionalAction, default=True)
+    option(s, O, "embedding_lut", action=argparse.BooleanOptionalAction, default=None if job else True,
+           **({"help": f"{O.model_fields['embedding_lut'].description} (default: on, off with --draft)"}
+              if job else {}))
     if not job:
         mnn_args(s)
 
@@ -269,14 +271,26 @@ def compile_options(a: argparse.Namespace) -> CompileOptions:
     chosen = {"optimize": a.optimize} if a.optimize else {}  # `run` decides when it is not given
     if a.weight_sharing is not None:  # `run` plans it when not given
         chosen["weight_sharing"] = a.weight_sharing
+    if a.embedding_lut is not None:  # `run` plans it when not given (off for draft-model decoding)
+        chosen["embedding_lut"] = a.embedding_lut
     return CompileOptions(backend=a.backend, verify_tokens=a.verify_tokens, parts=a.parts,
-                          prompt_check_budget_s=a.prompt_check_budget_s, max_part_mb=a.max_part_mb,
-                          embedding_lut=a.embedding_lut, **chosen)
+                          prompt_check_budget_s=a.prompt_check_budget_s, max_part_mb=a.max_part_mb, **chosen)
 
 
 def bundle_options(a: argparse.Namespace) -> BundleOptions:
     from ..core.genie.config import check_prompt
 
     return BundleOptions(question=check_prompt(a.question), sampler=Sampler(greedy=not a.sample),
-                         prompt_graphs=not a.token_graphs_only, draft=getattr(a, "draft", None),
-                         draft_len=getattr(a, "draft_len", so.default(BundleOptions, "draft_len")))
+                         prompt_graphs=not a.token_graphs_only, **decoding_options(a))
+
+
+def decoding_args(s: argparse.ArgumentParser) -> None:
+    """How the phone decodes the bundle: `bundle` and `run` take the same flags."""
+    option(s, BundleOptions, "decoding")
+    option(s, BundleOptions, "draft", type=given, metavar="DRAFT_PROJECT")
+    option(s, BundleOptions, "draft_len", metavar="K")
+
+
+def decoding_options(a: argparse.Namespace) -> dict[str, Any]:
+    given_ = {k: getattr(a, k) for k in ("decoding", "draft") if getattr(a, k, None) is not None}
+    return given_ | {"draft_len": getattr(a, "draft_len", so.default(BundleOptions, "draft_len"))}

@@ -22,6 +22,7 @@ from .args import (
     adapt_args,
     cluster_arg,
     compile_args,
+    decoding_args,
     device_arg,
     given,
     int_in,
@@ -116,6 +117,7 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     adapt_args(s)
     quantize_args(s)
     compile_args(s, job=True)
+    decoding_args(s)
     device_arg(s)
     cluster_arg(s, "adapt, quantize and compile")
     force_arg(s, "redo every stage even when its inputs and options are unchanged")
@@ -145,8 +147,7 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     s.add_argument("--token-graphs-only", action="store_true",
                    help="leave the AR-N prompt graphs out: half the contexts (a model over ~3 GB of them loads on "
                         "the HTP simulator), the prompt read one token at a time")
-    option(s, BundleOptions, "draft", type=given, metavar="DRAFT_PROJECT")
-    option(s, BundleOptions, "draft_len", metavar="K")
+    decoding_args(s)
     force_arg(s)
     json_arg(s)
 

@@ -12,8 +12,16 @@ from rich.table import Table
 
 from ..core import stages
 from ..core.errors import UserError
-from ..core.stage_options import MnnOptions
-from .args import adapt_options, bundle_options, cluster_of, compile_options, mnn_options, quantize_options
+from ..core.stage_options import BundleOptions, MnnOptions
+from .args import (
+    adapt_options,
+    bundle_options,
+    cluster_of,
+    compile_options,
+    decoding_options,
+    mnn_options,
+    quantize_options,
+)
 from .console import err, live_state, out, print_json, stdout_is_for
 from .render import card_table, host_table, print_adapt, print_bundle, print_compile, print_mnn, print_quantize
 
@@ -146,7 +154,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     with live_state(quiet=a.json) as st, stdout_is_for(a.json):
         summary = pipeline.run_all(project_dir, a.model, adapt_options(a), st, quantize_options(a),
                                    compile_options(a), ask=not a.no_ask, on_text=None if a.json else stream,
-                                   force=a.force, cluster=cluster_of(a))
+                                   force=a.force, cluster=cluster_of(a),
+                                   boptions=BundleOptions(**decoding_options(a)))
     if a.json:
         print_json(summary.model_dump())
         return 0
@@ -164,7 +173,9 @@ def cmd_run(a: argparse.Namespace) -> int:
               f"over {ad.eval_tokens} tokens")
     print_quantize(summary.quantize)
     print_compile(summary.compile)
-    out.print(f"  bundle: {summary.bundle.folder} (libGenie {summary.bundle.genie_api}: valid)")
+    b = summary.bundle
+    spd = f"; draft-model decoding, {b.draft_len} proposals per target call" if b.decoding == "spd" else ""
+    out.print(f"  bundle: {b.folder} (libGenie {b.genie_api}: valid{spd})")
     if summary.sample:
         sm = summary.sample
         where = f"{sm.device}{' (virtual device)' if sm.virtual else ''}"
@@ -176,5 +187,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             from ..display import human_number as n
 
             out.print(f"  Genie profile: init {n(ps.init_s)} s, TTFT {n(ps.ttft_s)} s, prompt "
-                      f"{n(ps.prompt_tok_s)} tok/s, generation {n(ps.generation_tok_s)} tok/s  ({sm.profile})")
+                      f"{n(ps.prompt_tok_s)} tok/s, generation {n(ps.generation_tok_s)} tok/s"
+                      + (f", {n(ps.tokens_per_call)} tokens per target call" if ps.tokens_per_call else "")
+                      + f"  ({sm.profile})")
     return 0

@@ -246,6 +246,10 @@ class BundleOptions(StageOptions):
     draft: str | None = Field(None, description="a compiled project whose smaller model drafts for this one "
                                                 "(Genie's draft-model decoding, `spd`): same tokenizer, compiled "
                                                 "with --no-embedding-lut")
+    decoding: Literal["basic", "spd", "lade", "ssd-q1", "eaglet"] | None = Field(
+        None, description="how the phone decodes: basic (one token per call) or spd (a draft model proposes, the "
+                          "target checks; the default with --draft); lade, ssd-q1 and eaglet are refused with what "
+                          "they lack")
     draft_len: int = Field(4, ge=1, le=32, description="tokens the draft proposes per target call")
     draft_key: str | None = Field(None, description="the draft's compile record (set by the pipeline: a draft "
                                                     "compiled again makes the bundle stale)")

@@ -39,7 +39,7 @@ from ..stage_options import DEFAULT_QUESTION as DEFAULT_QUESTION  # re-exported:
 from ..stage_options import BundleOptions
 from ..targets import Soc, find_soc
 from . import config as genie_config
-from . import draft, libgenie
+from . import decoding, draft, libgenie
 from .libgenie import PD_BUDGET_BYTES
 
 FORMAT = stages.BUNDLE.format  # bumped in core/stages.py when the output changes meaning
@@ -144,6 +144,7 @@ def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
 
 
 def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Path, state: StateLike) -> BundleResult:
+    decoding.resolve(options.decoding, options.draft)
     comp = load_compile(compile_dir)
     card = load_card(adapt_dir)
     graphs = load_graphs(adapt_dir)

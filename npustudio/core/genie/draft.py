@@ -66,12 +66,22 @@ def check_pair(target: Model, draft: Model, draft_len: int) -> None:
     if draft.comp.target != target.comp.target:
         raise UserError(f"The draft was compiled for {draft.comp.target}, the target for {target.comp.target}.",
                         f"Compile the draft for {target.comp.target} (`--target {target.comp.target}`).")
-    _same_tokens(target, draft)
-    t_cl, d_cl = target.graphs[0].cl, draft.graphs[0].cl
+    check_adapted(target.adapt_dir, draft, draft_len)
+
+
+def check_adapted(target_adapt: Path, draft: Model, draft_len: int) -> None:
+    """What can be checked once the target is adapted (before its hours of quantizing and compiling): the draft's
+    graphs take token ids, the same tokens, a context as long, a target graph wide enough, a draft token graph."""
+    if LUT_INPUT in draft.comp.io:
+        raise UserError("The draft's graphs take Genie's embedding lookup table, which Genie's speculative dialogs "
+                        "refuse (\"embedding input type is not supported by dialog\").", NO_LUT_FIX)
+    target_card, target_graphs = load_card(target_adapt), load_graphs(target_adapt)
+    _same_tokens(target_card, target_adapt, draft)
+    t_cl, d_cl = target_graphs[0].cl, draft.graphs[0].cl
     if d_cl < t_cl:
         raise UserError(f"The draft's context ({d_cl} tokens) is shorter than the target's ({t_cl}): it could not "
                         "follow a long conversation.", f"Adapt the draft with --cl {t_cl} or more.")
-    widest = max(g.ar for g in target.graphs)
+    widest = max(g.ar for g in target_graphs)
     if widest < draft_len + 1:
         raise UserError(f"The target checks {draft_len} proposed tokens and the last accepted one in one call, which "
                         f"needs a graph of AR-{draft_len + 1} or wider; its widest is AR-{widest}.",
@@ -82,8 +92,8 @@ def check_pair(target: Model, draft: Model, draft_len: int) -> None:
                         "Adapt and compile the draft again: its token graph is made by default.")
 
 
-def _same_tokens(target: Model, draft: Model) -> None:
-    t, d = target.card, draft.card
+def _same_tokens(t: ArchCard, target_adapt: Path, draft: Model) -> None:
+    d = draft.card
     if d.vocab != t.vocab:
         raise UserError(f"The draft's vocabulary has {d.vocab:,} tokens, the target's {t.vocab:,}: its token ids "
                         "would mean other words to the target.", "Pick a draft model of the target's family that "
@@ -92,7 +102,7 @@ def _same_tokens(target: Model, draft: Model) -> None:
         raise UserError(f"The draft's special tokens differ from the target's: BOS {d.bos_id} and EOS {d.eos_ids} "
                         f"against BOS {t.bos_id} and EOS {t.eos_ids}.",
                         "Pick a draft model that shares the target's tokenizer.")
-    tt, dt = _tokenizer(target.adapt_dir), _tokenizer(draft.adapt_dir)
+    tt, dt = _tokenizer(target_adapt), _tokenizer(draft.adapt_dir)
     t_vocab, d_vocab = _ids(tt), _ids(dt)
     if t_vocab != d_vocab:
         only = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[0]

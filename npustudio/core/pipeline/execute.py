@@ -20,6 +20,7 @@ from ..config_audit import check_context
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..genie import bundle as bundle_stage
+from ..genie import decoding
 from ..progress import StateLike, free_big_blocks_at_once
 from ..project import Project, StageRecord
 from ..results import IntakeResult, StageOptions, load_card
@@ -138,6 +139,15 @@ def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLi
     """Write the Genie bundle (config, binaries, tokenizer, metadata), validated by libGenie. A draft project
     (draft-model decoding) is named by its absolute folder and its compile record: compiled again, it makes the
     bundle stale."""
+    options = bundle_resolved(project, options)
+    return _made_from(project, stages.BUNDLE, _require(project, stages.COMPILE), options, state, force, None)
+
+
+def bundle_resolved(project: Project, options: bundle_stage.BundleOptions) -> bundle_stage.BundleOptions:
+    """The bundle's options as its key holds them, refused up front when they cannot be built: the decoding mode
+    (implied by the draft, so one key for the same work) and the draft's absolute folder and compile record."""
+    decoding.resolve(options.decoding, options.draft)
+    options = options.model_copy(update={"decoding": None})
     if options.draft:
         folder = Path(options.draft).expanduser().resolve()
         if folder == project.root.resolve():
@@ -149,7 +159,7 @@ def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLi
                             f"Take the draft model through the compile stage first (`npustudio run MODEL --project "
                             f"{folder} --no-embedding-lut`).")
         options = options.model_copy(update={"draft": str(folder), "draft_key": rec.key})
-    return _made_from(project, stages.BUNDLE, _require(project, stages.COMPILE), options, state, force, None)
+    return options
 
 
 def mnn(project: Project, options: mnn_stage.MnnOptions, state: StateLike, force: bool = False,

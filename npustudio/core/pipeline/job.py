@@ -12,10 +12,11 @@ from .. import quantize as quantize_stage
 from ..cluster import Cluster
 from ..errors import UserError
 from ..genie import bundle as bundle_stage
+from ..genie import draft
 from ..progress import State, StateLike
 from ..project import Project
 from ..results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult
-from .execute import adapt, compile_and_bundle, opened, quantize
+from .execute import adapt, bundle_resolved, compile_and_bundle, opened, quantize
 from .phone import ask_on_device
 from .summaries import (
     RunSummary,
@@ -30,20 +31,25 @@ from .summaries import (
 def run_all(project_dir: Path, model: str = "default", options: adapt_stage.AdaptOptions | None = None,
             state: StateLike | None = None, qoptions: quantize_stage.QuantizeOptions | None = None,
             coptions: compile_stage.CompileOptions | None = None, ask: bool = True,
-            on_text: Any = None, force: bool = False, cluster: Cluster | None = None) -> RunSummary:
+            on_text: Any = None, force: bool = False, cluster: Cluster | None = None,
+            boptions: bundle_stage.BundleOptions | None = None) -> RunSummary:
     """The main job on the embedded defaults: intake -> adapt (+ equivalence) -> quantize + export ->
     compile (+ simulator check) -> bundle (libGenie-validated) -> deploy to a device (the virtual one when
     no phone is attached) -> the sample prompt there, streamed. `cluster`: adapt, quantize and compile run on
-    that Ray cluster."""
+    that Ray cluster. `boptions`: the bundle's decoding (a draft project), checked before the first stage."""
     options = options or adapt_stage.AdaptOptions()
     qoptions = qoptions or quantize_stage.QuantizeOptions()
     coptions = coptions or compile_stage.CompileOptions()
+    boptions = boptions or bundle_stage.BundleOptions()
     if "optimize" not in coptions.model_fields_set:
         coptions = coptions.model_copy(update={"optimize": graphs_for(ask)})
     state = state or State()
     with opened(project_dir) as project:
+        boptions, coptions = _decoding_planned(project, boptions, coptions)
         rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force, cluster=cluster, later=qoptions)
-    chosen, qoptions, coptions, boptions = job_plan(project, qoptions, coptions)
+    if boptions.draft:  # the pair's tokens, context and graph widths, before quantizing and compiling
+        draft.check_adapted(project.stage_dir("adapt"), draft.open_model(Path(boptions.draft)), boptions.draft_len)
+    chosen, qoptions, coptions, boptions = job_plan(project, qoptions, coptions, boptions)
     state.partial("plan", message=chosen.why)
     qrec = quantize(project, qoptions, state.sub(0.3, 0.7), force=force, cluster=cluster)
     crec, brec = compile_and_bundle(project, coptions, state.sub(0.7, 0.9), boptions, force=force, cluster=cluster)
@@ -66,7 +72,22 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     )
 
 
-def job_plan(project: Project, qoptions: quantize_stage.QuantizeOptions, coptions: compile_stage.CompileOptions
+def _decoding_planned(project: Project, boptions: bundle_stage.BundleOptions,
+                      coptions: compile_stage.CompileOptions
+                      ) -> tuple[bundle_stage.BundleOptions, compile_stage.CompileOptions]:
+    """A draft refused before hours of stages rather than after; with one, the target's graphs take token ids
+    (Genie's speculative dialogs refuse the embedding lookup table) unless the user asked for the table."""
+    boptions = bundle_resolved(project, boptions)
+    if boptions.draft:
+        if "embedding_lut" in coptions.model_fields_set and coptions.embedding_lut:
+            raise UserError("Draft-model decoding cannot use the embedding lookup table: Genie's speculative dialogs "
+                            "refuse it.", "Leave --embedding-lut out (or give --no-embedding-lut) with --draft.")
+        coptions = coptions.model_copy(update={"embedding_lut": False})
+    return boptions, coptions
+
+
+def job_plan(project: Project, qoptions: quantize_stage.QuantizeOptions, coptions: compile_stage.CompileOptions,
+             boptions: bundle_stage.BundleOptions | None = None
              ) -> tuple[models.Plan, quantize_stage.QuantizeOptions, compile_stage.CompileOptions,
                         bundle_stage.BundleOptions]:
     """What the main job builds so that the bundle loads where it goes (`models.plan` over the model's recorded
@@ -79,7 +100,12 @@ def job_plan(project: Project, qoptions: quantize_stage.QuantizeOptions, coption
     qoptions = qoptions.model_copy(update={"precision": chosen.precision})
     if "weight_sharing" not in coptions.model_fields_set:
         coptions = coptions.model_copy(update={"weight_sharing": chosen.weight_sharing})
-    return chosen, qoptions, coptions, bundle_stage.BundleOptions(prompt_graphs=chosen.prompt_graphs)
+    boptions = boptions or bundle_stage.BundleOptions()
+    if boptions.draft and not chosen.prompt_graphs:
+        raise UserError(f"Draft-model decoding checks the draft's tokens with the target's prompt graph, but this "
+                        f"model's bundle leaves it out to load on the HTP simulator ({chosen.why}).",
+                        "Deploy to a phone (attach one), or leave --draft out.")
+    return chosen, qoptions, coptions, boptions.model_copy(update={"prompt_graphs": chosen.prompt_graphs})
 
 
 def graphs_for(ask: bool) -> Literal["phone", "quick"]:
