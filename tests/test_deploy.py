@@ -292,3 +292,23 @@ def test_a_device_manifest_too_deep_damaged_or_huge_costs_a_full_push_only(vdev:
     res = deploy.deploy(bundle, device.info(vdev.serial), State())
     assert res.bytes_skipped == 0
     _check_landed(vdev, bundle)
+
+
+def test_a_phone_without_memory_for_the_draft_is_refused_before_the_push_naming_the_figures(vdev: VirtualDevice,
+                                                                                            tmp_path: Path) -> None:
+    """A draft-model bundle needs the draft's binaries in RAM beside the target's: a phone where the target alone
+    would fit is refused before anything is sent, with the target's and the draft's share and the way out."""
+    folder = _bundle(tmp_path, {})
+    for name, size in (("shared_1_of_1.bin", 1_500_000_000), ("draft_shared_1_of_1.bin", 600_000_000)):
+        with open(folder / name, "wb") as f:
+            f.truncate(size)  # sparse: the figures without the disk
+    info = device.info(vdev.serial)
+    phone = info.model_copy(update={"ram_bytes": 4 * 10**9, "free_bytes": 2**40, "virtual": False})
+    problems = [p for p in device.compatibility(phone, folder) if "RAM" in p[0]]
+    assert len(problems) == 1, problems
+    said, fix = problems[0]
+    assert "an app may use about 2.0 GB; this bundle needs about 2.37 GB" in said, said
+    assert "1.77 GB of it the target and runtime, 0.60 GB the draft model" in said, said
+    assert "--decoding basic" in fix, fix
+    (folder / "draft_shared_1_of_1.bin").unlink()
+    assert not [p for p in device.compatibility(phone, folder) if "RAM" in p[0]]

@@ -201,9 +201,17 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
                          f"needs {size / 1e9:.2f} GB.", "Free space on the phone, then deploy again."))
     need = bins + RUNTIME_RAM_BYTES
     if dev.ram_bytes is not None and not fits_phone_ram(need, dev.ram_bytes):
-        problems.append((f"{dev.serial} has {dev.ram_bytes / 1e9:.1f} GB RAM; this model needs about "
-                         f"{need / APP_RAM_SHARE / 1e9:.1f} GB.", "Use a smaller model or w4a16, or a "
-                         "phone with more memory."))
+        from ..genie.draft import PREFIX
+
+        drafted = sum(p.stat().st_size for p in bundle_dir.glob(f"{PREFIX}*.bin"))
+        split = (f" ({(need - drafted) / 1e9:.2f} GB of it the target and runtime, {drafted / 1e9:.2f} GB the draft "
+                 "model)") if drafted else ""
+        problems.append((f"{dev.serial} has {dev.ram_bytes / 1e9:.1f} GB RAM, of which an app may use about "
+                         f"{APP_RAM_SHARE * dev.ram_bytes / 1e9:.1f} GB; this bundle needs about {need / 1e9:.2f} "
+                         f"GB{split}.",
+                         ("Bundle without the draft (`npustudio bundle --project P --decoding basic`), use a "
+                          "smaller draft, or a phone with more memory.") if drafted else
+                         "Use a smaller model or w4a16, or a phone with more memory."))
     if not dev.virtual and meta.optimize != "phone":
         problems.append(("The bundle's graphs were compiled for a quick check on the simulator, not optimized for a "
                          "phone's NPU.", "Compile them for the phone, then bundle and deploy again: `npustudio "
