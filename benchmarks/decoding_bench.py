@@ -24,9 +24,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from npustudio.core import layout
-from npustudio.core.genie import draft, host
+from npustudio.core.genie import decoding, draft, host
 from npustudio.core.genie.bundle import read_metadata
-from npustudio.core.targets import decode_tok_s_bound
 
 PROMPTS = {
     "chat": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
@@ -34,15 +33,6 @@ PROMPTS = {
     "rewrite": "<|im_start|>user\nRewrite more politely: give me the report now.<|im_end|>\n<|im_start|>assistant\n",
     "list": "<|im_start|>user\nList the days of the week.<|im_end|>\n<|im_start|>assistant\n",
 }
-
-
-def _bytes_per_call(bundle: Path, meta: Any) -> dict[str, int]:
-    """Bytes one call of each graph reads on a phone: its context binary (the weights dominate)."""
-    size = {p.name: p.stat().st_size for p in bundle.glob("*.bin")}
-    target_token = sum(v for k, v in size.items() if k.startswith("token_"))
-    target_check = sum(v for k, v in size.items() if k.startswith("prompt_"))
-    draft_token = sum(v for k, v in size.items() if k.startswith(f"{draft.PREFIX}token_"))
-    return {"target_token": target_token, "target_check": target_check, "draft_token": draft_token}
 
 
 def run(bundle: Path, tokens: int) -> dict[str, Any]:
@@ -55,7 +45,7 @@ def run(bundle: Path, tokens: int) -> dict[str, Any]:
     d = basic["dialog"]
     d["type"], d["engine"] = "basic", {kk: v for kk, v in d["engine"][1].items() if kk != "role"}
     d.pop("spd")
-    per_call = _bytes_per_call(bundle, meta)
+    per_call = decoding.bytes_per_call(bundle)
     rows = []
     with tempfile.NamedTemporaryFile("w", dir=bundle, prefix=".bench-", suffix=".json", delete=False) as f:
         json.dump(basic, f)
@@ -65,12 +55,9 @@ def run(bundle: Path, tokens: int) -> dict[str, Any]:
             a = host.run(basic_path, prompt, lambda _s: None, max_tokens=tokens)
             b = host.run(bundle / layout.GENIE_CONFIG, prompt, lambda _s: None, max_tokens=tokens)
             per_token = draft._acceptance(b.profile) or 1.0
-            spd_bytes = (per_call["target_check"] + k * per_call["draft_token"]) / per_token
             rows.append({"prompt": name, "same_answer": a.text == b.text, "answer_chars": len(a.text),
                          "tokens_per_target_call": {"basic": 1.0, "spd": per_token},
-                         "phone_decode_tok_s": {
-                             "basic": round(decode_tok_s_bound(meta.target, per_call["target_token"]), 1),
-                             "spd": round(decode_tok_s_bound(meta.target, int(spd_bytes)), 1)}})
+                         "phone_decode_tok_s": decoding.phone_rates(bundle, meta.target, k, per_token)})
     finally:
         basic_path.unlink(missing_ok=True)
     mean = {m: round(sum(r["phone_decode_tok_s"][m] for r in rows) / len(rows), 1) for m in ("basic", "spd")}

@@ -190,6 +190,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     qtbot.waitUntil(lambda: w.device is not None and w.device.virtual, timeout=60_000)
     assert "[virtual]" in w.devices.list.currentItem().text()
     assert cells(d.compat)[0][0] == "Compatible" and d.strip.run.isEnabled()
+    assert cells(d.compat)[1][0] == "Decoding" and "one token per call; phone estimate: basic" in cells(d.compat)[1][1]
     run_page(qtbot, d, timeout=120_000)
     assert {r[2] for r in cells(d.files)} == {"yes"} and "sent" in d.strip.status.text()
     assert w.devices.push.value() == 1000

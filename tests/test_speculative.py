@@ -184,6 +184,8 @@ def test_decoding_modes_that_cannot_be_built_exactly_are_refused_before_any_stag
     said = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--decoding", "spd",
                      "--json", timeout=600)
     assert said.returncode == 0 and json.loads(said.stdout)["decoding"] == "spd", said.stderr[-1500:]
+    rates = json.loads(said.stdout)["phone_decode_tok_s"]  # a same-size draft costs more than it saves
+    assert set(rates) == {"basic", "spd"} and 0 < rates["spd"] < rates["basic"], rates
     again = Project.open(target.root, create=False).record("bundle")
     assert rec is not None and again is not None and (again.key, again.started) == (rec.key, rec.started)
 

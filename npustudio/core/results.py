@@ -162,6 +162,9 @@ class BundleResult(BaseModel):
     draft_len: int | None = None
     spd_check: dict[str, Any] | None = Field(None, description="the draft-model dialog's greedy answer compared with "
                                                                "the target's alone on the same binaries")
+    phone_decode_tok_s: dict[str, float] = Field(
+        default_factory=dict, description="the phone's estimated decode rate per decoding mode (roofline over the "
+                                          "binaries each token reads; spd at the tokens per target call measured)")
 
 
 class MnnResult(BaseModel):

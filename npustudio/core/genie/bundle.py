@@ -235,7 +235,10 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
                        runtime_missing=missing, context_bytes=context_bytes, embedding_lut_bytes=lut_bytes,
                        notes=_notes(context_bytes, shared, options.prompt_graphs, lut_bytes) + notes_extra,
                        decoding="spd" if draft_meta else "basic", draft_len=options.draft_len if draft_meta else None,
-                       spd_check=spd_check)
+                       spd_check=spd_check,
+                       phone_decode_tok_s=decoding.phone_rates(out_dir, target, options.draft_len if draft_meta
+                                                               else None,
+                                                               (spd_check or {}).get("tokens_per_target_call")))
     atomic_write_json(out_dir / layout.BUNDLE_RESULT, res.model_dump())
     return res
 

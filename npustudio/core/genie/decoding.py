@@ -9,9 +9,11 @@ Genie's own sources, so that "faster decoding" never means a different answer or
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from ..errors import UserError
+from ..targets import Soc, decode_tok_s_bound
 
 Decoding = Literal["basic", "spd", "lade", "ssd-q1", "eaglet"]
 BUILT: tuple[str, ...] = ("basic", "spd")
@@ -50,3 +52,33 @@ def resolve(mode: str | None, draft: str | None) -> Literal["basic", "spd"]:
         raise UserError("A draft model was given with basic decoding, which never calls it.",
                         "Leave --draft out for basic decoding, or choose --decoding spd.")
     return "spd" if draft else "basic"
+
+
+def bytes_per_call(bundle_dir: Path) -> dict[str, int]:
+    """Bytes one call of each graph reads on a phone: its context binary (the weights dominate). With weight
+    sharing one binary holds both graphs and one call reads its weights once."""
+    from .draft import PREFIX
+
+    size = {p.name: p.stat().st_size for p in Path(bundle_dir).glob("*.bin")}
+    target = {k: v for k, v in size.items() if not k.startswith(PREFIX)}
+    drafted = {k[len(PREFIX):]: v for k, v in size.items() if k.startswith(PREFIX)}
+
+    def of(files: dict[str, int], kind: str) -> int:
+        return sum(v for k, v in files.items() if k.startswith((kind, "shared")))
+
+    return {"target_token": of(target, "token_"), "target_check": of(target, "prompt_"),
+            "draft_token": of(drafted, "token_")}
+
+
+def phone_rates(bundle_dir: Path, soc: Soc, draft_len: int | None, tokens_per_call: float | None
+                ) -> dict[str, float]:
+    """The phone's decode rate per mode, the roofline over the bytes each token reads: a basic token reads the
+    target's token graph once; one draft-model iteration reads the target's checking graph once and the draft's
+    token graph `draft_len` times, over the `tokens_per_call` it yields (Genie's measured figure; absent: no spd
+    rate). The KV cache is left out of both alike."""
+    per = bytes_per_call(bundle_dir)
+    rates = {"basic": decode_tok_s_bound(soc, per["target_token"])} if per["target_token"] else {}
+    if draft_len and tokens_per_call and per["target_check"] and per["draft_token"]:
+        spd = (per["target_check"] + draft_len * per["draft_token"]) / tokens_per_call
+        rates["spd"] = decode_tok_s_bound(soc, spd)
+    return rates

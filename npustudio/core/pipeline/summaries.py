@@ -74,6 +74,7 @@ class CompileSummary(BaseModel):
 
 class BundleSummary(BaseModel):
     folder: str
+    target: str = ""
     validated: bool
     files: list[dict[str, Any]]
     genie_api: str
@@ -84,6 +85,7 @@ class BundleSummary(BaseModel):
     decoding: str = "basic"
     draft_len: int | None = None
     spd_check: dict[str, Any] | None = None
+    phone_decode_tok_s: dict[str, float] = Field(default_factory=dict)
 
 
 class StageFigures(BaseModel):
@@ -139,7 +141,7 @@ def bundle_summary(r: BundleResult) -> BundleSummary:
     return BundleSummary(folder=r.folder, validated=r.validated, files=r.files, genie_api=r.genie_api,
                          context_bytes=r.context_bytes, embedding_lut_bytes=r.embedding_lut_bytes,
                          runtime_missing=r.runtime_missing, notes=r.notes, decoding=r.decoding, draft_len=r.draft_len,
-                         spd_check=r.spd_check)
+                         spd_check=r.spd_check, phone_decode_tok_s=r.phone_decode_tok_s, target=r.target)
 
 
 def summary(stage: str, rec: StageRecord, project: Project) -> BaseModel:

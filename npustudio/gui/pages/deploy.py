@@ -8,10 +8,11 @@ from typing import Any
 
 from PySide6.QtWidgets import QPushButton
 
-from ...core import device, pipeline
+from ...core import device, pipeline, stages
 from ...core.device import deploy
 from ...core.errors import UserError
 from ...core.genie.bundle import read_metadata
+from ...core.results import BundleResult
 from ...display import human_bytes
 from ..widgets import BAD, GOOD, Page, fill, show_error, status_label, table
 from ..window import StudioWindow
@@ -85,11 +86,23 @@ class DeployPage(Page):
                     fill(self.compat, [(p, f) for p, f in problems], [BAD] * len(problems))
                 else:
                     meta = read_metadata(self.bundle)
-                    fill(self.compat, [("Compatible", f"bundle for {meta.target.soc} "
-                                        f"({meta.target.dsp_arch}) fits {dev.serial}")], [GOOD])
+                    rows = [("Compatible", f"bundle for {meta.target.soc} ({meta.target.dsp_arch}) fits {dev.serial}"),
+                            *self._decoding()]
+                    fill(self.compat, rows, [GOOD] * len(rows))
                     ok = True
         self.strip.run.setEnabled(ok and not self.strip.busy)
         self.strip.redo.setEnabled(ok and not self.strip.busy)
+
+    def _decoding(self) -> list[tuple[str, str]]:
+        """How the phone will decode, with the bundle stage's estimate of its rate per mode."""
+        rec = self.project.record(stages.BUNDLE.name)
+        if rec is None or rec.status != "done":
+            return []
+        b = rec.result_as(BundleResult)
+        how = (f"draft model, {b.draft_len} proposals per target call" if b.decoding == "spd"
+               else "one token per call")
+        rates = ", ".join(f"{mode} {rate:,.0f} tok/s" for mode, rate in b.phone_decode_tok_s.items())
+        return [("Decoding", how + (f"; phone estimate: {rates}" if rates else ""))]
 
     def start(self, force: bool = False) -> None:
         dev, folder, project = self.window_.device, self.bundle, self.project
