@@ -39,9 +39,11 @@ NPUSTUDIO = str(Path(sys.executable).parent / "npustudio")  # the console script
 
 
 def npustudio(*args: str, timeout: float = 900, cwd: Path | None = None,
-              input: str | None = None) -> subprocess.CompletedProcess[str]:
-    """`npustudio ARGS` run as a user runs it: a process of the console script, `input` typed, its output captured."""
-    return subprocess.run([NPUSTUDIO, *args], input=input, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+              input: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`npustudio ARGS` run as a user runs it: a process of the console script, `input` typed, its output captured;
+    `env` added to this process's environment."""
+    return subprocess.run([NPUSTUDIO, *args], input=input, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, **env} if env else None)
 
 
 def wait_until(cond: Callable[[], object], timeout: float) -> None:

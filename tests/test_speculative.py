@@ -197,8 +197,8 @@ def test_run_with_a_draft_makes_a_draft_model_bundle_that_answers_on_the_virtual
     answer on the virtual device comes from Genie's two-engine dialog, more than one token per target call."""
     _target, same = pair
     model = same.root.parent / "m"
-    res = npustudio("run", "--model", str(model), "--project", str(tmp_path / "p"), "--cl", "128", "--ar", "8", "--draft",
-                    str(same.root), "--draft-len", "3", timeout=900)
+    res = npustudio("run", "--model", str(model), "--project", str(tmp_path / "p"), "--cl", "128", "--ar", "8",
+                    "--draft", str(same.root), "--draft-len", "3", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "draft-model decoding, 3 proposals per target call" in res.stdout, res.stdout[-2000:]
     assert "tokens per target call" in res.stdout, res.stdout[-2000:]

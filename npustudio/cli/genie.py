@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Literal
 
 from rich.markup import escape
 from rich.table import Table
 
 from ..core import layout, stages
 from ..core.errors import UserError
+from .args import given
 from .console import err, live_state, out, print_json, until_done
 
 
@@ -46,16 +48,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
     from ..core import pipeline
 
-    if sum((a.preview, a.desktop, a.mnn, a.device is not None and not a.mnn)) > 1:
-        raise UserError("Pick one place to chat: --device, --desktop, --preview or --mnn (with --device: on "
-                        "that device).", "Leave the others out.")
+    bundle, where = runner_of(a)
     if a.mnn and a.device is not None and a.prompt is None:  # before the model is pushed there
         raise UserError("MNN's llm_demo on a device answers one question on its own (it keeps no conversation).",
                         'Give the question on the command line: npustudio chat --mnn --device SERIAL "QUESTION".')
-    bundle = Path(a.bundle) if a.bundle else default_bundle(stages.MNN.name if a.mnn else stages.BUNDLE.name)
     with live_state() as st:
-        session = pipeline.open_chat(bundle, "mnn" if a.mnn else "preview" if a.preview else
-                                     "desktop" if a.desktop else "device", a.device, a.system, st)
+        session = pipeline.open_chat(bundle, where, a.device, a.system, st)
     engine = session.engine
     if note := session.history.notice():
         err.print(f"[yellow]{escape(note)}[/]")
@@ -88,6 +86,29 @@ def cmd_chat(a: argparse.Namespace) -> int:
         if not line.strip():
             return 0
         ask(line)
+
+
+Where = Literal["device", "desktop", "preview", "mnn"]
+
+
+def runner_of(a: argparse.Namespace) -> tuple[Path, Where]:
+    """The bundle and the runner `chat` and `serve` were asked for (one of --device, --desktop, --preview, --mnn)."""
+    if sum((a.preview, a.desktop, a.mnn, a.device is not None and not a.mnn)) > 1:
+        raise UserError("Pick one runner: --device, --desktop, --preview or --mnn (with --device: on that device).",
+                        "Leave the others out.")
+    bundle = Path(a.bundle) if a.bundle else default_bundle(stages.MNN.name if a.mnn else stages.BUNDLE.name)
+    where: Where = "mnn" if a.mnn else "preview" if a.preview else "desktop" if a.desktop else "device"
+    return bundle, where
+
+
+def runner_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--bundle", type=given, default=None, help="bundle folder (default: the default project's)")
+    s.add_argument("--device", default=None, help="adb serial")
+    s.add_argument("--desktop", action="store_true", help="real Genie on this computer's HTP simulator")
+    s.add_argument("--preview", action="store_true", help="the fast CPU preview on this computer")
+    s.add_argument("--mnn", action="store_true", help="the MNN model (`compile --backend mnn`) run by MNN's runtime "
+                   "on this computer, or with --device by MNN's llm_demo on that device (one question, deployed "
+                   "first; a phone needs MNN_ANDROID_ROOT); --bundle is then the project's stages/mnn folder")
 
 
 def _line(prompt: str) -> str:

@@ -17,7 +17,7 @@ from ..core import layout, quiet
 from ..core.errors import UserError
 from ..core.genie import t2t
 from ..core.progress import Cancelled
-from . import account, devices, genie, stages
+from . import account, devices, genie, serve, stages
 from .args import (
     adapt_args,
     cluster_arg,
@@ -41,7 +41,7 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
     window's settings change (precision, target, device) from `prefs`, by default the settings the window writes
     (a UserError when that file cannot be used)."""
     from ..core import settings as user_settings
-    from ..core.stage_options import AdaptOptions, BundleOptions
+    from ..core.stage_options import AdaptOptions, BundleOptions, ServeOptions
     from ..core.targets import DEFAULT_SOC
 
     prefs = prefs if prefs is not None else user_settings.load()
@@ -180,16 +180,16 @@ def build_parser(prefs: Settings | None = None) -> argparse.ArgumentParser:
 
     s = add("chat", genie.cmd_chat, "chat with a bundle on a device or on this computer")
     s.add_argument("prompt", nargs="?", default=None, help="one question (omit for an interactive chat)")
-    s.add_argument("--bundle", type=given, default=None, help="bundle folder (default: the default project's)")
-    s.add_argument("--device", default=None, help="adb serial")
-    s.add_argument("--desktop", action="store_true", help="real Genie on this computer's HTP simulator")
-    s.add_argument("--preview", action="store_true", help="the fast CPU preview on this computer")
-    s.add_argument("--mnn", action="store_true", help="the MNN model (`compile --backend mnn`) run by MNN's runtime "
-                   "on this computer, or with --device by MNN's llm_demo on that device (one question, deployed "
-                   "first; a phone needs MNN_ANDROID_ROOT); --bundle is then the project's stages/mnn folder")
+    genie.runner_args(s)
     s.add_argument("--system", default=None, help="system prompt")
     s.add_argument("--new", action="store_true",
                    help="start a new conversation (the earlier ones stay in the project's chat list)")
+
+    s = add("serve", serve.cmd_serve, "an OpenAI-compatible HTTP endpoint (/v1/chat/completions, /v1/completions, "
+            "/v1/models) over a bundle on a device or on this computer")
+    genie.runner_args(s)
+    for name in ("host", "port", "max_waiting"):
+        option(s, ServeOptions, name)
 
     s = add("token", account.cmd_token, "store, check or delete the Hugging Face token (system keyring only)")
     s.add_argument("action", choices=["set", "delete", "status"])

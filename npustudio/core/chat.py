@@ -190,11 +190,14 @@ class Engine(Protocol):
     # True: `ask` takes the user's message alone, and the runner applies the chat template itself and keeps no
     # conversation (MNN's llm_demo on a device)
     one_question: bool
+    # True: `ask` stops after `max_tokens` generated tokens itself (a phone's genie-t2t-run has no such flag)
+    exact_max_tokens: bool
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
-            log_level: str = "error") -> tuple[str, bool, str | None]:
+            log_level: str = "error", max_tokens: int | None = None) -> tuple[str, bool, str | None]:
         """Answer `prompt` (already templated); returns (text, stopped, Genie profile JSON or None). Genie's own
-        log lines at `log_level` (error, warn, info, verbose) go to `on_log`, never into the answer."""
+        log lines at `log_level` (error, warn, info, verbose) go to `on_log`, never into the answer; `max_tokens`
+        caps the answer where `exact_max_tokens` says the runner can."""
         ...
 
 
@@ -209,19 +212,20 @@ class DesktopEngine:
         self.name = "desktop preview on the CPU" if preview else "desktop Genie on the HTP simulator"  # shown in ( )
         self.figures: dict[str, float] = {}
         self.one_question = False
+        self.exact_max_tokens = True
         self._preview: Any = None
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
-            log_level: str = "error") -> tuple[str, bool, str | None]:
+            log_level: str = "error", max_tokens: int | None = None) -> tuple[str, bool, str | None]:
         from .genie import host
 
         if self.preview:  # not Genie: it has no log of its own
             if self._preview is None:
                 self._preview = host.Preview(self.bundle_dir)
-            text, event, aborted = self._preview.query(prompt, on_text, stop, self.max_tokens)
+            text, event, aborted = self._preview.query(prompt, on_text, stop, max_tokens or self.max_tokens)
             return text, aborted, self._preview.profile([event])
         res = (host.run_apart if self.apart else host.run)(self.bundle_dir / layout.GENIE_CONFIG, prompt, on_text,
-                                                           stop=stop, max_tokens=self.max_tokens,
+                                                           stop=stop, max_tokens=max_tokens or self.max_tokens,
                                                            log_level=log_level, on_log=on_log)
         return res.text, res.status == "aborted", res.profile or None
 
@@ -229,16 +233,17 @@ class DesktopEngine:
 class DeviceEngine:
     """The deployed bundle on an adb device (a phone, or the virtual device)."""
 
-    def __init__(self, serial: str, bundle_dir: Path) -> None:
+    def __init__(self, serial: str, bundle_dir: Path, virtual: bool = False) -> None:
         from .device.deploy import remote_dir
 
         self.serial, self.remote = serial, remote_dir(Path(bundle_dir))
         self.name = f"device {serial}"
         self.figures: dict[str, float] = {}
         self.one_question = False
+        self.exact_max_tokens = virtual  # the virtual device's genie-t2t-run takes --max-tokens; a phone's does not
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
-            log_level: str = "error") -> tuple[str, bool, str | None]:
+            log_level: str = "error", max_tokens: int | None = None) -> tuple[str, bool, str | None]:
         from .device import remote_genie
         from .genie import t2t
 
@@ -246,7 +251,8 @@ class DeviceEngine:
         with tempfile.TemporaryDirectory() as tmp:
             prof = Path(tmp) / "profile.json"
             try:
-                res = remote_genie.run(self.serial, self.remote, prompt, reader.feed, stop, prof, log=log_level)
+                res = remote_genie.run(self.serial, self.remote, prompt, reader.feed, stop, prof, log=log_level,
+                                       max_tokens=max_tokens if self.exact_max_tokens else None)
             finally:
                 reader.close()
             return res.text, res.status == "stopped", prof.read_text(encoding="utf-8") if res.profile_path else None
@@ -263,11 +269,12 @@ class MnnEngine:
         self.name = "MNN on this computer (CPU)"
         self.figures: dict[str, float] = {}
         self.one_question = False
+        self.exact_max_tokens = True
         self._model: Any = None
         self._tok: Any = None
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
-            log_level: str = "error") -> tuple[str, bool, str | None]:
+            log_level: str = "error", max_tokens: int | None = None) -> tuple[str, bool, str | None]:
         from transformers import PreTrainedTokenizerFast
 
         from .genie.host import TextPieces
@@ -283,7 +290,8 @@ class MnnEngine:
             raise UserError(f"The prompt ({len(ids)} tokens) does not fit the context ({self.record.context_length}).",
                             "Shorten the prompt or the history.")
         pieces = TextPieces(self._tok, on_text)
-        t = self._model.stream(ids, min(room, self.max_tokens or room), pieces.add, stop, set(self.record.eos_ids))
+        t = self._model.stream(ids, min(room, max_tokens or self.max_tokens or room), pieces.add, stop,
+                               set(self.record.eos_ids))
         self.figures = {"ttft_s": t.prefill_s, "generation_tok_s": t.decode_tok_s}
         return pieces.text(), stop is not None and stop.is_set(), None
 
@@ -300,10 +308,11 @@ class MnnDeviceEngine:
         self.name = f"MNN llm_demo on device {serial}"
         self.figures: dict[str, float] = {}
         self.one_question = True
+        self.exact_max_tokens = True
         self._tok: Any = None  # the model's tokenizer with its chat template, read on the first question
 
     def ask(self, prompt: str, on_text: OnText, stop: threading.Event | None, on_log: OnText | None = None,
-            log_level: str = "error") -> tuple[str, bool, str | None]:
+            log_level: str = "error", max_tokens: int | None = None) -> tuple[str, bool, str | None]:
         from .device import remote_mnn
         from .genie.config import chat_prompt
 
@@ -317,8 +326,8 @@ class MnnDeviceEngine:
                             "Write a shorter message.")
         reader = remote_mnn.Reader(on_text)  # llm_demo's output: the answer apart from its log and figures
         try:
-            res = remote_mnn.run(self.serial, self.remote, prompt, reader.feed, min(room, self.max_tokens or room),
-                                 stop)
+            res = remote_mnn.run(self.serial, self.remote, prompt, reader.feed,
+                                 min(room, max_tokens or self.max_tokens or room), stop)
         finally:
             reader.close()
         self.figures = {"ttft_s": res.prefill_s, "generation_tok_s": res.decode_tok_s}
@@ -415,7 +424,7 @@ class ChatSession:
         text, stopped, prof = self.engine.ask(prompt, on_text, stop, on_log, log_level)
         self.last_profile = prof
         summary = profile.summarize(profile.parse(prof)).model_dump() if prof else self.engine.figures
-        turn = Turn(user=user, assistant=_clean(text, self.tok), runner=self.engine.name, stopped=stopped,
+        turn = Turn(user=user, assistant=clean_answer(text, self.tok), runner=self.engine.name, stopped=stopped,
                     generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"),
                     tokens_per_call=summary.get("tokens_per_call"))
         self.turns = [*before, turn]
@@ -481,7 +490,7 @@ def clear_history(bundle_dir: Path) -> None:
         atomic_write_json(f, {"system": None, "turns": []})
 
 
-def _clean(text: str, tok: Any) -> str:
+def clean_answer(text: str, tok: Any) -> str:
     """The answer without a trailing end-of-turn marker (Genie may print it before stopping)."""
     for marker in {tok.eos_token or "", "<|im_end|>", "<|eot_id|>", "<|endoftext|>"} - {""}:
         text = text.split(marker, 1)[0]

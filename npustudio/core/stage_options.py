@@ -338,3 +338,14 @@ def default(model: type[BaseModel], name: str) -> Any:
 
 def help_of(model: type[BaseModel], name: str) -> str | None:
     return model.model_fields[name].description
+
+
+class ServeOptions(BaseModel):
+    """`npustudio serve`: where the OpenAI-compatible endpoint listens and how many requests may wait."""
+
+    host: str = Field("127.0.0.1", description="address to listen on (beyond loopback only with NPUSTUDIO_API_KEY "
+                                               "set: clients then send it as their API key)")
+    port: int = Field(18181, ge=0, le=65535, description="port (0: any free one; 18181 is GenieX's `geniex serve` "
+                                                         "port, so clients written for it find this one)")
+    max_waiting: int = Field(16, ge=0, le=1024, description="requests that may wait for the model (it answers one "
+                                                            "at a time); more get HTTP 429")

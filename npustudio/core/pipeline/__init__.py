@@ -19,7 +19,16 @@ from .execute import (
     run_stage,
 )
 from .job import graphs_for, job_plan, run_all
-from .phone import SampleAnswer, ask_on_device, decode_bounds, deploy, deploy_mnn, open_chat, project_of_bundle
+from .phone import (
+    SampleAnswer,
+    ask_on_device,
+    decode_bounds,
+    deploy,
+    deploy_mnn,
+    open_chat,
+    open_engine,
+    project_of_bundle,
+)
 from .status import WizardStep, _require, stage_status, stale_reasons, wizard_steps
 from .summaries import (
     AdaptSummary,
@@ -41,6 +50,6 @@ __all__ = [
     "RunSummary", "SampleAnswer", "StageFigures", "WizardStep", "_require", "adapt", "adapt_summary", "ask_on_device",
     "bundle", "bundle_summary", "compile_and_bundle", "compile_graphs", "compile_summary", "decode_bounds",
     "default_project_dir", "deploy", "deploy_mnn", "describe", "graphs_for", "intake", "job_plan", "open_chat",
-    "opened", "project_of_bundle", "quantize", "quantize_summary", "resolve", "run_all", "run_stage", "stage_status",
-    "stale_reasons", "summary", "wizard_steps",
+    "open_engine", "opened", "project_of_bundle", "quantize", "quantize_summary", "resolve", "run_all", "run_stage",
+    "stage_status", "stale_reasons", "summary", "wizard_steps",
 ]

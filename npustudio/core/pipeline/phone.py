@@ -14,7 +14,7 @@ from ..genie import bundle as bundle_stage
 from ..genie.profile import Summary as ProfileSummary
 
 if TYPE_CHECKING:
-    from ..chat import ChatSession
+    from ..chat import ChatSession, Engine
     from ..targets import Soc
 from ..progress import State, StateLike
 from ..project import Deployed, Project
@@ -95,22 +95,30 @@ def _as_recorded(folder: Path, recorded: list[dict[str, Any]]) -> None:
 
 def open_chat(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"], serial: str | None = None,
               system: str | None = None, state: StateLike | None = None, apart: bool = False) -> ChatSession:
-    """A chat over a bundle: on a device (the bundle deployed there first: nothing moves when it is there already,
-    and a project's bundle is recorded as deployed), with real Genie on this computer (`apart`: in a child process
-    at a lower CPU priority), or with the CPU preview; `mnn`: the MNN stage's model (`bundle` is that stage's
-    folder) run by MNN's runtime on this computer, or by llm_demo on the device `serial` (deployed there first)."""
+    """A chat over a bundle, with its history, on the runner `open_engine` gives."""
+    from .. import chat
+
+    return chat.ChatSession(Path(bundle), open_engine(bundle, where, serial, state, apart), system=system)
+
+
+def open_engine(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"], serial: str | None = None,
+                state: StateLike | None = None, apart: bool = False) -> Engine:
+    """The runner for a bundle: on a device (the bundle deployed there first: nothing moves when it is there
+    already, and a project's bundle is recorded as deployed), with real Genie on this computer (`apart`: in a child
+    process at a lower CPU priority), or with the CPU preview; `mnn`: the MNN stage's model (`bundle` is that
+    stage's folder) run by MNN's runtime on this computer, or by llm_demo on the device `serial` (deployed there
+    first)."""
     from .. import chat, device
     from ..device import deploy as device_deploy
 
     bundle = Path(bundle)
     if where == "mnn":
         if serial is None:
-            return chat.ChatSession(bundle, chat.MnnEngine(bundle), system=system)
+            return chat.MnnEngine(bundle)
         dev = device.pick(serial)
         pushed = deploy_mnn(bundle, dev, state or State())
-        return chat.ChatSession(bundle, chat.MnnDeviceEngine(dev.serial, bundle, pushed.remote_dir), system=system)
+        return chat.MnnDeviceEngine(dev.serial, bundle, pushed.remote_dir)
     bundle_stage.read_metadata(bundle)  # "not a bundle" before "no device"
-    engine: chat.Engine
     if where == "device":
         dev = device.pick(serial)
         project = project_of_bundle(bundle)
@@ -118,10 +126,8 @@ def open_chat(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"
             deploy(project, dev, state or State())
         else:
             device_deploy.deploy(bundle, dev, state or State())
-        engine = chat.DeviceEngine(dev.serial, bundle)
-    else:
-        engine = chat.DesktopEngine(bundle, preview=where == "preview", apart=apart)
-    return chat.ChatSession(bundle, engine, system=system)
+        return chat.DeviceEngine(dev.serial, bundle, virtual=dev.virtual)
+    return chat.DesktopEngine(bundle, preview=where == "preview", apart=apart)
 
 
 def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, float], str]]:
