@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from npustudio.core import layout
 from npustudio.core.genie import decoding, draft, host
-from npustudio.core.genie.bundle import read_metadata
+from npustudio.core.genie.meta import read_metadata
 
 PROMPTS = {
     "chat": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",

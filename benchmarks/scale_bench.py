@@ -263,7 +263,7 @@ def simulator_runner(bundle: Path) -> Any:
 
     from npustudio.core import layout
     from npustudio.core.compile import split
-    from npustudio.core.genie.bundle import read_metadata
+    from npustudio.core.genie.meta import read_metadata
     from npustudio.core.graph import ort_qnn
     from npustudio.core.graph.kv_cache import KVCacheRunner
     from npustudio.core.graph.ort_graph import OrtGraph

@@ -20,6 +20,7 @@ from npustudio.core.errors import UserError
 from npustudio.core.genie import bundle as bundle_stage
 from npustudio.core.genie import config as genie_config
 from npustudio.core.genie import host, libgenie, profile
+from npustudio.core.genie.meta import read_metadata
 from npustudio.core.graph.exported import read_test_vectors
 from npustudio.core.graph.graph_io import IOEncoding
 from npustudio.core.graph.ort_graph import OrtGraph, cpu_session
@@ -329,7 +330,7 @@ def test_a_model_split_into_parts_answers_in_genie_like_the_whole(project: Proje
     cfg = json.loads((tokens_only / layout.GENIE_CONFIG).read_text())
     assert cfg["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == ["token_ar1_cl128_1_of_2.bin",
                                                                       "token_ar1_cl128_2_of_2.bin"]
-    assert [g.ar for g in bundle_stage.read_metadata(tokens_only).graphs] == [1]
+    assert [g.ar for g in read_metadata(tokens_only).graphs] == [1]
     assert res.context_bytes == r.graphs[1].bin_bytes + r.graphs[3].bin_bytes and "one token at a time" in res.notes[0]
     genie = host.run(tokens_only / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
     preview = host.run(tokens_only / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8, preview=True)

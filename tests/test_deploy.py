@@ -16,7 +16,7 @@ from npustudio.core import device, layout
 from npustudio.core.device import deploy
 from npustudio.core.device.virtual import VirtualDevice
 from npustudio.core.errors import UserError
-from npustudio.core.genie import bundle as bundle_stage
+from npustudio.core.genie.meta import phone_metadata
 from npustudio.core.progress import Cancelled, State
 from npustudio.core.shape import DecoderSpec
 from npustudio.core.targets import find_soc
@@ -122,8 +122,8 @@ def test_chat_histories_and_host_paths_stay_on_this_computer(vdev: VirtualDevice
     # the virtual device is this computer: it keeps the project's graphs' path, which its CPU preview answers with;
     # every other path of this computer is cut, and a phone's copy holds none (below)
     assert on_phone == meta | {"model": "Tiny-1B", "versions": {"torch": "2.8.0", "qnn_sdk_build": "2.31.0"}}
-    assert "project_compile_dir" not in bundle_stage.phone_metadata(meta)
-    assert bundle_stage.phone_metadata(meta) == {k: v for k, v in on_phone.items() if k != "project_compile_dir"}
+    assert "project_compile_dir" not in phone_metadata(meta)
+    assert phone_metadata(meta) == {k: v for k, v in on_phone.items() if k != "project_compile_dir"}
     assert on_phone["question"] == "What is in /etc?"  # free text is no path
     assert json.loads((bundle / layout.METADATA).read_text())["project_compile_dir"] == compile_dir
     assert manifest[layout.METADATA]["sha256"] == hashlib.sha256(pushed.encode()).hexdigest()

@@ -101,7 +101,7 @@ def _as_phone_gets(p: Path) -> bytes:
     paths but the project's graphs' folder (its CPU preview answers with them)."""
     if p.name != layout.METADATA:
         return p.read_bytes()
-    from npustudio.core.genie.bundle import phone_metadata
+    from npustudio.core.genie.meta import phone_metadata
 
     clean = phone_metadata(json.loads(p.read_text(encoding="utf-8")), frozenset({"project_compile_dir"}))
     with tempfile.TemporaryDirectory() as d:

@@ -527,11 +527,11 @@ def test_token_dialog_checks_with_the_hub_and_stores_only_in_the_keyring(
 
 
 def test_inspector_filters_sorts_and_details_a_real_export(qtbot: Any, genie_project: Project) -> None:
-    from npustudio.core.graph import encodings
+    from npustudio.core.graph import encodings, sqnr
     from npustudio.gui.inspector import Inspector
 
     f = next(genie_project.stage_dir("quantize").glob("prompt_*.encodings"))
-    table = encodings.read(f, sqnr=True)
+    table = sqnr.annotated(f)
     ins = Inspector()
     qtbot.addWidget(ins)
     ins.sort_by("scale_spread")  # a header clicked before anything is loaded is a no-op
@@ -1000,7 +1000,7 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
 
     import pyqtgraph as pg
 
-    from npustudio.core.genie.bundle import read_metadata
+    from npustudio.core.genie.meta import read_metadata
 
     root = tmp_path / "proj"
     shutil.copytree(genie_project.root, root)

@@ -63,7 +63,7 @@ def test_a_draft_model_bundle_answers_as_the_target_alone(pair: tuple[Project, P
     cfg = json.loads((bundle / layout.GENIE_CONFIG).read_text())["dialog"]
     assert cfg["type"] == "spd" and cfg["spd"] == {"version": 1, "draft-len": 3}
     assert [e["role"] for e in cfg["engine"]] == ["draft", "target"]
-    assert all(b.startswith(draft.PREFIX) and (bundle / b).is_file() for b in cfg["engine"][0]["model"]["binary"]
+    assert all(b.startswith(layout.DRAFT_PREFIX) and (bundle / b).is_file() for b in cfg["engine"][0]["model"]["binary"]
                ["ctx-bins"])
     meta = json.loads((bundle / layout.METADATA).read_text())
     assert meta["decoding"] == "spd" and meta["draft"]["project"] == "draft" and "/" not in meta["draft"]["project"]

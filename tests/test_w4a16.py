@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from npustudio.core import layout
-from npustudio.core.genie import bundle as bundle_stage
 from npustudio.core.genie import host
+from npustudio.core.genie.meta import read_metadata
 from npustudio.core.graph import ort_qnn
 from npustudio.core.graph.kv_cache import KVCacheRunner
 from npustudio.core.graph.lpbq_matmul import LPBQ_WEIGHTS
@@ -74,7 +74,7 @@ def test_genie_answers_with_the_host_runners_greedy_tokens_on_the_same_binaries(
     genie = host.run(bundle / layout.GENIE_CONFIG, PROMPT, lambda _s: None, max_tokens=8)
     assert genie.runner.startswith("genie") and genie.text
 
-    meta = bundle_stage.read_metadata(bundle)
+    meta = read_metadata(bundle)
     target = find_soc(w4.record("compile").result["target"])
     graphs = {g.ar: OrtGraph(ort_qnn.context_session(w4.stage_dir("compile") / f"{g.name}.onnx", target),
                              meta.io_encodings, bundle / layout.EMBEDDING_LUT) for g in meta.graphs}

@@ -61,7 +61,7 @@ def cmd_virtual_device(a: argparse.Namespace) -> int:
 def cmd_deploy(a: argparse.Namespace) -> int:
     from ..core import device, layout, pipeline
     from ..core.device import deploy
-    from ..core.genie.bundle import read_metadata
+    from ..core.genie.meta import read_metadata
 
     mnn = (Path(a.bundle) / layout.MNN_RESULT).is_file()  # a project's MNN model, not a Genie bundle
     if not mnn:

@@ -83,11 +83,11 @@ SHOW: dict[str, Callable[[Any, Path], None]] = {
 
 
 def cmd_encodings(a: argparse.Namespace) -> int:
-    from ..core.graph import encodings
+    from ..core.graph import encodings, sqnr
 
     if a.against:
-        return _sqnr_changes(encodings.sqnr_changes(a.against, a.file), a)
-    table = encodings.read(a.file, sqnr=a.sqnr)
+        return _sqnr_changes(sqnr.changes(a.against, a.file), a)
+    table = sqnr.annotated(a.file) if a.sqnr else encodings.read(a.file)
     if a.json:
         print_json(table.model_dump())
         return 0

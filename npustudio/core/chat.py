@@ -344,8 +344,8 @@ class ChatModel(BaseModel):
 
 def chat_model(folder: Path) -> ChatModel:
     """A Genie bundle's or the MNN stage folder's tokenizer with the model's chat template, and its prompt limit."""
-    from .genie.bundle import read_metadata
     from .genie.config import template_tokenizer
+    from .genie.meta import read_metadata
 
     if (folder / layout.MNN_RESULT).is_file():
         from .mnn import load_result

@@ -59,6 +59,7 @@ GENIE_CONFIG = "genie_config.json"
 HTP_EXT_CONFIG = "htp_backend_ext_config.json"
 TOKENIZER = "tokenizer.json"
 METADATA = "metadata.json"
+DRAFT_PREFIX = "draft_"  # a draft-model bundle's draft binaries, beside the target's
 BUNDLE_RESULT = "bundle.json"
 SAMPLE_PROMPT = "sample_prompt.txt"
 EMBEDDING_LUT = "embedding_lut.dat"  # the token-embedding rows Genie looks up on the CPU (also in compile/prepared)

@@ -98,7 +98,7 @@ class PplChart(QWidget):
         self.items: dict[str, Any] = {}
         self.redraws = 0
 
-    def clear(self) -> None:
+    def clear_results(self) -> None:
         for item in self.items.values():
             self.plot.removeItem(item)
             self.legend.removeItem(item)

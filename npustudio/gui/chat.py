@@ -480,7 +480,7 @@ class ChatPanel(QWidget):
         self.window_.devices.log(f"> {text}")
         self.window_.devices.log("")  # the answer streams into a line of its own
         session = self.session
-        level = self.window_.devices.log_level.currentData()
+        level = self.window_.devices.genie_level()
 
         def work(state: Any) -> tuple[ChatSession, Turn]:
             nonlocal session

@@ -231,6 +231,10 @@ class DevicePanel(QWidget):
         self.push.setValue(1000)
         self.push.setFormat(f"{human_bytes(sent)} sent at {rate_mb_s:.0f} MB/s" if sent else "nothing to send")
 
+    def genie_level(self) -> str:
+        """How much of Genie's own log the console shows with each answer (the level picked above it)."""
+        return str(self.log_level.currentData())
+
     def log(self, text: str) -> None:
         self.console.appendPlainText(text)
 

@@ -39,8 +39,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core.graph import encodings, sqnr
-from ..core.graph.encodings import EncodingsTable, SqnrChange, TensorRow
+from ..core.graph import sqnr
+from ..core.graph.encodings import EncodingsTable, TensorRow
+from ..core.graph.sqnr import SqnrChange
 from . import worker
 from .charts import Chart
 from .widgets import fill, show_error, table
@@ -348,7 +349,7 @@ class Inspector(QWidget):
         self.role.currentIndexChanged.connect(lambda _i: self.proxy.set(role=self.role.currentData()))
         self.flagged.toggled.connect(lambda on: self.proxy.set(flagged_only=on))
 
-    def clear(self) -> None:
+    def clear_results(self) -> None:
         """No encodings: another project is open, or this one has none yet. Its filters, colouring, sort and each
         plot's zoom go back to their defaults too: the last project's hid rows of this one and kept its axes."""
         self.table_ = None
@@ -422,7 +423,7 @@ class Inspector(QWidget):
             self._compare_finished()
             show_error(self, problem, fix)
 
-        self._compare_job = worker.start(lambda _s: encodings.sqnr_changes(before, after), "Comparing runs",
+        self._compare_job = worker.start(lambda _s: sqnr.changes(before, after), "Comparing runs",
                                          read=True, done=done, failed=failed)
 
     def _compare_finished(self) -> None:
@@ -598,7 +599,7 @@ class Inspector(QWidget):
 
 
 class ChangesDialog(QDialog):
-    """What another run changed (`encodings.sqnr_changes`), tensor by tensor: the SQNR of each in both runs, the
+    """What another run changed (`sqnr.changes`), tensor by tensor: the SQNR of each in both runs, the
     most damaged by the change first, and how many gained or lost."""
 
     def __init__(self, rows: list[SqnrChange], before: Path, after: Path, parent: QWidget | None = None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPaintEvent
@@ -261,6 +261,13 @@ class RunStrip(QWidget):
         self.finished.emit(False)
 
 
+@runtime_checkable
+class ShowsResults(Protocol):
+    """A widget that draws a project's results (a chart, the inspector): a page switching projects clears it."""
+
+    def clear_results(self) -> None: ...
+
+
 class Page(QWidget):
     """A wizard page: a title, a short why, an options form, the run strip and a results area."""
 
@@ -318,15 +325,11 @@ class Page(QWidget):
     def clear_results(self) -> None:
         """Forget what the page showed of another project: tables, charts, the status line (`refresh` then draws
         this project's)."""
-        from .charts import PplChart
-        from .inspector import Inspector
-
         for t in self.findChildren(QTableWidget):
             t.setRowCount(0)
-        for c in self.findChildren(PplChart):
-            c.clear()
-        for i in self.findChildren(Inspector):
-            i.clear()
+        for w in self.findChildren(QWidget):
+            if isinstance(w, ShowsResults):
+                w.clear_results()
         if hasattr(self, "strip"):
             self.strip.bar.setValue(0)
             self.strip.status.setStyleSheet("")

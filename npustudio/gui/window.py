@@ -14,9 +14,37 @@ if TYPE_CHECKING:  # the panels import this module: their classes are named for 
     from ..core.device import DeviceInfo
     from ..core.project import Project
     from ..core.settings import Settings
-    from .chat import ChatPanel
-    from .devices import DevicePanel
-    from .profile_view import ProfileView
+
+
+class DeviceConsole(Protocol):
+    """The device panel as the pages and the chat use it: its log, Genie's output, the push's progress."""
+
+    def log(self, text: str) -> None: ...
+
+    def genie_log(self, line: str) -> None: ...
+
+    def stream(self, text: str) -> None: ...
+
+    def show_push(self, data: dict) -> None: ...
+
+    def push_done(self, sent: int, rate_mb_s: float) -> None: ...
+
+    def genie_level(self) -> str:
+        """How much of Genie's own log to show (error, warn, info, verbose)."""
+
+
+class ChatTarget(Protocol):
+    """The chat panel as Deploy uses it."""
+
+    def use_device(self, serial: str) -> None: ...
+
+    def ask(self, text: str) -> None: ...
+
+
+class ProfileSink(Protocol):
+    """The Genie profiles view as the chat uses it."""
+
+    def add_json(self, label: str, text: str) -> None: ...
 
 
 class StudioWindow(Protocol):
@@ -33,11 +61,11 @@ class StudioWindow(Protocol):
         """The phone picked in the device panel, if any."""
 
     @property
-    def devices(self) -> DevicePanel:
+    def devices(self) -> DeviceConsole:
         """The device panel: Deploy logs its push there, the chat streams Genie's answer into its log."""
 
     @property
-    def chat(self) -> ChatPanel:
+    def chat(self) -> ChatTarget:
         """The chat panel: Deploy points it at the phone it deployed to and asks the bundle's question."""
 
     @property
@@ -45,5 +73,5 @@ class StudioWindow(Protocol):
         """The chat's dock: raised when a question is asked."""
 
     @property
-    def profiles(self) -> ProfileView:
+    def profiles(self) -> ProfileSink:
         """The Genie profiles: each chat answer's profile is added there."""

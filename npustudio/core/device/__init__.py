@@ -180,7 +180,7 @@ def pick(serial: str | None) -> DeviceInfo:
 
 def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
     """(problem, fix) pairs that stop this bundle from running on this device; empty when it fits."""
-    from ..genie.bundle import read_metadata
+    from ..genie.meta import read_metadata
 
     meta = read_metadata(bundle_dir)
     problems = []
@@ -201,9 +201,7 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
                          f"needs {size / 1e9:.2f} GB.", "Free space on the phone, then deploy again."))
     need = bins + RUNTIME_RAM_BYTES
     if dev.ram_bytes is not None and not fits_phone_ram(need, dev.ram_bytes):
-        from ..genie.draft import PREFIX
-
-        drafted = sum(p.stat().st_size for p in bundle_dir.glob(f"{PREFIX}*.bin"))
+        drafted = sum(p.stat().st_size for p in bundle_dir.glob(f"{layout.DRAFT_PREFIX}*.bin"))
         split = (f" ({(need - drafted) / 1e9:.2f} GB of it the target and runtime, {drafted / 1e9:.2f} GB the draft "
                  "model)") if drafted else ""
         problems.append((f"{dev.serial} has {dev.ram_bytes / 1e9:.1f} GB RAM, of which an app may use about "

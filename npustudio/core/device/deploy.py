@@ -597,7 +597,7 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
 def _for_phone(metadata: Path, scratch: Path, keep: frozenset[str] = frozenset()) -> Path:
     """The bundle's metadata.json as the phone gets it: a copy in `scratch` without this computer's paths, or the
     file itself when it holds none."""
-    from ..genie.bundle import phone_metadata
+    from ..genie.meta import phone_metadata
 
     raw = json.loads(metadata.read_text(encoding="utf-8"))  # a JSON object: compatibility() read it
     clean = phone_metadata(raw, keep)

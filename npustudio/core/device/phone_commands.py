@@ -402,7 +402,7 @@ def _preview_graphs(config: Path) -> tuple[Path, ...]:
     trusted)."""
     from .. import layout
     from ..errors import UserError
-    from ..genie.bundle import read_metadata
+    from ..genie.meta import read_metadata
 
     try:
         compile_dir = read_metadata(config.parent).project_compile_dir

@@ -19,10 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
-
-if TYPE_CHECKING:
-    from .virtual import VirtualDevice
+from typing import Protocol, Union
 
 SH = "/system/bin/sh"
 HOME = "/data/local/tmp"
@@ -214,6 +211,29 @@ def _assignment(w: Word) -> tuple[str, Word] | None:
 Program = Union[Callable[["Call"], int], list[str]]  # noqa: UP007
 
 
+class DeviceHost(Protocol):
+    """What the shell and its commands need of the device they run on (the virtual device is the one there is):
+    its sandbox's paths, the environments and confinement of the host programs it starts, its processes."""
+
+    preview: bool
+    props: dict[str, str]
+    processes: dict[int, subprocess.Popen[bytes]]
+
+    def base_env(self) -> dict[str, str]: ...
+
+    def confined(self, argv: list[str], cwd: Path, readable: tuple[Path, ...] = ()) -> list[str]: ...
+
+    def host_env(self, env: dict[str, str]) -> dict[str, str]: ...
+
+    def host_path(self, device_path: str, cwd: str = "/", follow: bool = True) -> Path: ...
+
+    def lookup(self, name: str, cwd: str) -> tuple[Program | None, int]: ...
+
+    def new_pid(self) -> int: ...
+
+    def writable(self, p: Path, itself: bool = True) -> bool: ...
+
+
 class Stopped(Exception):
     """The host closed the stream, or the shell ran `exit` or `exec`."""
 
@@ -229,7 +249,7 @@ class Call:
     replaces_shell: bool = False  # run with exec: the child takes the shell's pid
 
     @property
-    def device(self) -> VirtualDevice:
+    def device(self) -> DeviceHost:
         return self.shell.device
 
     @property
@@ -262,7 +282,7 @@ class Call:
 class Session:
     """One `shell:` stream: its folder, variables and pid, the child it runs, and its output."""
 
-    def __init__(self, device: VirtualDevice, write: Callable[[bytes], bool], inbox: queue.Queue[bytes | None],
+    def __init__(self, device: DeviceHost, write: Callable[[bytes], bool], inbox: queue.Queue[bytes | None],
                  closed: threading.Event) -> None:
         self.device, self._write, self.closed = device, write, closed
         self.cwd = HOME
@@ -420,7 +440,7 @@ class Session:
                     self.write(bytes([b]))
 
 
-def serve(device: VirtualDevice, command: str, write: Callable[[bytes], bool], inbox: queue.Queue[bytes | None],
+def serve(device: DeviceHost, command: str, write: Callable[[bytes], bool], inbox: queue.Queue[bytes | None],
           closed: threading.Event) -> None:
     """The `shell:` service: run `command`, or an interactive shell when it is empty."""
     session = Session(device, write, inbox, closed)

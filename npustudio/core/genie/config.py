@@ -255,7 +255,7 @@ def as_chat_prompt(bundle_dir: Path, text: str) -> str:
     holds one of the tokenizer's special tokens (a prompt written in the template, as Qualcomm's genie-t2t-run
     takes it) or the model has no template (a base model, or a bundle made without NPU Studio's metadata.json)."""
     from ..errors import UserError
-    from .bundle import read_metadata
+    from .meta import read_metadata
 
     try:
         meta = read_metadata(Path(bundle_dir))

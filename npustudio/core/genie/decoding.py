@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from .. import layout
 from ..errors import UserError
 from ..targets import Soc, decode_tok_s_bound
 
@@ -57,11 +58,9 @@ def resolve(mode: str | None, draft: str | None) -> Literal["basic", "spd"]:
 def bytes_per_call(bundle_dir: Path) -> dict[str, int]:
     """Bytes one call of each graph reads on a phone: its context binary (the weights dominate). With weight
     sharing one binary holds both graphs and one call reads its weights once."""
-    from .draft import PREFIX
-
     size = {p.name: p.stat().st_size for p in Path(bundle_dir).glob("*.bin")}
-    target = {k: v for k, v in size.items() if not k.startswith(PREFIX)}
-    drafted = {k[len(PREFIX):]: v for k, v in size.items() if k.startswith(PREFIX)}
+    target = {k: v for k, v in size.items() if not k.startswith(layout.DRAFT_PREFIX)}
+    drafted = {k[len(layout.DRAFT_PREFIX):]: v for k, v in size.items() if k.startswith(layout.DRAFT_PREFIX)}
 
     def of(files: dict[str, int], kind: str) -> int:
         return sum(v for k, v in files.items() if k.startswith((kind, "shared")))

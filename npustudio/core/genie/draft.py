@@ -24,7 +24,6 @@ from ..graph.embedding_lut import INPUT as LUT_INPUT
 from ..models import ArchCard
 from ..results import CompileResult, GraphSpec, load_card, load_compile, load_graphs
 
-PREFIX = "draft_"  # the draft's binaries in the bundle folder, beside the target's
 NO_LUT_FIX = "Compile it with --no-embedding-lut (`npustudio compile --project P --no-embedding-lut --force`)."
 
 
@@ -141,10 +140,10 @@ def link(draft: Model, out_dir: Path) -> list[str]:
     shared = draft.comp.backend == "qairt" or draft.comp.weight_shared
     names: list[str] = []
     for g in draft.comp.graphs:
-        name = f"{PREFIX}{g.graph}.bin"
+        name = f"{layout.DRAFT_PREFIX}{g.graph}.bin"
         if shared:
             part = re.search(r"_\d+_of_\d+$", g.graph)
-            name = f"{PREFIX}shared{part.group(0) if part else ''}.bin"
+            name = f"{layout.DRAFT_PREFIX}shared{part.group(0) if part else ''}.bin"
         if name not in names:
             link_or_copy(draft.compile_dir / g.context_bin, out_dir / name)
             names.append(name)

@@ -29,7 +29,7 @@ from . import config as genie_config
 from . import libgenie
 
 if TYPE_CHECKING:
-    from .bundle import BundleMeta
+    from .meta import BundleMeta
 
 OnText = Callable[[str], None]
 STOP_GRACE_S = 1.0  # how long Genie has to take an abort before its child process is ended (Stop within 2 s)
@@ -343,6 +343,6 @@ def _preview(config_path: Path, prompt: str, on_text: OnText, profile_path: Path
 
 
 def _metadata(bundle_dir: Path) -> BundleMeta:
-    from .bundle import read_metadata
+    from .meta import read_metadata
 
     return read_metadata(bundle_dir)

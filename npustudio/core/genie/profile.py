@@ -130,7 +130,7 @@ def bundle_roofline(bundle: Path, target: Soc | None = None) -> dict[str, float]
     """The decode roofline of a bundle on `target` (default: the one it was built for): what one generated token
     reads (`decode_bytes`) and its 8-bit KV cache over the bundle's context. The Target page and the profiles
     both show this figure for a built bundle."""
-    from .bundle import read_metadata
+    from .meta import read_metadata
 
     meta = read_metadata(Path(bundle))
     return roofline(target or meta.target, decode_bytes(Path(bundle)), meta.decoder.kv_bytes_per_token,

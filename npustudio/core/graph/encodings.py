@@ -51,7 +51,7 @@ class TensorRow(BaseModel):
     range_min: float
     range_max: float
     flags: list[str] = []
-    sqnr_db: float | None = Field(None, description="quantized vs float, dB (read(sqnr=True)): a weight against "
+    sqnr_db: float | None = Field(None, description="quantized vs float, dB (sqnr.annotated): a weight against "
                                                    "the adapted weights, an activation over a short eval")
     # per channel (or block) scales and offsets, for a detail plot; left out of the JSON table
     scales: list[float] = Field(default_factory=list, exclude=True, repr=False)
@@ -85,9 +85,8 @@ class EncodingsTable(BaseModel):
 ENCODINGS_LIMIT = 4 * 2**30
 
 
-def read(path: str | Path, sqnr: bool = False, kinds: tuple[str, ...] = ("activation", "param")) -> EncodingsTable:
-    """The table of `path` (its rows of `kinds`); with `sqnr`, each tensor's SQNR (`sqnr.weights`,
-    `sqnr.activations`)."""
+def read(path: str | Path, kinds: tuple[str, ...] = ("activation", "param")) -> EncodingsTable:
+    """The table of `path` (its rows of `kinds`); `sqnr.annotated` adds each tensor's SQNR."""
     p = Path(path).expanduser()
     fix = "Pass an .encodings file written by the quantize stage (AIMET schema 1.0.0 or 0.6.1)."
     if not p.is_file():
@@ -118,37 +117,8 @@ def read(path: str | Path, sqnr: bool = False, kinds: tuple[str, ...] = ("activa
                         "of names.", fix)
     _kv_carriers(rows)
     _flag(rows)
-    if sqnr:
-        from . import sqnr as sq
-
-        db = sq.weights(p, rows) | sq.activations(p, rows)
-        for r in rows:
-            r.sqnr_db = db.get(r.name)
     return EncodingsTable(path=str(p), version=version, rows=rows, layers=_summaries(rows),
                           excluded=[str(x) for x in excluded])
-
-
-class SqnrChange(BaseModel):
-    name: str
-    kind: str
-    before_db: float | None
-    after_db: float | None
-    change_db: float | None  # after - before; None where either has no finite figure
-
-
-def sqnr_changes(before: str | Path, after: str | Path) -> list[SqnrChange]:
-    """What another quantize run (a recipe, an override file) did to each tensor both files encode: their SQNR
-    side by side, each against its own project's float weights and eval, the most damaged by the change first."""
-    old = {r.name: r for r in read(before, sqnr=True).rows}
-    rows = []
-    for r in read(after, sqnr=True).rows:
-        o = old.get(r.name)
-        if o is None:
-            continue
-        a, b = o.sqnr_db, r.sqnr_db
-        change = b - a if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) else None
-        rows.append(SqnrChange(name=r.name, kind=r.kind, before_db=a, after_db=b, change_db=change))
-    return sorted(rows, key=lambda c: (c.change_db is None, c.change_db or 0.0))
 
 
 def _entries(section: Any, version: str) -> Any:

@@ -18,16 +18,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel
 
 from .. import layout
 from ..errors import UserError
-
-if TYPE_CHECKING:
-    from .encodings import TensorRow
+from .encodings import EncodingsTable, TensorRow, read
 
 _ROWS = 4096  # rows of a weight quantized at once
 
@@ -247,3 +245,36 @@ def histogram(enc_file: Path, r: TensorRow, bins: int = 120) -> WeightHistogram 
     return WeightHistogram(counts=counts.tolist(), edges=edges.tolist(), clip_low=clip_low, clip_high=clip_high,
                            grid=levels, clipped=outside / max(vals.size, 1), values=int(vals.size),
                            of=n_rows * width)
+
+
+def annotated(path: str | Path) -> EncodingsTable:
+    """The encodings table of `path` with each tensor's SQNR (`weights`, `activations`)."""
+    table = read(path)
+    p = Path(table.path)
+    db = weights(p, table.rows) | activations(p, table.rows)
+    for r in table.rows:
+        r.sqnr_db = db.get(r.name)
+    return table
+
+
+class SqnrChange(BaseModel):
+    name: str
+    kind: str
+    before_db: float | None
+    after_db: float | None
+    change_db: float | None  # after - before; None where either has no finite figure
+
+
+def changes(before: str | Path, after: str | Path) -> list[SqnrChange]:
+    """What another quantize run (a recipe, an override file) did to each tensor both files encode: their SQNR
+    side by side, each against its own project's float weights and eval, the most damaged by the change first."""
+    old = {r.name: r for r in annotated(before).rows}
+    rows = []
+    for r in annotated(after).rows:
+        o = old.get(r.name)
+        if o is None:
+            continue
+        a, b = o.sqnr_db, r.sqnr_db
+        change = b - a if a is not None and b is not None and math.isfinite(a) and math.isfinite(b) else None
+        rows.append(SqnrChange(name=r.name, kind=r.kind, before_db=a, after_db=b, change_db=change))
+    return sorted(rows, key=lambda c: (c.change_db is None, c.change_db or 0.0))

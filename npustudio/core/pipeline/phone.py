@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from .. import layout, stages
 from ..errors import UserError
 from ..fsutil import refuse_link
-from ..genie import bundle as bundle_stage
+from ..genie.meta import read_metadata
 from ..genie.profile import Summary as ProfileSummary
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def open_engine(bundle: Path, where: Literal["device", "desktop", "preview", "mn
         dev = device.pick(serial)
         pushed = deploy_mnn(bundle, dev, state or State())
         return chat.MnnDeviceEngine(dev.serial, bundle, pushed.remote_dir)
-    bundle_stage.read_metadata(bundle)  # "not a bundle" before "no device"
+    read_metadata(bundle)  # "not a bundle" before "no device"
     if where == "device":
         dev = device.pick(serial)
         project = project_of_bundle(bundle)
@@ -228,7 +228,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
         finally:
             reader.close()
         summary = genie_profile.summarize(genie_profile.read(prof)) if res.profile_path else None
-        meta = bundle_stage.read_metadata(folder)
+        meta = read_metadata(folder)
         return SampleAnswer(device=dev.serial, virtual=dev.virtual, question=meta.question, answer=res.text,
                             stopped_after_tokens=max_tokens if res.status == "stopped" or dev.virtual else None,
                             deploy={"bytes_sent": pushed.bytes_sent, "bytes_skipped": pushed.bytes_skipped},

@@ -45,7 +45,7 @@ class AdaptPage(Page):
         if opts is None:
             return
         model = project.choices().model
-        self.chart.clear()
+        self.chart.clear_results()
         self.strip.status.setStyleSheet("")
         cluster = self.window_.settings.cluster  # None: here
 

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import QPushButton
 from ...core import device, pipeline, stages
 from ...core.device import deploy
 from ...core.errors import UserError
-from ...core.genie.bundle import read_metadata
+from ...core.genie.meta import read_metadata
 from ...core.results import BundleResult
 from ...display import human_bytes
 from ..widgets import BAD, GOOD, Page, fill, show_error, status_label, table

@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
 from ...core import host_cost, isolated, pipeline, stages
 from ...core.errors import UserError
 from ...core.graph import encodings as enc
+from ...core.graph import sqnr
 from ...core.progress import about_duration
 from ...core.quantize.presets import int8_budget_of, load_overrides, takes_4bit_head, takes_int8_budget
 from ...core.results import IntakeResult, QuantizeResult
@@ -154,7 +155,7 @@ class QuantizePage(Page):
         if opts is None:
             return
         project = self.project
-        self.chart.clear()
+        self.chart.clear_results()
         self.tabs.setCurrentIndex(0)
         cluster = self.window_.settings.cluster  # None: here
 
@@ -280,6 +281,6 @@ class QuantizePage(Page):
 def read_with_sqnr(path: Path) -> enc.EncodingsTable:
     """The table with each weight's SQNR; without it where the float weights cannot serve (rotated weights)."""
     try:
-        return enc.read(path, sqnr=True)
+        return sqnr.annotated(path)
     except UserError:
         return enc.read(path)
