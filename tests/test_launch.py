@@ -193,3 +193,43 @@ def test_the_packaged_launcher_runs_a_module_as_python_m_does(monkeypatch: pytes
     assert res.returncode == 0 and res.stdout.startswith("usage: genie-t2t-run"), res.stderr
     monkeypatch.setattr(sys, "frozen", True, raising=False)
     assert t2t.command("-c", "cfg.json") == [sys.executable, "-m", "npustudio.core.genie.t2t", "-c", "cfg.json"]
+
+
+def test_a_desktop_without_qts_x11_libraries_is_told_the_packages_before_qt_aborts(tmp_path: Path) -> None:
+    """Qt aborts the process when its X11 plugin cannot load, naming a package that is often not the missing one:
+    the window's command says which libraries are missing and the exact packages, and exits cleanly."""
+    from npustudio.core import desktop_libs
+
+    # a plugin linked to a library that is then taken away: what ldd reports on a fresh desktop
+    (tmp_path / "dep.c").write_text("int npus_dep(void) { return 1; }\n")
+    (tmp_path / "plugin.c").write_text("int npus_dep(void);\nint plugin(void) { return npus_dep(); }\n")
+    cc = ["gcc", "-shared", "-fPIC"]
+    subprocess.run([*cc, "-Wl,-soname,libnpus-dep2.so.7", "-o", str(tmp_path / "libnpus-dep2.so.7"),
+                    str(tmp_path / "dep.c")], check=True)
+    subprocess.run([*cc, "-o", str(tmp_path / "libqxcb.so"), str(tmp_path / "plugin.c"), str(tmp_path /
+                    "libnpus-dep2.so.7")], check=True)
+    (tmp_path / "libnpus-dep2.so.7").unlink()
+    env_before = dict(os.environ)
+    try:
+        os.environ["QT_QPA_PLATFORM"] = "xcb"
+        assert desktop_libs.missing(tmp_path / "libqxcb.so") == ["libnpus-dep2.so.7"]
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a window that does not use X11 needs none of them
+        assert desktop_libs.missing(tmp_path / "libqxcb.so") == []
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+    assert desktop_libs.package_of("libnpus-dep2.so.7") == "libnpus-dep2-7"
+    assert desktop_libs.package_of("libxcb-icccm.so.4") == "libxcb-icccm4"
+
+    os.environ["QT_QPA_PLATFORM"] = "xcb"
+    try:
+        real = desktop_libs.missing()
+    finally:
+        os.environ.update(env_before)
+    if not real:
+        pytest.skip("this computer has every library Qt's X11 plugin links to")
+    res = subprocess.run([str(SCRIPT), "gui"], env=_env(QT_QPA_PLATFORM="xcb", DISPLAY=":99"), capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode == 2, res.stderr
+    assert f"lacks: {', '.join(real)}." in res.stderr and "sudo apt-get install" in res.stderr
+    assert " ".join(desktop_libs.package_of(x) for x in real) in res.stderr and "Traceback" not in res.stderr

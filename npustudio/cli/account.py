@@ -31,6 +31,9 @@ def cmd_token(a: argparse.Namespace) -> int:
 
 
 def cmd_gui(a: argparse.Namespace) -> int:
+    from ..core import desktop_libs
+
+    desktop_libs.check()  # before Qt, which would abort the process with a wrong package name
     from ..gui.app import main as gui_main
 
     return gui_main([a.project] if getattr(a, "project", None) else [])
