@@ -3,7 +3,7 @@
 An option is either implemented (recorded on the architecture card, built by the adaptation, written into
 the Genie config and proven by the adapt stage's equivalence gate) or refused here, before any stage runs,
 naming the option, its value and what to do. The declarations below and the recipes' flags
-(core/families.py) are the one source of truth: `support_table()` renders the README's table from them.
+(core/families.py) are the one source of truth: `support_table()` renders the table in docs/pipeline.md from them.
 
 What Genie does with each RoPE scaling was measured by dumping the cos/sin tables the x86 libGenie feeds
 the graphs (its `debug.dump-tensors`): `linear`, `llama3`, `yarnrope` (all seven keys required, `dim` the
@@ -258,7 +258,7 @@ def check_context(card: Any, cl: int) -> None:
                       f"Use --cl {orig} or less (the short factors then hold for the whole context, exactly).")
 
 
-# ---------------------------------------------------------------- the support table (README)
+# ---------------------------------------------------------------- the support table (docs/pipeline.md)
 @dataclass(frozen=True)
 class Row:
     option: str

@@ -2,7 +2,7 @@
 
 A recipe says which Hugging Face `model_type`s it adapts, where their weights live, and which of the
 config's math-changing options its architecture has (the intake audit, core/config_audit.py, checks a
-checkpoint against it, and the README's support table is rendered from it). The adaptation itself is
+checkpoint against it, and the support table in docs/pipeline.md is rendered from it). The adaptation itself is
 generic (core/adapt). Third-party packages add families by declaring the same entry point.
 """
 
