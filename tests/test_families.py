@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def genie_run(bundle: Path, prompt: str, n: int, encoding: dict[str, Any] | None
 
 def htp_runner(project: Project) -> KVCacheRunner:
     """The host KV-cache runner over the project's compiled binaries on the HTP simulator (our RoPE tables)."""
-    from npustudio.core.genie.bundle import read_metadata
+    from npustudio.core.genie.meta import read_metadata
     from npustudio.core.graph import ort_qnn
     from npustudio.core.graph.ort_graph import OrtGraph
 
@@ -158,6 +159,26 @@ def htp_runner(project: Project) -> KVCacheRunner:
                              compiled / "prepared" / layout.EMBEDDING_LUT) for g in meta.graphs}
     return KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
                          torch.tensor(meta.rope_inv_freq))
+
+
+def check_geniex_metadata(project: Project) -> None:
+    """metadata.json names each compiled graph of the bundle for GenieX, with the graph's inputs and outputs and
+    the KV cache in GenieX's order; a model_id whose prefix is GenieX's pipeline where it has one, none else."""
+    from npustudio.core.genie import geniex
+
+    bundle = project.stage_dir("bundle")
+    meta = json.loads((bundle / layout.METADATA).read_text())
+    card = project.record("model").result["card"]
+    names = {g["graph"] for g in project.record("compile").result["graphs"]}
+    assert set(meta["model_files"]) == names
+    for name, io in meta["model_files"].items():
+        assert re.fullmatch(r"(?:[a-zA-Z]+_)?ar\d+_cl\d+_\d+_of_\d+", name)
+        key, value = io["inputs"]["past_key_0_in"]["shape"], io["inputs"]["past_value_0_in"]["shape"]
+        assert key[0] == value[0] == card["kv_heads"] and key[1] == value[1] == 1
+        assert key[2] == value[3] == card["head_dim"]
+        assert next(iter(io["inputs"])) in ("input_ids", "inputs_embeds")
+    prefix = geniex.PIPELINES.get(card["model_type"])
+    assert (meta.get("model_id") or "").startswith(prefix) if prefix else "model_id" not in meta
 
 
 def prove_in_genie(project: Project, scaling: dict[str, Any] | None) -> None:
@@ -174,6 +195,7 @@ def prove_in_genie(project: Project, scaling: dict[str, Any] | None) -> None:
     got = encoding.get("rope-scaling")
     want = None if scaling is None else {k: pytest.approx(v) if isinstance(v, float) else v for k, v in scaling.items()}
     assert got == want
+    check_geniex_metadata(project)
 
     from transformers import PreTrainedTokenizerFast
 

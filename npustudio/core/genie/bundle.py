@@ -33,7 +33,7 @@ from ..stage_options import DEFAULT_QUESTION as DEFAULT_QUESTION  # re-exported:
 from ..stage_options import BundleOptions
 from ..targets import Soc, find_soc
 from . import config as genie_config
-from . import decoding, draft, libgenie
+from . import decoding, draft, geniex, libgenie
 from .libgenie import PD_BUDGET_BYTES
 from .meta import BundleMeta, GraphMeta
 
@@ -124,7 +124,11 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
         rope_inv_freq=inv_freq.tolist(), eos_ids=card.eos_ids, bos_id=card.bos_id, question=options.question,
         chat_template=card.chat_template, runtime_files=copied, runtime_missing=missing,
         project_compile_dir=str(compile_dir.resolve()), decoding="spd" if draft_meta else "basic", draft=draft_meta)
-    atomic_write_json(out_dir / layout.METADATA, meta.model_dump())
+    shown = [g.graph for g in comp.graphs if _whole_graph(g.graph) in kept]
+    extra = geniex.metadata(card, comp, compile_dir, shown)
+    if draft_meta:  # GenieX runs one engine: it would take the draft's binaries for the target's
+        extra.pop("model_id", None)
+    atomic_write_json(out_dir / layout.METADATA, meta.model_dump() | extra)
 
     state.progress(0.7, "validating genie_config.json with libGenie")
     status, log = libgenie.validate_config(json.dumps(genie_config.absolute(cfg, out_dir)))
@@ -148,7 +152,8 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     res = BundleResult(folder=str(out_dir), target=target.soc, dsp_arch=target.dsp_arch, files=files,
                        genie_api=libgenie.api_version(), validated=True, runtime_files=copied,
                        runtime_missing=missing, context_bytes=context_bytes, embedding_lut_bytes=lut_bytes,
-                       notes=_notes(context_bytes, shared, options.prompt_graphs, lut_bytes) + notes_extra,
+                       notes=_notes(context_bytes, shared, options.prompt_graphs, lut_bytes) + notes_extra
+                       + [n for n in (geniex.note(card, bool(draft_meta)),) if n],
                        decoding="spd" if draft_meta else "basic", draft_len=options.draft_len if draft_meta else None,
                        spd_check=spd_check,
                        phone_decode_tok_s=decoding.phone_rates(out_dir, target, options.draft_len if draft_meta
