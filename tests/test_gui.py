@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage, QPainter
-from PySide6.QtWidgets import QMessageBox, QTableWidget
+from PySide6.QtWidgets import QApplication, QMessageBox, QTableWidget
 
 from npustudio.core.chat import Turn
 from npustudio.core.device import DeviceInfo
@@ -1631,3 +1631,40 @@ def test_stop_on_this_computers_genie_says_stopping_ends_the_turn_and_quitting_a
     assert not [p for p in multiprocessing.active_children() if "run_in_child" in p.name]  # Genie's child is gone
     w.close()
     assert not w.isVisible()
+
+
+def test_the_chat_panel_serves_its_runner_to_the_openai_client_and_stops_it(qtbot: Any, genie_project: Project,
+                                                                            tmp_path: Path) -> None:
+    """Serve in the chat panel starts the OpenAI-compatible endpoint for the picked runner (the CPU preview):
+    the URL is shown, the copied snippet talks to it with the official client, and Stop serving (or another
+    runner) closes the port."""
+    import shutil
+    import socket
+
+    from openai import OpenAI
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    c = w.chat
+    c.runner.setCurrentIndex(c.runner.findData("preview"))
+    bar = c.serve_bar
+    bar.port = 0  # any free port: the test never takes the real one
+    assert bar.toggle.text() == "Serve" and not bar.copy_btn.isEnabled()
+    bar.toggle.click()
+    qtbot.waitUntil(lambda: bar.serving, timeout=120_000)
+    url = bar.url.text()
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1") and bar.toggle.text() == "Stop serving"
+    bar.copy_btn.click()
+    snippet = QApplication.clipboard().text()
+    assert f'base_url="{url}"' in snippet and 'model="proj"' in snippet
+    client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    got = client.chat.completions.create(model="proj", messages=[{"role": "user", "content": "Hello"}], max_tokens=3)
+    assert got.choices[0].finish_reason == "length" and got.usage is not None and got.usage.completion_tokens == 3
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    c.runner.setCurrentIndex(c.runner.findData("desktop"))  # another runner: the server of the last one stops
+    qtbot.waitUntil(lambda: not bar.serving and bar.toggle.text() == "Serve", timeout=30_000)
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

@@ -17,17 +17,14 @@ KEY_ENV = "NPUSTUDIO_API_KEY"
 def cmd_serve(a: argparse.Namespace) -> int:
     import asyncio
 
-    from ..core import chat, pipeline, serve
+    from ..core import serve
 
     key = os.environ.get(KEY_ENV) or None
     serve.check_address(a.host, key)
     bundle, where = runner_of(a)
     with live_state() as st:  # a device gets the bundle first (nothing moves when it is there already)
-        engine = pipeline.open_engine(bundle, where, a.device, st, apart=True)
-    project = pipeline.project_of_bundle(bundle)
-    model_id = project.root.name if project is not None else bundle.resolve().name
-    server = serve.Server(engine, chat.chat_model(bundle), model_id, serve.sampling_of(bundle, where == "preview"),
-                          api_key=key, max_waiting=a.max_waiting)
+        server = serve.open_server(bundle, where, a.device, st, api_key=key, max_waiting=a.max_waiting)
+    model_id, engine = server.model_id, server.engine
 
     def ready(url: str) -> None:
         auth = f'api_key=os.environ["{KEY_ENV}"]' if key else 'api_key="none"'

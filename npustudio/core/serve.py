@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 
@@ -30,6 +30,7 @@ from .chat import ChatModel, Engine, clean_answer
 from .errors import UserError
 from .fsutil import MiB, TooLarge, read_at_most
 from .genie.config import PROMPT_LIMIT, chat_prompt, check_prompt
+from .progress import StateLike
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>")  # printed by some runners before they stop
@@ -533,3 +534,75 @@ def _json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, TooLarge) as e:
         raise UserError(f"{path} cannot be read ({e}).", "Make the bundle again.") from e
     return data if isinstance(data, dict) else {}
+
+
+class Background:
+    """The server on a thread of its own with its own event loop, for a caller that must not block (the window):
+    `start` returns the URL once it listens, `stop` ends it and the answer in progress."""
+
+    def __init__(self, server: Server, host: str, port: int) -> None:
+        self.server, self.host, self.port = server, host, port
+        self.url: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+        self._bound = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="openai-server", daemon=True)
+
+    def start(self, timeout: float = 30) -> str:
+        """The base URL, once listening; a UserError when it cannot listen (the port taken, a bad address)."""
+        self._thread.start()
+        if not self._bound.wait(timeout) or self.url is None:
+            self.stop()
+            e = self._error
+            raise UserError(f"The server could not listen on {self.host}:{self.port}"
+                            + (f": {getattr(e, 'strerror', None) or e}." if e else "."),
+                            "Pick another port, or stop what uses that one.")
+        return self.url
+
+    def stop(self, timeout: float = 30) -> None:
+        if self._loop is not None and self._stopped is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stopped.set)
+            except RuntimeError:  # its loop has just ended
+                pass
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and self.url is not None
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop, self._stopped = asyncio.get_running_loop(), asyncio.Event()
+
+            def ready(url: str) -> None:
+                self.url = url
+                self._bound.set()
+
+            await serve(self.server, self.host, self.port, ready, self._stopped)
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # reported by `start`: the caller's thread says it
+            self._error = e
+        finally:
+            self._bound.set()
+
+
+def model_id_of(folder: Path) -> str:
+    """The model's name to clients: its project's folder name (a project's bundle), else the folder's."""
+    b = Path(folder).resolve()
+    return b.parents[1].name if b.parent.name == layout.STAGES_DIR else b.name
+
+
+def open_server(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"], serial: str | None = None,
+                state: StateLike | None = None, api_key: str | None = None, max_waiting: int = 16) -> Server:
+    """The endpoint over the runner the chat would use for `bundle` (a device gets the bundle first)."""
+    from . import pipeline
+    from .chat import chat_model
+
+    engine = pipeline.open_engine(bundle, where, serial, state, apart=True)
+    return Server(engine, chat_model(bundle), model_id_of(bundle), sampling_of(bundle, where == "preview"),
+                  api_key=api_key, max_waiting=max_waiting)

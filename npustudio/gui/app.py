@@ -330,6 +330,7 @@ class MainWindow(QMainWindow):
             self.quit_box = self._ask_to_quit()
             return
         self.chat.stop()
+        self.chat.serve_bar.stop()
         worker.cancel_all()
         self.devices.close_down()
         super().closeEvent(event)

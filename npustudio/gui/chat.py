@@ -40,6 +40,7 @@ from ..core.chat import ChatSession, Turn
 from ..core.errors import UserError
 from ..display import human_number
 from . import worker
+from .serve_bar import ServeBar, Target
 from .widgets import StatusLine, show_error
 from .window import StudioWindow
 
@@ -301,6 +302,8 @@ class ChatPanel(QWidget):
         row2.addStretch(1)
         row2.addWidget(self.copy_btn)
         lay.addLayout(row2)
+        self.serve_bar = ServeBar(self._serve_target)
+        lay.addWidget(self.serve_bar)
         self.send_btn.clicked.connect(self.send)
         self.input.submitted.connect(self.send)
         self.stop_btn.clicked.connect(self.stop)
@@ -347,6 +350,14 @@ class ChatPanel(QWidget):
             return None
         return (str(project.root), kind, dev.serial if on_device and dev else None)
 
+    def _serve_target(self) -> Target | None:
+        """What `npustudio serve` would serve for the runner picked here (None: nothing to serve yet)."""
+        key, project = self._runner_key(), self.window_.project
+        if key is None or project is None:
+            return None
+        kind = key[1]
+        return self._folder(project, kind), "mnn" if kind in MNN_RUNNERS else kind, key[2]
+
     @staticmethod
     def _folder(project: Any, kind: str) -> Path:
         """What the runner `kind` chats with: the MNN stage's folder, else the Genie bundle."""
@@ -363,6 +374,8 @@ class ChatPanel(QWidget):
         key = self._runner_key()
         if key != self._key:
             self.session, self._key = None, key
+        if self.serve_bar.served is not None and self.serve_bar.served != self._serve_target():
+            self.serve_bar.stop()  # it served another project's model, or another runner
         self._set_editing(False)
         self.stats.setText(self._ready_text(key))
         hist = self._history()
