@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from npustudio.core.chat import Turn
 from npustudio.core.device import DeviceInfo
 from npustudio.core.errors import UserError
 from npustudio.core.project import Project
+from npustudio.display import human_number
 from npustudio.gui.app import STEPS, MainWindow
 from npustudio.gui.widgets import cells
 from tests.conftest import make_tiny_model
@@ -424,8 +426,12 @@ def test_the_chats_figures_come_from_genies_profile_worded_alike_live_and_final(
         return c.stats.text()
 
     measured = Turn(user="Q", assistant="Paris", runner="device x", generation_tok_s=3.04811, ttft_s=2.1034)
-    assert done(measured) == "device x: 3.05 tok/s, TTFT 2.10 s"
-    assert c.transcript.bubbles[-1].header.text() == "Model (device x) · 3.05 tok/s, TTFT 2.10 s"
+    assert done(measured) == "device x: 3.05 tok/s, TTFT 2.10 s (the runner's)"
+    assert c.transcript.bubbles[-1].header.text() == "Model (device x) · 3.05 tok/s, TTFT 2.10 s (the runner's)"
+    # what the person waited, beside the runner's own TTFT, each labelled: 20.5 s of loading and prompt read 2.10
+    waited = measured.model_copy(update={"wait_s": 20.5})
+    assert done(waited) == ("device x: 3.05 tok/s, TTFT 2.10 s (the runner's), first words after 20.5 s here "
+                            "(with loading)")
     stopped = Turn(user="Q", assistant="Par", runner="device x", stopped=True)
     assert done(stopped) == "device x: stopped after 1 token"
     c.greedy = True
@@ -861,12 +867,16 @@ def test_chat_regenerates_edits_and_keeps_several_chats_per_project(qtbot: Any, 
     assert c.stats.text().startswith("Ready:") and not c.regen_btn.isEnabled() and not c.edit_btn.isEnabled()
 
     def answer(click: Any) -> Turn:
+        t0 = time.monotonic()
         with qtbot.waitSignal(c.answered, timeout=120_000) as got:
             click()
             assert not c.send_btn.isEnabled() and c.stop_btn.isEnabled() and c.stop_btn.isVisible()
         assert c.send_btn.isEnabled() and not c.stop_btn.isEnabled()
         assert "tok/s" in c.stats.text() and "rate ?" not in c.stats.text()
-        return got.args[0]
+        turn = got.args[0]
+        assert turn.wait_s is not None and 0 < turn.wait_s < time.monotonic() - t0  # the wait as the person saw it
+        assert f"first words after {human_number(turn.wait_s)} s here" in c.stats.text()
+        return turn
 
     first = answer(lambda: c.ask("Hello"))
     saved = lambda: json.loads((root / "chat_history.json").read_text())  # noqa: E731

@@ -72,6 +72,10 @@ def cmd_chat(a: argparse.Namespace) -> int:
         rate = f", {turn.generation_tok_s:.2f} tok/s" if turn.generation_tok_s else ""
         if turn.tokens_per_call is not None:
             rate += f", {turn.tokens_per_call:.2f} tokens per target call"
+        if turn.ttft_s is not None:
+            rate += f", TTFT {turn.ttft_s:.2f} s (the runner's)"
+        if turn.wait_s is not None:
+            rate += f", first words after {turn.wait_s:.2f} s here"
         err.print(f"\n[dim]({engine.name}{rate}{', stopped' if turn.stopped else ''})[/]")
         return not turn.stopped
 

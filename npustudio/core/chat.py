@@ -37,6 +37,9 @@ class Turn(BaseModel):
     generation_tok_s: float | None = None
     tokens_per_call: float | None = None  # draft-model decoding: tokens each target call yielded (Genie's profile)
     ttft_s: float | None = None
+    # seconds from sending to the first words, as the person waited: the runner's start, the model's load and the
+    # prompt (Genie's TTFT counts from its own prompt step only)
+    wait_s: float | None = None
     at: float = Field(default_factory=time.time)
 
 
@@ -421,12 +424,19 @@ class ChatSession:
                             "takes no system prompt.", "Start a new chat for each question, or chat with the "
                             "model on this computer.")
         prompt = user if self.engine.one_question else self.prompt_for(user, before)
-        text, stopped, prof = self.engine.ask(prompt, on_text, stop, on_log, log_level)
+        t0, first = time.monotonic(), list[float]()
+
+        def shown(piece: str) -> None:
+            if not first and piece:
+                first.append(time.monotonic() - t0)
+            on_text(piece)
+
+        text, stopped, prof = self.engine.ask(prompt, shown, stop, on_log, log_level)
         self.last_profile = prof
         summary = profile.summarize(profile.parse(prof)).model_dump() if prof else self.engine.figures
         turn = Turn(user=user, assistant=clean_answer(text, self.tok), runner=self.engine.name, stopped=stopped,
                     generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"),
-                    tokens_per_call=summary.get("tokens_per_call"))
+                    tokens_per_call=summary.get("tokens_per_call"), wait_s=round(first[0], 2) if first else None)
         self.turns = [*before, turn]
         self.save()
         return turn

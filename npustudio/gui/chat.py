@@ -222,7 +222,9 @@ def figures(t: Turn) -> str:
     if t.tokens_per_call is not None:
         parts.append(f"{human_number(t.tokens_per_call)} tokens per call")
     if t.ttft_s is not None:
-        parts.append(f"TTFT {human_number(t.ttft_s)} s")
+        parts.append(f"TTFT {human_number(t.ttft_s)} s (the runner's)")
+    if t.wait_s is not None:
+        parts.append(f"first words after {human_number(t.wait_s)} s here (with loading)")
     return ", ".join(parts)
 
 
@@ -365,7 +367,7 @@ class ChatPanel(QWidget):
 
     def _history(self) -> chat.ChatHistory | None:
         project = self.window_.project
-        return chat.history(project.stage_dir("bundle")) if project is not None else None
+        return chat.history(project.stage_dir(stages.BUNDLE.name)) if project is not None else None
 
     def reload(self) -> None:
         """Show this project's chats and the current one (the session itself is made on the first message)."""
@@ -397,7 +399,7 @@ class ChatPanel(QWidget):
             self.greedy = chat.mnn_samples_greedily(project.stage_dir(stages.MNN.name))
         else:
             self.greedy = key is not None and project is not None and chat.samples_greedily(
-                project.stage_dir("bundle"), key[1] in ("preview", "mnn"))  # the CPU preview and MNN: greedy
+                project.stage_dir(stages.BUNDLE.name), key[1] in ("preview", "mnn"))  # the CPU preview and MNN: greedy
         if self.greedy:
             tip += (". This runner decodes greedily (the likeliest token every time): the same messages bring the "
                     "same answer; edit the message for another one")
