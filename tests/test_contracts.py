@@ -84,6 +84,44 @@ def test_the_stages_and_the_wizard_steps_are_listed_only_in_core_stages() -> Non
     assert not lists, lists
 
 
+# the calls that name a stage: a string literal there is a stage name written a second time
+STAGE_CALLS = {"record", "stage_dir", "rerun_options", "options_as", "run_stage", "stage_cost", "spec", "_require",
+               "stage_status", "scratch_dir", "old_dir"}
+
+
+def stage_name_literals(source: str, names: set[str]) -> list[int]:
+    """The lines where `source` names a stage by a string literal: an argument of a call in STAGE_CALLS, or a
+    comparison of a stage's name with one."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if fn in STAGE_CALLS and any(isinstance(a, ast.Constant) and a.value in names for a in node.args):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any((isinstance(x, ast.Name) and x.id == "name")
+                        or (isinstance(x, ast.Attribute) and x.attr == "name") for x in sides)
+            if named and any(isinstance(x, ast.Constant) and x.value in names for x in sides):
+                found.append(node.lineno)
+    return found
+
+
+def test_a_stage_is_named_by_its_declaration_never_by_a_string_literal() -> None:
+    """`project.record("quantize")` in a view re-spells a name core/stages.py declares: renaming or adding a stage
+    must be one edit. The scanner finds a planted literal (so the check can fail), and none in the package."""
+    from npustudio.core import stages
+
+    names = set(stages.NAMES)
+    planted = ("rec = project.record('quantize')\nok = project.record(stages.QUANTIZE.name)\n"
+               "if spec.name == 'bundle': pass\n")
+    assert stage_name_literals(planted, names) == [1, 3]
+    found = [f"{f.relative_to(ROOT)}:{line}" for f in sorted((ROOT / "npustudio").rglob("*.py"))
+             if f != ROOT / "npustudio" / "core" / "stages.py"
+             for line in stage_name_literals(f.read_text(), names)]
+    assert not found, found
+
+
 # ---------------------------------------------------------------- each option declared once (core/stage_options.py)
 FRONT_ENDS = ("npustudio/gui", "npustudio/cli")
 # calls that set a widget's or a flag's range or value: a literal there re-declares what an options field holds

@@ -723,6 +723,16 @@ def test_encodings_against_another_run_shows_what_a_recipe_changed(adapted_proje
     res = npustudio(*cli)
     assert res.returncode == 0, res.stderr
     assert "the most damaged first" in res.stdout and "tensors gained" in res.stdout
+    # another graph, or another model's run, is refused naming both, before any SQNR is computed
+    token = next(f for f in files["plain"].parent.glob("*.encodings") if f.name != files["plain"].name)
+    res = npustudio("encodings", str(files["adascale"]), "--against", str(token))
+    assert res.returncode == 2 and "encode different graphs" in res.stderr, res.stderr
+    shutil.copytree(tmp_path / "plain", tmp_path / "other")
+    card = tmp_path / "other" / "stages" / "adapt" / "card.json"
+    card.write_text(json.dumps(json.loads(card.read_text()) | {"layers": 7, "source": "another/model"}))
+    other = tmp_path / "other" / "stages" / "quantize" / files["plain"].name
+    res = npustudio("encodings", str(files["adascale"]), "--against", str(other))
+    assert res.returncode == 2 and "quantized different models" in res.stderr and "another/model" in res.stderr
 
 
 def test_a_recipes_encodings_are_the_same_for_the_same_seed(adapted_project: Path, tmp_path: Path) -> None:

@@ -200,8 +200,8 @@ def recipe_ram(recipe: str, card: Any, options: Any = None) -> int:
     steps = RECIPE_STEPS[recipe]
     ram = 2 * 4 * card.vocab * card.hidden if "spinquant" in steps else 0
     if widens(recipe) and card.stored_bits == 16:  # a 16-bit model widened whole
-        ram += (stage_cost("quantize", card, whole_float32=True).peak_ram_bytes
-                - stage_cost("quantize", card).peak_ram_bytes)
+        ram += (stage_cost(stages.QUANTIZE.name, card, whole_float32=True).peak_ram_bytes
+                - stage_cost(stages.QUANTIZE.name, card).peak_ram_bytes)
     held = max([{"adascale": card.layers + 1, "omniquant": card.layers}.get(s, 0) for s in steps], default=0)
     if not held:
         return ram

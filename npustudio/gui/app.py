@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ..core import desktop_entry, layout, pipeline
+from ..core import desktop_entry, layout, pipeline, stages
 from ..core import settings as user_settings
 from ..core.device import DeviceInfo
 from ..core.errors import UserError
@@ -253,7 +253,7 @@ class MainWindow(QMainWindow):
                     then = "Run the steps before it, then this one, again" if step.state == "locked" else \
                         "Run this step again"
                     page.strip.status.setText(f"Out of date: {step.reason}. {then}.")
-        self.profiles.set_roofline(self.project.stage_dir("bundle"))
+        self.profiles.set_roofline(self.project.stage_dir(stages.BUNDLE.name))
         if not self.chat.busy:  # a bundle just built: the chat is ready ("No bundle yet" stayed until a restart)
             self.chat.reload()
 

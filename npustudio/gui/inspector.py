@@ -400,7 +400,10 @@ class Inspector(QWidget):
         self._draw_heat()
 
     def _pick_other_run(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "The encodings of the run to compare with", "",
+        """The file dialog opens where the other runs are: the folder holding this project (its sibling projects)."""
+        shown = Path(self.table_.path) if self.table_ is not None else None
+        start = str(shown.resolve().parents[3]) if shown is not None and len(shown.resolve().parents) > 3 else ""
+        path, _ = QFileDialog.getOpenFileName(self, "The encodings of the run to compare with", start,
                                               "AIMET encodings (*.encodings)")
         if path:
             self.compare_with(Path(path))

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from .. import layout
 from ..errors import UserError
+from ..fsutil import read_json
 from .encodings import EncodingsTable, TensorRow, read
 
 _ROWS = 4096  # rows of a weight quantized at once
@@ -265,9 +266,38 @@ class SqnrChange(BaseModel):
     change_db: float | None  # after - before; None where either has no finite figure
 
 
+SHAPE_FIELDS = ("model_type", "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+
+
+def same_model_and_graph(before: Path, after: Path) -> None:
+    """A UserError naming both when two runs' encodings are of different models (their adapt stages' cards) or
+    different graphs (the prompt and the token graph, other AR/CL)."""
+    if before.name != after.name:
+        raise UserError(f"{before.name} and {after.name} encode different graphs: their tensors cannot be compared.",
+                        f"Compare {after.name} with the other run's file of the same name.")
+    cards = []
+    for f in (before, after):
+        card_file = Path(f).resolve().parent.parent / "adapt" / layout.CARD
+        data = read_json(card_file, "model card", "Point at an .encodings file under <project>/stages/quantize.") \
+            if card_file.is_file() else None
+        if not isinstance(data, dict):
+            raise UserError(f"{f} is not in a project's quantize stage (no {card_file}): its model is unknown.",
+                            "Point at an .encodings file under <project>/stages/quantize.")
+        cards.append(data)
+    a, b = cards
+    if differ := [k for k in SHAPE_FIELDS if a.get(k) != b.get(k)]:
+        what = ", ".join(f"{k} {a.get(k)} vs {b.get(k)}" for k in differ[:3])
+        raise UserError(f"The two runs quantized different models: {a.get('source')} ({before}) and {b.get('source')} "
+                        f"({after}) differ in {what}.", "Compare runs of the same model (another recipe, precision "
+                        "or override file on the same adapted graphs).")
+
+
 def changes(before: str | Path, after: str | Path) -> list[SqnrChange]:
     """What another quantize run (a recipe, an override file) did to each tensor both files encode: their SQNR
-    side by side, each against its own project's float weights and eval, the most damaged by the change first."""
+    side by side, each against its own project's float weights and eval, the most damaged by the change first.
+    Refused (before any SQNR is computed) for another model or another graph: their tensors share names, not
+    meaning."""
+    same_model_and_graph(Path(before), Path(after))
     old = {r.name: r for r in annotated(before).rows}
     rows = []
     for r in annotated(after).rows:

@@ -100,8 +100,8 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
         return _on(cluster, "adapt", _adapt_body, inputs, (source, card, options), out, state.sub(0.05, 1.0),
                    options.device)
 
-    rec, _ = project.run_stage("adapt", inputs={"model": mrec.inputs["model"]}, options=options.model_dump(), fn=fn,
-                               force=force, ran_on=_ran_on(cluster))
+    rec, _ = project.run_stage(stages.ADAPT.name, inputs={"model": mrec.inputs["model"]},
+                               options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(cluster))
     return rec
 
 
@@ -119,8 +119,8 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
              force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
     up = _require(project, stages.ADAPT)  # before reading its graphs
-    quantize_stage.validate(options, load_card(project.stage_dir("adapt")))
-    options = quantize_stage.resolved(options, project.stage_dir("adapt"))  # one key for the same work
+    quantize_stage.validate(options, load_card(project.stage_dir(stages.ADAPT.name)))
+    options = quantize_stage.resolved(options, project.stage_dir(stages.ADAPT.name))  # one key for the same work
     rec = _made_from(project, stages.QUANTIZE, up, options, state, force, cluster)
     project.choose(target=options.target)  # what the stage was made for is the target now, from the CLI too
     return rec
@@ -130,7 +130,7 @@ def compile_graphs(project: Project, options: compile_stage.CompileOptions, stat
                    force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
     up = _require(project, stages.QUANTIZE)  # before reading its options
-    options = compile_stage.resolved(options, project.stage_dir("quantize"))  # one key for the same work
+    options = compile_stage.resolved(options, project.stage_dir(stages.QUANTIZE.name))  # one key for the same work
     return _made_from(project, stages.COMPILE, up, options, state, force, cluster)
 
 
@@ -252,7 +252,7 @@ def _ran_on(cluster: Cluster | None) -> str | None:
 
 
 def _card(project: Project) -> models.ArchCard | None:
-    rec = project.record("model")
+    rec = project.record(stages.MODEL.name)
     return rec.result_as(IntakeResult).card if rec is not None and rec.status == "done" else None
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from .. import adapt as adapt_stage
 from .. import compile as compile_stage
-from .. import models
+from .. import models, stages
 from .. import quantize as quantize_stage
 from ..cluster import Cluster
 from ..errors import UserError
@@ -48,7 +48,8 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
         boptions, coptions = _decoding_planned(project, boptions, coptions)
         rec = adapt(project, model, options, state.sub(0.0, 0.3), force=force, cluster=cluster, later=qoptions)
     if boptions.draft:  # the pair's tokens, context and graph widths, before quantizing and compiling
-        draft.check_adapted(project.stage_dir("adapt"), draft.open_model(Path(boptions.draft)), boptions.draft_len)
+        draft.check_adapted(project.stage_dir(stages.ADAPT.name), draft.open_model(Path(boptions.draft)),
+                            boptions.draft_len)
     chosen, qoptions, coptions, boptions = job_plan(project, qoptions, coptions, boptions)
     state.partial("plan", message=chosen.why)
     qrec = quantize(project, qoptions, state.sub(0.3, 0.7), force=force, cluster=cluster)
@@ -62,7 +63,7 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
         project=str(project.root),
         model=m.stages["model"].result_as(IntakeResult).card.source,
         adapt=adapt_summary(rec.result_as(AdaptResult)),
-        quantize=quantize_summary(qrec.result_as(QuantizeResult), project.stage_dir("quantize")),
+        quantize=quantize_summary(qrec.result_as(QuantizeResult), project.stage_dir(stages.QUANTIZE.name)),
         compile=compile_summary(crec.result_as(CompileResult)),
         bundle=bundle_summary(b),
         sample=sample,
@@ -93,7 +94,7 @@ def job_plan(project: Project, qoptions: quantize_stage.QuantizeOptions, coption
     """What the main job builds so that the bundle loads where it goes (`models.plan` over the model's recorded
     fit): the precision unless the user chose one, weight sharing for a phone unless told, and for the simulator the
     prompt graphs only when its contexts fit one protection domain with them."""
-    fit = project.record("model").result_as(IntakeResult).fit  # type: ignore[union-attr]
+    fit = project.record(stages.MODEL.name).result_as(IntakeResult).fit  # type: ignore[union-attr]
     destination: Literal["phone", "simulator"] = "phone" if coptions.optimize == "phone" else "simulator"
     given = qoptions.precision if "precision" in qoptions.model_fields_set else None
     chosen = models.plan(fit, destination, given)

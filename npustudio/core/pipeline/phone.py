@@ -31,7 +31,7 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
     from ..device import deploy as device_deploy
 
     brec = _require(project, stages.BUNDLE)
-    folder = project.stage_dir("bundle")
+    folder = project.stage_dir(stages.BUNDLE.name)
     recorded = {f.name: (fr.bytes, fr.mtime_ns, fr.sha256) for fr in brec.outputs
                 if fr.mtime_ns is not None and (f := project.root / fr.path).parent == folder}
     res = device_deploy.deploy(folder, dev, state, force=force, recorded=recorded)
@@ -136,19 +136,19 @@ def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, fl
     figure the profiles show); the others are estimated from the fit at the chosen context length."""
     from ..genie import profile
 
-    rec = project.record("model")
+    rec = project.record(stages.MODEL.name)
     if rec is None or rec.status != "done":
         return []
     intake, cl = rec.result_as(IntakeResult), rec.options_as(IntakeOptions).cl
     built = None
-    quant, bundle = project.record("quantize"), project.record("bundle")
+    quant, bundle = project.record(stages.QUANTIZE.name), project.record(stages.BUNDLE.name)
     if quant and bundle and bundle.status == "done" and "bundle" not in stale_reasons(project):
         built = quant.result_as(QuantizeResult).precision
     out = []
     for f in intake.fit:
         if f.precision == built:
             try:
-                out.append((f.precision, profile.bundle_roofline(project.stage_dir("bundle"), target),
+                out.append((f.precision, profile.bundle_roofline(project.stage_dir(stages.BUNDLE.name), target),
                             "the bundle's binaries"))
                 continue
             except UserError:  # a bundle folder damaged since: the estimate still holds
@@ -161,7 +161,8 @@ def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, fl
 def project_of_bundle(folder: Path) -> Project | None:
     """The project whose bundle stage `folder` is, if it is one."""
     root = layout.project_of_stage(folder)
-    return Project.open(root, create=False) if root is not None and Path(folder).resolve().name == "bundle" else None
+    is_bundle = root is not None and Path(folder).resolve().name == stages.BUNDLE.name
+    return Project.open(root, create=False) if root is not None and is_bundle else None
 
 
 class SampleAnswer(BaseModel):
@@ -191,7 +192,7 @@ def ask_on_device(project: Project, serial: str | None = None, max_tokens: int =
     from ..genie import t2t
 
     state = state or State()
-    folder = project.stage_dir("bundle")
+    folder = project.stage_dir(stages.BUNDLE.name)
     started = None
     try:
         try:

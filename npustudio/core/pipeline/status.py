@@ -86,13 +86,13 @@ def _stale(m: Manifest) -> dict[str, str]:
             out[name] = f"the {up} stage it was made from is out of date"
         elif prev is None or prev.status != "done":
             out[name] = f"the {up} stage it was made from is gone"
-        elif name == "adapt" and rec.inputs.get("model") != prev.inputs.get("model"):
+        elif name == stages.ADAPT.name and rec.inputs.get("model") != prev.inputs.get("model"):
             out[name] = f"another model was read ({prev.result_as(IntakeResult).source.spec})"
-        elif name == "adapt" and (cl := rec.options_as(AdaptOptions).cl) != prev.options_as(IntakeOptions).cl:
+        elif name == stages.ADAPT.name and (cl := rec.options_as(AdaptOptions).cl) != prev.options_as(IntakeOptions).cl:
             out[name] = f"the context length is now {prev.options_as(IntakeOptions).cl} (adapted for {cl})"
-        elif name != "adapt" and rec.inputs.get(up) != prev.key:
+        elif name != stages.ADAPT.name and rec.inputs.get(up) != prev.key:
             out[name] = f"the {up} stage was run again since"
-        elif name == "quantize" and target and (made_for := rec.options_as(QuantizeOptions).target) != target:
+        elif name == stages.QUANTIZE.name and target and (made_for := rec.options_as(QuantizeOptions).target) != target:
             out[name] = f"the target is now {target} (quantized for {made_for})"
     return out
 

@@ -36,7 +36,7 @@ class AdaptPage(Page):
         self.strip.run.clicked.connect(lambda: self.start())
 
     def options(self) -> AdaptOptions:
-        return self.project.rerun_options("adapt", AdaptOptions, ar=self.ar.value(), cl=self.cl.value(),
+        return self.project.rerun_options(stages.ADAPT.name, AdaptOptions, ar=self.ar.value(), cl=self.cl.value(),
                                           device=self.window_.settings.device,
                                           accept_mismatch=self.accept_mismatch.isChecked())
 
@@ -57,7 +57,7 @@ class AdaptPage(Page):
         self.strip.start(work, self.finish, "Adapting", on_partial=self.ppl_point)
 
     def refresh(self) -> None:
-        rec = self.project.record("adapt")
+        rec = self.project.record(stages.ADAPT.name)
         ch = self.project.choices()
         if rec and rec.status == "done":
             o = rec.options_as(AdaptOptions)

@@ -89,7 +89,7 @@ class CompilePage(Page):
 
     def options(self) -> CompileOptions:
         return self.project.rerun_options(
-            "compile", CompileOptions, backend="qairt" if self.sdk.isChecked() else "ort-qnn",
+            stages.COMPILE.name, CompileOptions, backend="qairt" if self.sdk.isChecked() else "ort-qnn",
             verify_tokens=self.verify.value(), weight_sharing=self.share.isChecked(),
             embedding_lut=self.lut.isChecked(), optimize="quick" if self.quick.isChecked() else "phone")
 
@@ -139,7 +139,7 @@ class CompilePage(Page):
 
     def refresh(self) -> None:
         self.find_sdk()
-        crec, brec, mrec = (self.project.record(s) for s in ("compile", "bundle", stages.MNN.name))
+        crec, brec, mrec = (self.project.record(s.name) for s in (stages.COMPILE, stages.BUNDLE, stages.MNN))
         if self.mnn.isChecked():
             if mrec and mrec.status == "done":
                 self.mnn_bits.setCurrentIndex(max(0, self.mnn_bits.findData(mrec.options_as(MnnOptions).bits)))
@@ -205,7 +205,7 @@ class CompilePage(Page):
         else:
             rows.append(("HTP simulator check", "skipped (0 tokens)"))
         if b:
-            rows += [("Genie bundle", str(self.project.stage_dir("bundle"))),
+            rows += [("Genie bundle", str(self.project.stage_dir(stages.BUNDLE.name))),
                      ("Validated by libGenie", "yes" if b.validated else "no"),
                      ("Genie API", b.genie_api)]
         fill(self.results, rows)

@@ -44,7 +44,7 @@ class DeployPage(Page):
 
     @property
     def bundle(self) -> Path:
-        return self.project.stage_dir("bundle")
+        return self.project.stage_dir(stages.BUNDLE.name)
 
     def refresh(self) -> None:
         """The files and the fit, and the deploy the project records (made here or by `npustudio deploy`): a

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (
 )
 
 from ... import display
-from ...core import host_cost, models, pipeline
+from ...core import host_cost, models, pipeline, stages
 from ...core.progress import about_duration
 from ...core.results import IntakeResult
 from ...core.stage_options import AdaptOptions
@@ -118,7 +118,7 @@ class ModelPage(Page):
         ch = self.project.choices()
         self.set_spec(ch.model)
         self.cl.setValue(ch.cl)
-        rec = self.project.record("model")
+        rec = self.project.record(stages.MODEL.name)
         if rec and rec.status == "done":
             self.show_result(rec.result_as(IntakeResult))
 

@@ -148,7 +148,7 @@ class QuantizePage(Page):
                      lm_head_bits=self.lm_head_bits.currentData(), device=self.device.currentData())
         if path := self.overrides.text().strip():  # else the last run's overrides (its file may be anywhere)
             shown["overrides"] = load_overrides(path)
-        return self.project.rerun_options("quantize", QuantizeOptions, **shown)
+        return self.project.rerun_options(stages.QUANTIZE.name, QuantizeOptions, **shown)
 
     def start(self, force: bool = False) -> None:
         opts = self.unless_refused(self.options)
@@ -168,7 +168,7 @@ class QuantizePage(Page):
     def refresh(self) -> None:
         self.show_recipe_costs()
         self._budgets.clear()  # a budget typed for another project's run is not this one's
-        rec = self.project.record("quantize")
+        rec = self.project.record(stages.QUANTIZE.name)
         if rec and rec.status == "done":
             o = rec.options_as(QuantizeOptions)
             self.precision.setCurrentIndex(max(0, self.precision.findData(o.precision)))
@@ -202,7 +202,7 @@ class QuantizePage(Page):
 
     def show_recipe_costs(self) -> None:
         """Each recipe's estimated extra time and memory for the chosen model on this computer, beside its name."""
-        rec = self.project.record("model")
+        rec = self.project.record(stages.MODEL.name)
         costs = ({c.recipe: c for c in host_cost.recipe_costs(rec.result_as(IntakeResult).card)}
                  if rec and rec.status == "done" else {})
         items = self.recipe.model()
@@ -217,7 +217,7 @@ class QuantizePage(Page):
                 self.recipe.setCurrentIndex(self.recipe.findData("plain"))
 
     def show_result(self, r: QuantizeResult) -> None:
-        folder = self.project.stage_dir("quantize")
+        folder = self.project.stage_dir(stages.QUANTIZE.name)
         s = pipeline.quantize_summary(r, folder)
         if not self.chart.series:
             self.chart.extend(list(r.per_window))
