@@ -202,7 +202,7 @@ def _window(config: Any, recipe: FamilyRecipe) -> int | None:
 def _rope(config: Any) -> dict[str, Any] | None:
     rp = dict(_set(config, "rope_parameters") or _set(config, "rope_scaling") or {})
     kind = rp.get("rope_type", rp.get("type", "default")) or "default"
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise _refuse("rope_scaling.rope_type", kind, "Genie has no equivalent of this RoPE scaling "
                       f"(supported: {', '.join(ROPE_TYPES)}).", "Use a model with a supported RoPE scaling.")
     if kind == "default":

@@ -269,7 +269,8 @@ def _ids(x: Any) -> list[int]:
 
 def architecture_of(config: Any) -> str:
     """The model class name; GGUF configs carry none, so take transformers' causal-LM class for the type."""
-    arch = (getattr(config, "architectures", None) or [""])[0]
+    named = getattr(config, "architectures", None)
+    arch = named[0] if isinstance(named, list) and named and isinstance(named[0], str) else ""
     if not arch:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -442,7 +443,13 @@ def load_config_and_tokenizer(source: ModelSource) -> tuple[Any, Any]:
             raise _gguf_error(gpath, e) from e
         recipe_for(config.model_type, architecture_of(config))
         check_sizes(config, gpath.name)
-        tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
+        try:
+            tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
+        except Exception as e:  # no tokenizer in the file, or one transformers cannot build
+            raise UserError(f"The GGUF file {gpath.name} holds no tokenizer transformers can use "
+                            f"({e.__class__.__name__}: {' '.join(str(e).split())[:200]}).",
+                            "Use a GGUF converted with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it), "
+                            "or the model's Hugging Face folder.") from e
         check_chat_template(tok, gpath.name)
         return config, tok
     check_config_files(Path(source.path))
@@ -466,6 +473,14 @@ def load_config_and_tokenizer(source: ModelSource) -> tuple[Any, Any]:
     return config, tok
 
 
+def json_text(v: Any) -> str:
+    """A config value as its file shows it, cut short."""
+    import json
+
+    text = json.dumps(v, allow_nan=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def check_config_files(folder: Path) -> None:
     """Before transformers reads the folder: its configs are JSON objects that do not name the model's own
     code (`auto_map`, which transformers would offer to run)."""
@@ -479,6 +494,13 @@ def check_config_files(folder: Path) -> None:
             raise UserError(f"{f} holds a JSON {type(data).__name__}, not a model configuration.", fix)
         if name == "config.json":
             check_numbers(data, f"{f}", present_only=True)  # before transformers divides by them
+            for key in ("architectures", "model_type"):  # the names NPU Studio picks the family by
+                v = data.get(key)
+                ok = isinstance(v, str) if key == "model_type" else (
+                    isinstance(v, list) and all(isinstance(x, str) for x in v))
+                if v is not None and not ok:
+                    want = "a name" if key == "model_type" else "a list of class names"
+                    raise UserError(f"{f}: {key} is {json_text(v)}; it must be {want}.", fix)
         if "auto_map" in data:
             code = data["auto_map"]
             names = ", ".join(map(str, code.values() if isinstance(code, dict) else [code]))[:120]
@@ -529,7 +551,8 @@ def check_numbers(config: Any, where: str, present_only: bool = False) -> None:
     if present_only:
         for field, hi in SIZE_LIMITS.items():
             v = get(field)
-            if _number(v) and (v != int(v) or not 1 <= v <= hi):  # not a number: transformers' type check says so
+            # not a number at all: transformers' own type check says so
+            if _number(v) and (not math.isfinite(v) or v != int(v) or not 1 <= v <= hi):
                 raise UserError(f"{where}: {field} is {v!r}; a model needs a whole number from 1 to {hi:,}.", fix)
         return  # the rest once the family is known: an unsupported architecture is said first
     floats = [("rope_theta", get("rope_theta")), ("rms_norm_eps", get("rms_norm_eps"))]
@@ -541,11 +564,12 @@ def check_numbers(config: Any, where: str, present_only: bool = False) -> None:
         if v is not None and (not _number(v) or not math.isfinite(v) or v <= 0):
             raise UserError(f"{where}: {field} is {v!r}; it must be a finite number above 0.", fix)
     vocab = get("vocab_size")
+    vocab = vocab if _number(vocab) and math.isfinite(vocab) else None
     for field in ("bos_token_id", "eos_token_id"):
         v = get(field)
         for t in v if isinstance(v, list | tuple) else [] if v is None else [v]:
-            if not _number(t) or t != int(t) or t < 0 or (_number(vocab) and t >= vocab):
-                span = f"from 0 to {int(vocab) - 1} (vocab_size is {vocab})" if _number(vocab) else "of 0 or more"
+            if not _number(t) or not math.isfinite(t) or t != int(t) or t < 0 or (vocab is not None and t >= vocab):
+                span = f"from 0 to {int(vocab) - 1} (vocab_size is {vocab})" if vocab is not None else "of 0 or more"
                 raise UserError(f"{where}: {field} is {v!r}; a token id is a whole number {span}.", fix)
 
 

@@ -34,7 +34,7 @@ def model_id(card: ArchCard) -> str | None:
     prefix = PIPELINES.get(card.model_type)
     if prefix is None:
         return None
-    name = Path(str(card.source).rstrip("/\\")).name or card.model_type
+    name = Path(str(card.source).split(" (")[0].rstrip("/\\")).name or card.model_type  # "X (embedded default)"
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or card.model_type
     return prefix + slug
 

@@ -59,6 +59,9 @@ _FIELDS = {"init-time": "init_time_us", "num-prompt-tokens": "prompt_tokens", "p
            "token-acceptance-rate": "tokens_per_call"}
 
 
+_FLOATS = {"prompt_rate", "generation_rate", "tokens_per_call"}  # (num-generated-tokens holds "rate" too: a count)
+
+
 def parse(text: str, source: str = "profile") -> Profile:
     try:
         data = json.loads(text)
@@ -85,12 +88,13 @@ def from_data(data: Any, source: str = "profile") -> Profile:
                 (k, attr, ev.get(k), int)
                 for k, attr in (("start", "start_us"), ("stop", "stop_us"), ("duration", "duration_us"))]
             fields += [(k, attr, v.get("value") if isinstance(v := ev.get(k), dict) else v,
-                        float if "rate" in k else int) for k, attr in _FIELDS.items()]
+                        float if attr in _FLOATS else int) for k, attr in _FIELDS.items()]
             for k, attr, v, kind in fields:
                 try:
                     row[attr] = _num(v, kind)
                 except ValueError as e:
-                    raise UserError(f"{source}: in event {ei} of component {ci}, {k} is {v}, not a finite number.",
+                    why = "not a finite number" if "finite" in str(e) else "out of a 64-bit counter's range"
+                    raise UserError(f"{source}: in event {ei} of component {ci}, {k} is {v}, {why}.",
                                     "The file is damaged: run Genie again with --profile.") from e
             events.append(Event(**row))
     meta = data.get("metadata")
@@ -162,6 +166,8 @@ def _num(v: Any, kind: type) -> Any:
         return None
     if isinstance(x, float) and not math.isfinite(x):
         raise ValueError(f"{v} is not a finite number")
+    if isinstance(x, int) and not -(2**63) <= x < 2**63:  # Genie's counters are 64-bit
+        raise ValueError(f"{v} is out of a 64-bit counter's range")
     return x
 
 

@@ -31,8 +31,12 @@ def outside(config: Path) -> tuple[str, str, str] | None:
     if not isinstance(name, str) or not isinstance(base, str) or leaves_folder(base + name, folder):
         return None  # a non-string: MNN takes its default; a path out was named above already
     llm_config = folder / (base + name)
-    if not llm_config.is_file():
-        return None
+    try:
+        if not llm_config.is_file():
+            return None
+    except OSError as e:  # a name the file system cannot hold (too long): MNN would not open it either
+        raise UserError(f"The MNN model's config.json names {(base + name)[:80]!r} as its llm_config, which this "
+                        f"system cannot open ({e.strerror}).", FIX) from e
     found = first_outside(read_json(llm_config, "MNN llm_config", FIX), folder, mnn_key)
     return (llm_config.name, *found) if found is not None else None
 
