@@ -204,3 +204,39 @@ def test_run_with_a_draft_makes_a_draft_model_bundle_that_answers_on_the_virtual
     assert "tokens per target call" in res.stdout, res.stdout[-2000:]
     cfg = json.loads((layout.stage_dir(tmp_path / "p", "bundle") / layout.GENIE_CONFIG).read_text())
     assert cfg["dialog"]["type"] == "spd" and cfg["dialog"]["spd"]["draft-len"] == 3
+
+
+def test_the_compile_page_bundles_with_a_draft_chosen_there(qtbot: Any, pair: tuple[Project, Project],
+                                                             tmp_path: Path) -> None:
+    """In the window: a draft project chosen on the Compile page turns the lookup table off (Genie's speculative
+    dialogs refuse it), Compile and bundle makes a draft-model bundle, the results say how it decodes and the
+    phone's rate per mode, and the reopened project shows the draft it was bundled with."""
+    from npustudio.gui.app import MainWindow
+    from npustudio.gui.widgets import cells
+
+    target, same = pair
+    root = tmp_path / "target"
+    shutil.copytree(target.root, root)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    w.go("Compile")
+    page = w.compile_page
+    assert page.draft.text() == "" and not page.draft_len.isEnabled() and page.lut.isEnabled()
+    page.set_draft(str(same.root))
+    page.draft_len.setValue(3)
+    assert not page.lut.isEnabled() and not page.lut.isChecked() and page.draft_len.isEnabled()
+    with qtbot.waitSignal(page.strip.finished, timeout=600_000) as blocker:
+        page.strip.run.click()
+    assert blocker.args == [True], page.strip.status.text()
+    rows = dict(cells(page.results))
+    assert rows["Decoding"].startswith("draft model, 3 proposals per target call; greedy answer unchanged"), rows
+    assert "basic" in rows["Phone decode estimate"] and "spd" in rows["Phone decode estimate"]
+    cfg = json.loads((root / "stages" / "bundle" / layout.GENIE_CONFIG).read_text())
+    assert cfg["dialog"]["type"] == "spd" and cfg["dialog"]["spd"]["draft-len"] == 3
+    w.close()
+    again = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(again)
+    page = again.compile_page
+    page.refresh()
+    assert Path(page.draft.text()) == same.root.resolve() and page.draft_len.value() == 3

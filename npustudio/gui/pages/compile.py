@@ -7,13 +7,22 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from PySide6.QtWidgets import QButtonGroup, QCheckBox, QRadioButton
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QCheckBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QRadioButton,
+    QToolButton,
+)
 
 from ...core import isolated, pipeline, stages
 from ...core.compile import qairt
 from ...core.errors import UserError
 from ...core.results import BundleResult, CompileResult, MnnResult
-from ...core.stage_options import BACKEND_NOTES, CompileOptions, MnnOptions
+from ...core.stage_options import BACKEND_NOTES, BundleOptions, CompileOptions, MnnOptions
 from ...display import human_bytes
 from ..fields import combo, spin
 from ..widgets import Page, fill, table, with_note
@@ -68,6 +77,24 @@ class CompilePage(Page):
         self.lut.setChecked(CompileOptions().embedding_lut)
         self.form.addRow("", with_note(self.lut, "Keeps the 16-bit table out of the NPU contexts, where each graph of "
                                                  "the first part would hold it; Genie copies each token's row in."))
+        self.draft = QLineEdit()
+        self.draft.setReadOnly(True)
+        self.draft.setPlaceholderText("none: one token per NPU call")
+        self.draft.setToolTip(BundleOptions.model_fields["draft"].description or "")
+        pick = QToolButton()
+        pick.setText("Choose…")
+        pick.clicked.connect(self._pick_draft)
+        self.no_draft = QToolButton()
+        self.no_draft.setText("None")
+        self.no_draft.clicked.connect(lambda: self.set_draft(None))
+        self.draft_len = spin(BundleOptions, "draft_len")
+        row = QHBoxLayout()
+        row.addWidget(self.draft, 1)
+        row.addWidget(pick)
+        row.addWidget(self.no_draft)
+        row.addWidget(QLabel("proposals per call:"))
+        row.addWidget(self.draft_len)
+        self.form.addRow("Draft model (faster decoding):", row)
         self.add_strip("Compile and bundle", redo=True)
         self.binaries = table(QNN_COLUMNS)
         self.results = table(["Result", "Value"])
@@ -87,6 +114,26 @@ class CompilePage(Page):
             self.sdk.setText(f"QAIRT SDK: not found ({where})")
             self.sdk.setEnabled(False)
 
+    def _pick_draft(self) -> None:
+        """A compiled project of a smaller model with this one's tokenizer, from the projects beside this one."""
+        start = str(self.project.root.parent)
+        folder = QFileDialog.getExistingDirectory(self, "The draft model's project (compiled, same tokenizer)", start)
+        if folder:
+            self.set_draft(folder)
+
+    def set_draft(self, folder: str | None) -> None:
+        """Draft-model decoding needs graphs that take token ids: the lookup-table choice follows the draft."""
+        self.draft.setText(folder or "")
+        self.draft_len.setEnabled(folder is not None)
+        self.no_draft.setEnabled(folder is not None)
+        self.lut.setEnabled(folder is None and not self.mnn.isChecked())
+        if folder:
+            self.lut.setChecked(False)
+
+    def bundle_options(self) -> BundleOptions:
+        return self.project.rerun_options(stages.BUNDLE.name, BundleOptions, draft=self.draft.text() or None,
+                                          draft_len=self.draft_len.value())
+
     def options(self) -> CompileOptions:
         return self.project.rerun_options(
             stages.COMPILE.name, CompileOptions, backend="qairt" if self.sdk.isChecked() else "ort-qnn",
@@ -96,8 +143,10 @@ class CompilePage(Page):
     def _backend_chosen(self, mnn: bool) -> None:
         """MNN takes its own options; the QNN ones stay out of its way (and its result is shown when it has one)."""
         self.mnn_bits.setEnabled(mnn)
-        for box in (self.verify, self.share, self.quick, self.lut):
+        for box in (self.verify, self.share, self.quick, self.lut, self.draft, self.draft_len):
             box.setEnabled(not mnn)
+        if not mnn:
+            self.set_draft(self.draft.text() or None)
         self.strip.run.setText("Export to MNN and check" if mnn else "Compile and bundle")
         if self.window_.project is not None:
             self.refresh()
@@ -106,13 +155,13 @@ class CompilePage(Page):
         if self.mnn.isChecked():
             self._start_mnn(force)
             return
-        project, opts = self.project, self.unless_refused(self.options)
-        if opts is None:
+        project, opts, bopts = self.project, self.unless_refused(self.options), self.unless_refused(self.bundle_options)
+        if opts is None or bopts is None:
             return
         cluster = self.window_.settings.cluster  # None: here
 
         def work(state: Any) -> tuple[CompileResult, BundleResult]:
-            run = partial(pipeline.compile_and_bundle, force=force, cluster=cluster)
+            run = partial(pipeline.compile_and_bundle, boptions=bopts, force=force, cluster=cluster)
             crec, brec = isolated.run(run, project, opts, state=state)
             return crec.result_as(CompileResult), brec.result_as(BundleResult)
 
@@ -149,6 +198,10 @@ class CompilePage(Page):
                 fill(self.results, [])
                 self.strip.status.setText("No MNN model yet.")
         elif crec and crec.status == "done":
+            bo = brec.options_as(BundleOptions) if brec and brec.status == "done" else None
+            self.set_draft(bo.draft if bo else None)
+            if bo is not None:
+                self.draft_len.setValue(bo.draft_len)
             o = crec.options_as(CompileOptions)
             self.verify.setValue(o.verify_tokens)
             self.share.setChecked(o.weight_sharing)
@@ -208,6 +261,14 @@ class CompilePage(Page):
             rows += [("Genie bundle", str(self.project.stage_dir(stages.BUNDLE.name))),
                      ("Validated by libGenie", "yes" if b.validated else "no"),
                      ("Genie API", b.genie_api)]
+            if b.decoding == "spd":
+                check = b.spd_check or {}
+                rows.append(("Decoding", f"draft model, {b.draft_len} proposals per target call"
+                             + (f"; greedy answer unchanged, {check['tokens_per_target_call']} tokens per target call"
+                                if check.get("tokens_per_target_call") else "")))
+            if b.phone_decode_tok_s:
+                rows.append(("Phone decode estimate", ", ".join(f"{mode} {rate:,.0f} tok/s"
+                                                                for mode, rate in b.phone_decode_tok_s.items())))
         fill(self.results, rows)
         self.strip.status.setText(f"{len(s.binaries)} context binaries, {s.nodes_on_cpu} ops on the CPU"
                                   + (", bundle validated by libGenie." if b and b.validated else "."))
