@@ -12,7 +12,6 @@ from PySide6.QtWidgets import (
     QCheckBox,
     QFileDialog,
     QHBoxLayout,
-    QLabel,
     QLineEdit,
     QRadioButton,
     QToolButton,
@@ -92,9 +91,8 @@ class CompilePage(Page):
         row.addWidget(self.draft, 1)
         row.addWidget(pick)
         row.addWidget(self.no_draft)
-        row.addWidget(QLabel("proposals per call:"))
-        row.addWidget(self.draft_len)
         self.form.addRow("Draft model (faster decoding):", row)
+        self.form.addRow("Draft's proposals per call:", self.draft_len)
         self.add_strip("Compile and bundle", redo=True)
         self.binaries = table(QNN_COLUMNS)
         self.results = table(["Result", "Value"])
@@ -110,8 +108,9 @@ class CompilePage(Page):
         if version:
             self.sdk.setText(f"QAIRT SDK {version} at {where}")
             self.sdk.setEnabled(True)
-        else:
-            self.sdk.setText(f"QAIRT SDK: not found ({where})")
+        else:  # the reason as the tooltip: a radio button does not wrap, and the page would scroll sideways
+            self.sdk.setText("QAIRT SDK: not found (hover for why)")
+            self.sdk.setToolTip(where)
             self.sdk.setEnabled(False)
 
     def _pick_draft(self) -> None:
