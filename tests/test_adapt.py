@@ -186,6 +186,7 @@ def test_rmsnorm_of_the_attention_sink_token_survives_the_htp_simulator(tmp_path
 
 @pytest.mark.parametrize(("opts", "message"), [
     (AdaptOptions(ar=128, cl=128), "need 1 ≤ AR < CL"),
+    (AdaptOptions(ar=1, cl=128), "two graphs of the same shape"),
     (AdaptOptions(ar=32, cl=4096), "exceeds what the model was trained for"),
 ])
 def test_bad_options_are_refused_before_any_work(tiny_llama: Path, tmp_path: Path, opts: AdaptOptions,

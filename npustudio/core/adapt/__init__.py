@@ -92,6 +92,11 @@ def equivalence_gate(eq: Equivalence, card: Any, accept_mismatch: bool) -> Gate:
 
 
 def validate(opts: AdaptOptions, card: Any) -> None:
+    if opts.ar == 1:  # two AR-1 graphs, which Genie loads as two parts of one model and runs wrongly
+        raise UserError("AR 1 would make the prompt graph a second token graph: Genie takes two graphs of the same "
+                        "shape for two parts of the model.",
+                        "Keep an AR of 2 or more (e.g. --ar 8); to read prompts one token at a time, bundle with "
+                        "--token-graphs-only, which leaves the prompt graph out.")
     if opts.ar < 1 or opts.cl <= opts.ar:
         raise UserError(f"AR {opts.ar} and context length {opts.cl} do not fit: need 1 ≤ AR < CL.",
                         "Use e.g. --ar 128 --cl 1024 (AR is the prompt step, CL the context length).")
