@@ -187,6 +187,30 @@ def _arm64_elf(path: Path, needed: list[str], machine: int = 183) -> Path:
     return path
 
 
+def test_a_runtime_library_named_outside_the_runtime_folder_is_never_pushed(tmp_path: Path) -> None:
+    """llm_demo's DT_NEEDED names a library by a path that leaves MNN_ANDROID_ROOT (or a link in it points out):
+    refused naming it, instead of pushing a file of this computer from outside the runtime folder."""
+    from npustudio.core.errors import UserError
+    from npustudio.core.mnn import android
+
+    secret = tmp_path / "outside_rt" / "libsecret.so"
+    secret.parent.mkdir()
+    _arm64_elf(secret, ["libc.so"])
+    runtime = tmp_path / "rt"
+    runtime.mkdir()
+    _arm64_elf(runtime / "libMNN.so", ["libc.so"])
+    _arm64_elf(runtime / "llm_demo", ["libMNN.so", "../outside_rt/libsecret.so"])
+    with pytest.raises(UserError, match=r"names '../outside_rt/libsecret.so' as a library it needs"):
+        android.runtime_files(runtime)
+    _arm64_elf(runtime / "llm_demo", ["libMNN.so", "libsecret.so"])
+    (runtime / "libsecret.so").symlink_to(secret)
+    with pytest.raises(UserError, match="not a file of that folder"):
+        android.runtime_files(runtime)
+    (runtime / "libsecret.so").unlink()
+    _arm64_elf(runtime / "libsecret.so", ["libc.so"])
+    assert {p.name for p in android.runtime_files(runtime)} == {"llm_demo", "libMNN.so", "libsecret.so"}
+
+
 def test_the_mnn_model_answers_on_a_device_through_llm_demo(tiny_models: dict[str, Path], adb_server: list[str],
                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`npustudio deploy P/stages/mnn` then `npustudio chat --mnn --device S "…"`, as processes: a phone is refused

@@ -68,6 +68,13 @@ def runtime_files(folder: Path) -> list[Path]:
                 continue
             seen.add(name)
             lib = folder / name
+            inside = folder.resolve()
+            if "/" in name or "\\" in name or name in (".", "..") or (
+                    lib.exists() and inside not in lib.resolve().parents):
+                raise UserError(f"{PROGRAM} in {folder} names {name!r} as a library it needs, which is not a file of "
+                                "that folder: only the runtime folder's own libraries are pushed to a phone.",
+                                f"Use an MNN build whose {PROGRAM} names its libraries by file name, with them "
+                                f"in {folder}.")
             if lib.is_file():
                 files.append(lib)
                 todo.append(lib)
