@@ -436,7 +436,7 @@ class ChatSession:
         summary = profile.summarize(profile.parse(prof)).model_dump() if prof else self.engine.figures
         turn = Turn(user=user, assistant=clean_answer(text, self.tok), runner=self.engine.name, stopped=stopped,
                     generation_tok_s=summary.get("generation_tok_s"), ttft_s=summary.get("ttft_s"),
-                    tokens_per_call=summary.get("tokens_per_call"), wait_s=round(first[0], 2) if first else None)
+                    tokens_per_call=summary.get("tokens_per_call"), wait_s=first[0] if first else None)
         self.turns = [*before, turn]
         self.save()
         return turn
