@@ -1493,6 +1493,27 @@ def test_the_inspector_keeps_names_in_view_shows_flags_and_the_heatmaps_figures(
     ins.heatmap.scene().sigMouseMoved.emit(vb.mapViewToScene(QPointF(-5, -5)))  # off the cells: no tip
     assert ins.heatmap.toolTip() == ""
 
+    # issue 65: a sort keeps the highlight on the tensor the detail pane shows
+    ins.select_tensor(wide.name)
+    assert ins.selected() == wide
+    for column, descending in (("name", False), ("scale_spread", True), ("layer", True)):
+        ins.sort_by(column, descending)
+        assert ins.selected() == wide and ins.detail_label.text().startswith(f"{wide.name}:")
+        rows = ins.view.selectionModel().selectedRows()
+        assert len(rows) == 1 and ins.visible_rows()[rows[0].row()] == wide
+
+    # the colour bar spans the data: a map of one bit width is that width, not "8 to 9"
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("activation_bits"))
+    bits = {r.bitwidth for r in table.rows if r.kind == "activation" and r.layer is not None}
+    assert len(bits) == 1
+    (only,) = bits
+    lo, hi = ins.colorbar.levels()
+    assert lo < only < hi and hi - lo == 1
+    assert ins.colorbar.axis._tickLevels == [[(float(only), f"{only:g}")]]
+    ins.colour_by.setCurrentIndex(ins.colour_by.findData("activation_sqnr"))
+    assert ins.colorbar.levels() == (float(np.nanmin(ins.heat_grid)), float(np.nanmax(ins.heat_grid)))
+    assert ins.colorbar.axis._tickLevels is None
+
 
 def test_opening_another_project_resets_every_view_of_the_last_one(qtbot: Any, tmp_path: Path) -> None:
     """Issue 37: project B opened after A shows nothing of A: the inspector's filters, colouring, sort and zoom,

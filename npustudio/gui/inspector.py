@@ -79,9 +79,15 @@ class TensorModel(QAbstractTableModel):
             return len(v) if key == "flags" else v
 
         self.layoutAboutToBeChanged.emit()
+        # the selection (and any other persistent index) follows its tensor, not its row number: after a sort the
+        # highlight and the detail pane still show the same tensor
+        held = [(i, self.rows[i.row()]) for i in self.persistentIndexList()]
         known = [r for r in self.rows if getattr(r, key) is not None]  # rows without a value last, either way
         known.sort(key=value, reverse=order == Qt.SortOrder.DescendingOrder)
         self.rows[:] = known + [r for r in self.rows if getattr(r, key) is None]
+        at = {id(r): n for n, r in enumerate(self.rows)}
+        for index, r in held:
+            self.changePersistentIndex(index, self.index(at[id(r)], index.column()))
         self.layoutChanged.emit()
 
     def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008 (Qt API)
@@ -247,6 +253,19 @@ def heat(table: EncodingsTable, metric: str) -> tuple[np.ndarray, list[int], lis
         if np.isnan(grid[i, j]) or worse(v, grid[i, j]):
             grid[i, j], names[i, j] = v, r.name
     return grid, layers, roles, names
+
+
+def colour_levels(lo: float, hi: float) -> tuple[float, float]:
+    """The colour bar's range: the data's; one value alone sits mid-bar (an all-8-bit map is not "8 to 9")."""
+    return (lo, hi) if hi > lo else (lo - 0.5, lo + 0.5)
+
+
+def colour_ticks(metric: str, grid: np.ndarray) -> list[list[tuple[float, str]]] | None:
+    """Bit widths are a few whole values: the bar names exactly those present; other metrics: the axis's own."""
+    if metric.endswith("_bits") or np.nanmin(grid) == np.nanmax(grid):
+        values = np.unique(grid[np.isfinite(grid)])
+        return [[(float(v), f"{v:g}") for v in values]]
+    return None
 
 
 def _cell_value(metric: str, r: TensorRow) -> str:
@@ -474,7 +493,8 @@ class Inspector(QWidget):
             self.colorbar = pg.ColorBarItem(colorMap=pg.colormap.get("viridis"), interactive=False)
             self.colorbar.setImageItem(self.image, insert_in=self.heatmap.getPlotItem())
         lo, hi = float(np.nanmin(grid)), float(np.nanmax(grid))
-        self.colorbar.setLevels((lo, hi if hi > lo else lo + 1))
+        self.colorbar.setLevels(colour_levels(lo, hi))
+        self.colorbar.axis.setTicks(colour_ticks(metric, grid))
         step = max(1, len(layers) // 15)
         self.heatmap.getAxis("bottom").setTicks([[(j + 0.5, str(layer)) for j, layer in enumerate(layers)][::step]])
 
