@@ -1352,6 +1352,23 @@ def test_the_chat_is_ready_as_soon_as_compile_has_built_the_bundle(
     assert w.chat.stats.text().startswith("Ready: This computer: CPU preview")
 
 
+def test_a_deploy_during_a_chat_turn_switches_the_runner_only_after_it(qtbot: Any, genie_project: Project) -> None:
+    """Issue 65: a device deployed to while the CPU preview answered switched the chat's runner combo mid-answer, so
+    it named a runner that was not the one answering. The combo is locked during a turn; the switch to the device
+    comes once the answer is in."""
+    w = MainWindow(genie_project.root, watch_devices=False)
+    qtbot.addWidget(w)
+    c = w.chat
+    c.runner.setCurrentIndex(c.runner.findData("preview"))
+    with qtbot.waitSignal(c.answered, timeout=120_000) as got:
+        c.ask("Hello")
+        assert c.busy and not c.runner.isEnabled()
+        c.use_device("emulator-5554")  # what the Deploy page does when its push ends
+        assert c.runner.currentData() == "preview"
+    assert "preview" in got.args[0].runner  # the runner named when the turn began answered it
+    assert c.runner.isEnabled() and c.runner.currentIndex() == 0  # the device, now that the answer is in
+
+
 def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
         qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
     """Another target makes Quantize out of date, and Compile with it; Compile is locked until Quantize is redone,

@@ -325,6 +325,7 @@ class ChatPanel(QWidget):
         self._stopping = False  # Stop was pressed: the status line says so until the turn ends
         self._first: float | None = None  # when the first piece of the answer came
         self._regenerated: str | None = None  # the answer a Regenerate replaces, to say when it came back the same
+        self._device_next = False  # a device was deployed to during a turn: the chat switches to it after
         self.greedy = False  # the runner picks the likeliest token every time (`_note_greedy`)
         self._tick = QTimer(self)  # the status line counts while Genie reads the prompt (minutes on the simulator)
         self._tick.setInterval(500)
@@ -336,8 +337,18 @@ class ChatPanel(QWidget):
         return self.job is not None and self.job.running
 
     def use_device(self, serial: str) -> None:
+        """Chat with the device just deployed to; a running turn keeps its runner and the switch waits for its end
+        (the combo changed under a running answer, naming a runner that was not the one answering)."""
+        if self.busy:
+            self._device_next = True
+            return
+        self._device_next = False
         self.runner.setCurrentIndex(0)
         self.reload()
+
+    def _after_turn(self) -> None:
+        if self._device_next:
+            self.use_device("")
 
     def _runner_key(self) -> tuple[Any, ...] | None:
         project = self.window_.project
@@ -424,6 +435,7 @@ class ChatPanel(QWidget):
             b.setEnabled(not busy and self.window_.project is not None)
         self.regen_btn.setEnabled(not busy and has_turn)
         self.edit_btn.setEnabled(not busy and has_turn)
+        self.runner.setEnabled(not busy)  # the runner answering stays the one named
 
     def ask(self, text: str) -> None:
         self.input.setPlainText(text)
@@ -559,6 +571,7 @@ class ChatPanel(QWidget):
         if self.session.last_profile:
             self.window_.profiles.add_json(f"chat {len(self.session.turns)} ({turn.runner})", self.session.last_profile)
         self._show_chat(self.session.history)
+        self._after_turn()
         self.answered.emit(turn)
 
     def _show_chat(self, hist: chat.ChatHistory) -> None:
@@ -582,12 +595,14 @@ class ChatPanel(QWidget):
         self._redraw()
         self.stats.setText(f"Failed: {problem}")
         show_error(self, problem, fix)
+        self._after_turn()
 
     def _cancelled(self) -> None:
         """Stopped before an answer began (while the bundle was being deployed, say)."""
         self._end_turn()
         self._redraw()
         self.stats.setText("Stopped before the answer began.")
+        self._after_turn()
 
     def _redraw(self) -> None:
         hist = self.session.history if self.session is not None else self._history()
