@@ -15,6 +15,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage, QPainter
 from PySide6.QtWidgets import QApplication, QMessageBox, QTableWidget
 
+from npustudio.core import layout
 from npustudio.core.chat import Turn
 from npustudio.core.device import DeviceInfo
 from npustudio.core.errors import UserError
@@ -1367,6 +1368,32 @@ def test_a_deploy_during_a_chat_turn_switches_the_runner_only_after_it(qtbot: An
         assert c.runner.currentData() == "preview"
     assert "preview" in got.args[0].runner  # the runner named when the turn began answered it
     assert c.runner.isEnabled() and c.runner.currentIndex() == 0  # the device, now that the answer is in
+
+
+def test_profiles_show_the_projects_own_sample_answer_and_say_when_it_is_unreadable(
+        qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
+    """Issue 65: the profiles dock ignored the project's `runs/sample_profile.json` (written by `npustudio run`).
+    Opening a project shows it as its first run; a damaged one is named in the status line, the window opens."""
+    import shutil
+
+    from npustudio.core.genie import host
+
+    root = tmp_path / "proj"
+    shutil.copytree(genie_project.root, root)
+    runs = root / layout.RUNS_DIR
+    runs.mkdir(exist_ok=True)
+    bundle = root / "stages" / "bundle"
+    host.run(bundle / layout.GENIE_CONFIG, "Hello", lambda _s: None, profile_path=runs / layout.SAMPLE_PROFILE,
+             preview=True, max_tokens=4)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    assert [label for label, _p, _s in w.profiles.runs] == ["sample answer (npustudio run)"]
+    assert w.profiles.table.rowCount() == 1 and w.profiles.runs[0][2].generated_tokens
+
+    (runs / layout.SAMPLE_PROFILE).write_text("{not json")
+    assert w.open_project(root)
+    assert w.profiles.runs == [] and w.profiles.table.rowCount() == 0
+    assert "sample_profile.json was not shown in Profiles" in w.statusBar().currentMessage()
 
 
 def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(

@@ -181,6 +181,7 @@ class MainWindow(QMainWindow):
         for page in self.pages:  # nothing of the previous project stays on screen
             page.clear_results()
         self.profiles.forget_runs()  # drawn once, with this project's roofline, by refresh()
+        unread = self.profiles.keep_project_sample(project.root)
         self.devices.forget_project()
         self.settings.remember(project.root)
         self._save_settings()
@@ -189,6 +190,8 @@ class MainWindow(QMainWindow):
         self.refresh()  # the steps, every page and the profiles' roofline, from this project
         first = next((i for i, name in enumerate(STEPS) if self.step_state(name) != "done"), len(STEPS) - 1)
         self.steps.setCurrentRow(first)  # resume where it stopped
+        if unread:
+            self.statusBar().showMessage(unread)
         return True
 
     @staticmethod

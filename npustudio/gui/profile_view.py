@@ -14,6 +14,7 @@ from typing import Any
 import pyqtgraph as pg
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
+from ..core import layout
 from ..core.errors import UserError
 from ..core.genie import profile
 from ..display import human_number
@@ -114,6 +115,19 @@ class ProfileView(QWidget):
         self.runs.clear()
         for chart in (self.timeline, self.ttft, self.rates):
             chart.fit()
+
+    def keep_project_sample(self, project_root: Path) -> str | None:
+        """The project's own profile of its sample answer (`npustudio run` writes it) kept as its first run, drawn
+        with the roofline; a file that cannot be read is left out and its problem returned for the status line."""
+        path = Path(project_root) / layout.RUNS_DIR / layout.SAMPLE_PROFILE
+        if not path.is_file():
+            return None
+        try:
+            p = profile.read(path)
+        except UserError as e:
+            return f"{path} was not shown in Profiles: {e.problem}"
+        self.runs.append(("sample answer (npustudio run)", p, profile.summarize(p)))
+        return None
 
     def _open(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Genie profile", filter="JSON (*.json)",
