@@ -1023,7 +1023,7 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     w.target_page.select(meta.target.soc)
     shown = table_dict(w.target_page.details)["Decode bound, w8a16"]
     target_figure = float(re.search(r"≤ ([\d.]+) tok/s", shown).group(1))
-    assert "the bundle's binaries" in shown
+    assert "measured: the bundle's token graph" in shown
     assert w.profiles.roof is not None and w.profiles.roof["decode_tok_s_bound"] == target_figure
     line = next(i for i in w.profiles.rates.getPlotItem().items if isinstance(i, pg.InfiniteLine))
     assert round(10 ** line.value(), 1) == target_figure  # drawn on the rates' log axis
@@ -1031,7 +1031,20 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     token_bins = sum(f.stat().st_size for f in bundle.glob("token_*.bin"))  # what one generated token reads
     expected = meta.target.memory_gb_s * 1e9 / (token_bins + meta.decoder.kv_bytes_per_token * meta.context_length)
     assert target_figure == round(expected, 1)
-    assert "estimate" in table_dict(w.target_page.details)["Decode bound, w4a16"]  # no bundle of that precision
+    w4 = table_dict(w.target_page.details)["Decode bound, w4a16"]
+    assert "estimate" in w4  # no bundle of that precision
+
+    # issue 65: the Model page said other figures for the same bundle without saying why. It shows the Target
+    # page's, for the project's target, named in its header, each saying whether it is measured or estimated
+    from npustudio.gui.pages.model import DECODE, FIT_COLUMNS
+
+    assert w.project.choices().target_soc == meta.target.soc
+    fit, col = w.model_page.fit, FIT_COLUMNS.index(DECODE)
+    assert fit.horizontalHeaderItem(col).text() == f"Decode bound ({meta.target.soc})"
+    by = {fit.item(r, 0).text(): fit.item(r, col).text() for r in range(fit.rowCount())}
+    assert by["w8a16"] == f"{target_figure:,.0f} tok/s (measured)"
+    w4_figure = float(re.search(r"≤ ([\d.]+) tok/s", w4).group(1))
+    assert by["w4a16"] == f"{w4_figure:,.0f} tok/s (estimate)"
 
 
 def test_the_responsiveness_benchmark_measures_a_project_switch_and_quitting_mid_stage(

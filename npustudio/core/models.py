@@ -692,6 +692,14 @@ class FitEstimate(BaseModel):
     with_4bit_head: HeadVariant | None = Field(None, description="with --lm-head-bits 4, where it applies")
     assumptions: str
 
+    def decode_bound(self, soc_name: str) -> float:
+        """The decode bound on `soc_name`, by the one definition every view uses: the bytes a generated token reads
+        (the weights on the HTP, i.e. all but the embedding table, and the KV cache over the whole context) over
+        the SoC's memory bandwidth. Stored for the default target; another SoC scales by its bandwidth."""
+        from .targets import DEFAULT_SOC, find_soc
+
+        return round(self.decode_tok_s_bound * find_soc(soc_name).memory_gb_s / find_soc(DEFAULT_SOC).memory_gb_s, 1)
+
 
 # quantized/float perplexity of SmolLM2-135M-Instruct at each preset (`npustudio run --precision P --json`, its
 # quantize stage's ratio, 2 cores; w4a16 with its default int8 budget): what a precision costs a real model, shown

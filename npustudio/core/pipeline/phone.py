@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 from ..progress import State, StateLike
 from ..project import Deployed, Project
 from ..results import IntakeResult, QuantizeResult
-from ..stage_options import IntakeOptions
 from .status import _require, stale_reasons
 
 
@@ -131,15 +130,17 @@ def open_engine(bundle: Path, where: Literal["device", "desktop", "preview", "mn
 
 
 def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, float], str]]:
-    """The decode roofline on `target` per precision of the model's fit: (precision, roofline, basis). The
-    precision the project's bundle is current for is measured from that bundle (`profile.bundle_roofline`, the
-    figure the profiles show); the others are estimated from the fit at the chosen context length."""
+    """The decode roofline on `target` per precision of the model's fit: (precision, roofline, basis), by one
+    definition (`FitEstimate.decode_bound`: the bytes a generated token reads over the memory bandwidth). The
+    precision the project's bundle is current for is measured from that bundle's token graph
+    (`profile.bundle_roofline`, the figure the profiles show); the others are the fit's estimate. The Model and
+    Target pages both show these."""
     from ..genie import profile
 
     rec = project.record(stages.MODEL.name)
     if rec is None or rec.status != "done":
         return []
-    intake, cl = rec.result_as(IntakeResult), rec.options_as(IntakeOptions).cl
+    intake = rec.result_as(IntakeResult)
     built = None
     quant, bundle = project.record(stages.QUANTIZE.name), project.record(stages.BUNDLE.name)
     if quant and bundle and bundle.status == "done" and "bundle" not in stale_reasons(project):
@@ -149,12 +150,14 @@ def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, fl
         if f.precision == built:
             try:
                 out.append((f.precision, profile.bundle_roofline(project.stage_dir(stages.BUNDLE.name), target),
-                            "the bundle's binaries"))
+                            "measured: the bundle's token graph and its KV cache"))
                 continue
             except UserError:  # a bundle folder damaged since: the estimate still holds
                 pass
-        out.append((f.precision, profile.roofline(target, f.weight_bytes, intake.card.kv_bytes_per_token, cl),
-                    "estimate"))
+        bound = f.decode_bound(target.soc)
+        out.append((f.precision, {"memory_gb_s": target.memory_gb_s, "decode_tok_s_bound": bound,
+                                  "bytes_per_token": round(target.memory_gb_s * 1e9 / bound)},
+                    f"estimate: the weights on the HTP and the KV cache at CL {f.context_length}"))
     return out
 
 

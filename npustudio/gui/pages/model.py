@@ -19,7 +19,7 @@ from ...core import host_cost, models, pipeline, stages
 from ...core.progress import about_duration
 from ...core.results import IntakeResult
 from ...core.stage_options import AdaptOptions
-from ...core.targets import fits_phone_ram
+from ...core.targets import DEFAULT_SOC, find_soc, fits_phone_ram
 from ..fields import spin
 from ..widgets import BAD, GOOD, WARN, Page, fill, status_label, table
 from ..window import StudioWindow
@@ -27,6 +27,14 @@ from ..window import StudioWindow
 KINDS = (("default", "Embedded default"), ("hf_dir", "Local folder"), ("gguf", "GGUF file"),
          ("hub", "Hugging Face hub id"))
 
+
+
+DECODE = "Decode bound"
+DECODE_MEANS = ("Upper bound on the phone's decode speed: the bytes one generated token reads (the weights on the HTP "
+                "and the KV cache over the whole context) over the target SoC's memory bandwidth. Measured from the "
+                "bundle for the precision it is built at, estimated for the others; the Target page shows the same.")
+FIT_COLUMNS = ("Precision", "Weights", "KV cache", "Parts", "Bundle (phone)", "MNN model (CPU/GPU)", DECODE,
+               "PPL cost (default model)", "Phone RAM needed", "Fits")
 
 class ModelPage(Page):
     title = "Model"
@@ -59,8 +67,8 @@ class ModelPage(Page):
         self.form.addRow("Context length (for the estimate):", self.cl)
         self.add_strip("Read model", redo=True)
         self.card = table(["Property", "Value"])
-        self.fit = table(["Precision", "Weights", "KV cache", "Parts", "Bundle (phone)", "MNN model (CPU/GPU)",
-                          "Decode bound", "PPL cost (default model)", "Phone RAM needed", "Fits"])
+        self.fit = table(list(FIT_COLUMNS))
+        self.fit.horizontalHeaderItem(FIT_COLUMNS.index(DECODE)).setToolTip(DECODE_MEANS)
         self.lay.addWidget(self.card, 3)
         self.lay.addWidget(self.fit, 1)
         self.advice = status_label()  # the precision the main job would choose, and why
@@ -144,12 +152,24 @@ class ModelPage(Page):
                           + (f" Quantize writes {disk} to disk." if disk else ""))
         self.host.setStyleSheet("" if h.fits else "color: #b00020;")
 
+    def _decode_bounds(self) -> tuple[str, dict[str, str]]:
+        """The project's target and the decode bound per precision as the Target page shows it (the bundle's
+        figure for the precision it is built at, the estimate for the others)."""
+        project = self.window_.project
+        soc = project.choices().target_soc if project is not None else DEFAULT_SOC
+        if project is None:
+            return soc, {}
+        return soc, {p: f"{r['decode_tok_s_bound']:,.0f} tok/s ({basis.partition(':')[0]})"
+                     for p, r, basis in pipeline.decode_bounds(project, find_soc(soc))}
+
     def show_fit(self) -> None:
         """Colour each precision by whether it fits (core's rule, `fits_phone_ram`): the selected device's RAM if
         one is picked, else a typical phone (`models.TYPICAL_PHONE_RAM_GB`)."""
         dev = self.window_.device
         ram = dev.ram_bytes if dev is not None and dev.ram_bytes else None
         rows, colours = [], []
+        soc, bounds = self._decode_bounds()
+        self.fit.horizontalHeaderItem(FIT_COLUMNS.index(DECODE)).setText(f"{DECODE} ({soc})")
         for f in self.fits:
             if dev is not None and ram:  # `ram` is the device's: said for mypy
                 ok = fits_phone_ram(f.phone_ram_bytes, ram)
@@ -162,7 +182,8 @@ class ModelPage(Page):
             ratio = f.ppl_ratio_default_model
             rows.append((f.precision, display.human_bytes(f.weight_bytes), display.human_bytes(f.kv_cache_bytes),
                          f.parts, display.human_bytes(f.context_bytes_phone), display.human_bytes(f.mnn_bytes),
-                         f"{f.decode_tok_s_bound:,.0f} tok/s", f"×{ratio:.3f}" if ratio else "—",
+                         bounds.get(f.precision, f"{f.decode_bound(soc):,.0f} tok/s (estimate)"),
+                         f"×{ratio:.3f}" if ratio else "—",
                          display.human_bytes(f.phone_ram_bytes), verdict))
         fill(self.fit, rows, colours)
         if self.fits:
