@@ -1409,6 +1409,32 @@ def test_profiles_show_the_projects_own_sample_answer_and_say_when_it_is_unreada
     assert "sample_profile.json was not shown in Profiles" in w.statusBar().currentMessage()
 
 
+def test_the_context_fields_stop_at_what_the_read_model_takes(qtbot: Any, tmp_path: Path) -> None:
+    """Issue 65: with a model trained for 256 tokens read, Adapt still offered the default CL 1024, and its Run was
+    refused with a fix naming `--cl`, which the window has not got. The context fields of Model and Adapt now stop
+    at 256 and say why; a model without that limit gets the field's whole range back."""
+    from npustudio.core import pipeline
+    from npustudio.core import stage_options as so
+    from npustudio.core.progress import State
+    from npustudio.core.stage_options import AdaptOptions
+
+    short = make_tiny_model(tmp_path / "short", "llama64", max_position_embeddings=256)
+    p = Project.open(tmp_path / "proj")
+    pipeline.intake(p, str(short), 1024, State())
+    w = MainWindow(p.root, watch_devices=False)
+    qtbot.addWidget(w)
+    for box in (w.adapt_page.cl, w.model_page.cl):
+        assert box.maximum() == 256 and box.value() == 256
+        assert "At most 256: the model was trained for 256 tokens" in box.toolTip()
+    assert w.adapt_page.options().cl == 256  # what Run would use
+
+    longer = make_tiny_model(tmp_path / "long", "llama64", max_position_embeddings=4096)
+    pipeline.intake(p, str(longer), 1024, State())
+    w.refresh()
+    assert w.adapt_page.cl.maximum() == min(4096, so.int_range(AdaptOptions, "cl")[1])
+    assert w.adapt_page.cl.value() == 1024 and "At most 256" not in w.adapt_page.cl.toolTip()
+
+
 def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
         qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
     """Another target makes Quantize out of date, and Compile with it; Compile is locked until Quantize is redone,

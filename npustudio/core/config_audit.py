@@ -241,6 +241,21 @@ def _rope(config: Any) -> dict[str, Any] | None:
     return out
 
 
+def max_context(card: Any) -> tuple[int | None, str]:
+    """The longest context the model takes exactly, and why (None: no limit read from its config): its trained
+    length, a sliding window (Genie's mask is fully causal) or LongRoPE's short range. The window's context fields
+    stop there instead of letting a run be refused for a flag the window has not got."""
+    limits = [(card.max_position, f"the model was trained for {card.max_position} tokens")] if card.max_position \
+        else []
+    if getattr(card, "sliding_window", None) is not None:
+        limits.append((card.sliding_window, f"the model attends to the last {card.sliding_window} tokens only"))
+    rs = card.rope_scaling or {}
+    if rs.get("rope_type") == "longrope":
+        orig = rs["original_max_position_embeddings"]
+        limits.append((orig, f"LongRoPE keeps one RoPE table up to {orig} tokens"))
+    return min(limits) if limits else (None, "")
+
+
 def check_context(card: Any, cl: int) -> None:
     """The options whose support depends on the context length (`card` is an ArchCard)."""
     window = getattr(card, "sliding_window", None)

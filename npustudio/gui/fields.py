@@ -37,3 +37,20 @@ def combo(model: type[BaseModel], name: str, labels: Mapping[Any, str] | None = 
         box.addItem((labels or {}).get(v, str(v)), v)
     box.setCurrentIndex(max(0, box.findData(default(model, name))))
     return box
+
+
+def limit_context(box: QSpinBox, project: Any) -> None:
+    """A context-length box held to what the project's model takes exactly (`config_audit.max_context`), saying
+    why in its tooltip: a longer one is refused by the stage with a fix naming a CLI flag, not this box."""
+    from ..core import stages
+    from ..core.config_audit import max_context
+    from ..core.results import IntakeResult
+    from ..core.stage_options import AdaptOptions
+
+    high = so.int_range(AdaptOptions, "cl")[1]
+    rec = project.record(stages.MODEL.name) if project is not None else None
+    limit, why = (max_context(rec.result_as(IntakeResult).card) if rec is not None and rec.status == "done"
+                  else (None, ""))
+    box.setMaximum(min(high, limit) if limit else high)  # clamps the value too
+    help_ = so.help_of(AdaptOptions, "cl") or ""
+    box.setToolTip(f"{help_}\nAt most {limit}: {why}." if limit else help_)

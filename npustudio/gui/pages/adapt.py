@@ -10,7 +10,7 @@ from ...core import pipeline, stages
 from ...core.results import AdaptResult
 from ...core.stage_options import AdaptOptions
 from ..charts import PplChart
-from ..fields import spin
+from ..fields import limit_context, spin
 from ..widgets import BAD, Page, fill, table, with_note
 from ..window import StudioWindow
 
@@ -59,6 +59,7 @@ class AdaptPage(Page):
     def refresh(self) -> None:
         rec = self.project.record(stages.ADAPT.name)
         ch = self.project.choices()
+        limit_context(self.cl, self.project)
         if rec and rec.status == "done":
             o = rec.options_as(AdaptOptions)
             self.ar.setValue(o.ar)

@@ -20,7 +20,7 @@ from ...core.progress import about_duration
 from ...core.results import IntakeResult
 from ...core.stage_options import AdaptOptions
 from ...core.targets import DEFAULT_SOC, find_soc, fits_phone_ram
-from ..fields import spin
+from ..fields import limit_context, spin
 from ..widgets import BAD, GOOD, WARN, Page, fill, status_label, table
 from ..window import StudioWindow
 
@@ -125,6 +125,7 @@ class ModelPage(Page):
     def refresh(self) -> None:
         ch = self.project.choices()
         self.set_spec(ch.model)
+        limit_context(self.cl, self.project)
         self.cl.setValue(ch.cl)
         rec = self.project.record(stages.MODEL.name)
         if rec and rec.status == "done":
