@@ -1435,6 +1435,28 @@ def test_the_context_fields_stop_at_what_the_read_model_takes(qtbot: Any, tmp_pa
     assert w.adapt_page.cl.value() == 1024 and "At most 256" not in w.adapt_page.cl.toolTip()
 
 
+def test_a_runner_with_nothing_to_answer_says_what_to_make_before_send(qtbot: Any, genie_project: Project) -> None:
+    """Issue 65: the MNN runner of a project with a Genie bundle only let Send start, then a modal said to build
+    the bundle and pick a device. The status line now says what this runner lacks and how to make it in the window,
+    Send waits for it, and Enter's refusal gives the same fix."""
+    w = MainWindow(genie_project.root, watch_devices=False)
+    qtbot.addWidget(w)
+    c = w.chat
+    c.runner.setCurrentIndex(c.runner.findData("mnn"))
+    assert c.stats.text().startswith("No MNN model yet. Make it on the Compile step")
+    assert not c.send_btn.isEnabled()
+    c.input.setPlainText("Hello")
+    c.send()
+    box = w.findChild(QMessageBox, "error_dialog")
+    assert box is not None and box.text() == "No MNN model yet." and "Compile step" in box.informativeText()
+    assert "bundle" not in box.informativeText().split("or chat")[0]  # not the Genie bundle's fix
+    box.close()
+    c.runner.setCurrentIndex(c.runner.findData("device"))  # no device picked here
+    assert c.stats.text().startswith("No device is picked.") and not c.send_btn.isEnabled()
+    c.runner.setCurrentIndex(c.runner.findData("preview"))
+    assert c.stats.text().startswith("Ready:") and c.send_btn.isEnabled()
+
+
 def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
         qtbot: Any, genie_project: Project, tmp_path: Path) -> None:
     """Another target makes Quantize out of date, and Compile with it; Compile is locked until Quantize is redone,

@@ -416,20 +416,29 @@ class ChatPanel(QWidget):
                     "same answer; edit the message for another one")
         self.regen_btn.setToolTip(tip)
 
+    def _missing(self) -> tuple[str, str]:
+        """What the picked runner lacks, and how to get it in this window (its status line and Send's refusal)."""
+        kind = self.runner.currentData()
+        if self.window_.project is None:
+            return "No project is open.", "Open or create one (File menu)."
+        if kind in DEVICE_RUNNERS and self.window_.device is None:
+            return "No device is picked.", "Pick a device in the device panel, or choose a runner on this computer."
+        if kind in MNN_RUNNERS:
+            return ("No MNN model yet.", "Make it on the Compile step with \"MNN for a phone's CPU or GPU\", or chat "
+                    "with the Genie bundle (another runner).")
+        return "No bundle yet.", "Build it on the Compile step."
+
     def _ready_text(self, key: tuple[Any, ...] | None) -> str:
         if key is None:
-            kind = self.runner.currentData()
-            if kind in MNN_RUNNERS and (kind == "mnn" or self.window_.device is not None):
-                return "No MNN model yet (Compile step, MNN back-end)."
-            return ("No bundle yet (Compile step)." if kind not in DEVICE_RUNNERS or self.window_.device
-                    else "Pick a device in the device panel.")
+            problem, fix = self._missing()
+            return f"{problem} {fix}"
         return f"Ready: {self.runner.currentText()}" + (f" ({key[2]})" if key[2] else "") + "."
 
     def _enable(self) -> None:
         """Buttons follow what can be done now: nothing but Stop while an answer comes."""
         busy = self.busy
         has_turn = bool(self.transcript.bubbles)
-        self.send_btn.setEnabled(not busy)
+        self.send_btn.setEnabled(not busy and self._runner_key() is not None)  # the status line says what lacks
         self.stop_btn.setEnabled(busy)
         for b in (self.new_btn, self.chats, self.rename_btn, self.delete_btn):
             b.setEnabled(not busy and self.window_.project is not None)
@@ -481,8 +490,7 @@ class ChatPanel(QWidget):
     def _start(self, text: str, replace_last: bool) -> None:
         key, project = self._runner_key(), self.window_.project  # a key: a project (said for mypy)
         if key is None or project is None:
-            show_error(self, "There is nothing to chat with yet.",
-                       "Build the bundle (Compile step) and pick a device, or choose 'This computer'.")
+            show_error(self, *self._missing())
             return
         if key != self._key:
             self.session, self._key = None, key
