@@ -1679,10 +1679,15 @@ def test_a_late_progress_message_keeps_stopping_and_a_push_states_one_rate(
     qtbot.addWidget(strip)
     go = threading.Event()
     job = strip.start(lambda state: go.wait(10), lambda _r: None, "Quantizing")
+    # issue 65: the bar stood empty for ~25 s while the stage loaded its libraries: it is busy until the first figure
+    assert strip.bar.maximum() == 0
+    job.progress.emit(0.0, "loading AIMET")
+    qtbot.wait(50)
+    assert strip.bar.maximum() == 0 and strip.status.text() == "loading AIMET"
     strip.cancel.click()
     job.progress.emit(0.4, "Calibrating 3 of 4")  # sent before the stage reached its safe point
     qtbot.wait(50)
-    assert strip.status.text().startswith("Stopping") and strip.bar.value() == 400
+    assert strip.status.text().startswith("Stopping") and strip.bar.value() == 400 and strip.bar.maximum() == 1000
     with qtbot.waitSignal(job.finished, timeout=10_000):
         go.set()
 

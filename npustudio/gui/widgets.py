@@ -209,7 +209,7 @@ class RunStrip(QWidget):
         self.run.setEnabled(False)
         self.redo.setEnabled(False)
         self.cancel.setEnabled(True)
-        self.bar.setValue(0)
+        self.bar.setRange(0, 0)  # busy until the stage says how far it is: its libraries alone load for ~25 s
         self.status.setText(f"{name}…")
         self._on_done = on_done
         slots: dict[str, Any] = {"progress": self._progress, "done": self._done, "failed": self._failed,
@@ -232,11 +232,14 @@ class RunStrip(QWidget):
     def _progress(self, fraction: float, message: str) -> None:
         """The bar and the stage's message; once Cancel (or Stop and quit) is pressed, "Stopping…" stays: a message
         the stage sent before it reached its safe point arrived after it and overwrote it."""
-        self.bar.setValue(int(fraction * 1000))
+        if fraction > 0 or self.bar.maximum():
+            self.bar.setRange(0, 1000)
+            self.bar.setValue(int(fraction * 1000))
         if message and not (self.job is not None and self.job.state.cancelled):
             self.status.setText(message)
 
     def _reset(self) -> None:
+        self.bar.setRange(0, 1000)
         self.run.setEnabled(True)
         self.redo.setEnabled(True)
         self.cancel.setEnabled(False)
