@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QRadioButton,
+    QTableWidgetItem,
     QWidget,
 )
 
@@ -68,7 +69,7 @@ class ModelPage(Page):
         self.add_strip("Read model", redo=True)
         self.card = table(["Property", "Value"])
         self.fit = table(list(FIT_COLUMNS))
-        self.fit.horizontalHeaderItem(FIT_COLUMNS.index(DECODE)).setToolTip(DECODE_MEANS)
+        self._decode_header().setToolTip(DECODE_MEANS)
         self.lay.addWidget(self.card, 3)
         self.lay.addWidget(self.fit, 1)
         self.advice = status_label()  # the precision the main job would choose, and why
@@ -153,6 +154,11 @@ class ModelPage(Page):
                           + (f" Quantize writes {disk} to disk." if disk else ""))
         self.host.setStyleSheet("" if h.fits else "color: #b00020;")
 
+    def _decode_header(self) -> QTableWidgetItem:
+        item = self.fit.horizontalHeaderItem(FIT_COLUMNS.index(DECODE))
+        assert item is not None  # `table` labels every column
+        return item
+
     def _decode_bounds(self) -> tuple[str, dict[str, str]]:
         """The project's target and the decode bound per precision as the Target page shows it (the bundle's
         figure for the precision it is built at, the estimate for the others)."""
@@ -170,7 +176,7 @@ class ModelPage(Page):
         ram = dev.ram_bytes if dev is not None and dev.ram_bytes else None
         rows, colours = [], []
         soc, bounds = self._decode_bounds()
-        self.fit.horizontalHeaderItem(FIT_COLUMNS.index(DECODE)).setText(f"{DECODE} ({soc})")
+        self._decode_header().setText(f"{DECODE} ({soc})")
         for f in self.fits:
             if dev is not None and ram:  # `ram` is the device's: said for mypy
                 ok = fits_phone_ram(f.phone_ram_bytes, ram)
