@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/decoding_bench.py --tiny --json   # builds a tiny target and draft first (~1 min)
 
 The bundle must be an spd bundle (`npustudio bundle --draft D`): `basic` is its target engine alone on the same
-binaries. For each prompt of a fixed set (chat, code, a rewrite of given text, a list) and each mode: the greedy
+binaries. For each prompt the bundle stage checks the draft on (its question, then code, a rewrite of given
+text, a list), in the model's chat template, and each mode: the greedy
 answer (the two must be equal: lossless), the target-graph calls (Genie's own "token-acceptance-rate", tokens per
 target call; 1 for basic), and the phone's estimated decode rate: the roofline over the context binaries read per
 token (weights; the KV cache is left out of both modes alike), where one spd iteration reads the target's checking
@@ -27,12 +28,14 @@ from npustudio.core import layout
 from npustudio.core.genie import decoding, draft, host
 from npustudio.core.genie.meta import read_metadata
 
-PROMPTS = {
-    "chat": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-    "code": "<|im_start|>user\nWrite a Python function that adds two numbers.<|im_end|>\n<|im_start|>assistant\n",
-    "rewrite": "<|im_start|>user\nRewrite more politely: give me the report now.<|im_end|>\n<|im_start|>assistant\n",
-    "list": "<|im_start|>user\nList the days of the week.<|im_end|>\n<|im_start|>assistant\n",
-}
+NAMES = ("chat", "code", "rewrite", "list")  # the bundle's own question, then draft.CHECK_QUESTIONS
+
+
+def prompts(bundle: Path, question: str) -> dict[str, str]:
+    """The prompts the bundle stage checks the draft on, in the model's chat template."""
+    from npustudio.core.chat import chat_model
+
+    return dict(zip(NAMES, draft.check_prompts(chat_model(bundle).tok, question), strict=True))
 
 
 def run(bundle: Path, tokens: int) -> dict[str, Any]:
@@ -51,7 +54,7 @@ def run(bundle: Path, tokens: int) -> dict[str, Any]:
         json.dump(basic, f)
     basic_path = Path(f.name)
     try:
-        for name, prompt in PROMPTS.items():
+        for name, prompt in prompts(bundle, meta.question).items():
             a = host.run(basic_path, prompt, lambda _s: None, max_tokens=tokens)
             b = host.run(bundle / layout.GENIE_CONFIG, prompt, lambda _s: None, max_tokens=tokens)
             per_token = draft._acceptance(b.profile) or 1.0

@@ -59,6 +59,7 @@ def test_a_draft_model_bundle_answers_as_the_target_alone(pair: tuple[Project, P
     out = json.loads(res.stdout)
     assert out["validated"] and out["decoding"] == "spd" and out["draft_len"] == 3
     assert out["spd_check"]["same_answer"] and out["spd_check"]["tokens_per_target_call"] > 1
+    assert out["spd_check"]["prompts"] == 1 + len(draft.CHECK_QUESTIONS)  # not the sample question alone
     bundle = target.stage_dir("bundle")
     cfg = json.loads((bundle / layout.GENIE_CONFIG).read_text())["dialog"]
     assert cfg["type"] == "spd" and cfg["spd"] == {"version": 1, "draft-len": 3}
@@ -231,7 +232,8 @@ def test_the_compile_page_bundles_with_a_draft_chosen_there(qtbot: Any, pair: tu
         page.strip.run.click()
     assert blocker.args == [True], page.strip.status.text()
     rows = dict(cells(page.results))
-    assert rows["Decoding"].startswith("draft model, 3 proposals per target call; greedy answer unchanged"), rows
+    expected = "draft model, 3 proposals per target call; greedy answers unchanged on 4 prompts"
+    assert rows["Decoding"].startswith(expected), rows
     assert "basic" in rows["Phone decode estimate"] and "spd" in rows["Phone decode estimate"]
     cfg = json.loads((root / "stages" / "bundle" / layout.GENIE_CONFIG).read_text())
     assert cfg["dialog"]["type"] == "spd" and cfg["dialog"]["spd"]["draft-len"] == 3

@@ -164,8 +164,8 @@ def print_bundle(b: BundleSummary) -> None:
         check = b.spd_check or {}
         rate = check.get("tokens_per_target_call")
         out.print(f"  decoding: draft model proposes {b.draft_len} tokens per target call"
-                  + (f"; greedy answer unchanged over {check['tokens_compared']} tokens, {rate} tokens per target "
-                     "call (Genie's profile)" if check else ""))
+                  + (f"; greedy answers unchanged on {check.get('prompts', 1)} prompts of {check['tokens_compared']} "
+                     f"tokens, {rate} tokens per target call (Genie's profile)" if check else ""))
     if b.phone_decode_tok_s:
         rates = ", ".join(f"{mode} {rate:,.0f} tok/s" for mode, rate in b.phone_decode_tok_s.items())
         out.print(f"  phone decode estimate ({b.target}, memory-bound): {rates}")

@@ -142,9 +142,8 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     else:
         notes_extra = []
     if options.draft and not shared:  # weight-shared binaries are a phone's: the simulator cannot load them
-        state.progress(0.8, "checking that the draft leaves the answer unchanged (greedy, on the HTP simulator)")
-        sample = (out_dir / layout.SAMPLE_PROMPT).read_text(encoding="utf-8")
-        spd_check = draft.check_lossless(out_dir, cfg, sample)
+        state.progress(0.8, "checking that the draft leaves the answers unchanged (greedy, on the HTP simulator)")
+        spd_check = draft.check_lossless(out_dir, cfg, draft.check_prompts(tok, options.question))
     files = [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(out_dir.iterdir()) if p.is_file()]
     context_bytes = sum((out_dir / b).stat().st_size for b in bins + (draft_meta["binaries"] if draft_meta else []))
     lut_bytes = (out_dir / layout.EMBEDDING_LUT).stat().st_size if embedding else 0

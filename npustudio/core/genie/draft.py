@@ -158,13 +158,27 @@ def describe(draft: Model, draft_len: int, bins: list[str]) -> dict[str, Any]:
 
 
 CHECK_TOKENS = 24  # greedy tokens compared between the target alone and the target with its draft
+# asked beside the bundle's own question: a chat answer, code, a rewrite of given text, a list. One prompt was not
+# enough: a draft that left the sample answer alone changed the rewrite's (the default model, measured)
+CHECK_QUESTIONS = ("Write a Python function that adds two numbers.",
+                   "Rewrite more politely: give me the report now.",
+                   "List the days of the week.")
 
 
-def check_lossless(bundle_dir: Path, config: dict[str, Any], prompt: str, tokens: int = CHECK_TOKENS) -> dict[str, Any]:
-    """Run `prompt` greedily through the draft-model dialog and through the target alone on the same binaries (the
-    real libGenie on the HTP simulator), and compare the answers. Lossless decoding must give the same text; the
-    figures (tokens per target call from Genie's profile) are returned. UserError, with both answers, when they
-    differ."""
+def check_prompts(tok: Any, question: str) -> list[str]:
+    """The prompts the draft is checked on, in the model's chat template: the bundle's question, then the fixed
+    set (a base model without a template is asked them as plain text)."""
+    from .config import sample_prompt
+
+    return [sample_prompt(tok, q) for q in dict.fromkeys((question, *CHECK_QUESTIONS))]
+
+
+def check_lossless(bundle_dir: Path, config: dict[str, Any], prompts: list[str], tokens: int = CHECK_TOKENS
+                   ) -> dict[str, Any]:
+    """Run each prompt greedily through the draft-model dialog and through the target alone on the same binaries
+    (the real libGenie on the HTP simulator, each dialog loaded once), and compare the answers. Lossless decoding
+    must give the same text for every prompt; Genie's tokens per target call on the first (the sample question) is
+    returned. UserError, with both answers, on the first prompt where they differ."""
     import copy
 
     from ..fsutil import atomic_write_json
@@ -177,35 +191,49 @@ def check_lossless(bundle_dir: Path, config: dict[str, Any], prompt: str, tokens
     d.pop("spd", None)
     for c in (basic, config):  # the comparison is only meaningful greedy
         c["dialog"]["sampler"] |= {"greedy": True, "top-k": 1}
-    answers: dict[str, host.RunResult] = {}
+    answers: dict[str, list[str]] = {}
+    rates: list[float | None] = []
     for name, cfg in (("basic", basic), ("spd", config)):
         path = Path(bundle_dir) / f".check-{name}.json"  # beside the real config: the same file names reach the files
         try:
             atomic_write_json(path, cfg)
-            answers[name] = host.run(path, prompt, lambda _s: None, max_tokens=tokens)
+            results, profile = host.run_each(path, prompts, tokens)
         finally:
             path.unlink(missing_ok=True)
-    a, b = answers["basic"].text, answers["spd"].text
-    rate = _acceptance(answers["spd"].profile)
-    if a != b:
-        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        raise UserError(f"Genie's draft-model decoding changed the answer, which it must not do with greedy "
-                        f"sampling: the target alone says {a[max(0, at - 20):at + 30]!r}, with its draft "
-                        f"{b[max(0, at - 20):at + 30]!r} (they part at character {at} of the sample answer; "
-                        f"{rate or '?'} tokens per target call).",
-                        "Bundle without --draft. A draft with the target's own weights gives the same answer; a "
-                        "different one was measured to change it with this libGenie on the HTP simulator.")
-    return {"tokens_compared": tokens, "same_answer": True, "tokens_per_target_call": rate}
+        answers[name] = [r.text for r in results]
+        if name == "spd":
+            rates = _acceptances(profile)
+    for i, (a, b) in enumerate(zip(answers["basic"], answers["spd"], strict=True)):
+        if a != b:
+            at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            rate = rates[i] if i < len(rates) and rates[i] is not None else "?"
+            which = "the sample question" if i == 0 else f"check question {i + 1} of {len(prompts)}"
+            raise UserError(f"Genie's draft-model decoding changed the answer, which it must not do with greedy "
+                            f"sampling: on {which} the target alone says {a[max(0, at - 20):at + 30]!r}, with its "
+                            f"draft {b[max(0, at - 20):at + 30]!r} (they part at character {at}; {rate} tokens per "
+                            f"target call).",
+                            "Bundle without --draft. A draft with the target's own weights gives the same answers; "
+                            "libGenie 1.21 on the HTP simulator was measured to change them whenever it rejects "
+                            "a draft's tokens.")
+    # the figure of the dialog's first query, the sample question: Genie's profile has no other
+    return {"tokens_compared": tokens, "prompts": len(prompts), "same_answer": True,
+            "tokens_per_target_call": rates[0] if rates else None}
 
 
-def _acceptance(profile: str | None) -> float | None:
-    """Genie's own figure: tokens per target call ("token-acceptance-rate", toks/iteration)."""
+def _acceptances(profile: str | None) -> list[float | None]:
+    """Genie's own figure for each query of a profile: tokens per target call ("token-acceptance-rate"). libGenie
+    1.21 gives it for a dialog's first query only (null after a reset, measured): later ones are None."""
     import json
 
     if not profile:
-        return None
-    for comp in json.loads(profile).get("components", []):
-        for ev in comp.get("events", []):
-            if ev.get("type") == "GenieDialog_query" and "token-acceptance-rate" in ev:
-                return round(float(ev["token-acceptance-rate"]["value"]), 3)
-    return None
+        return []
+    return [None if ev["token-acceptance-rate"].get("value") is None
+            else round(float(ev["token-acceptance-rate"]["value"]), 3)
+            for comp in json.loads(profile).get("components", []) for ev in comp.get("events", [])
+            if ev.get("type") == "GenieDialog_query" and isinstance(ev.get("token-acceptance-rate"), dict)]
+
+
+def _acceptance(profile: str | None) -> float | None:
+    """Genie's own figure for a one-query profile: tokens per target call (toks/iteration)."""
+    rates = _acceptances(profile)
+    return rates[0] if rates else None

@@ -16,6 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -205,6 +206,35 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
     outcome = "aborted" if aborted else "context-full" if status == 4 else "complete"
     return RunResult(text="".join(pieces), status=outcome, runner="genie (HTP simulator)",
                      seconds=round(time.perf_counter() - t0, 3), profile=profile)
+
+
+def run_each(config_path: Path, prompts: list[str], max_tokens: int) -> tuple[list[RunResult], str | None]:
+    """Each prompt's answer from one loaded dialog, reset between prompts, and the profile of them all: a check
+    over several prompts loads the binaries once, not once per prompt (minutes on the simulator at real size)."""
+    cfg = genie_config.absolute(genie_config.read(config_path), config_path.parent)
+    dialog = libgenie.Dialog(json.dumps(cfg), log_level=libgenie.LOG_LEVELS["error"])
+    results: list[RunResult] = []
+    try:
+        for prompt in prompts:
+            genie_config.check_prompt(prompt)
+            pieces: list[str] = []
+            t0 = time.perf_counter()
+            dialog.set_max_tokens(min(max_tokens, _room(cfg, prompt)))
+            status = dialog.query(prompt, partial(_collect, pieces))
+            if status not in (0, 4):
+                raise libgenie.GenieError("Genie's query failed", status, dialog.log)
+            results.append(RunResult(text="".join(pieces), status="context-full" if status == 4 else "complete",
+                                     runner="genie (HTP simulator)", seconds=round(time.perf_counter() - t0, 3)))
+            dialog.reset()
+    finally:
+        dialog.close()
+        profile = dialog.profile_json()
+        dialog.free_profile()
+    return results, profile
+
+
+def _collect(into: list[str], text: str, _code: str) -> None:
+    into.append(text)
 
 
 def _room(cfg: dict[str, Any], prompt: str) -> int:

@@ -263,7 +263,8 @@ class CompilePage(Page):
             if b.decoding == "spd":
                 check = b.spd_check or {}
                 rows.append(("Decoding", f"draft model, {b.draft_len} proposals per target call"
-                             + (f"; greedy answer unchanged, {check['tokens_per_target_call']} tokens per target call"
+                             + (f"; greedy answers unchanged on {check.get('prompts', 1)} prompts, "
+                                f"{check['tokens_per_target_call']} tokens per target call"
                                 if check.get("tokens_per_target_call") else "")))
             if b.phone_decode_tok_s:
                 rows.append(("Phone decode estimate", ", ".join(f"{mode} {rate:,.0f} tok/s"
