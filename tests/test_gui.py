@@ -1541,6 +1541,36 @@ def name_at_left(view: Any, row: int) -> str | None:
     return idx.data() if idx.isValid() else None
 
 
+def test_the_quantize_page_with_its_inspector_fits_a_1366x768_window(qtbot: Any, tmp_path: Path) -> None:
+    """Issue 65: with encodings loaded and the inspector's tab open, the Quantize page was 207 px wider than its
+    view at 1366x768 (the inspector's controls in one row and its title on one line), and the page scrolled
+    sideways, cutting the colour bar, the filters and Compare. It now fits: no sideways scroll."""
+    from PySide6.QtWidgets import QScrollArea, QTabWidget
+
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    w.resize(1366, 768)
+    w.show()
+    qtbot.waitExposed(w)
+    w.go("Quantize")
+    ins = w.quantize_page.inspector
+    ins.set_graphs([tmp_path / "prompt_ar128_cl4096_1_of_1.encodings", tmp_path / "token_ar1_cl4096_1_of_1.encodings"])
+    ins.load(small_table(tmp_path / "quantize"))
+    tabs = ins.parentWidget()
+    while not isinstance(tabs, QTabWidget):
+        tabs = tabs.parentWidget()
+    tabs.setCurrentIndex([tabs.tabText(i) for i in range(tabs.count())].index("Encodings inspector"))
+    qtbot.wait(100)
+    area = w.quantize_page.parentWidget()
+    while not isinstance(area, QScrollArea):
+        area = area.parentWidget()
+    assert ins.isVisible() and w.quantize_page.width() <= area.viewport().width()
+    assert not area.horizontalScrollBar().isVisible()
+    for part in (ins.compare, ins.flagged, ins.search, ins.colour_by):  # the controls inside the page's view
+        right = part.mapTo(w.quantize_page, part.rect().topRight()).x()
+        assert right <= area.viewport().width(), part
+
+
 def test_the_inspector_keeps_names_in_view_shows_flags_and_the_heatmaps_figures(qtbot: Any, tmp_path: Path) -> None:
     """Issue 37: the names stay at the table's left however far it is scrolled and whatever it is sorted by; the
     flags column is as wide as the flags (the flagged rows are past the first 60); a flagged activation has the

@@ -287,11 +287,11 @@ class Inspector(QWidget):
         super().__init__()
         self.table_: EncodingsTable | None = None
         lay = QVBoxLayout(self)
-        bar = QHBoxLayout()
+        bar = QHBoxLayout()  # which graph, coloured by what
         self.graph = QComboBox()
         self.graph.setToolTip("Which graph's encodings: the prompt graph (AR-N) or the token graph (AR-1)")
         self.graph.activated.connect(lambda i: self.graph_chosen.emit(self.graph.itemData(i)))
-        bar.addWidget(self.graph)
+        bar.addWidget(self.graph, 1)
         self.colour_by = QComboBox()
         for k, label in METRICS.items():
             self.colour_by.addItem(label, k)
@@ -310,10 +310,21 @@ class Inspector(QWidget):
         self.changes: ChangesDialog | None = None
         self._compare_job: worker.Job | None = None
         self.title = QLabel("No encodings loaded.")
-        for w in (QLabel("Colour:"), self.colour_by, self.search, self.role, self.flagged, self.compare):
-            bar.addWidget(w)
+        self.title.setWordWrap(True)  # a long file name widened the whole Quantize page past the window
+        bar.addWidget(QLabel("Colour:"))
+        bar.addWidget(self.colour_by, 1)
+        # the controls in two rows, the combos free to shrink (their full text in the list): in one row they took
+        # 990 px and pushed the page 207 px past a 1366x768 window
+        for combo in (self.graph, self.colour_by, self.role):
+            combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            combo.setMinimumContentsLength(10)
+        filters = QHBoxLayout()
+        filters.addWidget(self.search, 1)
+        for w in (self.role, self.flagged, self.compare):
+            filters.addWidget(w)
         lay.addWidget(self.title)
         lay.addLayout(bar)
+        lay.addLayout(filters)
         split = QSplitter(Qt.Orientation.Vertical)
         self.heatmap = Chart()
         self.heatmap.setLabel("bottom", "layer")
