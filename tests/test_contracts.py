@@ -283,3 +283,17 @@ def test_npustudio_devices_does_not_import_torch(tmp_path: Path) -> None:
     assert "npustudio.cli.devices" in imported  # the listing is real
     heavy = {m for m in imported if m.split(".")[0] in ("torch", "transformers", "onnx", "onnxruntime", "aimet_torch")}
     assert not heavy, sorted(heavy)[:10]
+
+
+def test_the_figures_page_is_what_the_kept_benchmark_results_render(tmp_path: Path) -> None:
+    """docs/figures.md is rendered from benchmarks/results/ (`benchmarks/figures_page.py`), never typed: a result
+    kept without rendering, or a page edited by hand, fails here, as the script run as a process says."""
+    script = ROOT / "benchmarks" / "figures_page.py"
+    r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert list((ROOT / "benchmarks" / "results").glob("*.json")), "no kept benchmark result"
+    edited = tmp_path / "figures.md"
+    edited.write_text((ROOT / "docs" / "figures.md").read_text() + "\n| a figure | typed by hand |\n")
+    stale = subprocess.run([sys.executable, str(script), "--check", "--page", str(edited)], capture_output=True,
+                           text=True, cwd=ROOT)
+    assert stale.returncode == 1 and "figures.md is not what benchmarks/results/ renders" in stale.stderr
