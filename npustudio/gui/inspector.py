@@ -306,23 +306,26 @@ class Inspector(QWidget):
         self.compare.setToolTip("What another quantize run (another project's recipe or override file) did to each "
                                 "tensor: its SQNR in both runs, the most damaged by the change first")
         self.compare.setEnabled(False)
-        self.compare.clicked.connect(self._pick_other_run)
+        self.compare.clicked.connect(self._compare_clicked)
         self.changes: ChangesDialog | None = None
         self._compare_job: worker.Job | None = None
         self.title = QLabel("No encodings loaded.")
         self.title.setWordWrap(True)  # a long file name widened the whole Quantize page past the window
         bar.addWidget(QLabel("Colour:"))
         bar.addWidget(self.colour_by, 1)
-        # the controls in two rows, the combos free to shrink (their full text in the list): in one row they took
+        # the controls in rows, the combos free to shrink (their full text in the list): in one row they took
         # 990 px and pushed the page 207 px past a 1366x768 window
         for combo in (self.graph, self.colour_by, self.role):
             combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             combo.setMinimumContentsLength(10)
         filters = QHBoxLayout()
         filters.addWidget(self.search, 1)
-        for w in (self.role, self.flagged, self.compare):
+        for w in (self.role, self.flagged):
             filters.addWidget(w)
-        lay.addWidget(self.title)
+        head = QHBoxLayout()  # what is loaded, and the comparison with another run of it
+        head.addWidget(self.title, 1)
+        head.addWidget(self.compare)
+        lay.addLayout(head)
         lay.addLayout(bar)
         lay.addLayout(filters)
         split = QSplitter(Qt.Orientation.Vertical)
@@ -429,6 +432,15 @@ class Inspector(QWidget):
                            f"{len(table.layers)} layer groups, {flagged} flagged")
         self._draw_heat()
 
+    def _compare_clicked(self) -> None:
+        """Compare, or cancel the comparison running (it reads both runs' graphs: ~40 s on the default model)."""
+        if self._compare_job is not None:
+            self._compare_job.cancel()
+            self.compare.setEnabled(False)
+            self.compare.setText("Stopping…")
+            return
+        self._pick_other_run()
+
     def _pick_other_run(self) -> None:
         """The file dialog opens where the other runs are: the folder holding this project (its sibling projects)."""
         shown = Path(self.table_.path) if self.table_ is not None else None
@@ -444,23 +456,28 @@ class Inspector(QWidget):
         if self.table_ is None:
             return
         after = Path(self.table_.path)
-        self.compare.setEnabled(False)
-        self.compare.setText("Comparing…")
+        self.compare.setText("Cancel comparison")
+        shown = self.title.text()
+
+        def progress(fraction: float, message: str) -> None:
+            self.title.setText(f"Comparing with {_run_name(before)}: {message} ({fraction:.0%})")
 
         def done(rows: list[SqnrChange]) -> None:
-            self._compare_finished()
+            self._compare_finished(shown)
             self.changes = ChangesDialog(rows, before, after, self)
             self.changes.show()
 
         def failed(problem: str, fix: str) -> None:
-            self._compare_finished()
+            self._compare_finished(shown)
             show_error(self, problem, fix)
 
-        self._compare_job = worker.start(lambda _s: sqnr.changes(before, after), "Comparing runs",
-                                         read=True, done=done, failed=failed)
+        self._compare_job = worker.start(lambda state: sqnr.changes(before, after, state), "Comparing runs",
+                                         read=True, progress=progress, done=done, failed=failed,
+                                         cancelled=lambda: self._compare_finished(shown))
 
-    def _compare_finished(self) -> None:
+    def _compare_finished(self, title: str) -> None:
         self._compare_job = None
+        self.title.setText(title)
         self.compare.setText("Compare with another run…")
         self.compare.setEnabled(self.table_ is not None)
 

@@ -288,6 +288,9 @@ class Page(QWidget):
         head.setTextFormat(Qt.TextFormat.RichText)
         self.lay.addWidget(head)
         self.form = QFormLayout()
+        # a field goes below its label where the page is narrow (1024x700 beside the docks): side by side, the
+        # longest label and the widest field made pages of 600-700 px that scrolled sideways
+        self.form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         self.lay.addLayout(self.form)
 
     def add_strip(self, label: str = "Run", redo: bool = False) -> RunStrip:

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from .. import layout
 from ..errors import UserError
 from ..fsutil import read_json
+from ..progress import State, StateLike
 from .encodings import EncodingsTable, TensorRow, read
 
 _ROWS = 4096  # rows of a weight quantized at once
@@ -248,11 +249,18 @@ def histogram(enc_file: Path, r: TensorRow, bins: int = 120) -> WeightHistogram 
                            of=n_rows * width)
 
 
-def annotated(path: str | Path) -> EncodingsTable:
-    """The encodings table of `path` with each tensor's SQNR (`weights`, `activations`)."""
+def annotated(path: str | Path, state: StateLike | None = None) -> EncodingsTable:
+    """The encodings table of `path` with each tensor's SQNR (`weights`, `activations`); `state` hears each step
+    and may cancel between them."""
+    state = state or State()
+    state.progress(0.0, f"reading {Path(path).name}")
     table = read(path)
     p = Path(table.path)
-    db = weights(p, table.rows) | activations(p, table.rows)
+    state.progress(0.1, "weight SQNR")
+    db = weights(p, table.rows)
+    state.progress(0.4, "activation SQNR (the graph on its eval text)")
+    db |= activations(p, table.rows)
+    state.progress(1.0)
     for r in table.rows:
         r.sqnr_db = db.get(r.name)
     return table
@@ -292,15 +300,16 @@ def same_model_and_graph(before: Path, after: Path) -> None:
                         "or override file on the same adapted graphs).")
 
 
-def changes(before: str | Path, after: str | Path) -> list[SqnrChange]:
+def changes(before: str | Path, after: str | Path, state: StateLike | None = None) -> list[SqnrChange]:
     """What another quantize run (a recipe, an override file) did to each tensor both files encode: their SQNR
     side by side, each against its own project's float weights and eval, the most damaged by the change first.
     Refused (before any SQNR is computed) for another model or another graph: their tensors share names, not
     meaning."""
     same_model_and_graph(Path(before), Path(after))
-    old = {r.name: r for r in annotated(before).rows}
+    state = state or State()
+    old = {r.name: r for r in annotated(before, state.sub(0.0, 0.5)).rows}
     rows = []
-    for r in annotated(after).rows:
+    for r in annotated(after, state.sub(0.5, 1.0)).rows:
         o = old.get(r.name)
         if o is None:
             continue

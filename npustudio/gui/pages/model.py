@@ -7,6 +7,7 @@ from typing import Any
 from PySide6.QtWidgets import (
     QButtonGroup,
     QFileDialog,
+    QGridLayout,
     QHBoxLayout,
     QLineEdit,
     QPushButton,
@@ -37,6 +38,7 @@ DECODE_MEANS = ("Upper bound on the phone's decode speed: the bytes one generate
 FIT_COLUMNS = ("Precision", "Weights", "KV cache", "Parts", "Bundle (phone)", "MNN model (CPU/GPU)", DECODE,
                "PPL cost (default model)", "Phone RAM needed", "Fits")
 
+
 class ModelPage(Page):
     title = "Model"
     why = ("Pick the causal LLM to put on the phone. Its architecture card and a memory estimate per precision "
@@ -46,13 +48,13 @@ class ModelPage(Page):
         super().__init__(window)
         self.kind = QButtonGroup(self)
         kinds = QWidget()
-        kl = QHBoxLayout(kinds)
+        kl = QGridLayout(kinds)  # two by two: in one row they widened the page past a 1024x700 window
         kl.setContentsMargins(0, 0, 0, 0)
         for i, (_k, label) in enumerate(KINDS):
             b = QRadioButton(label)
             b.setToolTip("SmolLM2-135M-Instruct, shipped with NPU Studio" if _k == "default" else "")
             self.kind.addButton(b, i)
-            kl.addWidget(b)
+            kl.addWidget(b, i // 2, i % 2)
         self.kind.button(0).setChecked(True)
         self.source = QLineEdit()
         self.source.setPlaceholderText("a model folder, a .gguf file, or org/name")

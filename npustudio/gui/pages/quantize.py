@@ -81,7 +81,7 @@ class QuantizePage(Page):
                                "slower and better at w4a16")
         # its long labels (and the estimates added to them) must not widen the page: the popup shows them whole
         self.recipe.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.recipe.setMinimumContentsLength(24)
+        self.recipe.setMinimumContentsLength(16)
         self.calib_samples = spin(QuantizeOptions, "calib_samples")
         self.calib_len = spin(QuantizeOptions, "calib_len", step=64)
         self.calib = QLineEdit(default(QuantizeOptions, "calib_corpus"))
@@ -110,7 +110,7 @@ class QuantizePage(Page):
         wl.addWidget(QLabel("LM head:"))
         wl.addWidget(self.lm_head_bits)
         self.precision.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        self.precision.setMinimumContentsLength(24)
+        self.precision.setMinimumContentsLength(16)
         self.form.addRow("Precision:", weights)
         self.form.addRow("Recipe:", self.recipe)
         self.form.addRow("Calibration sequences:", self.calib_samples)
