@@ -1588,7 +1588,9 @@ def test_every_page_and_the_inspector_fit_the_window_without_a_sideways_scroll(
         fits(page)
     w.go("Quantize")
     tabs.setCurrentIndex([tabs.tabText(i) for i in range(tabs.count())].index("Encodings inspector"))
+    ins.title.setText("Reading prompt_ar128_cl1024_1_of_1.encodings…")  # one word to Qt: it widened the page
     fits(w.quantize_page)
+    assert ins.title.toolTip() == ins.title.text()  # whole on hover where it is cut
     assert ins.isVisible()
     view = w.quantize_page.parentWidget()
     for part in (ins.compare, ins.flagged, ins.search, ins.colour_by):  # the controls inside the page's view

@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPushButton,
+    QSizePolicy,
     QSplitter,
     QTableView,
     QToolTip,
@@ -280,6 +281,22 @@ def _cell_value(metric: str, r: TensorRow) -> str:
     return f"[{r.range_min:.4g}, {r.range_max:.4g}] (width {r.range_max - r.range_min:.4g})"
 
 
+class TitleLabel(QLabel):
+    """A title that wraps and never widens its panel: a file name longer than its line (one word to Qt) widened
+    the Quantize page past a 1024x700 window; cut there, it is whole in the tooltip."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.setWordWrap(True)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.setMinimumWidth(160)
+        self.setText(text)
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self.setToolTip(text)
+
+
 class Inspector(QWidget):
     graph_chosen = Signal(object)  # Path of the .encodings picked in the graph chooser
 
@@ -309,8 +326,7 @@ class Inspector(QWidget):
         self.compare.clicked.connect(self._compare_clicked)
         self.changes: ChangesDialog | None = None
         self._compare_job: worker.Job | None = None
-        self.title = QLabel("No encodings loaded.")
-        self.title.setWordWrap(True)  # a long file name widened the whole Quantize page past the window
+        self.title = TitleLabel("No encodings loaded.")
         bar.addWidget(QLabel("Colour:"))
         bar.addWidget(self.colour_by, 1)
         # the controls in rows, the combos free to shrink (their full text in the list): in one row they took
