@@ -35,8 +35,9 @@ DECODE = "Decode bound"
 DECODE_MEANS = ("Upper bound on the phone's decode speed: the bytes one generated token reads (the weights on the HTP "
                 "and the KV cache over the whole context) over the target SoC's memory bandwidth. Measured from the "
                 "bundle for the precision it is built at, estimated for the others; the Target page shows the same.")
-FIT_COLUMNS = ("Precision", "Weights", "KV cache", "Parts", "Bundle (phone)", "MNN model (CPU/GPU)", DECODE,
-               "PPL cost (default model)", "Phone RAM needed", "Fits")
+# the answer first (does it fit, and in how much RAM): at 1024x700 the last columns are behind the table's scroll
+FIT_COLUMNS = ("Precision", "Fits", "Phone RAM needed", DECODE, "PPL cost (default model)", "Weights", "KV cache",
+               "Parts", "Bundle (phone)", "MNN model (CPU/GPU)")
 
 
 class ModelPage(Page):
@@ -189,11 +190,11 @@ class ModelPage(Page):
                            else "too large for the listed phones")
             colours.append(GOOD if ok else WARN if f.min_phone_ram_gb else BAD)
             ratio = f.ppl_ratio_default_model
-            rows.append((f.precision, display.human_bytes(f.weight_bytes), display.human_bytes(f.kv_cache_bytes),
-                         f.parts, display.human_bytes(f.context_bytes_phone), display.human_bytes(f.mnn_bytes),
+            rows.append((f.precision, verdict, display.human_bytes(f.phone_ram_bytes),
                          bounds.get(f.precision, f"{f.decode_bound(soc):,.0f} tok/s (estimate)"),
                          f"×{ratio:.3f}" if ratio else "—",
-                         display.human_bytes(f.phone_ram_bytes), verdict))
+                         display.human_bytes(f.weight_bytes), display.human_bytes(f.kv_cache_bytes),
+                         f.parts, display.human_bytes(f.context_bytes_phone), display.human_bytes(f.mnn_bytes)))
         fill(self.fit, rows, colours)
         if self.fits:
             phone, sim = (models.plan(self.fits, where) for where in ("phone", "simulator"))
