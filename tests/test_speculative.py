@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,33 @@ def test_a_draft_model_bundle_answers_as_the_target_alone(pair: tuple[Project, P
     assert again.returncode == 0 and "tokens per target call" in again.stdout  # what a person reads
     chat = npustudio("chat", "--desktop", "--bundle", str(bundle), "--new", PROMPTS[0], timeout=600)
     assert chat.returncode == 0 and "tokens per target call" in chat.stderr, chat.stderr[-1500:]
+
+
+def test_ctrl_c_during_the_draft_check_stops_the_bundle_stage_at_once(pair: tuple[Project, Project]) -> None:
+    """The bundle's draft check runs eight Genie queries on the simulator; Ctrl-C raised inside Genie's callback was
+    lost and the check ran on to its end. Now Ctrl-C aborts the query under way: the command says it stopped, and
+    the project keeps its last bundle with no half-written one or check config beside it."""
+    import signal
+    import subprocess
+
+    from tests.conftest import NPUSTUDIO, wait_until
+
+    target, same = pair
+    stages_dir = target.root / layout.STAGES_DIR
+    proc = subprocess.Popen([NPUSTUDIO, "bundle", "--project", str(target.root), "--draft", str(same.root),
+                             "--draft-len", "2", "--force"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: any(stages_dir.rglob(".check-*.json")) or proc.poll() is not None, timeout=600)
+        assert proc.poll() is None, proc.communicate()[1][-1500:]
+        time.sleep(1.0)  # Genie's query under way
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=120)  # the whole check takes minutes: it was not waited for
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "stopped; the project keeps its last finished stages" in err, err[-1500:]
+    assert not list(stages_dir.rglob(".check-*.json")) and not layout.scratch_dir(target.root, "bundle").exists()
+    rec = target.record("bundle")
+    assert rec is not None and rec.status == "done" and (target.stage_dir("bundle") / layout.GENIE_CONFIG).is_file()
 
 
 def test_a_draft_the_target_cannot_use_is_refused_naming_why(pair: tuple[Project, Project], genie_project: Any,

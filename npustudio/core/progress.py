@@ -108,6 +108,10 @@ class SubState:
     def check(self) -> None:
         self.parent.check()
 
+    @property
+    def stop_event(self) -> threading.Event:
+        return self.parent.stop_event
+
     def progress(self, fraction: float, message: str | None = None) -> None:
         f = min(1.0, max(0.0, fraction))
         self.parent.progress(self.lo + (self.hi - self.lo) * f, message)

@@ -33,7 +33,7 @@ from ..stage_options import DEFAULT_QUESTION as DEFAULT_QUESTION  # re-exported:
 from ..stage_options import BundleOptions
 from ..targets import Soc, find_soc
 from . import config as genie_config
-from . import decoding, draft, geniex, libgenie
+from . import decoding, draft, geniex, host, libgenie
 from .libgenie import PD_BUDGET_BYTES
 from .meta import BundleMeta, GraphMeta
 
@@ -143,7 +143,9 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
         notes_extra = []
     if options.draft and not shared:  # weight-shared binaries are a phone's: the simulator cannot load them
         state.progress(0.8, "checking that the draft leaves the answers unchanged (greedy, on the HTP simulator)")
-        spd_check = draft.check_lossless(out_dir, cfg, draft.check_prompts(tok, options.question))
+        prompts, stop = draft.check_prompts(tok, options.question), state.stop_event
+        # in a thread while this one waits: Ctrl-C (a KeyboardInterrupt lost inside Genie's callbacks) sets `stop`
+        spd_check = host.until_done(lambda: draft.check_lossless(out_dir, cfg, prompts, stop=stop), stop)
     files = [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(out_dir.iterdir()) if p.is_file()]
     context_bytes = sum((out_dir / b).stat().st_size for b in bins + (draft_meta["binaries"] if draft_meta else []))
     lut_bytes = (out_dir / layout.EMBEDDING_LUT).stat().st_size if embedding else 0

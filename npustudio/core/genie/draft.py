@@ -13,6 +13,7 @@ supported by dialog").
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,12 +174,13 @@ def check_prompts(tok: Any, question: str) -> list[str]:
     return [sample_prompt(tok, q) for q in dict.fromkeys((question, *CHECK_QUESTIONS))]
 
 
-def check_lossless(bundle_dir: Path, config: dict[str, Any], prompts: list[str], tokens: int = CHECK_TOKENS
-                   ) -> dict[str, Any]:
+def check_lossless(bundle_dir: Path, config: dict[str, Any], prompts: list[str], tokens: int = CHECK_TOKENS,
+                   stop: threading.Event | None = None) -> dict[str, Any]:
     """Run each prompt greedily through the draft-model dialog and through the target alone on the same binaries
     (the real libGenie on the HTP simulator, each dialog loaded once), and compare the answers. Lossless decoding
     must give the same text for every prompt; Genie's tokens per target call on the first (the sample question) is
-    returned. UserError, with both answers, on the first prompt where they differ."""
+    returned. UserError, with both answers, on the first prompt where they differ; `Cancelled` once `stop` is set
+    (Genie's query aborted where it is)."""
     import copy
 
     from ..fsutil import atomic_write_json
@@ -197,7 +199,7 @@ def check_lossless(bundle_dir: Path, config: dict[str, Any], prompts: list[str],
         path = Path(bundle_dir) / f".check-{name}.json"  # beside the real config: the same file names reach the files
         try:
             atomic_write_json(path, cfg)
-            results, profile = host.run_each(path, prompts, tokens)
+            results, profile = host.run_each(path, prompts, tokens, stop)
         finally:
             path.unlink(missing_ok=True)
         answers[name] = [r.text for r in results]

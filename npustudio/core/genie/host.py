@@ -161,16 +161,7 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
     dialog = libgenie.Dialog(json.dumps(cfg), log_level=level,
                              on_log=(lambda _lv, line: on_log(line)) if on_log else None)
     pieces: list[str] = []
-    done = threading.Event()
-    watcher = None
-    if stop is not None:
-        def watch() -> None:  # abort again every 50 ms: Genie keeps no abort sent before its query started
-            while not done.is_set():
-                if stop.wait(0.05):
-                    dialog.abort()
-                    done.wait(0.05)
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
+    watch = _Aborter(dialog, stop)
     try:
         # Genie refuses a query outright ("Context Size was exceeded") when prompt + its token budget
         # exceed the context, and its default budget is the whole context: give it the room that is left
@@ -186,9 +177,7 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
             on_query()
         status = 1 if stop is not None and stop.is_set() else dialog.query(prompt, text)
     finally:
-        done.set()
-        if watcher:
-            watcher.join()  # before the dialog is freed: no abort may reach a freed handle
+        watch.end()  # before the dialog is freed: no abort may reach a freed handle
         dialog.close()  # ends the profile's query events
         profile = dialog.profile_json()
         dialog.free_profile()
@@ -208,25 +197,57 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
                      seconds=round(time.perf_counter() - t0, 3), profile=profile)
 
 
-def run_each(config_path: Path, prompts: list[str], max_tokens: int) -> tuple[list[RunResult], str | None]:
+class _Aborter:
+    """Abort a dialog whenever `stop` is set, again every 50 ms: Genie keeps no abort sent before its query
+    started, and reads a whole prompt before it looks at one. `end()` before the dialog is freed."""
+
+    def __init__(self, dialog: libgenie.Dialog, stop: threading.Event | None) -> None:
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        if stop is not None:
+            def watch() -> None:
+                while not self.done.is_set():
+                    if stop.wait(0.05):
+                        dialog.abort()
+                        self.done.wait(0.05)
+            self.thread = threading.Thread(target=watch, daemon=True)
+            self.thread.start()
+
+    def end(self) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
+def run_each(config_path: Path, prompts: list[str], max_tokens: int,
+             stop: threading.Event | None = None) -> tuple[list[RunResult], str | None]:
     """Each prompt's answer from one loaded dialog, reset between prompts, and the profile of them all: a check
-    over several prompts loads the binaries once, not once per prompt (minutes on the simulator at real size)."""
+    over several prompts loads the binaries once, not once per prompt (minutes on the simulator at real size).
+    `stop` aborts the query under way and raises `Cancelled` (a bundle's draft check took 8 runs Ctrl-C ignored)."""
+    from ..progress import Cancelled
+
     cfg = genie_config.absolute(genie_config.read(config_path), config_path.parent)
     dialog = libgenie.Dialog(json.dumps(cfg), log_level=libgenie.LOG_LEVELS["error"])
     results: list[RunResult] = []
+    watch = _Aborter(dialog, stop)
     try:
         for prompt in prompts:
+            if stop is not None and stop.is_set():
+                raise Cancelled("stopped by the user")
             genie_config.check_prompt(prompt)
             pieces: list[str] = []
             t0 = time.perf_counter()
             dialog.set_max_tokens(min(max_tokens, _room(cfg, prompt)))
             status = dialog.query(prompt, partial(_collect, pieces))
+            if stop is not None and stop.is_set():
+                raise Cancelled("stopped by the user")
             if status not in (0, 4):
                 raise libgenie.GenieError("Genie's query failed", status, dialog.log)
             results.append(RunResult(text="".join(pieces), status="context-full" if status == 4 else "complete",
                                      runner="genie (HTP simulator)", seconds=round(time.perf_counter() - t0, 3)))
             dialog.reset()
     finally:
+        watch.end()
         dialog.close()
         profile = dialog.profile_json()
         dialog.free_profile()
