@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 QT = ("PySide6", "pyqtgraph", "superqt", "qtpy", "PyQt5", "PyQt6")
 
@@ -120,6 +122,21 @@ def test_a_stage_is_named_by_its_declaration_never_by_a_string_literal() -> None
              if f != ROOT / "npustudio" / "core" / "stages.py"
              for line in stage_name_literals(f.read_text(), names)]
     assert not found, found
+
+
+def test_a_stage_runs_only_with_its_own_options_model(tmp_path: Path) -> None:
+    """Each declaration names its options model, and `run_stage` dispatches on it: options of another stage (a page
+    wired to the wrong spec) are refused naming both before anything is written, and no two stages share a model."""
+    from npustudio.core import pipeline, stages
+    from npustudio.core.progress import State
+    from npustudio.core.project import Project
+    from npustudio.core.stage_options import AdaptOptions
+
+    assert len({s.options for s in stages.SPECS}) == len(stages.SPECS)
+    project = Project.open(tmp_path / "p")
+    with pytest.raises(TypeError, match="the quantize stage takes QuantizeOptions, not AdaptOptions"):
+        pipeline.run_stage(project, stages.QUANTIZE, AdaptOptions(), State())  # type: ignore[misc]  # mypy refuses it too
+    assert not (tmp_path / "p" / "stages").exists() or not any((tmp_path / "p" / "stages").iterdir())
 
 
 # ---------------------------------------------------------------- each option declared once (core/stage_options.py)

@@ -7,61 +7,68 @@ devices` and the window's first paint import it.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+from .stage_options import (
+    AdaptOptions,
+    BundleOptions,
+    CompileOptions,
+    IntakeOptions,
+    MnnOptions,
+    QuantizeOptions,
+    StageOptions,
+)
+
+O = TypeVar("O", bound=StageOptions)
 
 
 @dataclass(frozen=True)
-class StageSpec:
-    """One stage. `requires` is the stage whose output it is made from (its record keys that stage's key, so
-    redoing that stage makes this one stale); `format` is bumped when the stage's output changes meaning (older
-    outputs are then redone, not misread); `entry` is the stage's one entry point, imported only when it runs."""
+class StageSpec(Generic[O]):
+    """One stage, typed by its options model `options` (what `pipeline.run_stage` takes for it). `requires` is the
+    stage whose output it is made from (its record keys that stage's key, so redoing that stage makes this one
+    stale); `format` is bumped when the stage's output changes meaning (older outputs are then redone, not
+    misread)."""
 
     name: str
     what: str  # the output in the user's words: "The project has no intact {what} yet."
     command: str  # the `npustudio` command that (re)does it
+    options: type[O]
     requires: str | None = None
     format: int | None = None
     remote: bool = False  # may run on a Ray cluster
-    entry: str = ""  # "module:function"
     reads: tuple[str, ...] = ()  # the earlier stages' folders its body reads (sent to a cluster worker)
     libraries: tuple[str, ...] = ()  # what its body imports first: a new cluster worker imports them early
     # its cost on the reference 2-core machine: (MiB of libraries and buffers, bytes per parameter, seconds,
     # seconds per million parameters); see `host_cost`
     host_rates: tuple[float, float, float, float] | None = None
 
-    def body(self) -> Any:
-        """The stage's entry point (imports its heavy module now)."""
-        module, _, fn = self.entry.partition(":")
-        return getattr(importlib.import_module(module), fn)
 
-
-MODEL = StageSpec("model", "model record", "run", entry="npustudio.core.pipeline.execute:describe")
+MODEL = StageSpec("model", "model record", "run", IntakeOptions)
 # host rates: memory per parameter from the Llama-3.2-1B-shaped runs, 1.24 B parameters: adapt 6,782 MB, quantize
 # 8,014 MB at w8a16 and 8,031 MB at w4a16 -- one rate serves both since w4a16's export keeps its LPBQ block scales
 # as bytes --, compile 5,883 MB peak RSS; the Qwen3-1.7B shape, 1.72 B: adapt 8,820, quantize 10,913, compile 7,078
-ADAPT = StageSpec("adapt", "adapted model", "adapt", requires="model", remote=True,
-                  entry="npustudio.core.adapt:run", libraries=("torch", "transformers", "onnx"),
+ADAPT = StageSpec("adapt", "adapted model", "adapt", AdaptOptions, requires="model", remote=True,
+                  libraries=("torch", "transformers", "onnx"),
                   host_rates=(1400, 4.6, 50, 0.05))
-QUANTIZE = StageSpec("quantize", "quantized model", "quantize", requires="adapt", format=7, remote=True,
-                     entry="npustudio.core.quantize:run", reads=("adapt",),
+QUANTIZE = StageSpec("quantize", "quantized model", "quantize", QuantizeOptions, requires="adapt", format=7,
+                     remote=True, reads=("adapt",),
                      libraries=("torch", "transformers", "onnx", "onnxruntime", "aimet_torch"),
                      host_rates=(1600, 5.5, 150, 0.35))
-COMPILE = StageSpec("compile", "compiled graphs", "compile", requires="quantize", format=1, remote=True,
-                    entry="npustudio.core.compile:run", reads=("quantize", "adapt"),
+COMPILE = StageSpec("compile", "compiled graphs", "compile", CompileOptions, requires="quantize", format=1,
+                    remote=True, reads=("quantize", "adapt"),
                     libraries=("torch", "transformers", "onnx", "onnxruntime"),  # compile never needs aimet
                     # time: the two w4a16 runs measured alone, Llama-3.2-1B shape 955 s, Qwen3-4B shape 2,952 s
                     # (its simulator check 4 token steps of 194 s); memory above one part: host_cost
                     host_rates=(2200, 3.2, 70, 0.72))
-BUNDLE = StageSpec("bundle", "Genie bundle", "bundle", requires="compile", format=1,
-                   entry="npustudio.core.genie.bundle:run", reads=("compile", "adapt"))
+BUNDLE = StageSpec("bundle", "Genie bundle", "bundle", BundleOptions, requires="compile", format=1,
+                   reads=("compile", "adapt"))
 
 # the MNN back-end (`compile --backend mnn`): made from the float model beside the Genie stages, not after them
-MNN = StageSpec("mnn", "MNN model", "compile --backend mnn", requires="model", format=2,
-                entry="npustudio.core.mnn:run", libraries=("torch", "transformers", "MNN"))
+MNN = StageSpec("mnn", "MNN model", "compile --backend mnn", MnnOptions, requires="model", format=2,
+                libraries=("torch", "transformers", "MNN"))
 
-SPECS: tuple[StageSpec, ...] = (MODEL, ADAPT, QUANTIZE, COMPILE, BUNDLE, MNN)  # in the order they run
+SPECS: tuple[StageSpec[Any], ...] = (MODEL, ADAPT, QUANTIZE, COMPILE, BUNDLE, MNN)  # in the order they run
 BY_NAME = {s.name: s for s in SPECS}
 NAMES = tuple(BY_NAME)
 UPSTREAM = {s.name: s.requires for s in SPECS if s.requires}
@@ -83,7 +90,7 @@ STEPS: tuple[Step, ...] = (Step("Model", ("model",), free=True), Step("Target", 
 STEP_NAMES = tuple(s.name for s in STEPS)
 
 
-def spec(name: str) -> StageSpec:
+def spec(name: str) -> StageSpec[Any]:
     """The stage called `name` (a KeyError names the known ones)."""
     try:
         return BY_NAME[name]

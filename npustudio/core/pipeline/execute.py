@@ -24,7 +24,16 @@ from ..genie import decoding
 from ..progress import StateLike, free_big_blocks_at_once
 from ..project import Project, StageRecord
 from ..results import IntakeResult, StageOptions, load_card
-from ..stage_options import IntakeOptions, widens
+from ..stage_options import (
+    AdaptOptions,
+    BundleOptions,
+    CompileOptions,
+    IntakeOptions,
+    MnnOptions,
+    QuantizeOptions,
+    widens,
+)
+from ..stages import O
 from .status import _require
 
 INTAKE = stages.MODEL.name  # the stage that reads the model: its record, not work worth a project folder
@@ -185,7 +194,7 @@ def mnn(project: Project, options: mnn_stage.MnnOptions, state: StateLike, force
     return rec
 
 
-def _made_from(project: Project, spec: stages.StageSpec, up: StageRecord, options: StageOptions, state: StateLike,
+def _made_from(project: Project, spec: stages.StageSpec[Any], up: StageRecord, options: StageOptions, state: StateLike,
                force: bool, cluster: Cluster | None) -> StageRecord:
     """A stage made from the one before it: its record keys that stage's key and its own output format (redoing
     the earlier stage, or a new format, makes it stale); its body reads `spec.reads`' folders, here or on the
@@ -256,27 +265,29 @@ def _card(project: Project) -> models.ArchCard | None:
     return rec.result_as(IntakeResult).card if rec is not None and rec.status == "done" else None
 
 
-def run_stage(project: Project, spec: stages.StageSpec, options: StageOptions, state: StateLike, *,
+def run_stage(project: Project, spec: stages.StageSpec[O], options: O, state: StateLike, *,
               force: bool = False, cluster: Cluster | None = None, model: str | None = None,
               where: Literal["here", "child"] = "here") -> StageRecord:
     """Any stage, by its declaration: the one call the window, the CLI and the main job make. `where="child"`
     runs it in a spawned process (the window: AIMET and the ONNX export hold the GIL for hundreds of ms), with
     progress, partial results and cancel carried across; `cluster` sends a stage that may run there to Ray."""
+    if type(options) is not spec.options:
+        raise TypeError(f"the {spec.name} stage takes {spec.options.__name__}, not {type(options).__name__}")
     if where == "child":
         rec: StageRecord = isolated.run(partial(run_stage, force=force, cluster=cluster, model=model), project,
                                         spec, options, state=state)
         return rec
-    if spec == stages.ADAPT:  # equal, not identical: a child process unpickled it
-        return adapt(project, model or project.choices().model, options, state,  # type: ignore[arg-type]
-                     force=force, cluster=cluster)
-    if spec == stages.QUANTIZE:
-        return quantize(project, options, state, force=force, cluster=cluster)  # type: ignore[arg-type]
-    if spec == stages.COMPILE:
-        return compile_graphs(project, options, state, force=force, cluster=cluster)  # type: ignore[arg-type]
-    if spec == stages.BUNDLE:
-        return bundle(project, options, state, force=force)  # type: ignore[arg-type]
-    if spec == stages.MNN:
-        return mnn(project, options, state, force=force, model=model)  # type: ignore[arg-type]
+    match options:  # the options' type is the stage's (checked above)
+        case AdaptOptions():
+            return adapt(project, model or project.choices().model, options, state, force=force, cluster=cluster)
+        case QuantizeOptions():
+            return quantize(project, options, state, force=force, cluster=cluster)
+        case CompileOptions():
+            return compile_graphs(project, options, state, force=force, cluster=cluster)
+        case BundleOptions():
+            return bundle(project, options, state, force=force)
+        case MnnOptions():
+            return mnn(project, options, state, force=force, model=model)
     raise ValueError(f"{spec.name} is not run with options: it is read by `intake`")
 
 

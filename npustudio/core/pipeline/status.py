@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -97,7 +97,7 @@ def _stale(m: Manifest) -> dict[str, str]:
     return out
 
 
-def _require(project: Project, spec: stages.StageSpec) -> StageRecord:
+def _require(project: Project, spec: stages.StageSpec[Any]) -> StageRecord:
     """The record of an earlier stage that finished and whose outputs are intact; else say what to rerun."""
     rec = project.record(spec.name)
     rerun = f"npustudio {spec.command} --project {project.root}"
