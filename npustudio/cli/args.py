@@ -99,8 +99,20 @@ def option(s: argparse._ActionsContainer, model: type[BaseModel], name: str, *fl
     s.add_argument(*(flags or (f"--{name.replace('_', '-')}",)), dest=dest or name, **kw)
 
 
+def lora_arg(s: argparse.ArgumentParser) -> None:
+    from ..core.lora import parse
+
+    def adapter(text: str) -> so.LoraAdapter:
+        return parse(given(text))
+
+    s.add_argument("--lora", action="append", type=adapter, default=[], metavar="DIR[=WEIGHT]",
+                   help="a LoRA adapter (the folder PEFT saved: adapter_config.json, adapter_model.safetensors) "
+                        "merged into the model before adaptation, its update times WEIGHT (default 1); repeatable")
+
+
 def adapt_args(s: argparse.ArgumentParser) -> None:
     O = AdaptOptions
+    lora_arg(s)
 
     option(s, O, "ar")
     option(s, O, "cl")
@@ -218,7 +230,8 @@ def cluster_of(a: argparse.Namespace) -> Cluster | None:
 
 def adapt_options(a: argparse.Namespace) -> AdaptOptions:
     return AdaptOptions(ar=a.ar, cl=a.cl, eval_corpus=a.eval_corpus, eval_tokens=a.eval_tokens,
-                        decode_tokens=a.decode_tokens, device=a.device, accept_mismatch=a.accept_mismatch)
+                        decode_tokens=a.decode_tokens, device=a.device, accept_mismatch=a.accept_mismatch,
+                        lora=tuple(a.lora))
 
 
 def quantize_options(a: argparse.Namespace) -> QuantizeOptions:

@@ -26,6 +26,7 @@ from .args import (
     device_arg,
     given,
     int_in,
+    lora_arg,
     max_part_arg,
     option,
     quantize_args,
@@ -94,6 +95,7 @@ def _model_commands(c: _Commands) -> None:
     s.add_argument("model", type=given, help="default | HF folder | file.gguf | org/name")
     option(s, AdaptOptions, "cl", help="context length for the KV-cache estimate")
     option(s, AdaptOptions, "ar", help="prompt step size (AR-N graph), for the parts estimate")
+    lora_arg(s)
     max_part_arg(s)
     _json_arg(s)
 

@@ -18,6 +18,20 @@ if TYPE_CHECKING:
     from ..core.results import MnnResult
 
 
+def lora_table(adapters: list[dict[str, Any]]) -> None:
+    """The LoRA adapters `info --lora` read: merged into the model before adaptation (no bytes of their own on the
+    phone)."""
+    from ..display import human_bytes
+
+    t = Table(title="LoRA adapters (merged into the weights before adaptation)")
+    for col in ("adapter", "weight", "trained on", "rank", "alpha", "modules", "size"):
+        t.add_column(col, overflow="fold")
+    for ad in adapters:
+        t.add_row(ad["adapter"], f"{ad['weight']:g}", ad["base"] or "(not said)", str(ad["rank"]), f"{ad['alpha']:g}",
+                  str(ad["modules"]), human_bytes(ad["bytes"]))
+    out.print(t)
+
+
 def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str, dict[str, Any]] | None = None
                ) -> None:
     from ..display import format_value, human_bytes
@@ -130,6 +144,8 @@ def print_compile(c: CompileSummary) -> None:
 
 def print_adapt(ad: AdaptSummary, root: Path) -> None:
     out.print(f"Adapted into {root}: graphs {', '.join(ad.graphs)}")
+    if ad.lora:
+        out.print(f"LoRA adapters merged first: {', '.join(ad.lora)} (the gate compares with the model and them)")
     if ad.gate == "failed, accepted":
         out.print("[bold red]Equivalence gate FAILED; the mismatch was accepted (--accept-mismatch): this model "
                   "will not answer like the original.[/]")

@@ -23,7 +23,16 @@ from .args import (
     quantize_options,
 )
 from .console import err, live_state, out, print_json, stdout_is_for
-from .render import card_table, host_table, print_adapt, print_bundle, print_compile, print_mnn, print_quantize
+from .render import (
+    card_table,
+    host_table,
+    lora_table,
+    print_adapt,
+    print_bundle,
+    print_compile,
+    print_mnn,
+    print_quantize,
+)
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -36,11 +45,15 @@ def cmd_info(a: argparse.Namespace) -> int:
 
     fits = [f.model_dump() for f in res.fit]
     plans = {where: plan(res.fit, where).model_dump() for where in ("phone", "simulator")}
+    adapters = pipeline.lora_report(source, res.card, tuple(a.lora)) if a.lora else []
     if a.json:
-        print_json(res.card.model_dump() | {"fit": fits, "recommended": plans, "host": res.host.model_dump()})
+        print_json(res.card.model_dump() | {"fit": fits, "recommended": plans, "host": res.host.model_dump(),
+                                            "lora": adapters})
     else:
         card_table(res.card.model_dump(), fits, plans)
         host_table(res.host)
+        if adapters:
+            lora_table(adapters)
     return 0
 
 

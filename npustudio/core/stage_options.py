@@ -22,7 +22,7 @@ from copy import copy
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 from pydantic.fields import FieldInfo
 
 from .parts import DEFAULT_MAX_PART_MB, HTP_GRAPH_LIMIT_KB
@@ -108,6 +108,16 @@ def _known_soc(v: str | None) -> str | None:
     return v
 
 
+class LoraAdapter(BaseModel):
+    """A LoRA adapter merged into the model before adaptation (core/lora.py): its folder, the weight its update is
+    merged with, and (once resolved) the hash of its files, so a changed adapter makes the stages stale."""
+
+    model_config = ConfigDict(frozen=True)
+    path: str
+    weight: float = Field(1.0, allow_inf_nan=False, description="the factor the adapter's update is merged with")
+    sha256: str | None = None
+
+
 class AdaptOptions(StageOptions):
     ar: int = Field(128, ge=1, le=MAX_AR, description="tokens per prompt-processing step (AR-N graph)")
     cl: int = Field(1024, ge=2, le=MAX_CONTEXT, description="context length: KV-cache entries")
@@ -121,6 +131,16 @@ class AdaptOptions(StageOptions):
                                description="AR-1 steps at the end of each eval window")
     device: Device = Field("auto", description="where the proof runs (auto: the CUDA GPU when torch sees one)")
     accept_mismatch: bool = Field(False, description="keep adapted graphs that fail the equivalence gate")
+    lora: tuple[LoraAdapter, ...] = Field((), description="LoRA adapters merged into the model first, in order")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_lora(self, handler: Any) -> Any:
+        """No adapter leaves the dump (and so the stage key) as it was before adapters existed: a project made by
+        an earlier release is found current, not redone."""
+        out = handler(self)
+        if isinstance(out, dict) and not out.get("lora"):
+            out.pop("lora", None)
+        return out
 
 
 class IntakeOptions(StageOptions):

@@ -13,6 +13,7 @@ from .execute import (
     default_project_dir,
     describe,
     intake,
+    lora_report,
     opened,
     quantize,
     resolve,
@@ -49,7 +50,7 @@ __all__ = [
     "INTAKE", "AdaptSummary", "BinarySummary", "BundleSummary", "CompileSummary", "IntakeResult", "QuantizeSummary",
     "RunSummary", "SampleAnswer", "StageFigures", "WizardStep", "_require", "adapt", "adapt_summary", "ask_on_device",
     "bundle", "bundle_summary", "compile_and_bundle", "compile_graphs", "compile_summary", "decode_bounds",
-    "default_project_dir", "deploy", "deploy_mnn", "describe", "graphs_for", "intake", "job_plan", "open_chat",
-    "open_engine", "opened", "project_of_bundle", "quantize", "quantize_summary", "resolve", "run_all", "run_stage",
-    "stage_status", "stale_reasons", "summary", "wizard_steps",
+    "default_project_dir", "deploy", "deploy_mnn", "describe", "graphs_for", "intake", "job_plan", "lora_report",
+    "open_chat", "open_engine", "opened", "project_of_bundle", "quantize", "quantize_summary", "resolve", "run_all",
+    "run_stage", "stage_status", "stale_reasons", "summary", "wizard_steps",
 ]

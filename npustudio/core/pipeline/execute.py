@@ -12,7 +12,7 @@ import platformdirs
 
 from .. import adapt as adapt_stage
 from .. import compile as compile_stage
-from .. import host_cost, isolated, layout, models, parts, stages
+from .. import host_cost, isolated, layout, lora, models, parts, stages
 from .. import mnn as mnn_stage
 from .. import quantize as quantize_stage
 from ..cluster import Cluster, Job
@@ -29,6 +29,7 @@ from ..stage_options import (
     BundleOptions,
     CompileOptions,
     IntakeOptions,
+    LoraAdapter,
     MnnOptions,
     QuantizeOptions,
     widens,
@@ -73,6 +74,18 @@ def describe(source: models.ModelSource, cl: int, ar: int = adapt_stage.AdaptOpt
                         host=host_cost.estimate(card, gguf=bool(source.gguf_file)))
 
 
+def lora_report(source: models.ModelSource, card: models.ArchCard, adapters: tuple[LoraAdapter, ...]
+                ) -> list[dict[str, Any]]:
+    """What `info --lora` shows of each adapter, read and checked against the model as adapt will (its weights'
+    shapes are checked when they load, at the start of adapt)."""
+    out = []
+    for a in lora.resolved(adapters, lora_bases(source), _weight_bytes(card)):
+        ad = lora.read(Path(a.path))
+        out.append({"adapter": a.path, "weight": a.weight, "base": ad.base, "rank": ad.rank, "alpha": ad.alpha,
+                    "modules": len(ad.modules), "bytes": ad.bytes})
+    return out
+
+
 def intake(project: Project, model: str, cl: int, state: StateLike,
            force: bool = False) -> tuple[models.ModelSource, StageRecord]:
     state.progress(0.0, f"reading {model}")
@@ -103,7 +116,10 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
     if later is not None:
         quantize_stage.validate(later, card)
     options = adapt_stage.resolved(options, card)  # one key for the same work, whichever front end asks
+    options = options.model_copy(update={"lora": lora.resolved(options.lora, lora_bases(source), _weight_bytes(card))})
     inputs: dict[str, Path | list[Path]] = {"model": models.files(source)}
+    for i, a in enumerate(options.lora):  # sent to a cluster worker with the model's files
+        inputs[f"lora{i}"] = [Path(a.path) / lora.CONFIG, Path(a.path) / lora.WEIGHTS]
 
     def fn(out: Path) -> dict[str, Any]:
         return _on(cluster, "adapt", _adapt_body, inputs, (source, card, options), out, state.sub(0.05, 1.0),
@@ -121,7 +137,22 @@ def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state
     free_big_blocks_at_once()
     state.progress(0.0, "loading weights")
     lm = models.load(source.model_copy(update={"path": str(inputs["model"])}), keep_16bit=True)
+    if options.lora:  # merged before adaptation: the equivalence gate then proves the graphs against base + adapters
+        state.progress(0.08, f"merging {len(options.lora)} LoRA adapter(s)")
+        here = tuple(a.model_copy(update={"path": str(inputs[f"lora{i}"])}) for i, a in enumerate(options.lora))
+        lora.merge(lm.model, here, lora_bases(source))
     return adapt_stage.run(lm, options, out, state.sub(0.1, 1.0)).model_dump()
+
+
+def lora_bases(source: models.ModelSource) -> list[str]:
+    """The names a LoRA adapter's base may be given by for this model: its label first (said in a refusal)."""
+    names = [source.label, source.spec, source.repo_id or "", source.gguf_file or ""]
+    return names + ([Path(source.path).name] if source.path else [])
+
+
+def _weight_bytes(card: models.ArchCard) -> float:
+    """The base's weights in bytes, as stored: an adapter larger than that is no low-rank update of it."""
+    return card.params * card.stored_bits / 8
 
 
 def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: StateLike,
@@ -175,6 +206,12 @@ def mnn(project: Project, options: mnn_stage.MnnOptions, state: StateLike, force
         model: str | None = None) -> StageRecord:
     """The MNN back-end: the project's float model (read again, so an edited model is seen) exported by MNN's
     exporter and checked against the float model on this computer."""
+    adapted = project.record(stages.ADAPT.name)
+    if adapted is not None and adapted.options_as(AdaptOptions).lora:
+        raise UserError("This project's model has LoRA adapters merged; the MNN back-end exports the base model "
+                        "without them, which would answer differently.",
+                        "Use the Genie bundle for the fine-tuned model, or make the MNN model in a project without "
+                        "adapters.")
     choices, prev = project.choices(), project.record(INTAKE)
     # at the context length the model was read for: another would make the Genie stages stale
     cl = prev.options_as(IntakeOptions).cl if prev is not None and prev.status == "done" else choices.cl

@@ -16,6 +16,7 @@ from ..genie import draft
 from ..progress import State, StateLike
 from ..project import Project
 from ..results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult
+from ..stage_options import AdaptOptions
 from .execute import adapt, bundle_resolved, compile_and_bundle, opened, quantize
 from .phone import ask_on_device
 from .summaries import (
@@ -62,7 +63,7 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     return RunSummary(
         project=str(project.root),
         model=m.stages["model"].result_as(IntakeResult).card.source,
-        adapt=adapt_summary(rec.result_as(AdaptResult)),
+        adapt=adapt_summary(rec.result_as(AdaptResult), rec.options_as(AdaptOptions).lora),
         quantize=quantize_summary(qrec.result_as(QuantizeResult), project.stage_dir(stages.QUANTIZE.name)),
         compile=compile_summary(crec.result_as(CompileResult)),
         bundle=bundle_summary(b),

@@ -11,6 +11,7 @@ from .. import models, parts, stages
 from ..project import Project, StageRecord
 from ..quantize.presets import takes_4bit_head
 from ..results import AdaptResult, BundleResult, CompileResult, MnnResult, QuantizeResult, Verification
+from ..stage_options import AdaptOptions, LoraAdapter
 from .phone import SampleAnswer
 
 
@@ -27,6 +28,7 @@ class AdaptSummary(BaseModel):
     ppl_adapted: float
     eval_tokens: int
     graphs: list[str]
+    lora: list[str] = []  # the LoRA adapters merged first: "folder" or "folder ×weight"
 
 
 class QuantizeSummary(BaseModel):
@@ -107,14 +109,16 @@ class RunSummary(BaseModel):
     plan: models.Plan | None = None
 
 
-def adapt_summary(r: AdaptResult) -> AdaptSummary:
+def adapt_summary(r: AdaptResult, lora: tuple[LoraAdapter, ...] = ()) -> AdaptSummary:
+    """`lora`: the adapters the stage merged (its record's options)."""
     eq, gate = r.equivalence, r.gate
     verdict: Literal["passed", "failed, accepted", "not run"] = (
         "passed" if gate and gate.passed else "failed, accepted" if gate and gate.accepted_mismatch else "not run")
     return AdaptSummary(gate=verdict, top1_agreement=eq.top1_agreement, max_abs_logit_diff=eq.max_abs_logit_diff,
                         positions=eq.positions, prefill_ar=eq.prefill_ar, decode_steps=eq.decode_steps,
                         ppl_fp=r.ppl_fp, ppl_adapted=r.ppl_adapted, eval_tokens=r.eval_tokens,
-                        graphs=[g.name for g in r.graphs])
+                        graphs=[g.name for g in r.graphs],
+                        lora=[Path(a.path).name + (f" ×{a.weight:g}" if a.weight != 1 else "") for a in lora])
 
 
 def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:
@@ -147,7 +151,7 @@ def bundle_summary(r: BundleResult) -> BundleSummary:
 def summary(stage: str, rec: StageRecord, project: Project) -> BaseModel:
     """What the views show of a finished stage's record: one shape per stage, for the tables and `--json`."""
     if stage == stages.ADAPT.name:
-        return adapt_summary(rec.result_as(AdaptResult))
+        return adapt_summary(rec.result_as(AdaptResult), rec.options_as(AdaptOptions).lora)
     if stage == stages.QUANTIZE.name:
         return quantize_summary(rec.result_as(QuantizeResult), project.stage_dir(stage))
     if stage == stages.COMPILE.name:

@@ -70,7 +70,8 @@ class AdaptPage(Page):
             self.cl.setValue(ch.cl)
 
     def show_result(self, r: AdaptResult) -> None:
-        s = pipeline.adapt_summary(r)
+        rec = self.project.record(stages.ADAPT.name) if self.project else None
+        s = pipeline.adapt_summary(r, rec.options_as(AdaptOptions).lora if rec and rec.status == "done" else ())
         if not self.chart.series:
             self.chart.extend(list(r.per_window))
         accepted = s.gate == "failed, accepted"
@@ -81,7 +82,7 @@ class AdaptPage(Page):
             ("Positions compared", f"{s.positions} (prefill AR-{s.prefill_ar}, {s.decode_steps} AR-1 steps)"),
             ("Perplexity: original / adapted", f"{s.ppl_fp:.3f} / {s.ppl_adapted:.3f}"),
             ("Graphs", ", ".join(s.graphs)),
-        ]
+        ] + ([("LoRA adapters merged", ", ".join(s.lora))] if s.lora else [])
         fill(self.results, rows, [BAD if accepted and i < 3 else None for i in range(len(rows))])
         if accepted:
             self.strip.status.setStyleSheet("color: #b00020; font-weight: bold")
