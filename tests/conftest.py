@@ -148,8 +148,10 @@ def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
 
 
-def genie_pipeline(root: Path, model: Path, precision: str = "w8a16", embedding_lut: bool = True) -> object:
-    """`model` taken through adapt, quantize, compile and bundle at CL 128, AR-32, with small eval sizes."""
+def genie_pipeline(root: Path, model: Path, precision: str = "w8a16", embedding_lut: bool = True,
+                   lora: tuple[object, ...] = ()) -> object:
+    """`model` (with the LoRA adapters `lora` merged) taken through adapt, quantize, compile and bundle at CL 128,
+    AR-32, with small eval sizes."""
     from npustudio.core import pipeline
     from npustudio.core.adapt import AdaptOptions
     from npustudio.core.compile import CompileOptions
@@ -159,7 +161,8 @@ def genie_pipeline(root: Path, model: Path, precision: str = "w8a16", embedding_
     from npustudio.core.quantize import QuantizeOptions
 
     p = Project.open(root)
-    pipeline.adapt(p, str(model), AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128, decode_tokens=8), State())
+    pipeline.adapt(p, str(model), AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128, decode_tokens=8,
+                                               lora=lora), State())  # type: ignore[arg-type]
     pipeline.quantize(p, QuantizeOptions(precision=precision, calib_samples=2, calib_len=64, calib_decode=4,
                                          eval_chars=1500, window=128, decode_tokens=8), State())
     pipeline.compile_graphs(p, CompileOptions(verify_tokens=64, embedding_lut=embedding_lut), State())

@@ -144,3 +144,26 @@ def test_an_adapter_that_cannot_be_merged_exactly_is_refused_before_any_stage(ba
     assert listed.returncode == 0, listed.stderr[-1500:]
     (shown,) = json.loads(listed.stdout)["lora"]
     assert shown["rank"] == 4 and shown["alpha"] == 8 and shown["modules"] == 6 and shown["weight"] == 0.5
+
+
+def test_a_bundle_of_the_merged_model_answers_in_genie_as_our_runner_and_not_as_the_base(
+        base: tuple[Path, Path], genie_project: Project, tmp_path: Path) -> None:
+    """The fine-tuned model to a bundle: the real Genie answers token for token like our runner on the same
+    binaries, and not like the bundle of the base model alone (the session's tiny project: the same base)."""
+    from npustudio.core.stage_options import LoraAdapter
+    from tests.conftest import genie_pipeline
+    from tests.test_families import TOKENS, genie_run, htp_runner, prompt_text
+
+    model, adapter = base
+    project = genie_pipeline(tmp_path / "p", model, lora=(LoraAdapter(path=str(adapter)),))
+    assert isinstance(project, Project)
+    from transformers import PreTrainedTokenizerFast
+
+    bundle = project.stage_dir("bundle")
+    prompt_ids, tokens, _ = genie_run(bundle, prompt_text(), TOKENS)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle / layout.TOKENIZER))
+    ids = [1] + tok(prompt_text(), add_special_tokens=False)["input_ids"]  # Genie prepends BOS (1)
+    assert prompt_ids[:len(ids)] == ids
+    assert len(tokens) >= 12 and tokens == htp_runner(project).generate(ids, TOKENS)[:len(tokens)]
+    _, plain, _ = genie_run(genie_project.stage_dir("bundle"), prompt_text(), TOKENS)
+    assert plain != tokens
