@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,6 +78,7 @@ def test_a_merged_adapter_makes_the_graphs_compute_what_peft_computes(base: tupl
     assert rec is not None
     (kept,) = rec.options_as(AdaptOptions).lora
     assert kept.path == str(adapter.resolve()) and kept.weight == 1.0 and kept.sha256
+    assert Project.open(project).choices().lora == (kept,)  # the window's Model page shows what the CLI merged
     again = npustudio("adapt", str(model), "--project", str(project), "--lora", str(adapter), *SMALL, timeout=600)
     assert again.returncode == 0 and Project.open(project).record("adapt").key == rec.key  # type: ignore[union-attr]
     half = npustudio("adapt", str(model), "--project", str(project), "--lora", f"{adapter}=0.5", *SMALL, timeout=600)
@@ -167,3 +169,37 @@ def test_a_bundle_of_the_merged_model_answers_in_genie_as_our_runner_and_not_as_
     assert len(tokens) >= 12 and tokens == htp_runner(project).generate(ids, TOKENS)[:len(tokens)]
     _, plain, _ = genie_run(genie_project.stage_dir("bundle"), prompt_text(), TOKENS)
     assert plain != tokens
+
+
+def test_the_model_page_picks_checks_and_removes_adapters_that_adapt_then_merges(
+        qtbot: Any, base: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Add LoRA adapter… on the Model page: a good adapter is listed and the Adapt page runs with it; a bad one is
+    refused there and then with what is wrong (not minutes later in adapt); Remove adapters takes them away."""
+    from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox
+
+    from npustudio.gui.app import MainWindow
+    from npustudio.gui.pages.model import NO_ADAPTER
+
+    model, adapter = base
+    w = MainWindow(tmp_path / "p", watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    page = w.model_page
+    page.set_spec(str(model))
+    assert page.adapters.text() == NO_ADAPTER and not page.clear_adapters.isEnabled()
+    picked = [str(adapter)]
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *_a, **_k: picked[0])
+    page.add_adapter.click()
+    assert page.adapters.text() == "adapter" and page.clear_adapters.isEnabled()
+    (chosen,) = w.project.choices().lora
+    assert chosen.path == str(adapter.resolve()) and chosen.sha256
+    assert w.adapt_page.options().lora == (chosen,)
+    picked[0] = str(_edited(adapter, tmp_path / "rank0", {"r": 0}))
+    page.add_adapter.click()
+    box = next(b for b in QApplication.topLevelWidgets() if isinstance(b, QMessageBox) and b.isVisible())
+    assert "rank 0" in box.text()
+    box.close()
+    assert w.project.choices().lora == (chosen,) and page.adapters.text() == "adapter"
+    page.clear_adapters.click()
+    assert w.project.choices().lora == () and page.adapters.text() == NO_ADAPTER
+    assert w.adapt_page.options().lora == ()

@@ -54,6 +54,11 @@ def parse(arg: str) -> LoraAdapter:
     return LoraAdapter(path=arg)
 
 
+def label(a: LoraAdapter) -> str:
+    """An adapter as the views name it: its folder, and its weight when not 1."""
+    return Path(a.path).name + (f" ×{a.weight:g}" if a.weight != 1 else "")
+
+
 def resolved(adapters: tuple[LoraAdapter, ...], base_names: list[str], base_bytes: float | None = None
              ) -> tuple[LoraAdapter, ...]:
     """Each adapter by its absolute folder and the hash of its two files (a changed adapter makes the stages stale),

@@ -36,7 +36,7 @@ from . import layout
 from .errors import UserError
 from .fsutil import atomic_write_text, open_nofollow, refuse_link, sha256_file, sha256_json
 from .progress import Cancelled, peak_rss_mb
-from .stage_options import AdaptOptions, QuantizeOptions, _known_soc, default
+from .stage_options import AdaptOptions, LoraAdapter, QuantizeOptions, _known_soc, default
 
 SCHEMA_VERSION = 1
 Record = TypeVar("Record", bound=BaseModel)
@@ -97,6 +97,7 @@ class Choices(BaseModel):
     cl: int = default(AdaptOptions, "cl")
     target: str | None = None  # a SoC of core/targets.py; None: not picked yet (the Target step is to do)
     deployed: Deployed | None = None
+    lora: tuple[LoraAdapter, ...] = ()  # LoRA adapters merged into the model before adaptation (core/lora.py)
 
     check_target = field_validator("target")(_known_soc)  # as the stage options check theirs
 

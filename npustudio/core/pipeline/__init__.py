@@ -8,6 +8,7 @@ from .execute import (
     INTAKE,
     adapt,
     bundle,
+    check_lora,
     compile_and_bundle,
     compile_graphs,
     default_project_dir,
@@ -49,8 +50,8 @@ from .summaries import (
 __all__ = [
     "INTAKE", "AdaptSummary", "BinarySummary", "BundleSummary", "CompileSummary", "IntakeResult", "QuantizeSummary",
     "RunSummary", "SampleAnswer", "StageFigures", "WizardStep", "_require", "adapt", "adapt_summary", "ask_on_device",
-    "bundle", "bundle_summary", "compile_and_bundle", "compile_graphs", "compile_summary", "decode_bounds",
-    "default_project_dir", "deploy", "deploy_mnn", "describe", "graphs_for", "intake", "job_plan", "lora_report",
-    "open_chat", "open_engine", "opened", "project_of_bundle", "quantize", "quantize_summary", "resolve", "run_all",
-    "run_stage", "stage_status", "stale_reasons", "summary", "wizard_steps",
+    "bundle", "bundle_summary", "check_lora", "compile_and_bundle", "compile_graphs", "compile_summary",
+    "decode_bounds", "default_project_dir", "deploy", "deploy_mnn", "describe", "graphs_for", "intake", "job_plan",
+    "lora_report", "open_chat", "open_engine", "opened", "project_of_bundle", "quantize", "quantize_summary", "resolve",
+    "run_all", "run_stage", "stage_status", "stale_reasons", "summary", "wizard_steps",
 ]

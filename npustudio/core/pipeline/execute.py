@@ -74,6 +74,13 @@ def describe(source: models.ModelSource, cl: int, ar: int = adapt_stage.AdaptOpt
                         host=host_cost.estimate(card, gguf=bool(source.gguf_file)))
 
 
+def check_lora(model: str, folder: str, weight: float = 1.0) -> LoraAdapter:
+    """An adapter picked for `model` (a model spec), read and checked as adapt will before its weights load (the
+    window's Model page: refused when picked, not minutes later)."""
+    source = models.resolve_source(model)
+    return lora.resolved((LoraAdapter(path=folder, weight=weight),), lora_bases(source))[0]
+
+
 def lora_report(source: models.ModelSource, card: models.ArchCard, adapters: tuple[LoraAdapter, ...]
                 ) -> list[dict[str, Any]]:
     """What `info --lora` shows of each adapter, read and checked against the model as adapt will (its weights'
@@ -127,6 +134,8 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
 
     rec, _ = project.run_stage(stages.ADAPT.name, inputs={"model": mrec.inputs["model"]},
                                options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(cluster))
+    if project.choices().lora != options.lora:  # what the model is made with, from the CLI too: the window shows it
+        project.choose(lora=options.lora)
     return rec
 
 

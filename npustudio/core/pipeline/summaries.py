@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from .. import models, parts, stages
+from ..lora import label
 from ..project import Project, StageRecord
 from ..quantize.presets import takes_4bit_head
 from ..results import AdaptResult, BundleResult, CompileResult, MnnResult, QuantizeResult, Verification
@@ -118,7 +119,7 @@ def adapt_summary(r: AdaptResult, lora: tuple[LoraAdapter, ...] = ()) -> AdaptSu
                         positions=eq.positions, prefill_ar=eq.prefill_ar, decode_steps=eq.decode_steps,
                         ppl_fp=r.ppl_fp, ppl_adapted=r.ppl_adapted, eval_tokens=r.eval_tokens,
                         graphs=[g.name for g in r.graphs],
-                        lora=[Path(a.path).name + (f" ×{a.weight:g}" if a.weight != 1 else "") for a in lora])
+                        lora=[label(a) for a in lora])
 
 
 def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:

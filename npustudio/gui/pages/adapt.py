@@ -38,7 +38,8 @@ class AdaptPage(Page):
     def options(self) -> AdaptOptions:
         return self.project.rerun_options(stages.ADAPT.name, AdaptOptions, ar=self.ar.value(), cl=self.cl.value(),
                                           device=self.window_.settings.device,
-                                          accept_mismatch=self.accept_mismatch.isChecked())
+                                          accept_mismatch=self.accept_mismatch.isChecked(),
+                                          lora=self.project.choices().lora)  # picked on the Model page
 
     def start(self, force: bool = False) -> None:
         project, opts = self.project, self.unless_refused(self.options)

@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (
     QFileDialog,
     QGridLayout,
     QHBoxLayout,
+    QLabel,
     QLineEdit,
     QPushButton,
     QRadioButton,
@@ -17,15 +18,17 @@ from PySide6.QtWidgets import (
 )
 
 from ... import display
-from ...core import host_cost, models, pipeline, stages
+from ...core import host_cost, lora, models, pipeline, stages
+from ...core.errors import UserError
 from ...core.progress import about_duration
 from ...core.results import IntakeResult
-from ...core.stage_options import AdaptOptions
+from ...core.stage_options import AdaptOptions, LoraAdapter
 from ...core.targets import DEFAULT_SOC, find_soc, fits_phone_ram
 from ..fields import limit_context, spin
-from ..widgets import BAD, GOOD, WARN, Page, fill, status_label, table
+from ..widgets import BAD, GOOD, WARN, Page, fill, show_error, status_label, table
 from ..window import StudioWindow
 
+NO_ADAPTER = "none: the model as it is"
 KINDS = (("default", "Embedded default"), ("hf_dir", "Local folder"), ("gguf", "GGUF file"),
          ("hub", "Hugging Face hub id"))
 
@@ -68,6 +71,19 @@ class ModelPage(Page):
         self.cl = spin(AdaptOptions, "cl", step=128)  # the context the adapt stage builds: its field's range
         self.form.addRow("Source:", kinds)
         self.form.addRow("", row)
+        self.adapters = QLabel(NO_ADAPTER)
+        self.adapters.setWordWrap(True)
+        self.add_adapter = QPushButton("Add LoRA adapter…")
+        self.add_adapter.setToolTip("A folder PEFT saved (adapter_config.json, adapter_model.safetensors): merged "
+                                    "into the model's weights before adaptation")
+        self.clear_adapters = QPushButton("Remove adapters")
+        lora_row = QWidget()
+        ll = QHBoxLayout(lora_row)
+        ll.setContentsMargins(0, 0, 0, 0)
+        ll.addWidget(self.adapters, 1)
+        ll.addWidget(self.add_adapter)
+        ll.addWidget(self.clear_adapters)
+        self.form.addRow("Fine-tune:", lora_row)
         self.form.addRow("Context length (for the estimate):", self.cl)
         self.add_strip("Read model", redo=True)
         self.card = table(["Property", "Value"])
@@ -83,6 +99,8 @@ class ModelPage(Page):
         self.lay.addWidget(self.host)
         self.kind.idToggled.connect(self._kind_changed)
         self.browse.clicked.connect(self._browse)
+        self.add_adapter.clicked.connect(self._pick_adapter)
+        self.clear_adapters.clicked.connect(lambda: self.set_adapters(()))
         self.strip.run.clicked.connect(lambda: self.start())
         self._kind_changed(0, True)
         self.fits: list[models.FitEstimate] = []
@@ -114,6 +132,33 @@ class ModelPage(Page):
         if path:
             self.source.setText(path)
 
+    def _pick_adapter(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "LoRA adapter folder",
+                                                options=QFileDialog.Option.DontUseNativeDialog)
+        if path:
+            self.add(path)
+
+    def add(self, folder: str) -> None:
+        """One more adapter, checked now (a pickle, NaN weights, another base's are refused here, not at adapt)."""
+        have = self.project.choices().lora
+        try:
+            added = pipeline.check_lora(self.spec() or "default", folder)
+        except UserError as e:
+            show_error(self, e.problem, e.fix)
+            return
+        self.set_adapters((*have, added))
+
+    def set_adapters(self, adapters: tuple[LoraAdapter, ...]) -> None:
+        """The project's adapters (the adapt stage redoes itself when they change)."""
+        self.project.choose(lora=adapters)
+        self._show_adapters(adapters)
+        self.changed.emit()
+
+    def _show_adapters(self, adapters: tuple[LoraAdapter, ...]) -> None:
+        self.adapters.setText(", ".join(lora.label(a) for a in adapters) or NO_ADAPTER)
+        self.adapters.setToolTip("\n".join(a.path for a in adapters))
+        self.clear_adapters.setEnabled(bool(adapters))
+
     def start(self, force: bool = False) -> None:
         spec, cl, project = self.spec(), self.cl.value(), self.project
         if not spec:
@@ -129,6 +174,7 @@ class ModelPage(Page):
     def refresh(self) -> None:
         ch = self.project.choices()
         self.set_spec(ch.model)
+        self._show_adapters(ch.lora)
         limit_context(self.cl, self.project)
         self.cl.setValue(ch.cl)
         rec = self.project.record(stages.MODEL.name)
