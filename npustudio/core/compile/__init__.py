@@ -66,6 +66,34 @@ def resolved(options: CompileOptions, quant_dir: Path) -> CompileOptions:
     return options.model_copy(update=update)
 
 
+def _prepare(quant_dir: Path, graphs: list[str], prep: Path, embedding_table_out: bool, state: StateLike
+             ) -> dict[str, IOEncoding]:
+    """The quantize stage's QDQ graphs made into what QNN compiles (in `prep`): uint16 I/O from the AIMET
+    encodings, w4a16's blocks as MatMuls, and the embedding table out of the graphs when Genie is to look it up.
+    Returns the graphs' I/O encodings, the same for every graph."""
+    prep.mkdir(exist_ok=True)
+    link_or_copy(quant_dir / layout.WEIGHTS, prep / layout.WEIGHTS)  # the prepared graphs read these weights
+    io: dict[str, IOEncoding] = {}
+    with lpbq_matmul.Store(prep).open() as lpbq:  # w4a16's block-quantized layers as the MatMuls QNN takes
+        for i, g in enumerate(graphs):
+            state.progress(0.05 * i, f"preparing {g}: uint16 I/O from the AIMET encodings")
+            enc = graph_io.prepare(quant_dir / f"{g}_qdq.onnx", quant_dir / f"{g}.encodings", prep / f"{g}.onnx",
+                                   lpbq)
+            _check_same_io(io, enc, g)
+            io.update(enc)
+    if not lpbq.tensors:
+        lpbq.path.unlink()
+    if embedding_table_out:  # Genie reads the table's rows from a file on the CPU
+        state.progress(0.08, "the embedding table out of the graphs, into Genie's lookup table")
+        for i, g in enumerate(graphs):
+            rows = embedding_lut.cut(prep / f"{g}.onnx", prep / layout.EMBEDDING_LUT if i == 0 else None)
+            _check_same_io(io, {embedding_lut.INPUT: rows}, g)
+            io[embedding_lut.INPUT] = rows
+        io.pop(embedding_lut.IDS, None)
+    _check_kv_tied(io)
+    return io
+
+
 def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path, state: StateLike) -> CompileResult:
     if options.backend == "qairt":
         from . import qairt
@@ -83,28 +111,8 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
     lap = Laps()
     steps = lap.steps
 
-    weights = quant_dir / layout.WEIGHTS
     prep = out_dir / layout.PREPARED
-    prep.mkdir(exist_ok=True)
-    link_or_copy(weights, prep / layout.WEIGHTS)  # the prepared graphs read the quantize stage's weights
-    io: dict[str, IOEncoding] = {}
-    with lpbq_matmul.Store(prep).open() as lpbq:  # w4a16's block-quantized layers as the MatMuls QNN takes
-        for i, g in enumerate(graphs):
-            state.progress(0.05 * i, f"preparing {g}: uint16 I/O from the AIMET encodings")
-            enc = graph_io.prepare(quant_dir / f"{g}_qdq.onnx", quant_dir / f"{g}.encodings", prep / f"{g}.onnx",
-                                   lpbq)
-            _check_same_io(io, enc, g)
-            io.update(enc)
-    if not lpbq.tensors:
-        lpbq.path.unlink()
-    if options.embedding_lut:  # the table leaves the graphs: Genie reads its rows from a file on the CPU
-        state.progress(0.08, "the embedding table out of the graphs, into Genie's lookup table")
-        for i, g in enumerate(graphs):
-            rows = embedding_lut.cut(prep / f"{g}.onnx", prep / layout.EMBEDDING_LUT if i == 0 else None)
-            _check_same_io(io, {embedding_lut.INPUT: rows}, g)
-            io[embedding_lut.INPUT] = rows
-        io.pop(embedding_lut.IDS, None)
-    _check_kv_tied(io)
+    io = _prepare(quant_dir, graphs, prep, options.embedding_lut, state)
     spec, _ = store.load_spec(adapt_dir)
     shapes = load_graphs(quant_dir)
     ars, cl = {s.name: s.ar for s in shapes}, shapes[0].cl

@@ -15,6 +15,7 @@ import re
 import shutil
 from importlib import metadata as importlib_metadata
 from pathlib import Path
+from typing import Any
 
 from .. import layout, stages
 from ..errors import UserError
@@ -23,6 +24,7 @@ from ..graph.embedding_lut import INPUT as LUT_INPUT
 from ..progress import StateLike
 from ..results import (
     BundleResult,
+    CompileResult,
     GraphSpec,
     load_bundle,
     load_card,
@@ -58,6 +60,47 @@ def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
             (f"lib/hexagon-{target.dsp_arch}/unsigned/libQnnHtp{v}Skel.so", f"libQnnHtp{v}Skel.so")]
 
 
+def _link_binaries(comp: CompileResult, compile_dir: Path, out_dir: Path, kept: set[str], shared: bool
+                   ) -> list[str]:
+    """The kept graphs' context binaries linked into the bundle: one per graph (the simulator's layout; a phone
+    takes it too), or with weight sharing one per part holding its prompt and token graphs."""
+    bins: list[str] = []
+    for g in comp.graphs:
+        if _whole_graph(g.graph) not in kept:
+            continue
+        name = f"{g.graph}.bin"
+        if shared:
+            part = re.search(r"_\d+_of_\d+$", g.graph)
+            name = f"shared{part.group(0) if part else ''}.bin"
+        if name not in bins:
+            link_or_copy(compile_dir / g.context_bin, out_dir / name)
+            bins.append(name)
+    return bins
+
+
+def _link_draft(options: BundleOptions, target: draft.Model, out_dir: Path) -> tuple[draft.Model, list[str]]:
+    """Genie's draft-model dialog: the draft's binaries beside the target's, checked as a pair first."""
+    assert options.draft is not None
+    if not options.prompt_graphs:
+        raise UserError("Draft-model decoding checks the draft's tokens with the target's prompt graph: it cannot "
+                        "be left out.", "Bundle with the prompt graphs (drop --token-graphs-only).")
+    pair = draft.open_model(Path(options.draft))
+    draft.check_pair(target, pair, options.draft_len)
+    return pair, draft.link(pair, out_dir)
+
+
+def _check_draft(options: BundleOptions, shared: bool, out_dir: Path, cfg: dict[str, Any], tok: Any,
+                 state: StateLike) -> tuple[dict[str, Any] | None, list[str]]:
+    """The draft's check on the HTP simulator (`draft.check_lossless`), and the note when it cannot run here."""
+    if shared:  # weight-shared binaries are a phone's: the simulator cannot load them
+        return None, ["The draft's effect on the answer was not checked on this computer: weight-shared binaries "
+                      "load only on a phone."]
+    state.progress(0.8, "checking that the draft leaves the answers unchanged (greedy, on the HTP simulator)")
+    prompts, stop = draft.check_prompts(tok, options.question), state.stop_event
+    # in a thread while this one waits: Ctrl-C (a KeyboardInterrupt lost inside Genie's callbacks) sets `stop`
+    return host.until_done(lambda: draft.check_lossless(out_dir, cfg, prompts, stop=stop), stop), []
+
+
 def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Path, state: StateLike) -> BundleResult:
     decoding.resolve(options.decoding, options.draft)
     comp = load_compile(compile_dir)
@@ -70,36 +113,19 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     # part holding the prompt and token graphs (a qairt build always shares)
     shared = comp.backend == "qairt" or comp.weight_shared
     kept = _kept_graphs(graphs, options.prompt_graphs, shared)
-    bins: list[str] = []
-    for g in comp.graphs:
-        if _whole_graph(g.graph) not in kept:
-            continue
-        name = f"{g.graph}.bin"
-        if shared:
-            part = re.search(r"_\d+_of_\d+$", g.graph)
-            name = f"shared{part.group(0) if part else ''}.bin"
-        if name not in bins:
-            link_or_copy(compile_dir / g.context_bin, out_dir / name)
-            bins.append(name)
+    bins = _link_binaries(comp, compile_dir, out_dir, kept, shared)
     shutil.copy2(adapt_dir / layout.TOKENIZER, out_dir / layout.TOKENIZER)
     embedding = None
     if LUT_INPUT in comp.io:  # the graphs start from the embedding table's rows: Genie looks them up on the CPU
         link_or_copy(compile_dir / layout.PREPARED / layout.EMBEDDING_LUT, out_dir / layout.EMBEDDING_LUT)
         embedding = genie_config.embedding_config(layout.EMBEDDING_LUT, card.hidden, comp.io[LUT_INPUT])
 
-    draft_meta = None
-    if options.draft:  # Genie's draft-model dialog: the draft's binaries beside the target's, checked as a pair
-        if not options.prompt_graphs:
-            raise UserError("Draft-model decoding checks the draft's tokens with the target's prompt graph: it cannot "
-                            "be left out.", "Bundle with the prompt graphs (drop --token-graphs-only).")
-        pair = draft.open_model(Path(options.draft))
-        draft.check_pair(draft.Model(compile_dir.parent.parent, compile_dir, adapt_dir, card, comp, graphs), pair,
-                         options.draft_len)
-        draft_bins = draft.link(pair, out_dir)
-        draft_meta = draft.describe(pair, options.draft_len, draft_bins)
+    target_model = draft.Model(compile_dir.parent.parent, compile_dir, adapt_dir, card, comp, graphs)
+    pair, draft_bins = _link_draft(options, target_model, out_dir) if options.draft else (None, [])
+    draft_meta = draft.describe(pair, options.draft_len, draft_bins) if pair else None
     cfg = genie_config.dialog_config(card.model_dump(), cl, bins, options.sampler, options.n_threads, htp_ext=True,
                                      embedding=embedding)
-    if options.draft:
+    if pair:
         cfg = genie_config.speculative(cfg, genie_config.engine_config(pair.card.model_dump(), draft_bins,
                                                                        options.n_threads, htp_ext=True),
                                        options.draft_len)
@@ -135,17 +161,7 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     if status != 0:
         raise UserError(f"libGenie rejected the bundle's genie_config.json: status {libgenie.describe(status)}.\n"
                         + "\n".join(log[-10:]), "This is a bug in the bundle writer; please report it with the log.")
-    spd_check = None
-    if options.draft and shared:
-        notes_extra = ["The draft's effect on the answer was not checked on this computer: weight-shared binaries "
-                       "load only on a phone."]
-    else:
-        notes_extra = []
-    if options.draft and not shared:  # weight-shared binaries are a phone's: the simulator cannot load them
-        state.progress(0.8, "checking that the draft leaves the answers unchanged (greedy, on the HTP simulator)")
-        prompts, stop = draft.check_prompts(tok, options.question), state.stop_event
-        # in a thread while this one waits: Ctrl-C (a KeyboardInterrupt lost inside Genie's callbacks) sets `stop`
-        spd_check = host.until_done(lambda: draft.check_lossless(out_dir, cfg, prompts, stop=stop), stop)
+    spd_check, notes_extra = _check_draft(options, shared, out_dir, cfg, tok, state) if options.draft else (None, [])
     files = [{"file": p.name, "bytes": p.stat().st_size} for p in sorted(out_dir.iterdir()) if p.is_file()]
     context_bytes = sum((out_dir / b).stat().st_size for b in bins + (draft_meta["binaries"] if draft_meta else []))
     lut_bytes = (out_dir / layout.EMBEDDING_LUT).stat().st_size if embedding else 0
