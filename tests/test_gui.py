@@ -1036,6 +1036,7 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     shown = table_dict(w.target_page.details)["Decode bound, w8a16"]
     target_figure = float(re.search(r"≤ ([\d.]+) tok/s", shown).group(1))
     assert "measured: the bundle's token graph" in shown
+    assert "as built for the simulator" in shown  # not taken for a phone's weight-shared build
     assert w.profiles.roof is not None and w.profiles.roof["decode_tok_s_bound"] == target_figure
     line = next(i for i in w.profiles.rates.getPlotItem().items if isinstance(i, pg.InfiniteLine))
     assert round(10 ** line.value(), 1) == target_figure  # drawn on the rates' log axis
