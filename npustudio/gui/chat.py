@@ -248,6 +248,35 @@ class ChatPanel(QWidget):
         self.stop_event: threading.Event | None = None
         self.job: worker.Job | None = None
         self.editing = False  # Send replaces the last message and its answer
+        self._build()
+        self.send_btn.clicked.connect(self.send)
+        self.input.submitted.connect(self.send)
+        self.stop_btn.clicked.connect(self.stop)
+        self.copy_btn.clicked.connect(self.copy)
+        self.new_btn.clicked.connect(self.new_chat)
+        self.rename_btn.clicked.connect(lambda: self.rename_chat())
+        self.delete_btn.clicked.connect(lambda: self.delete_chat())
+        self.regen_btn.clicked.connect(self.regenerate)
+        self.edit_btn.clicked.connect(self.edit_last)
+        self.chats.activated.connect(lambda i: self.pick(self.chats.itemData(i)))
+        self.runner.currentIndexChanged.connect(lambda _i: self.reload())
+        self.rename_box: QInputDialog | None = None
+        self.delete_box: QMessageBox | None = None
+        self.last_answer = ""
+        self._answer: Bubble | None = None
+        self._t0, self._pieces = 0.0, 0
+        self._stopping = False  # Stop was pressed: the status line says so until the turn ends
+        self._first: float | None = None  # when the first piece of the answer came
+        self._regenerated: str | None = None  # the answer a Regenerate replaces, to say when it came back the same
+        self._device_next = False  # a device was deployed to during a turn: the chat switches to it after
+        self.greedy = False  # the runner picks the likeliest token every time (`_note_greedy`)
+        self._tick = QTimer(self)  # the status line counts while Genie reads the prompt (minutes on the simulator)
+        self._tick.setInterval(500)
+        self._tick.timeout.connect(self._show_progress)
+        self._enable()
+
+    def _build(self) -> None:
+        """The panel's widgets, top to bottom: the chat list, runner, system prompt, transcript, input, buttons."""
         lay = QVBoxLayout(self)
         lay.setContentsMargins(6, 4, 6, 4)
         lay.setSpacing(4)
@@ -306,31 +335,6 @@ class ChatPanel(QWidget):
         lay.addLayout(row2)
         self.serve_bar = ServeBar(self._serve_target)
         lay.addWidget(self.serve_bar)
-        self.send_btn.clicked.connect(self.send)
-        self.input.submitted.connect(self.send)
-        self.stop_btn.clicked.connect(self.stop)
-        self.copy_btn.clicked.connect(self.copy)
-        self.new_btn.clicked.connect(self.new_chat)
-        self.rename_btn.clicked.connect(lambda: self.rename_chat())
-        self.delete_btn.clicked.connect(lambda: self.delete_chat())
-        self.regen_btn.clicked.connect(self.regenerate)
-        self.edit_btn.clicked.connect(self.edit_last)
-        self.chats.activated.connect(lambda i: self.pick(self.chats.itemData(i)))
-        self.runner.currentIndexChanged.connect(lambda _i: self.reload())
-        self.rename_box: QInputDialog | None = None
-        self.delete_box: QMessageBox | None = None
-        self.last_answer = ""
-        self._answer: Bubble | None = None
-        self._t0, self._pieces = 0.0, 0
-        self._stopping = False  # Stop was pressed: the status line says so until the turn ends
-        self._first: float | None = None  # when the first piece of the answer came
-        self._regenerated: str | None = None  # the answer a Regenerate replaces, to say when it came back the same
-        self._device_next = False  # a device was deployed to during a turn: the chat switches to it after
-        self.greedy = False  # the runner picks the likeliest token every time (`_note_greedy`)
-        self._tick = QTimer(self)  # the status line counts while Genie reads the prompt (minutes on the simulator)
-        self._tick.setInterval(500)
-        self._tick.timeout.connect(self._show_progress)
-        self._enable()
 
     @property
     def busy(self) -> bool:

@@ -304,6 +304,21 @@ class Inspector(QWidget):
         super().__init__()
         self.table_: EncodingsTable | None = None
         lay = QVBoxLayout(self)
+        self._controls(lay)
+        split = QSplitter(Qt.Orientation.Vertical)
+        split.addWidget(self._heatmap_chart())
+        split.addWidget(self._tensor_table())
+        split.addWidget(self._details())
+        split.setSizes([260, 220, 240])
+        split.setChildrenCollapsible(False)
+        lay.addWidget(split, 1)
+        self.colour_by.currentIndexChanged.connect(self._draw_heat)
+        self.search.textChanged.connect(lambda t: self.proxy.set(text=t))
+        self.role.currentIndexChanged.connect(lambda _i: self.proxy.set(role=self.role.currentData()))
+        self.flagged.toggled.connect(lambda on: self.proxy.set(flagged_only=on))
+
+    def _controls(self, lay: QVBoxLayout) -> None:
+        """What is loaded and Compare; which graph, coloured by what; the filters."""
         bar = QHBoxLayout()  # which graph, coloured by what
         self.graph = QComboBox()
         self.graph.setToolTip("Which graph's encodings: the prompt graph (AR-N) or the token graph (AR-1)")
@@ -344,7 +359,9 @@ class Inspector(QWidget):
         lay.addLayout(head)
         lay.addLayout(bar)
         lay.addLayout(filters)
-        split = QSplitter(Qt.Orientation.Vertical)
+
+    def _heatmap_chart(self) -> Chart:
+        """Each layer's tensors by role, coloured by the chosen metric; a click selects the tensor."""
         self.heatmap = Chart()
         self.heatmap.setLabel("bottom", "layer")
         self.image = pg.ImageItem()
@@ -357,7 +374,9 @@ class Inspector(QWidget):
         self.heat_names: dict[tuple[int, int], str] = {}
         self.heatmap.scene().sigMouseClicked.connect(self._heat_clicked)
         self.heatmap.scene().sigMouseMoved.connect(self._heat_hover)
-        split.addWidget(self.heatmap)
+        return self.heatmap
+
+    def _tensor_table(self) -> FrozenNameTable:
         self.view = FrozenNameTable()
         self.view.setSortingEnabled(True)
         self.view.setSelectionBehavior(QTableView.SelectionBehavior.SelectRows)
@@ -366,7 +385,10 @@ class Inspector(QWidget):
         self.proxy = TensorFilter()
         self.view.setModel(self.proxy)
         self.view.selectionModel().currentRowChanged.connect(self._select)  # once: the proxy stays, its source changes
-        split.addWidget(self.view)
+        return self.view
+
+    def _details(self) -> QWidget:
+        """The selected tensor's scales per channel or block, and its weights' histogram."""
         self.detail = Chart()
         self.detail.setLabel("left", "scale")
         self.detail.setMinimumHeight(160)  # the scales of 64 channels need that much to be told apart
@@ -389,14 +411,7 @@ class Inspector(QWidget):
         plots.addWidget(self.hist, 1)
         dl.addLayout(plots, 1)
         dl.addWidget(self.hist_label)
-        split.addWidget(det)
-        split.setSizes([260, 220, 240])
-        split.setChildrenCollapsible(False)
-        lay.addWidget(split, 1)
-        self.colour_by.currentIndexChanged.connect(self._draw_heat)
-        self.search.textChanged.connect(lambda t: self.proxy.set(text=t))
-        self.role.currentIndexChanged.connect(lambda _i: self.proxy.set(role=self.role.currentData()))
-        self.flagged.toggled.connect(lambda on: self.proxy.set(flagged_only=on))
+        return det
 
     def clear_results(self) -> None:
         """No encodings: another project is open, or this one has none yet. Its filters, colouring, sort and each

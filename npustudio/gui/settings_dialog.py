@@ -45,7 +45,19 @@ class SettingsDialog(QDialog):
         self.setWindowTitle("NPU Studio settings")
         self.settings = s
         lay = QVBoxLayout(self)
+        lay.addWidget(self._token_group())
+        lay.addWidget(self._tools_group(s))
+        lay.addWidget(self._cluster_group(s))
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
+        lay.addWidget(buttons)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        self.check_save.clicked.connect(self._check_and_save)
+        self.save_unchecked.clicked.connect(lambda: self._store(self.token.text().strip(), None))
+        self.forget.clicked.connect(self._forget)
+        self.job: worker.Job | None = None
 
+    def _token_group(self) -> QGroupBox:
         tok = QGroupBox("Hugging Face token (for gated models such as Llama)")
         tl = QVBoxLayout(tok)
         self.token = QLineEdit()
@@ -62,8 +74,9 @@ class SettingsDialog(QDialog):
         tl.addWidget(self.token)
         tl.addLayout(row)
         tl.addWidget(self.token_status)
-        lay.addWidget(tok)
+        return tok
 
+    def _tools_group(self, s: user_settings.Settings) -> QGroupBox:
         paths = QGroupBox("Tools and defaults")
         form = QFormLayout(paths)
         self.sdk = QLineEdit(s.qnn_sdk_root)
@@ -99,8 +112,9 @@ class SettingsDialog(QDialog):
         form.addRow("Default precision:", self.precision)
         form.addRow("Compute on:", self.device)
         form.addRow("", self.preview)
-        lay.addWidget(paths)
+        return paths
 
+    def _cluster_group(self, s: user_settings.Settings) -> QGroupBox:
         ray = QGroupBox("Ray cluster (for models that outgrow this computer)")
         rf = QFormLayout(ray)
         self.cluster_address = QLineEdit(s.cluster_address)
@@ -117,15 +131,7 @@ class SettingsDialog(QDialog):
         rf.addRow("", self.use_cluster)
         rf.addRow("", self.cluster_install)
         rf.addRow("", self.cluster_status)
-        lay.addWidget(ray)
-        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
-        lay.addWidget(buttons)
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        self.check_save.clicked.connect(self._check_and_save)
-        self.save_unchecked.clicked.connect(lambda: self._store(self.token.text().strip(), None))
-        self.forget.clicked.connect(self._forget)
-        self.job: worker.Job | None = None
+        return ray
 
     def _check_and_save(self) -> None:
         token = self.token.text().strip()
