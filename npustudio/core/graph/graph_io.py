@@ -40,130 +40,151 @@ class IOEncoding(BaseModel):
 def prepare(src: Path, encodings_file: Path, dst: Path, lpbq: Store | None = None) -> dict[str, IOEncoding]:
     """Write the Genie-ready graph of `src` to `dst` (same folder as the weights); return the I/O encodings.
     Block-quantized (LPBQ) convolutions become MatMuls (`lpbq_matmul`) when `lpbq` takes their weights."""
-    import numpy as np
     import onnx
-    from onnx import TensorProto, helper
-    from onnx import numpy_helper as nh
 
     model = onnx.load(str(src), load_external_data=False)
-    g = model.graph
+    ed = _GraphEdit(model.graph, src.name)
     known = activation_encodings(encodings_file)
-    inits = {t.name: t for t in g.initializer}
-    consts = {n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant" and n.attribute}
-
-    def arr(name: str) -> Any:
-        t = inits.get(name) or consts.get(name)
-        if t is None:
-            raise UserError(f"The graph {src.name} has no value for {name!r}.", "Re-run the quantize stage.")
-        return nh.to_array(t)
-
-    def qparams(q: Any) -> tuple[float, int, int]:
-        zp = arr(q.input[2])
-        return float(arr(q.input[1])), int(zp), helper.np_dtype_to_tensor_dtype(zp.dtype)
-
-    def add_params(base: str, scale: float, zp: int, elem: int) -> tuple[str, str]:
-        s, z = base + "_io_scale", base + "_io_zero_point"
-        g.initializer.append(nh.from_array(np.array(scale, np.float32), s))
-        g.initializer.append(nh.from_array(np.array(zp, helper.tensor_dtype_to_np_dtype(elem)), z))
-        inits[s], inits[z] = g.initializer[-2], g.initializer[-1]
-        return s, z
-
-    # tensor -> the nodes reading it, in graph order, kept up to date as nodes are renamed, removed and added:
-    # scanning all nodes for each of the ~120 graph inputs and outputs took 3.3 of the 4.5 s a graph took
-    nodes = list(g.node)  # held: a node's Python object (and id) lasts only as long as something refers to it
-    position = {id(n): i for i, n in enumerate(nodes)}
-    readers: dict[str, list[Any]] = defaultdict(list)
-    for n in nodes:
-        for i in dict.fromkeys(n.input):
-            readers[i].append(n)
-
-    def rename_uses(old: str, new: str, skip: Any = None) -> None:
-        moved = [n for n in readers.pop(old, []) if n is not skip]
-        if skip is not None and old in skip.input:
-            readers[old] = [skip]
-        for n in moved:
-            for k, v in enumerate(n.input):
-                if v == old:
-                    n.input[k] = new
-        readers[new] = sorted({id(n): n for n in readers[new] + moved}.values(), key=lambda n: position[id(n)])
-
-    def remove(node: Any) -> None:
-        for i in dict.fromkeys(node.input):
-            readers[i] = [n for n in readers[i] if n is not node]
-        g.node.remove(node)
-
-    result: dict[str, IOEncoding] = {}
-    # -- inputs ------------------------------------------------------------------------------
-    for inp in g.input:
-        x = inp.name
-        for ident in [n for n in readers[x] if n.op_type == "Identity" and n.input[0] == x]:
-            rename_uses(ident.output[0], x)
-            remove(ident)
-        if inp.type.tensor_type.elem_type != TensorProto.FLOAT:
-            result[x] = IOEncoding(dtype=_np_name(inp.type.tensor_type.elem_type))
-            continue
-        qs = [n for n in readers[x] if n.op_type == "QuantizeLinear" and n.input[0] == x]
-        if qs:
-            params = {qparams(q) for q in qs}
-            if len(params) > 1:
-                raise UserError(f"Input {x} is quantized two different ways in {src.name}.",
-                                "Re-run the quantize stage; each input needs one encoding.")
-            scale, zp, elem = params.pop()
-            s_name, z_name = qs[0].input[1], qs[0].input[2]
-            for q in qs:
-                rename_uses(q.output[0], x)
-                remove(q)
-        elif x in known:
-            scale, zp = known[x].scale, known[x].zero_point
-            elem = TensorProto.UINT16 if known[x].dtype == "uint16" else TensorProto.UINT8
-            s_name, z_name = add_params(x, scale, zp, elem)
-        else:
-            raise UserError(f"Input {x} of {src.name} has no quantization encoding.",
-                            "Re-run the quantize stage with this version of NPU Studio.")
-        floats = [n for n in readers[x] if n.op_type != "DequantizeLinear"]
-        if floats:  # consumers that read the input as float read its dequantized value
-            dq_out = x + "_io_dq"
-            for n in floats:
-                for k, v in enumerate(n.input):
-                    if v == x:
-                        n.input[k] = dq_out
-            g.node.insert(0, helper.make_node("DequantizeLinear", [x, s_name, z_name], [dq_out], name=dq_out))
-            dq = g.node[0]
-            nodes.append(dq)
-            position[id(dq)] = -len(position)  # before every node added earlier
-            readers[dq_out] = floats
-            readers[x] = [dq] + [n for n in readers[x] if n.op_type == "DequantizeLinear"]
-        inp.type.tensor_type.elem_type = elem
-        result[x] = IOEncoding(dtype=_np_name(elem), scale=scale, zero_point=zp)
-
-    # -- outputs -----------------------------------------------------------------------------
-    prod = {o: n for n in g.node for o in n.output}
-    for out in g.output:
-        y = out.name
-        dq = prod.get(y)
-        q = prod.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
-        if dq is None or q is None or q.op_type != "QuantizeLinear":
-            raise UserError(f"Output {y} of {src.name} is not quantized.", "Re-run the quantize stage.")
-        scale, zp, elem = qparams(q)
-        internal = [n for n in readers[y] if n is not dq]
-        q.output[0] = y
-        dq.input[0] = y
-        dq.output[0] = y + "_io_dq"
-        if internal:
-            rename_uses(y, y + "_io_dq", skip=dq)
-            dq.input[0] = y
-        else:
-            remove(dq)
-        out.type.tensor_type.elem_type = elem
-        result[y] = IOEncoding(dtype=_np_name(elem), scale=scale, zero_point=zp)
-
-    _widen_narrowing_ops(g, arr, qparams, add_params)
+    result = {inp.name: ed.quantized_input(inp, known) for inp in model.graph.input}
+    prod = {o: n for n in model.graph.node for o in n.output}
+    result |= {out.name: ed.quantized_output(out, prod) for out in model.graph.output}
+    _widen_narrowing_ops(model.graph, ed.arr, ed.qparams, ed.add_params)
     if lpbq is not None:
-        lpbq_matmul.rewrite(g, src.parent, lpbq)
+        lpbq_matmul.rewrite(model.graph, src.parent, lpbq)
     tmp = dst.with_name(dst.name + ".tmp")
     onnx.save(model, str(tmp))
     tmp.replace(dst)
     return result
+
+
+class _GraphEdit:
+    """Graph `g` of the file `name`, its inputs and outputs made quantized, with an index of each tensor's readers
+    kept up to date as nodes are renamed, removed and added: scanning all nodes for each of the ~120 graph inputs
+    and outputs took 3.3 of the 4.5 s a graph took."""
+
+    def __init__(self, g: Any, name: str) -> None:
+        self.g, self.name = g, name
+        self.inits = {t.name: t for t in g.initializer}
+        self.consts = {n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant" and n.attribute}
+        self.nodes = list(g.node)  # held: a node's Python object (and id) lasts only as long as something refers to it
+        self.position = {id(n): i for i, n in enumerate(self.nodes)}
+        self.readers: dict[str, list[Any]] = defaultdict(list)
+        for n in self.nodes:
+            for i in dict.fromkeys(n.input):
+                self.readers[i].append(n)
+
+    def arr(self, name: str) -> Any:
+        from onnx import numpy_helper as nh
+
+        t = self.inits.get(name) or self.consts.get(name)
+        if t is None:
+            raise UserError(f"The graph {self.name} has no value for {name!r}.", "Re-run the quantize stage.")
+        return nh.to_array(t)
+
+    def qparams(self, q: Any) -> tuple[float, int, int]:
+        from onnx import helper
+
+        zp = self.arr(q.input[2])
+        return float(self.arr(q.input[1])), int(zp), helper.np_dtype_to_tensor_dtype(zp.dtype)
+
+    def add_params(self, base: str, scale: float, zp: int, elem: int) -> tuple[str, str]:
+        import numpy as np
+        from onnx import helper
+        from onnx import numpy_helper as nh
+
+        s, z = base + "_io_scale", base + "_io_zero_point"
+        self.g.initializer.append(nh.from_array(np.array(scale, np.float32), s))
+        self.g.initializer.append(nh.from_array(np.array(zp, helper.tensor_dtype_to_np_dtype(elem)), z))
+        self.inits[s], self.inits[z] = self.g.initializer[-2], self.g.initializer[-1]
+        return s, z
+
+    def rename_uses(self, old: str, new: str, skip: Any = None) -> None:
+        moved = [n for n in self.readers.pop(old, []) if n is not skip]
+        if skip is not None and old in skip.input:
+            self.readers[old] = [skip]
+        for n in moved:
+            for k, v in enumerate(n.input):
+                if v == old:
+                    n.input[k] = new
+        self.readers[new] = sorted({id(n): n for n in self.readers[new] + moved}.values(),
+                                   key=lambda n: self.position[id(n)])
+
+    def remove(self, node: Any) -> None:
+        for i in dict.fromkeys(node.input):
+            self.readers[i] = [n for n in self.readers[i] if n is not node]
+        self.g.node.remove(node)
+
+    def quantized_input(self, inp: Any, known: dict[str, Any]) -> IOEncoding:
+        """Graph input `inp` made its quantized type: its QuantizeLinear readers removed (or its encoding from
+        `known`), float readers fed a DequantizeLinear of it."""
+        from onnx import TensorProto
+
+        x, readers = inp.name, self.readers
+        for ident in [n for n in readers[x] if n.op_type == "Identity" and n.input[0] == x]:
+            self.rename_uses(ident.output[0], x)
+            self.remove(ident)
+        if inp.type.tensor_type.elem_type != TensorProto.FLOAT:
+            return IOEncoding(dtype=_np_name(inp.type.tensor_type.elem_type))
+        qs = [n for n in readers[x] if n.op_type == "QuantizeLinear" and n.input[0] == x]
+        if qs:
+            params = {self.qparams(q) for q in qs}
+            if len(params) > 1:
+                raise UserError(f"Input {x} is quantized two different ways in {self.name}.",
+                                "Re-run the quantize stage; each input needs one encoding.")
+            scale, zp, elem = params.pop()
+            s_name, z_name = qs[0].input[1], qs[0].input[2]
+            for q in qs:
+                self.rename_uses(q.output[0], x)
+                self.remove(q)
+        elif x in known:
+            scale, zp = known[x].scale, known[x].zero_point
+            elem = TensorProto.UINT16 if known[x].dtype == "uint16" else TensorProto.UINT8
+            s_name, z_name = self.add_params(x, scale, zp, elem)
+        else:
+            raise UserError(f"Input {x} of {self.name} has no quantization encoding.",
+                            "Re-run the quantize stage with this version of NPU Studio.")
+        self._dequantize_for_floats(x, s_name, z_name)
+        inp.type.tensor_type.elem_type = elem
+        return IOEncoding(dtype=_np_name(elem), scale=scale, zero_point=zp)
+
+    def _dequantize_for_floats(self, x: str, s_name: str, z_name: str) -> None:
+        """Readers of input `x` that read it as float read its dequantized value."""
+        from onnx import helper
+
+        floats = [n for n in self.readers[x] if n.op_type != "DequantizeLinear"]
+        if not floats:
+            return
+        dq_out = x + "_io_dq"
+        for n in floats:
+            for k, v in enumerate(n.input):
+                if v == x:
+                    n.input[k] = dq_out
+        self.g.node.insert(0, helper.make_node("DequantizeLinear", [x, s_name, z_name], [dq_out], name=dq_out))
+        dq = self.g.node[0]
+        self.nodes.append(dq)
+        self.position[id(dq)] = -len(self.position)  # before every node added earlier
+        self.readers[dq_out] = floats
+        self.readers[x] = [dq] + [n for n in self.readers[x] if n.op_type == "DequantizeLinear"]
+
+    def quantized_output(self, out: Any, prod: dict[str, Any]) -> IOEncoding:
+        """Graph output `out` made its QuantizeLinear's output; readers inside the graph keep the float value."""
+        y = out.name
+        dq = prod.get(y)
+        q = prod.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+        if dq is None or q is None or q.op_type != "QuantizeLinear":
+            raise UserError(f"Output {y} of {self.name} is not quantized.", "Re-run the quantize stage.")
+        scale, zp, elem = self.qparams(q)
+        internal = [n for n in self.readers[y] if n is not dq]
+        q.output[0] = y
+        dq.input[0] = y
+        dq.output[0] = y + "_io_dq"
+        if internal:
+            self.rename_uses(y, y + "_io_dq", skip=dq)
+            dq.input[0] = y
+        else:
+            self.remove(dq)
+        out.type.tensor_type.elem_type = elem
+        return IOEncoding(dtype=_np_name(elem), scale=scale, zero_point=zp)
 
 
 def _widen_narrowing_ops(g: Any, arr: Any, qparams: Any, add_params: Any) -> None:

@@ -188,8 +188,6 @@ def _zero_channels(g: Any, base: str, count: int, xs: str, xz: str) -> list[Any]
 def rewrite(g: Any, folder: Path, store: Store) -> int:
     """Rewrite every LPBQ 1×1 Conv of graph `g` (weights read from `folder`) as the MatMul form; return how many.
     A Conv that is block-quantized in a form this rewrite does not know is refused by name."""
-    from onnx import TensorProto, helper
-
     inits = {t.name: t for t in g.initializer}
     prod = {o: n for n in g.node for o in n.output}
     readers: dict[str, list[Any]] = {}
@@ -202,32 +200,9 @@ def rewrite(g: Any, folder: Path, store: Store) -> int:
         w_dq = prod.get(conv.input[1])
         if w_dq is None or w_dq.op_type != "DequantizeLinear" or _attr(w_dq, "block_size") is None:
             continue  # per-channel int8 (the LM head at w4a16): HTP takes it as a Conv
-        where = f"{conv.name} in {g.name}"
-        s_dq = prod.get(w_dq.input[1])
-        x_dq = prod.get(conv.input[0])
-        ys = readers.get(conv.output[0], [])
-        if (s_dq is None or s_dq.op_type != "DequantizeLinear" or len(w_dq.input) < 3
-                or w_dq.input[0] not in inits or s_dq.input[0] not in inits or w_dq.input[2] not in inits):
-            raise UserError(f"The block-quantized weight of {where} is not in the LPBQ form (int4 blocks under "
-                            "integer block scales and a float per-channel scale).", "Re-run the quantize stage.")
-        if len(conv.input) > 2 and conv.input[2]:
-            raise UserError(f"{where} has a bias; the ort-qnn back-end compiles block-quantized (w4a16) layers as "
-                            "MatMul, which has none.", "Quantize this model with --precision w8a16, or compile "
-                            "with --backend qairt and the QAIRT SDK (QNN_SDK_ROOT).")
-        if (x_dq is None or x_dq.op_type != "DequantizeLinear" or len(ys) != 1 or ys[0].op_type != "QuantizeLinear"
-                or _attr(conv, "group", 1) != 1 or list(_attr(conv, "kernel_shape", [1, 1])) != [1, 1]
-                or any(_attr(conv, k) and set(_attr(conv, k)) != {v} for k, v in (("strides", 1), ("dilations", 1),
-                                                                                    ("pads", 0)))
-                or _attr(w_dq, "axis") != 1 or _attr(s_dq, "axis", 1) != 0):
-            raise UserError(f"{where} is block-quantized but not a plain quantized 1×1 convolution.",
-                            "Quantize this model with --precision w8a16 (report the model: its adapted graph is "
-                            "not of the expected form).")
+        s_dq, x_dq, y_q = _lpbq_form(g, conv, w_dq, prod, readers, inits)
         w = inits[w_dq.input[0]]
-        if w.data_type != TensorProto.INT4 or len(w.dims) != 4 or list(w.dims[2:]) != [1, 1]:
-            raise UserError(f"The block-quantized weight of {where} is not int4 [out, in, 1, 1].",
-                            "Re-run the quantize stage.")
         block = int(_attr(w_dq, "block_size"))
-        base = conv.output[0]
         blocks = int(w.dims[1]) // block
         extra = _safe_blocks(blocks) - blocks  # zero blocks: zero weights (scale 1) times zero inputs
         w_t = _transposed(store, w, folder, w.name + "_kn", extra * block)
@@ -237,26 +212,7 @@ def rewrite(g: Any, folder: Path, store: Store) -> int:
             if t.name not in inits:
                 g.initializer.append(t)
                 inits[t.name] = t
-        y_q = ys[0]
-        xs, xz = x_dq.input[1], x_dq.input[2]
-        ysc, yzp = y_q.input[1], y_q.input[2]
-        new = [
-            helper.make_node("DequantizeLinear", [sc_t.name, *s_dq.input[1:]], [base + "_lpbq_scale"],
-                             name=base + "_lpbq_scale_dq", axis=1),
-            helper.make_node("DequantizeLinear", [w_t.name, base + "_lpbq_scale", zp_t.name], [base + "_lpbq_w"],
-                             name=base + "_lpbq_w_dq", axis=0, block_size=block),
-            helper.make_node("Transpose", [conv.input[0]], [base + "_x_t"], name=base + "_x_t", perm=[0, 2, 3, 1]),
-            helper.make_node("QuantizeLinear", [base + "_x_t", xs, xz], [base + "_x_t_q"], name=base + "_x_t_q"),
-            helper.make_node("DequantizeLinear", [base + "_x_t_q", xs, xz], [base + "_x_t_dq"],
-                             name=base + "_x_t_dq"),
-            *_zero_channels(g, base, extra * block, xs, xz),
-            helper.make_node("MatMul", [base + ("_x_p_dq" if extra else "_x_t_dq"), base + "_lpbq_w"], [base + "_mm"],
-                             name=conv.name),
-            helper.make_node("QuantizeLinear", [base + "_mm", ysc, yzp], [base + "_mm_q"], name=base + "_mm_q"),
-            helper.make_node("DequantizeLinear", [base + "_mm_q", ysc, yzp], [base + "_mm_dq"],
-                             name=base + "_mm_dq"),
-            helper.make_node("Transpose", [base + "_mm_dq"], [base], name=base + "_y_t", perm=[0, 3, 1, 2]),
-        ]
+        new = _matmul_nodes(g, conv, (w_t.name, sc_t.name, zp_t.name), block, extra, s_dq, x_dq, y_q)
         at = list(g.node).index(conv)
         g.node.remove(conv)
         for k, node in enumerate(new):
@@ -271,3 +227,65 @@ def rewrite(g: Any, folder: Path, store: Store) -> int:
         if name in inits:
             g.initializer.remove(inits.pop(name))
     return done
+
+
+def _lpbq_form(g: Any, conv: Any, w_dq: Any, prod: dict[str, Any], readers: dict[str, list[Any]],
+               inits: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The block-quantized Conv's scale DequantizeLinear, input DequantizeLinear and output QuantizeLinear, checked
+    to be the LPBQ form the rewrite knows; any other form refused by the Conv's name."""
+    from onnx import TensorProto
+
+    where = f"{conv.name} in {g.name}"
+    s_dq = prod.get(w_dq.input[1])
+    x_dq = prod.get(conv.input[0])
+    ys = readers.get(conv.output[0], [])
+    if (s_dq is None or s_dq.op_type != "DequantizeLinear" or len(w_dq.input) < 3
+            or w_dq.input[0] not in inits or s_dq.input[0] not in inits or w_dq.input[2] not in inits):
+        raise UserError(f"The block-quantized weight of {where} is not in the LPBQ form (int4 blocks under "
+                        "integer block scales and a float per-channel scale).", "Re-run the quantize stage.")
+    if len(conv.input) > 2 and conv.input[2]:
+        raise UserError(f"{where} has a bias; the ort-qnn back-end compiles block-quantized (w4a16) layers as "
+                        "MatMul, which has none.", "Quantize this model with --precision w8a16, or compile "
+                        "with --backend qairt and the QAIRT SDK (QNN_SDK_ROOT).")
+    if (x_dq is None or x_dq.op_type != "DequantizeLinear" or len(ys) != 1 or ys[0].op_type != "QuantizeLinear"
+            or _attr(conv, "group", 1) != 1 or list(_attr(conv, "kernel_shape", [1, 1])) != [1, 1]
+            or any(_attr(conv, k) and set(_attr(conv, k)) != {v} for k, v in (("strides", 1), ("dilations", 1),
+                                                                                ("pads", 0)))
+            or _attr(w_dq, "axis") != 1 or _attr(s_dq, "axis", 1) != 0):
+        raise UserError(f"{where} is block-quantized but not a plain quantized 1×1 convolution.",
+                        "Quantize this model with --precision w8a16 (report the model: its adapted graph is "
+                        "not of the expected form).")
+    w = inits[w_dq.input[0]]
+    if w.data_type != TensorProto.INT4 or len(w.dims) != 4 or list(w.dims[2:]) != [1, 1]:
+        raise UserError(f"The block-quantized weight of {where} is not int4 [out, in, 1, 1].",
+                        "Re-run the quantize stage.")
+    return s_dq, x_dq, ys[0]
+
+
+def _matmul_nodes(g: Any, conv: Any, weights: tuple[str, str, str], block: int, extra: int, s_dq: Any, x_dq: Any,
+                  y_q: Any) -> list[Any]:
+    """The nodes that replace `conv`: its int4 weight [K, N] (`weights`: weight, block scales, zero points, padded
+    by `extra` zero blocks) dequantized under the per-channel scale, times the input transposed to [.., K]."""
+    from onnx import helper
+
+    w_t, sc_t, zp_t = weights
+    base = conv.output[0]
+    xs, xz = x_dq.input[1], x_dq.input[2]
+    ysc, yzp = y_q.input[1], y_q.input[2]
+    return [
+        helper.make_node("DequantizeLinear", [sc_t, *s_dq.input[1:]], [base + "_lpbq_scale"],
+                         name=base + "_lpbq_scale_dq", axis=1),
+        helper.make_node("DequantizeLinear", [w_t, base + "_lpbq_scale", zp_t], [base + "_lpbq_w"],
+                         name=base + "_lpbq_w_dq", axis=0, block_size=block),
+        helper.make_node("Transpose", [conv.input[0]], [base + "_x_t"], name=base + "_x_t", perm=[0, 2, 3, 1]),
+        helper.make_node("QuantizeLinear", [base + "_x_t", xs, xz], [base + "_x_t_q"], name=base + "_x_t_q"),
+        helper.make_node("DequantizeLinear", [base + "_x_t_q", xs, xz], [base + "_x_t_dq"],
+                         name=base + "_x_t_dq"),
+        *_zero_channels(g, base, extra * block, xs, xz),
+        helper.make_node("MatMul", [base + ("_x_p_dq" if extra else "_x_t_dq"), base + "_lpbq_w"], [base + "_mm"],
+                         name=conv.name),
+        helper.make_node("QuantizeLinear", [base + "_mm", ysc, yzp], [base + "_mm_q"], name=base + "_mm_q"),
+        helper.make_node("DequantizeLinear", [base + "_mm_q", ysc, yzp], [base + "_mm_dq"],
+                         name=base + "_mm_dq"),
+        helper.make_node("Transpose", [base + "_mm_dq"], [base], name=base + "_y_t", perm=[0, 3, 1, 2]),
+    ]
