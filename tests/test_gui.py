@@ -839,7 +839,7 @@ def test_a_stage_still_running_when_the_window_closes_ends_quietly(tmp_path: Pat
 
 
 def test_an_answer_in_markdown_shows_as_formatted_text_with_shaded_code(qtbot: Any) -> None:
-    from npustudio.gui.chat import CODE_BACKGROUND, Bubble
+    from npustudio.gui.chat_widgets import CODE_BACKGROUND, Bubble
 
     b = Bubble("model", "Model")
     qtbot.addWidget(b)
