@@ -13,7 +13,8 @@ import contextlib
 import gc
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from .. import compute, forked, layout, stages
 from ..errors import UserError
 from ..evaluate import (
     DEFAULT_WINDOW,
+    Comparison,
     EvalPlan,
     LogitsFn,
     Reference,
@@ -68,7 +70,6 @@ def load_result(stage_dir: Path) -> QuantizeResult:
 def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLike) -> QuantizeResult:
     pre, target = with_head(preset(options.precision), options.lm_head_bits), find_soc(options.target)
     lap = Laps()
-    steps = lap.steps
 
     state.progress(0.0, "loading the adapted model")
     simulate.import_aimet()  # before the model exists: see import_aimet
@@ -96,27 +97,9 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     def runner(m: torch.nn.Module) -> KVCacheRunner:
         return KVCacheRunner.over(m, ar, cl, inv_freq)
 
-    def prefill(m: torch.nn.Module, ids: Sequence[int]) -> None:
-        """One calibration sequence through `m` as Genie feeds it: what every recipe's layer capture runs."""
-        runner(m).prefill(ids)
-
     fp_run = runner(model)
-    ref: list[torch.Tensor] = []
-    if reference:
-        state.progress(0.02, "FP reference: the adapt stage's logits")
-        compare(ids, reference, window=plan.window, state=state.sub(0.02, 0.05), labels=("fp", "quant"))
-        reference = None  # its mapping of the logits file: the quantized eval reads them afresh
-        fp_ref: LogitsFn = Reference(adapt_dir)
-    else:  # another eval than adapt's: the model is quantized in place afterwards, so keep its logits
-        state.progress(0.02, "FP reference")
-
-        def fp_logits(w: Sequence[int]) -> torch.Tensor:
-            ref.append(fp_run.score(w, plan.decode_tokens))
-            return ref[-1]
-
-        compare(ids, fp_logits, window=plan.window, state=state.sub(0.02, 0.15), labels=("fp", "quant"))
-        it = iter(ref)
-        fp_ref = lambda _w: next(it)  # noqa: E731
+    fp_ref, ref = _fp_reference(adapt_dir, fp_run, ids, reference, plan, state)
+    del reference  # its mapping of the logits file: the quantized eval reads them afresh
     vectors = _vector_feeds(fp_run, calib[0], ar)
     fp_out = [TorchGraph(model)(f) for f in vectors]
     lap("fp_reference")
@@ -132,9 +115,69 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     sim = simulate.build(model, dummy, pre, target, overrides)
     del dummy  # the prompt graph's feeds (its KV inputs: ~60 MB on a 1B model) go with the export's first graph
     lap("build_sim")
-    steps_of_recipe = tuple(s for s in RECIPE_STEPS[options.recipe] if s not in ROTATION_STEPS)
-    for i, step in enumerate(steps_of_recipe):  # between 0.2 and 0.45 of the stage, a share each
-        share = state.sub(0.2 + 0.25 * i / len(steps_of_recipe), 0.2 + 0.25 * (i + 1) / len(steps_of_recipe))
+    _apply_recipe(sim, calib, runner, options, device, state, lap)
+    sim.model.to(device)  # the quantizers a recipe replaced were made on the CPU: where the model is
+    state.check()
+    state.progress(0.45, "quantizing weights")
+    simulate.fold(sim)
+    lap("fold_weights")
+    state.progress(0.5, f"calibrating activations on {sum(map(len, calib))} tokens")
+    q_run = runner(sim.model)
+    beside = forked.worth_forking(sim.model, device)
+    sim.compute_encodings(partial(_calibrate, sim=sim, q_run=q_run, calib=calib, decode=options.calib_decode,
+                                  beside=beside, state=state), None)
+    lap("calibrate")
+
+    # from here on the large objects are held by `held` alone, so that the export can let them go
+    held = _Held(model, sim, fp_run, q_run, vectors, fp_out, fp_ref, ref)
+    del model, sim, fp_run, q_run, vectors, fp_out, fp_ref
+    cmp, files = _evaluate_and_export(held, adapt_dir, ids, plan, options, graph_list, beside, out_dir, state, lap)
+    rows = export.write_manifest(out_dir, files) if files else []
+    res = QuantizeResult(
+        precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
+        rotated=rotates(options.recipe), lm_head_bits=overrides.weight_bits("lm_head", pre.head_bits),
+        kept_int8=kept.kept if kept else [], int8_share=kept.share if kept else None,
+        ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
+        top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
+        calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,
+        steps=lap.steps, peak_rss_mb=round(peak_rss_mb()), step_peak_rss_mb=lap.peaks, device=device)
+    atomic_write_json(out_dir / layout.QUANTIZE_RESULT, res.model_dump())
+    state.progress(1.0, f"{pre.name}: PPL {res.ppl_quant:.3f} vs FP {res.ppl_fp:.3f} (×{res.ratio:.4f})")
+    return res
+
+
+def _fp_reference(adapt_dir: Path, fp_run: KVCacheRunner, ids: list[int], reference: Reference | None,
+                  plan: EvalPlan, state: StateLike) -> tuple[LogitsFn, list[torch.Tensor]]:
+    """The float model's logits over the eval text, for the quantized eval: the adapt stage's when it scored the
+    same text, else scored here and kept in the returned list (the model is quantized in place afterwards)."""
+    ref: list[torch.Tensor] = []
+    if reference:
+        state.progress(0.02, "FP reference: the adapt stage's logits")
+        compare(ids, reference, window=plan.window, state=state.sub(0.02, 0.05), labels=("fp", "quant"))
+        return Reference(adapt_dir), ref
+    state.progress(0.02, "FP reference")
+
+    def fp_logits(w: Sequence[int]) -> torch.Tensor:
+        ref.append(fp_run.score(w, plan.decode_tokens))
+        return ref[-1]
+
+    compare(ids, fp_logits, window=plan.window, state=state.sub(0.02, 0.15), labels=("fp", "quant"))
+    it = iter(ref)
+    return (lambda _w: next(it)), ref
+
+
+def _apply_recipe(sim: Any, calib: list[list[int]], runner: Callable[[torch.nn.Module], KVCacheRunner],
+                  options: QuantizeOptions, device: str, state: StateLike, lap: Laps) -> None:
+    """The recipe's weight-encoding steps on the quantsim (AdaScale, OmniQuant, SeqMSE), between 0.2 and 0.45 of
+    the stage, a share each."""
+
+    def prefill(m: torch.nn.Module, ids: Sequence[int]) -> None:
+        """One calibration sequence through `m` as Genie feeds it: what every recipe's layer capture runs."""
+        runner(m).prefill(ids)
+
+    steps = tuple(s for s in RECIPE_STEPS[options.recipe] if s not in ROTATION_STEPS)
+    for i, step in enumerate(steps):
+        share = state.sub(0.2 + 0.25 * i / len(steps), 0.2 + 0.25 * (i + 1) / len(steps))
         with compute.seeded(options.seed, device):
             if step == "adascale":
                 adascale.apply(sim, calib, prefill, options.adascale_iterations, share)
@@ -144,39 +187,55 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
                 share.progress(0.0, "SeqMSE: searching weight encodings layer by layer")
                 _seq_mse(sim, calib, prefill, options)
         lap(step)
-    sim.model.to(device)  # the quantizers a recipe replaced were made on the CPU: where the model is
-    state.check()
-    state.progress(0.45, "quantizing weights")
-    simulate.fold(sim)
-    lap("fold_weights")
-    state.progress(0.5, f"calibrating activations on {sum(map(len, calib))} tokens")
-    q_run = runner(sim.model)
 
-    beside = forked.worth_forking(sim.model, device)
 
-    def calibrate(_m: torch.nn.Module, _a: object) -> None:
-        observers = simulate.min_max_observers(sim.model) if beside and len(calib) > 1 else None
-        if observers is None:
-            _calibrate_on(q_run, calib, options.calib_decode, state, 0.5, 0.6)
-            return
-        # the second half of the sequences in a forked copy of this process, the first here, each on one core; the
-        # copy's observed minima and maxima are then merged into these (the same encodings: min/max merge exactly)
-        half = (len(calib) + 1) // 2
-        with tempfile.TemporaryDirectory(prefix="npustudio-calibration-") as tmp:
-            seen = str(Path(tmp) / "observed.safetensors")
-            child = Forked(partial(_calibrate_part, q_run, calib[half:], options.calib_decode, observers, seen),
-                           "the calibration of the second half")
-            try:
-                with forked.one_thread():
-                    _calibrate_on(q_run, calib[:half], options.calib_decode, state, 0.5, 0.6)
-                child.result(state)
-            finally:
-                child.stop()
-            simulate.merge_observed(observers, seen)
+def _calibrate(_model: torch.nn.Module, _args: object, *, sim: Any, q_run: KVCacheRunner, calib: list[list[int]],
+               decode: int, beside: bool, state: StateLike) -> None:
+    """AIMET's forward pass: the activation encodings observed on the calibration sequences; with a core to spare,
+    the second half of them in a forked copy of this process, the first here, each on one core, the copy's observed
+    minima and maxima then merged into these (the same encodings: min/max merge exactly)."""
+    observers = simulate.min_max_observers(sim.model) if beside and len(calib) > 1 else None
+    if observers is None:
+        _calibrate_on(q_run, calib, decode, state, 0.5, 0.6)
+        return
+    half = (len(calib) + 1) // 2
+    with tempfile.TemporaryDirectory(prefix="npustudio-calibration-") as tmp:
+        seen = str(Path(tmp) / "observed.safetensors")
+        child = Forked(partial(_calibrate_part, q_run, calib[half:], decode, observers, seen),
+                       "the calibration of the second half")
+        try:
+            with forked.one_thread():
+                _calibrate_on(q_run, calib[:half], decode, state, 0.5, 0.6)
+            child.result(state)
+        finally:
+            child.stop()
+        simulate.merge_observed(observers, seen)
 
-    sim.compute_encodings(calibrate, None)
-    lap("calibrate")
 
+@dataclass
+class _Held:
+    """The stage's large objects after calibration, held here alone: the export lets them go (`release`) before
+    its last pass, which is what keeps a 1B model's quantize within 7 GB."""
+
+    model: torch.nn.Module
+    sim: Any
+    fp_run: KVCacheRunner
+    q_run: KVCacheRunner
+    vectors: list[dict[str, torch.Tensor]]  # each graph's feeds, and the float model's outputs on them
+    fp_out: list[dict[str, torch.Tensor]]
+    fp_ref: LogitsFn
+    ref: list[torch.Tensor]
+
+    def release(self) -> None:
+        """The models and what holds them (the runners hold the model, the closures the runners) let go."""
+        del self.sim, self.model, self.fp_run, self.q_run, self.vectors, self.fp_out
+
+
+def _evaluate_and_export(held: _Held, adapt_dir: Path, ids: list[int], plan: EvalPlan, options: QuantizeOptions,
+                         graph_list: list[str], beside: bool, out_dir: Path, state: StateLike, lap: Laps
+                         ) -> tuple[Comparison, list[Path]]:
+    """The quantized model's eval against the float reference, and the export of its graphs (in forked copies
+    beside the eval when there is a core to spare, else after it): the comparison and the files written."""
     label = "quant" if options.recipe == "plain" else f"quant+{options.recipe}"
     if options.export:
         (out_dir / layout.TEST_VECTORS).mkdir(exist_ok=True)
@@ -185,20 +244,20 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         # each graph exported in a forked copy of this process while this one evaluates: the traces are
         # single-threaded (default model, 2 cores: the evaluation then the export took 62 s, side by side 40 s)
         state.progress(0.6, "exporting the graphs beside the evaluation")
-        exports = [Forked(partial(_export_graph, sim, f, fo, name, out_dir), f"the export of {name}")
-                   for f, fo, name in zip(vectors, fp_out, graph_list, strict=True)]
+        exports = [Forked(partial(_export_graph, held.sim, f, fo, name, out_dir), f"the export of {name}")
+                   for f, fo, name in zip(held.vectors, held.fp_out, graph_list, strict=True)]
     try:
         # calibrated: its encodings stay as they are from here on. Beside the exports the evaluation gets one
         # thread: OpenMP's waiting threads spin (default model, 2 cores: 57 s with two threads, 37 s with one)
-        with simulate.frozen(sim.model), (forked.one_thread() if exports else contextlib.nullcontext()):
-            cmp = compare(ids, fp_ref, partial(q_run.score, decode_tokens=plan.decode_tokens),
+        with simulate.frozen(held.sim.model), (forked.one_thread() if exports else contextlib.nullcontext()):
+            cmp = compare(ids, held.fp_ref, partial(held.q_run.score, decode_tokens=plan.decode_tokens),
                           window=plan.window, state=state.sub(0.6, 0.8), labels=("fp", label))
         # the FP logits of the whole eval text, in memory or mapped from the adapt stage's file (each page read
         # stays in this process's memory while mapped: 131 MB on a 1B model): let go before the export peaks
-        ref.clear()
-        del fp_ref
-        fp_run.release()  # and the runners' KV caches (67 MB each on a 1B model)
-        q_run.release()
+        held.ref.clear()
+        del held.fp_ref
+        held.fp_run.release()  # and the runners' KV caches (67 MB each on a 1B model)
+        held.q_run.release()
         gc.collect()
         lap("quant_eval")
         files: list[Path] = []
@@ -209,28 +268,10 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     finally:
         for b in exports:
             b.stop()
-    sim.model.cpu()  # the export (and its bit-for-bit checks) run where CI runs them
+    held.sim.model.cpu()  # the export (and its bit-for-bit checks) run where CI runs them
     with export.Blobs(out_dir / layout.WEIGHTS) as blobs:
         if options.export and not exports:
-            state.progress(0.8, "exporting ONNX + encodings")
-            traced: list[export.Traced] = []
-            for name in graph_list:
-                state.check()
-                # each graph's feeds and float outputs are let go once written: the next graph's trace is the
-                # export's peak, and the prompt graph's (its logits and the whole KV cache, twice) held ~0.3 GB of
-                # it on a 1B model
-                traced.append(_trace_with_vectors(sim, vectors.pop(0), fp_out.pop(0), name, out_dir, blobs))
-                gc.collect()
-            # the QDQ pass reads the traced graphs and the weights on disk: the model goes first (its float weights
-            # are 5 GB on a 1B model; the pass adds the largest table and its integers to whatever is still held).
-            # Deleting the runners also empties the closures that hold them.
-            del sim, model, fp_run, q_run, vectors, fp_out
-            gc.collect()
-            trim_heap()
-            state.progress(0.9, "writing the quantized (QDQ) graphs")
-            for t, name in zip(traced, graph_list, strict=True):
-                state.check()
-                files += [*export.write_qdq(t, blobs), _vector_file(out_dir, name)]
+            files = _export_here(held, graph_list, out_dir, blobs, state)
         if exports:  # graphs exported in forked copies wrote side files; the graphs written here point at blobs
             export.share_weights([f for f in files if f.suffix == ".onnx"], blobs)
         if files:
@@ -240,18 +281,31 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
                     shutil.copy2(adapt_dir / f, out_dir / f)
                     files.append(out_dir / f)
             lap("export")
-    rows = export.write_manifest(out_dir, files) if files else []
-    res = QuantizeResult(
-        precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
-        rotated=rotates(options.recipe), lm_head_bits=overrides.weight_bits("lm_head", pre.head_bits),
-        kept_int8=kept.kept if kept else [], int8_share=kept.share if kept else None,
-        ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
-        top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
-        calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,
-        steps=steps, peak_rss_mb=round(peak_rss_mb()), step_peak_rss_mb=lap.peaks, device=device)
-    atomic_write_json(out_dir / layout.QUANTIZE_RESULT, res.model_dump())
-    state.progress(1.0, f"{pre.name}: PPL {res.ppl_quant:.3f} vs FP {res.ppl_fp:.3f} (×{res.ratio:.4f})")
-    return res
+    return cmp, files
+
+
+def _export_here(held: _Held, graph_list: list[str], out_dir: Path, blobs: export.Blobs, state: StateLike
+                 ) -> list[Path]:
+    """The graphs traced in this process, then written as QDQ graphs once the models are let go."""
+    state.progress(0.8, "exporting ONNX + encodings")
+    traced: list[export.Traced] = []
+    for name in graph_list:
+        state.check()
+        # each graph's feeds and float outputs are let go once written: the next graph's trace is the export's
+        # peak, and the prompt graph's (its logits and the whole KV cache, twice) held ~0.3 GB of it on a 1B model
+        traced.append(_trace_with_vectors(held.sim, held.vectors.pop(0), held.fp_out.pop(0), name, out_dir, blobs))
+        gc.collect()
+    # the QDQ pass reads the traced graphs and the weights on disk: the model goes first (its float weights are
+    # 5 GB on a 1B model; the pass adds the largest table and its integers to whatever is still held)
+    held.release()
+    gc.collect()
+    trim_heap()
+    state.progress(0.9, "writing the quantized (QDQ) graphs")
+    files: list[Path] = []
+    for t, name in zip(traced, graph_list, strict=True):
+        state.check()
+        files += [*export.write_qdq(t, blobs), _vector_file(out_dir, name)]
+    return files
 
 
 def _calibrate_on(q_run: KVCacheRunner, seqs: list[list[int]], decode: int, state: StateLike, start: float,
