@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import keyring
 import pytest
 from keyring.backend import KeyringBackend
+
+if TYPE_CHECKING:
+    from PySide6.QtWidgets import QTableWidget, QTableWidgetItem
+
+    from npustudio.core.project import Project, StageRecord
+    from npustudio.core.stage_options import LoraAdapter
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -20,6 +28,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 
 torch.set_num_threads(2)
+
+T = TypeVar("T")
 
 
 @pytest.fixture(autouse=True)
@@ -46,12 +56,39 @@ def npustudio(*args: str, timeout: float = 900, cwd: Path | None = None,
                           env={**os.environ, **env} if env else None)
 
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parsers of `parser`'s subcommands, by name (argparse keeps them in its first subparsers action)."""
+    assert parser._subparsers is not None, "the parser has no subcommands"
+    action = parser._subparsers._group_actions[0]
+    assert isinstance(action, argparse._SubParsersAction), action
+    return action.choices
+
+
 def wait_until(cond: Callable[[], object], timeout: float) -> None:
     """Poll `cond` until it holds; fail the test after `timeout` seconds."""
     end = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.05)
+
+
+def done(project: Project, name: str) -> StageRecord:
+    """The record of stage `name` in `project` (whatever its status): the test fails naming the stage when the
+    project has none."""
+    rec = project.record(name)
+    assert rec is not None, f"the project has no record of its {name} stage"
+    return rec
+
+
+def present(value: T | None, what: str) -> T:
+    """`value`, which the test needs to be there: the test fails naming `what` when it is None."""
+    assert value is not None, f"no {what}"
+    return value
+
+
+def item_at(table: QTableWidget, row: int, column: int) -> QTableWidgetItem:
+    """The item in `table` at `row`, `column`: the test fails naming the cell when it is empty."""
+    return present(table.item(row, column), f"item at row {row}, column {column}")
 
 
 def running(marker: str) -> bool:
@@ -85,7 +122,7 @@ def make_tokenizer(folder: Path, vocab: int = 384) -> None:
     fast.save_pretrained(str(folder))
 
 
-TINY = {
+TINY: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=1024, bos_token_id=1,
                   eos_token_id=2),
@@ -130,7 +167,10 @@ def bf16_copy(src: Path, dest: Path) -> Path:
 
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(torch.bfloat16).save_pretrained(dest)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    # transformers wraps PreTrainedModel.to in functools.wraps, and typeshed's _Wrapped does not bind `self` as a
+    # method does: mypy takes the dtype for the model
+    model.to(torch.bfloat16).save_pretrained(dest)  # type: ignore[arg-type]
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name != "config.json":
             shutil.copy2(f, dest / f.name)
@@ -149,7 +189,7 @@ def tiny_llama(tiny_models: dict[str, Path]) -> Path:
 
 
 def genie_pipeline(root: Path, model: Path, precision: str = "w8a16", embedding_lut: bool = True,
-                   lora: tuple[object, ...] = ()) -> object:
+                   lora: tuple[LoraAdapter, ...] = ()) -> Project:
     """`model` (with the LoRA adapters `lora` merged) taken through adapt, quantize, compile and bundle at CL 128,
     AR-32, with small eval sizes."""
     from npustudio.core import pipeline
@@ -162,7 +202,7 @@ def genie_pipeline(root: Path, model: Path, precision: str = "w8a16", embedding_
 
     p = Project.open(root)
     pipeline.adapt(p, str(model), AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128, decode_tokens=8,
-                                               lora=lora), State())  # type: ignore[arg-type]
+                                               lora=lora), State())
     pipeline.quantize(p, QuantizeOptions(precision=precision, calib_samples=2, calib_len=64, calib_decode=4,
                                          eval_chars=1500, window=128, decode_tokens=8), State())
     pipeline.compile_graphs(p, CompileOptions(verify_tokens=64, embedding_lut=embedding_lut), State())
@@ -171,21 +211,21 @@ def genie_pipeline(root: Path, model: Path, precision: str = "w8a16", embedding_
 
 
 @pytest.fixture(scope="session")
-def genie_project(tmp_path_factory: pytest.TempPathFactory) -> object:
+def genie_project(tmp_path_factory: pytest.TempPathFactory) -> Project:
     """A tiny Llama (head_dim 64, CL 128, AR-32) taken through adapt, quantize, compile and bundle once."""
     root = tmp_path_factory.mktemp("cg")
     return genie_pipeline(root / "p", make_tiny_model(root / "m", "llama64"))
 
 
 @pytest.fixture(scope="session")
-def genie_project_w4(tmp_path_factory: pytest.TempPathFactory) -> object:
+def genie_project_w4(tmp_path_factory: pytest.TempPathFactory) -> Project:
     """`genie_project`'s model at w4a16 (int4 LPBQ blocks, LM head int8), taken to a bundle the same way."""
     root = tmp_path_factory.mktemp("cg4")
     return genie_pipeline(root / "p", make_tiny_model(root / "m", "llama64"), precision="w4a16")
 
 
 class MemoryKeyring(KeyringBackend):
-    priority = 1  # type: ignore[assignment]
+    priority = 1
 
     def __init__(self) -> None:
         super().__init__()
@@ -202,7 +242,7 @@ class MemoryKeyring(KeyringBackend):
 
 
 @pytest.fixture
-def memory_keyring() -> object:
+def memory_keyring() -> Iterator[MemoryKeyring]:
     """An in-memory keyring: tests never reach the developer's."""
     old = keyring.get_keyring()
     kr = MemoryKeyring()

@@ -20,6 +20,7 @@ from npustudio.core.graph.kv_cache import KVCacheRunner, TorchGraph
 from npustudio.core.graph.ops import Conv1x1, MatMul, RMSNorm, Rope
 from npustudio.core.progress import Cancelled, State
 from npustudio.core.project import Project
+from tests.conftest import done
 
 FAST = AdaptOptions(ar=32, cl=128, eval_chars=2500, window=128, decode_tokens=16)
 
@@ -36,7 +37,7 @@ def adapted(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_adapted_graphs_reproduce_the_original_logits(adapted: dict[str, Project], family: str) -> None:
-    res = adapted[family].record("adapt").result
+    res = done(adapted[family], "adapt").result
     eq = res["equivalence"]
     assert eq["top1_agreement"] >= 0.999
     assert eq["max_abs_logit_diff"] <= 1e-3
@@ -141,7 +142,7 @@ def test_greedy_generation_matches_transformers(adapted: dict[str, Project], tin
 
 def test_second_run_is_skipped(adapted: dict[str, Project], tiny_models: dict[str, Path]) -> None:
     p = adapted["llama"]
-    before = p.record("adapt")
+    before = done(p, "adapt")
     rec = pipeline.adapt(p, str(tiny_models["llama"]), FAST, State())
     assert rec.started == before.started  # not rerun
 
@@ -271,7 +272,7 @@ def test_a_bf16_checkpoint_is_adapted_in_16_bits_with_float32_arithmetic(tiny_mo
 
     model, _ = store.load(folder)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert torch.equal(model.layers[0].mlp.down.weight[:, :, 0, 0], wide.model.layers[0].mlp.down_proj.weight)
+    assert torch.equal(model.blocks[0].mlp.down.weight[:, :, 0, 0], wide.model.layers[0].mlp.down_proj.weight)
 
 
 def test_float32_weights_under_a_config_naming_bfloat16_load_unrounded(tiny_models: dict[str, Path],

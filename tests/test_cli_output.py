@@ -10,6 +10,7 @@ from pathlib import Path
 
 from npustudio.core.project import Project
 from npustudio.display import human_number
+from tests.conftest import subcommands
 
 
 def test_a_stage_run_into_a_pipe_prints_whole_lines_and_no_library_warnings(genie_project: Project,
@@ -46,7 +47,7 @@ def test_cli_defaults_come_from_the_stage_options_and_the_windows_settings() -> 
     want = QuantizeOptions()
     assert (a.precision, a.target, a.calib_samples, a.calib_len) == \
         (want.precision, want.target, want.calib_samples, want.calib_len)
-    helps = {x.dest: x.help for x in p._subparsers._group_actions[0].choices["quantize"]._actions}  # type: ignore
+    helps = {x.dest: x.help for x in subcommands(p)["quantize"]._actions}
     assert helps["calib_samples"] == QuantizeOptions.model_fields["calib_samples"].description
     prefs = settings.load()
     prefs.default_precision, prefs.default_target, prefs.device = "w4a16", "SM8650", "cpu"

@@ -131,7 +131,7 @@ def test_a_projects_bundle_is_deployed_with_the_digests_it_recorded(vdev: Virtua
     """The bundle stage hashed its files already: a project's first deploy takes their sha256 from its record
     instead of hashing them again (0.6 -> 0.47 s for the default model's 473 MB), and the device's manifest
     holds the right ones. A bare folder, with nothing recorded, is hashed while it is pushed."""
-    hashers: list[object] = []
+    hashers: list[deploy._Hasher] = []
     real = deploy._Hasher
 
     def counted() -> deploy._Hasher:

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -43,14 +43,15 @@ from npustudio.core.graph.kv_cache import KVCacheRunner, rope_tables
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 from npustudio.core.results import AdaptResult
-from tests.conftest import genie_pipeline, make_tiny_model, make_tokenizer
+from tests.conftest import done, genie_pipeline, item_at, make_tiny_model, make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 16
 SHORT = [round(1 + i * 0.05, 3) for i in range(32)]  # longrope factors per rotary frequency (head_dim 64)
 LONG = [round(1 + i * 0.3, 3) for i in range(32)]
 # Granite 3.x's constants are 12, 1/64 (its head_dim), 0.22 and 8; here off the tiny model's 1/sqrt(64) too
-GRANITE = dict(embedding_multiplier=12.0, attention_multiplier=0.03, residual_multiplier=0.22, logits_scaling=8.0)
+GRANITE: dict[str, Any] = dict(embedding_multiplier=12.0, attention_multiplier=0.03, residual_multiplier=0.22,
+                               logits_scaling=8.0)
 
 
 def rope(kind: str, **params: Any) -> dict[str, Any]:
@@ -59,7 +60,7 @@ def rope(kind: str, **params: Any) -> dict[str, Any]:
 
 def _project(tmp_path_factory: pytest.TempPathFactory, family: str, **config: Any) -> Project:
     root = tmp_path_factory.mktemp(family)
-    return genie_pipeline(root / "p", make_tiny_model(root / "m", family, **config))  # type: ignore[return-value]
+    return genie_pipeline(root / "p", make_tiny_model(root / "m", family, **config))
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +169,8 @@ def check_geniex_metadata(project: Project) -> None:
 
     bundle = project.stage_dir("bundle")
     meta = json.loads((bundle / layout.METADATA).read_text())
-    card = project.record("model").result["card"]
-    names = {g["graph"] for g in project.record("compile").result["graphs"]}
+    card = done(project, "model").result["card"]
+    names = {g["graph"] for g in done(project, "compile").result["graphs"]}
     assert set(meta["model_files"]) == names
     for name, io in meta["model_files"].items():
         assert re.fullmatch(r"(?:[a-zA-Z]+_)?ar\d+_cl\d+_\d+_of_\d+", name)
@@ -184,11 +185,11 @@ def check_geniex_metadata(project: Project) -> None:
 def prove_in_genie(project: Project, scaling: dict[str, Any] | None) -> None:
     """Adapt passed the gate, w8a16 kept the perplexity, every node is on the HTP, the bundle carries `scaling`,
     and the real Genie computes our RoPE tables and answers token for token like our runner on the same binaries."""
-    a = project.record("adapt").result
+    a = done(project, "adapt").result
     assert a["gate"]["passed"] and not a["gate"]["accepted_mismatch"]
     assert a["equivalence"]["top1_agreement"] >= 0.999
-    assert project.record("quantize").result["ratio"] < 1.05
-    assert project.record("compile").result["nodes_on_cpu"] == 0
+    assert done(project, "quantize").result["ratio"] < 1.05
+    assert done(project, "compile").result["nodes_on_cpu"] == 0
     bundle = project.stage_dir("bundle")
     engine = json.loads((bundle / layout.GENIE_CONFIG).read_text())["dialog"]["engine"]
     encoding = engine["model"]["positional-encoding"]
@@ -226,7 +227,7 @@ def test_llama_biases_tanh_gelu_and_linear_rope_run_in_genie_as_adapted(llama: P
 
 
 def test_qwen3_biases_erf_gelu_and_dynamic_rope_run_in_genie_as_adapted(qwen3: Project) -> None:
-    card = qwen3.record("model").result["card"]
+    card = done(qwen3, "model").result["card"]
     assert (card["o_bias"], card["qk_norm"], card["activation"]) == (True, True, "gelu")
     assert card["rope_scaling"]["rope_type"] == "dynamic"  # unscaled up to max_position_embeddings = CL
     prove_in_genie(qwen3, None)
@@ -264,7 +265,7 @@ def test_qwen3_read_one_token_at_a_time_answers_as_our_runner_over_the_token_gra
 
 
 def test_mistral_window_and_yarn_rope_run_in_genie_as_adapted(mistral: Project) -> None:
-    card = mistral.record("model").result["card"]
+    card = done(mistral, "model").result["card"]
     assert (card["family"], card["sliding_window"]) == ("Mistral", 128)
     # Genie scales its tables by attn-factor · (1 + 0.1·ln 4); transformers by attention_factor 1.2
     prove_in_genie(mistral, {"rope-type": "yarnrope", "factor": 4.0, "original-max-position-embeddings": 64,
@@ -273,7 +274,7 @@ def test_mistral_window_and_yarn_rope_run_in_genie_as_adapted(mistral: Project) 
 
 
 def test_phi3_fused_weights_and_longrope_run_in_genie_as_adapted(phi3: Project) -> None:
-    card = phi3.record("model").result["card"]
+    card = done(phi3, "model").result["card"]
     assert card["family"] == "Phi-3" and card["rope_scaling"]["attention_factor"] > 1.1  # the tables exceed ±1
     prove_in_genie(phi3, {"rope-type": "longrope", "factor": 4.0, "original-max-position-embeddings": 128,
                           "short-factor": SHORT, "long-factor": LONG})
@@ -282,7 +283,7 @@ def test_phi3_fused_weights_and_longrope_run_in_genie_as_adapted(phi3: Project) 
 def test_phi4_mini_partial_rotary_and_longrope_run_in_genie_as_adapted(phi4_mini: Project) -> None:
     """Genie's `rope-dim` is the number of rotary frequencies: 24 for RoPE over the first 48 dims of each head. The
     tables it builds from it (24 wide, theta^(-i/24)) equal transformers' partial tables (theta^(-2i/48))."""
-    card = phi4_mini.record("model").result["card"]
+    card = done(phi4_mini, "model").result["card"]
     assert (card["family"], card["head_dim"], card["rotary_dim"]) == ("Phi-3", 64, 48)
     spec = json.loads((phi4_mini.stage_dir("adapt") / "decoder.json").read_text())
     assert spec["rotary_dim"] == 48
@@ -312,7 +313,7 @@ def test_partial_rotary_passes_the_gate_only_rotating_the_first_dims(tmp_path: P
 
 def test_granite_multipliers_run_in_genie_as_adapted(granite: Project) -> None:
     """The four constants live in the weights (Genie's config is Llama's): the real Genie answers like our runner."""
-    card = granite.record("model").result["card"]
+    card = done(granite, "model").result["card"]
     assert card["family"] == "Granite" and card["tied_embeddings"]
     assert {k: card[k] for k in GRANITE} == GRANITE
     prove_in_genie(granite, None)
@@ -343,7 +344,7 @@ def test_granite_adapts_exactly_and_fails_the_gate_without_any_one_fold(tmp_path
 def test_smollm3_nope_layers_run_in_genie_as_adapted(smollm3: Project) -> None:
     """Layer 1 is NoPE: its q/k are not rotated while Genie feeds the same cos/sin inputs (its config is Llama's,
     with SmolLM3's rope_theta); the real Genie answers like our runner on the same binaries."""
-    card = smollm3.record("model").result["card"]
+    card = done(smollm3, "model").result["card"]
     assert (card["family"], card["nope_layers"], card["o_bias"]) == ("SmolLM3", [1], True)
     spec = json.loads((smollm3.stage_dir("adapt") / "decoder.json").read_text())
     assert spec["nope_layers"] == [1]
@@ -370,7 +371,7 @@ def test_smollm3_fails_the_gate_when_its_nope_layers_are_rotated(tmp_path: Path,
 def test_olmo2_post_norms_and_whole_projection_qk_norm_run_in_genie_as_adapted(olmo2: Project) -> None:
     """No norm before the attention or the MLP, their outputs normed before each residual add, and q/k normed over
     all heads at once: built by the graphs (Genie's config is Llama's); the real Genie answers like our runner."""
-    card = olmo2.record("model").result["card"]
+    card = done(olmo2, "model").result["card"]
     assert (card["family"], card["post_norms"], card["qk_norm"], card["qk_norm_full"]) == ("OLMo 2", True, True, True)
     spec = json.loads((olmo2.stage_dir("adapt") / "decoder.json").read_text())
     assert (spec["post_norms"], spec["qk_norm_full"], spec["o_bias"]) == (True, True, True)
@@ -511,8 +512,8 @@ def test_a_diverging_adaptation_fails_the_stage_and_keeps_the_last_good_state(
         pipeline.adapt(project, str(model), opts.model_copy(update={"ar": 16}), State())
     assert "top-1 agreement" in e.value.problem and "hidden_act gelu_tanh" in e.value.problem
     assert "--accept-mismatch" in e.value.fix
-    assert project.record("adapt").key == good.key and not project.changed("adapt")  # the good stage is intact
-    assert {f.path: f.sha256 for f in project.record("adapt").outputs} == files
+    assert done(project, "adapt").key == good.key and not project.changed("adapt")  # the good stage is intact
+    assert {f.path: f.sha256 for f in done(project, "adapt").outputs} == files
     assert project.load().attempts["adapt"].status == "failed"
 
     accepted = pipeline.adapt(project, str(model), opts.model_copy(update={"ar": 16, "accept_mismatch": True}),
@@ -525,12 +526,13 @@ def test_the_adapt_page_shows_an_accepted_mismatch_in_red(qtbot: Any, tmp_path: 
     from npustudio.core.settings import Settings
     from npustudio.gui.pages.adapt import AdaptPage
     from npustudio.gui.widgets import BAD, cells
+    from npustudio.gui.window import StudioWindow
 
     class Window:  # what a page needs of the main window
         project = Project.open(tmp_path / "p")
         settings = Settings()
 
-    page = AdaptPage(Window())
+    page = AdaptPage(cast(StudioWindow, Window()))
     qtbot.addWidget(page)
     from npustudio.core.results import Equivalence, Gate, GraphSpec
 
@@ -545,7 +547,7 @@ def test_the_adapt_page_shows_an_accepted_mismatch_in_red(qtbot: Any, tmp_path: 
         ppl_adapted=30.0, eval_tokens=800, per_window=[])
     page.show_result(result)
     assert cells(page.results)[0] == ["Equivalence gate", "failed, accepted"]
-    assert page.results.item(0, 0).background().color() == BAD
+    assert item_at(page.results, 0, 0).background().color() == BAD
     assert "WITHOUT equivalence" in page.strip.status.text() and "#b00020" in page.strip.status.styleSheet()
     assert not page.options().accept_mismatch
     page.accept_mismatch.setChecked(True)

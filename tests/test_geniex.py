@@ -18,7 +18,7 @@ import pytest
 
 from npustudio.core import layout
 from npustudio.core.project import Project
-from tests.conftest import genie_pipeline, make_tiny_model
+from tests.conftest import done, genie_pipeline, make_tiny_model
 
 SRC = os.environ.get("GENIEX_SRC")
 needs_geniex = pytest.mark.skipif(not SRC, reason="GenieX's sources are not here: set GENIEX_SRC (tests/geniex)")
@@ -55,7 +55,7 @@ def test_geniex_loads_a_tiny_llama_and_qwen3_bundle_with_their_shapes(harness: P
     names."""
     qwen3 = genie_pipeline(tmp_path / "qwen3", make_tiny_model(tmp_path / "q3", "qwen3"))
     for project, prefix in ((genie_project, "llama_v3_"), (qwen3, "qwen3_")):
-        card = project.record("model").result["card"]  # type: ignore[union-attr]
+        card = done(project, "model").result["card"]
         got = _load(harness, project.stage_dir("bundle"))
         assert got["model_id"].startswith(prefix), got
         assert (got["shards"], got["num_kv_heads"], got["head_dim"], got["vocab_size"], got["num_hidden_layers"]) \

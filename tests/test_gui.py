@@ -7,7 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -23,7 +23,7 @@ from npustudio.core.project import Project
 from npustudio.display import human_number
 from npustudio.gui.app import STEPS, MainWindow
 from npustudio.gui.widgets import cells
-from tests.conftest import make_tiny_model
+from tests.conftest import done, item_at, make_tiny_model, present
 
 SHOTS = os.environ.get("NPUSTUDIO_SCREENSHOTS")  # set to a folder to keep a PNG of every page and panel
 
@@ -85,6 +85,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert "v75" in table_dict(w.target_page.details)["Hexagon (dsp_arch)"]
     w.target_page.select("SM8750")
     w.target_page.strip.run.click()
+    assert w.project is not None
     assert w.project.choices().target == "SM8750"
     assert marks(w)[:3] == ["done", "done", "todo"]
 
@@ -136,6 +137,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
 
     with qtbot.waitSignal(q.strip.finished, timeout=120_000) as blocker:
         q.strip.run.click()
+        assert q.strip.job is not None
         q.strip.job.partial.connect(first_point)
     assert blocker.args == [False] and "Cancelled" in q.strip.status.text()
     proj = Project.open(tmp_path / "proj", create=False)
@@ -148,6 +150,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     r = table_dict(q.results)
     assert r["Precision / target"] == "w8a16 / SM8750" and r["Ratio"].startswith("×")
     qtbot.waitUntil(lambda: q.inspector.table_ is not None, timeout=30_000)
+    assert q.inspector.table_ is not None
     assert q.inspector.proxy.rowCount() == len(q.inspector.table_.rows) > 0
     shot(w, "tiny_quantize")
 
@@ -162,18 +165,18 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     assert marks(w) == ["done"] * 5 + ["todo"]
 
     # the second target from the same project: an MNN model of its float model, checked against it
-    c = w.compile_page
-    c.mnn.setChecked(True)
-    assert not c.verify.isEnabled() and c.mnn_bits.isEnabled() and "No MNN model" in c.strip.status.text()
-    run_page(qtbot, c)
-    r = table_dict(c.results)
+    cp = w.compile_page
+    cp.mnn.setChecked(True)
+    assert not cp.verify.isEnabled() and cp.mnn_bits.isEnabled() and "No MNN model" in cp.strip.status.text()
+    run_page(qtbot, cp)
+    r = table_dict(cp.results)
     assert r["Weights"] == "4-bit in blocks of 128 (HQQ), LM head 8-bit"
-    assert r["Perplexity vs the float model"].startswith(f"{w.project.record('mnn').result['mnn_ppl']:.3f} vs ")
-    assert "llm.mnn.weight" in [row[1] for row in cells(c.binaries)]
+    assert r["Perplexity vs the float model"].startswith(f"{done(w.project, 'mnn').result['mnn_ppl']:.3f} vs ")
+    assert "llm.mnn.weight" in [row[1] for row in cells(cp.binaries)]
     shot(w, "tiny_compile_mnn")
     assert marks(w) == ["done"] * 5 + ["todo"]  # the Genie steps are untouched
-    c.embedded.setChecked(True)
-    assert table_dict(c.results)["Validated by libGenie"] == "yes" and c.verify.isEnabled()
+    cp.embedded.setChecked(True)
+    assert table_dict(cp.results)["Validated by libGenie"] == "yes" and cp.verify.isEnabled()
     # ... and the chat panel talks to it through MNN's runtime on this computer
     panel = w.chat
     panel.runner.setCurrentIndex(panel.runner.findData("mnn"))
@@ -213,6 +216,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
         assert w.chat.stats.text().startswith("processing the prompt…")  # before the first token, it counts
     turn = answered.args[0]
     assert w.width() == width
+    assert w.device is not None
     assert turn.runner == f"device {w.device.serial}" and turn.assistant
     assert "What is the capital of France?" in w.chat.transcript.toPlainText()
     assert turn.assistant[:20] in w.chat.transcript.toPlainText()
@@ -265,6 +269,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     dialog.location.setText(str(tmp_path / "new" / "place"))
     dialog.create_button.click()
     assert not dialog.problem.text() and not dialog.isVisible()
+    assert w2.project is not None
     assert w2.project.root == (tmp_path / "new" / "place" / "second").resolve()
     assert marks(w2) == ["todo", "todo", "locked", "locked", "locked", "locked"]
     for page in w2.pages:
@@ -345,7 +350,7 @@ def test_the_perplexity_tab_is_as_tall_as_itself_not_as_the_inspector(qtbot: Any
     w = MainWindow(tmp_path / "p", watch_devices=False)
     qtbot.addWidget(w)
     tabs = w.quantize_page.tabs
-    inspector = tabs.widget(1).sizeHint().height()
+    inspector = present(tabs.widget(1), "second tab").sizeHint().height()
     assert tabs.currentIndex() == 0 and tabs.sizeHint().height() < inspector
     tabs.setCurrentIndex(1)  # the inspector, when shown, gets its room
     assert tabs.sizeHint().height() >= inspector
@@ -353,7 +358,7 @@ def test_the_perplexity_tab_is_as_tall_as_itself_not_as_the_inspector(qtbot: Any
 
     long_name = "test_vectors/prompt_ar128_cl1024_1_of_1.npz"  # shortened in the middle to fit: whole on hover
     fill(w.quantize_page.results, [(long_name, "135.9 KB")])
-    assert w.quantize_page.results.item(0, 0).toolTip() == long_name
+    assert item_at(w.quantize_page.results, 0, 0).toolTip() == long_name
 
 
 def test_the_device_properties_read_whole_without_scrolling_at_1366x768(qtbot: Any, tmp_path: Path) -> None:
@@ -426,7 +431,8 @@ def test_the_chats_figures_come_from_genies_profile_worded_alike_live_and_final(
     def done(turn: Turn, regenerated: str | None = None) -> str:
         hist.current.turns[:] = [turn]
         c._regenerated = regenerated
-        c._done((SimpleNamespace(last_profile=None, history=hist, turns=hist.current.turns), turn))
+        session = SimpleNamespace(last_profile=None, history=hist, turns=hist.current.turns)  # what _done reads
+        c._done((cast(core_chat.ChatSession, session), turn))
         return c.stats.text()
 
     measured = Turn(user="Q", assistant="Paris", runner="device x", generation_tok_s=3.04811, ttft_s=2.1034)
@@ -479,6 +485,7 @@ def test_a_folder_that_is_not_a_project_is_refused_untouched(qtbot: Any, tmp_pat
     w = MainWindow(tmp_path / "p", watch_devices=False)
     qtbot.addWidget(w)
     assert not w.open_project(tmp_path)
+    assert w.project is not None
     assert w.project.root == (tmp_path / "p").resolve()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt", "p"]
 
@@ -704,6 +711,7 @@ def test_closing_the_window_cancels_the_running_stage_cleanly(qtbot: Any, tmp_pa
     model = make_tiny_model(tmp_path / "m", "llama64")
     w = MainWindow(tmp_path / "proj", watch_devices=False)
     qtbot.addWidget(w)
+    assert w.project is not None
     w.project.choose(model=str(model), target="SM8750")
     w.refresh()
     w.go("Adapt")
@@ -716,6 +724,7 @@ def test_closing_the_window_cancels_the_running_stage_cleanly(qtbot: Any, tmp_pa
     box.button(QMessageBox.StandardButton.Cancel).click()
     assert w.isVisible() and w.busy()
     w.close()
+    assert w.quit_box is not None
     stop = next(b for b in w.quit_box.buttons() if b.text() == "Stop and quit")
     stop.click()  # the window says so and stays live while the stage reaches its next safe point
     assert "Stopping" in w.adapt_page.strip.status.text() and w.isVisible()
@@ -733,6 +742,7 @@ def test_qt_calls_do_not_drain_the_reference_count_of_none(qtbot: Any) -> None:
     from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance()
+    assert app is not None
     before = sys.getrefcount(None)
     for _ in range(5000):
         app.processEvents()
@@ -980,10 +990,11 @@ def test_inspector_cell_click_graph_chooser_and_weight_histogram(qtbot: Any, gen
     assert [ins.graph.itemText(i) for i in range(ins.graph.count())] == \
         [f.stem for f in (root / "stages" / "quantize").glob("*.encodings") if f.stem.startswith("prompt")] + \
         [f.stem for f in (root / "stages" / "quantize").glob("*.encodings") if f.stem.startswith("token")]
-    assert ins.table_.path.endswith(ins.graph.itemText(0) + ".encodings")
+    assert present(ins.table_, "encodings table").path.endswith(ins.graph.itemText(0) + ".encodings")
     ins.graph.setCurrentIndex(1)  # the token graph, as a click on the list does
     ins.graph.activated.emit(1)
-    qtbot.waitUntil(lambda: ins.table_.path.endswith(ins.graph.itemText(1) + ".encodings"), timeout=60_000)
+    qtbot.waitUntil(lambda: present(ins.table_, "encodings table").path.endswith(ins.graph.itemText(1) + ".encodings"),
+                    timeout=60_000)
     assert ins.graph.currentIndex() == 1 and ins.graph.itemText(1) in ins.title.text()
 
     ins.colour_by.setCurrentIndex(ins.colour_by.findData("spread"))
@@ -995,12 +1006,13 @@ def test_inspector_cell_click_graph_chooser_and_weight_histogram(qtbot: Any, gen
     vb = ins.heatmap.getPlotItem().vb
     at = ins.heatmap.mapFromScene(vb.mapViewToScene(QPointF(j + 0.5, i + 0.5)))
     qtbot.mouseClick(ins.heatmap.viewport(), Qt.MouseButton.LeftButton, pos=at)
-    assert ins.selected() is not None and ins.selected().name == want and "layers.1.mlp.down" in want
+    selected = ins.selected()
+    assert selected is not None and selected.name == want and "layers.1.mlp.down" in want
     assert ins.search.text() == "" and want in ins.detail_label.text()
 
     qtbot.waitUntil(lambda: ins.hist_data is not None, timeout=30_000)
-    h = ins.hist_data
-    row = ins.selected()
+    h = present(ins.hist_data, "weight histogram")
+    row = present(ins.selected(), "selected tensor")
     stored = load_file(str(root / "stages" / "adapt" / "decoder.safetensors"))[want]
     assert h.values == h.of == stored.size  # a tiny weight is read whole
     assert list(np.histogram(stored.astype(np.float64), bins=np.asarray(h.edges))[0]) == h.counts
@@ -1009,7 +1021,8 @@ def test_inspector_cell_click_graph_chooser_and_weight_histogram(qtbot: Any, gen
     widest = max((255 + o) * s for s, o in zip(row.scales, offsets, strict=True))  # x' = (q + offset)·scale
     assert row.bitwidth == 8 and abs(h.clip_high - widest) < 1e-6 * widest
     assert "clip range" in ins.hist_label.text()
-    act = next(r.name for r in encodings.read(ins.table_.path).rows if r.kind == "activation")
+    act = next(r.name for r in encodings.read(present(ins.table_, "encodings table").path).rows
+               if r.kind == "activation")
     ins.select_tensor(act)
     assert ins.hist_data is None and "activation" in ins.hist_label.text()
 
@@ -1034,7 +1047,7 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     w.go("Target")
     w.target_page.select(meta.target.soc)
     shown = table_dict(w.target_page.details)["Decode bound, w8a16"]
-    target_figure = float(re.search(r"≤ ([\d.]+) tok/s", shown).group(1))
+    target_figure = float(present(re.search(r"≤ ([\d.]+) tok/s", shown), "decode bound").group(1))
     assert "measured: the bundle's token graph" in shown
     assert "as built for the simulator" in shown  # not taken for a phone's weight-shared build
     assert w.profiles.roof is not None and w.profiles.roof["decode_tok_s_bound"] == target_figure
@@ -1051,14 +1064,19 @@ def test_the_target_page_and_the_profiles_show_one_decode_roofline_for_a_built_b
     # page's, for the project's target, named in its header, each saying whether it is measured or estimated
     from npustudio.gui.pages.model import DECODE, FIT_COLUMNS
 
+    assert w.project is not None
     assert w.project.choices().target_soc == meta.target.soc
     fit, col = w.model_page.fit, FIT_COLUMNS.index(DECODE)
+
+    def header(i: int) -> str:
+        return present(fit.horizontalHeaderItem(i), f"header of column {i}").text()
+
     # the page leads with its answer: at 1024x700 the last columns are behind the table's own scroll
-    assert [fit.horizontalHeaderItem(i).text() for i in range(3)] == ["Precision", "Fits", "Phone RAM needed"]
-    assert fit.horizontalHeaderItem(col).text() == f"Decode bound ({meta.target.soc})"
-    by = {fit.item(r, 0).text(): fit.item(r, col).text() for r in range(fit.rowCount())}
+    assert [header(i) for i in range(3)] == ["Precision", "Fits", "Phone RAM needed"]
+    assert header(col) == f"Decode bound ({meta.target.soc})"
+    by = {item_at(fit, r, 0).text(): item_at(fit, r, col).text() for r in range(fit.rowCount())}
     assert by["w8a16"] == f"{target_figure:,.0f} tok/s (measured)"
-    w4_figure = float(re.search(r"≤ ([\d.]+) tok/s", w4).group(1))
+    w4_figure = float(present(re.search(r"≤ ([\d.]+) tok/s", w4), "decode bound").group(1))
     assert by["w4a16"] == f"{w4_figure:,.0f} tok/s (estimate)"
 
 
@@ -1356,14 +1374,14 @@ def test_run_on_a_page_keeps_the_options_the_page_does_not_show(
     root = tmp_path / "proj"
     shutil.copytree(genie_project.root, root)
     p = Project.open(root, create=False)
-    ran = {s: p.record(s).started for s in ("adapt", "quantize", "compile", "bundle")}  # type: ignore[union-attr]
-    assert p.record("quantize").options["calib_decode"] == 4  # type: ignore[union-attr]  # not the default 8
+    ran = {s: done(p, s).started for s in ("adapt", "quantize", "compile", "bundle")}
+    assert done(p, "quantize").options["calib_decode"] == 4  # not the default 8
     assert p.choices().model == str(genie_project.root.parent / "m")
     w = MainWindow(root, watch_devices=False)
     qtbot.addWidget(w)
     for page in (w.adapt_page, w.quantize_page, w.compile_page):
         run_page(qtbot, page)
-    assert {s: p.record(s).started for s in ran} == ran  # type: ignore[union-attr]
+    assert {s: done(p, s).started for s in ran} == ran
     assert marks(w)[:5] == ["done"] * 5  # Deploy: whether another test deployed the shared project
 
 
@@ -1490,7 +1508,7 @@ def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
     # deployed before the target changed (as another test may have left the shared project): the device still
     # holds this very bundle, so Deploy has nothing to explain and stays shut
     p.choose(deployed={"device": "emulator-5554", "remote_dir": "/data/local/tmp/x",
-                       "bundle": p.record("bundle").key, "at": 0.0})
+                       "bundle": done(p, "bundle").key, "at": 0.0})
     p.choose(target="SM8650")
     w = MainWindow(root, watch_devices=False)
     qtbot.addWidget(w)
@@ -1532,7 +1550,8 @@ def small_export(folder: Path) -> Path:
               str(f.with_suffix(".onnx")))
     (folder / layout.TEST_VECTORS).mkdir(exist_ok=True)
     rng = np.random.default_rng(0)
-    np.savez(folder / layout.TEST_VECTORS / f"{f.stem}.npz", **{"in/x": rng.normal(size=(1, 64)).astype(np.float32)})
+    vectors = {"in/x": rng.normal(size=(1, 64)).astype(np.float32)}  # numpy's stub reads **vectors as allow_pickle
+    np.savez(folder / layout.TEST_VECTORS / f"{f.stem}.npz", **vectors)  # type: ignore[arg-type]
     return f
 
 
@@ -1557,6 +1576,7 @@ def name_at_left(view: Any, row: int) -> str | None:
     w = view.childAt(pt)
     while w is not None and not isinstance(w, QTableView):
         w = w.parentWidget()
+    assert w is not None, f"no table view at row {row}"
     idx = w.indexAt(w.viewport().mapFromGlobal(view.mapToGlobal(pt)))
     return idx.data() if idx.isValid() else None
 
@@ -1580,7 +1600,7 @@ def test_every_page_and_the_inspector_fit_the_window_without_a_sideways_scroll(
     ins.load(small_table(tmp_path / "quantize"))
     tabs = ins.parentWidget()
     while not isinstance(tabs, QTabWidget):
-        tabs = tabs.parentWidget()
+        tabs = present(tabs, "tab widget around the inspector").parentWidget()
 
     def fits(page: Any) -> None:
         qtbot.wait(100)
@@ -1598,7 +1618,7 @@ def test_every_page_and_the_inspector_fit_the_window_without_a_sideways_scroll(
     fits(w.quantize_page)
     assert ins.title.toolTip() == ins.title.text()  # whole on hover where it is cut
     assert ins.isVisible()
-    view = w.quantize_page.parentWidget()
+    view = present(w.quantize_page.parentWidget(), "the Quantize page's view")
     for part in (ins.compare, ins.flagged, ins.search, ins.colour_by):  # the controls inside the page's view
         assert part.mapTo(w.quantize_page, part.rect().topRight()).x() <= view.width(), part
 

@@ -6,9 +6,10 @@ and panel is saved."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from PySide6.QtGui import QStandardItemModel
 
 from npustudio.core import settings
 from npustudio.gui.app import MainWindow
@@ -52,9 +53,10 @@ def test_wizard_on_the_default_model_to_a_chat_answer(qtbot: Any, default_projec
     w.go("Quantize")
     # SpinQuant's recipes need a Hadamard matrix of the hidden size, which 576 has not: greyed, with the reason
     recipe = w.quantize_page.recipe
+    items = cast(QStandardItemModel, recipe.model())  # a combo box's own model
     for name, takes in (("spinquant", False), ("spinquant_adascale", False), ("adascale", True)):
         i = recipe.findData(name)
-        assert recipe.model().item(i).isEnabled() is takes, name
+        assert items.item(i).isEnabled() is takes, name
         assert ("hidden size is 576" in recipe.itemText(i)) is not takes, recipe.itemText(i)
     run_page(qtbot, w.quantize_page, timeout=1_200_000)
     q = table_dict(w.quantize_page.results)
@@ -62,6 +64,7 @@ def test_wizard_on_the_default_model_to_a_chat_answer(qtbot: Any, default_projec
     assert len(w.quantize_page.chart.series["quant"]) == 4 and len(w.quantize_page.chart.series["fp"]) == 4
     ins = w.quantize_page.inspector
     qtbot.waitUntil(lambda: ins.table_ is not None, timeout=120_000)
+    assert ins.table_ is not None
     assert len(ins.table_.rows) > 30 * 19 and ins.heat_grid.shape[1] == 30
     shot(w, "4_quantize")
     w.quantize_page.tabs.setCurrentIndex(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,8 @@ def endless(state: State) -> None:
 
 
 def test_events_and_result_come_back() -> None:
-    st, seen = State(), []
+    st = State()
+    seen: list[Progress | Partial] = []
     st.subscribe(seen.append)
     assert isolated.run(counting, 3, state=st) == 30
     assert [e.data["window"] for e in seen if isinstance(e, Partial)] == [0, 1, 2]
@@ -186,13 +188,21 @@ def test_a_stage_killed_outright_leaves_no_child_and_no_file_behind(tmp_path: Pa
         pids = [int(p) for p in parent.stdout.readline().split()]  # type: ignore[union-attr]
         assert len(pids) == 2
         for pid in pids:  # each child is in its step (asleep), so it has asked to die with its parent
-            wait_until(lambda pid=pid: Path(f"/proc/{pid}/wchan").read_text().endswith("nanosleep"), 120)
+            wait_until(partial(_asleep, pid), 120)
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     for pid in pids:
-        wait_until(lambda pid=pid: not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), 120)
+        wait_until(partial(_gone, pid), 120)
     assert list(tmp.iterdir()) == []
+
+
+def _asleep(pid: int) -> bool:
+    return Path(f"/proc/{pid}/wchan").read_text().endswith("nanosleep")
+
+
+def _gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
 
 
 def _state(pid: int) -> str:

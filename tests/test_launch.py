@@ -17,12 +17,13 @@ import pytest
 
 from npustudio import __version__
 from npustudio.cli import build_parser
+from tests.conftest import subcommands
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SCRIPT = BIN / "npustudio"
 OBSERVER = Path(__file__).resolve().parent / "launch_observer"
-COMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+COMMANDS = sorted(subcommands(build_parser()))
 
 
 def _env(**extra: str) -> dict[str, str]:

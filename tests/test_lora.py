@@ -17,7 +17,7 @@ from npustudio.core.graph import store
 from npustudio.core.graph.kv_cache import KVCacheRunner
 from npustudio.core.project import Project
 from npustudio.core.stage_options import AdaptOptions
-from tests.conftest import make_tiny_model, npustudio
+from tests.conftest import done, make_tiny_model, npustudio
 
 SMALL = ("--ar", "8", "--cl", "64", "--eval-tokens", "48", "--decode-tokens", "4")
 IDS = list(range(3, 43))
@@ -80,10 +80,10 @@ def test_a_merged_adapter_makes_the_graphs_compute_what_peft_computes(base: tupl
     assert kept.path == str(adapter.resolve()) and kept.weight == 1.0 and kept.sha256
     assert Project.open(project).choices().lora == (kept,)  # the window's Model page shows what the CLI merged
     again = npustudio("adapt", str(model), "--project", str(project), "--lora", str(adapter), *SMALL, timeout=600)
-    assert again.returncode == 0 and Project.open(project).record("adapt").key == rec.key  # type: ignore[union-attr]
+    assert again.returncode == 0 and done(Project.open(project), "adapt").key == rec.key
     half = npustudio("adapt", str(model), "--project", str(project), "--lora", f"{adapter}=0.5", *SMALL, timeout=600)
     assert half.returncode == 0, half.stderr[-1500:]
-    assert Project.open(project).record("adapt").key != rec.key  # type: ignore[union-attr]
+    assert done(Project.open(project), "adapt").key != rec.key
     mnn = npustudio("compile", "--project", str(project), "--backend", "mnn", timeout=300)
     assert mnn.returncode == 2 and "LoRA adapters merged" in mnn.stderr, mnn.stderr[-1500:]
 
@@ -191,6 +191,7 @@ def test_the_model_page_picks_checks_and_removes_adapters_that_adapt_then_merges
     monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *_a, **_k: picked[0])
     page.add_adapter.click()
     assert page.adapters.text() == "adapter" and page.clear_adapters.isEnabled()
+    assert w.project is not None
     (chosen,) = w.project.choices().lora
     assert chosen.path == str(adapter.resolve()) and chosen.sha256
     assert w.adapt_page.options().lora == (chosen,)

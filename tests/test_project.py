@@ -11,17 +11,19 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from npustudio.core.errors import UserError
 from npustudio.core.layout import MANIFEST
-from npustudio.core.progress import Cancelled, State
-from npustudio.core.project import Project
+from npustudio.core.progress import Cancelled, Partial, Progress, State
+from npustudio.core.project import Project, StageFn
+from tests.conftest import done
 
 
-def _write_stage(value: str, calls: list[str]):
-    def fn(out: Path) -> dict:
+def _write_stage(value: str, calls: list[str]) -> StageFn:
+    def fn(out: Path) -> dict[str, Any]:
         calls.append(value)
         (out / "result.txt").write_text(value)
         (out / "sub").mkdir()
@@ -168,7 +170,7 @@ def test_a_records_options_read_back_typed_with_the_defaults_for_what_an_older_r
 
     p = Project.open(tmp_path / "proj")
     rec, _ = p.run_stage("adapt", {"model": "m"}, {"ar": 16, "cl": 256}, _write_stage("a", []))
-    o = p.record("adapt").options_as(AdaptOptions)  # type: ignore[union-attr]
+    o = done(p, "adapt").options_as(AdaptOptions)
     assert (o.ar, o.cl, o.accept_mismatch) == (16, 256, AdaptOptions().accept_mismatch)
     assert rec.options_as(IntakeOptions).cl == 256 and IntakeOptions().cl == AdaptOptions().cl
 
@@ -181,10 +183,11 @@ def test_an_old_project_file_with_plain_dict_choices_loads_and_is_written_back_a
 
     root = tmp_path / "proj"
     root.mkdir()
-    old = {"schema_version": 1, "created": "2025-01-01T00:00:00Z", "stages": {}, "attempts": {},
-           "choices": {"model": "m", "target": "SM8650", "from_a_newer_version": {"x": 1},
-                       "deployed": {"device": "emulator-5554", "remote_dir": "/data/local/tmp/p", "bundle": "k",
-                                    "at": 1.5}}}
+    old: dict[str, Any] = {
+        "schema_version": 1, "created": "2025-01-01T00:00:00Z", "stages": {}, "attempts": {},
+        "choices": {"model": "m", "target": "SM8650", "from_a_newer_version": {"x": 1},
+                    "deployed": {"device": "emulator-5554", "remote_dir": "/data/local/tmp/p", "bundle": "k",
+                                 "at": 1.5}}}
     (root / MANIFEST).write_text(json.dumps(old, indent=2) + "\n")
     p = Project.open(root, create=False)
     ch = p.choices()
@@ -233,7 +236,7 @@ def test_two_processes_cannot_run_stages_on_one_project_at_once(tmp_path: Path) 
 
 
 def test_state_maps_substeps_and_reports_partials() -> None:
-    events = []
+    events: list[Progress | Partial] = []
     s = State()
     s.subscribe(events.append)
     sub = s.sub(0.5, 1.0)
@@ -272,7 +275,12 @@ def test_unchanged_outputs_are_not_rehashed_and_force_redoes_a_stage(tmp_path: P
     p.run_stage("demo", {}, {}, _write_stage("a", calls))
     hashed: list[str] = []
     real = project_mod.sha256_file
-    monkeypatch.setattr(project_mod, "sha256_file", lambda f: hashed.append(str(f)) or real(f))
+
+    def sha256_file(f: Path) -> str:
+        hashed.append(str(f))
+        return real(f)
+
+    monkeypatch.setattr(project_mod, "sha256_file", sha256_file)
     assert not p.run_stage("demo", {}, {}, _write_stage("b", calls))[1]
     assert hashed == []  # same size and mtime as recorded: a stat, no re-read
     f = p.root / "stages/demo/result.txt"

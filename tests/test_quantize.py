@@ -6,7 +6,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ from npustudio.core.project import Project
 from npustudio.core.quantize import QuantizeOptions, adapt_graphs
 from npustudio.core.quantize.presets import Overrides, load_overrides
 from npustudio.core.stage_options import RECIPE_STEPS
-from tests.conftest import npustudio
+from tests.conftest import done, npustudio
 
 FAST = dict(calib_samples=2, calib_len=64, calib_decode=4, eval_chars=2500, window=128, decode_tokens=8)
 PROMPT, TOKEN = "prompt_ar32_cl128_1_of_1", "token_ar1_cl128_1_of_1"
@@ -53,7 +53,7 @@ def _table(p: Project, graph: str = PROMPT) -> encodings.EncodingsTable:
 
 def test_w8a16_keeps_perplexity_and_reports_it(w8: tuple[Project, list[Partial]]) -> None:
     p, _ = w8
-    r = p.record("quantize").result
+    r = done(p, "quantize").result
     assert r["ratio"] == pytest.approx(1.0, abs=0.02)
     assert r["ppl_quant"] / r["ppl_fp"] == pytest.approx(r["ratio"])
     assert r["top1_agreement"] > 0.9
@@ -66,7 +66,7 @@ def test_the_float_model_is_evaluated_once_across_adapt_and_quantize(w8: tuple[P
     from npustudio.core import quantize
 
     p, _ = w8
-    adapt, quant = p.record("adapt").result, p.record("quantize").result
+    adapt, quant = done(p, "adapt").result, done(p, "quantize").result
     assert quant["ppl_fp"] == adapt["ppl_adapted"] and quant["eval_tokens"] == adapt["eval_tokens"]
     # another eval than adapt's is computed here, from the float model, and the adapt stage's logits are not read
     read: list[Path] = []
@@ -205,7 +205,7 @@ def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, 
     blobs = set(a.values()) | set(refs(f"{PROMPT}_qdq.onnx").values())
     unique = sum(int(n) for _, n in blobs)
     assert (d / "weights.bin").stat().st_size < unique + 64 * len(blobs) + 1
-    rec = w8[0].record("quantize")
+    rec = done(w8[0], "quantize")
     listed = {f["file"] for f in rec.result["files"]}
     assert "weights.bin" in listed and f"test_vectors/{PROMPT}.npz" in listed
 
@@ -241,11 +241,16 @@ def test_work_beside_the_stage_writes_what_one_process_writes(w8: tuple[Project,
     from npustudio.core.quantize import simulate
 
     p = w8[0]
-    beside = p.record("quantize").result
+    beside = done(p, "quantize").result
     assert "export_after_eval" in beside["steps"]  # the tiny model took the forked path
     merged: list[str] = []
     real_merge = simulate.merge_observed
-    monkeypatch.setattr(simulate, "merge_observed", lambda o, path: merged.append(path) or real_merge(o, path))
+
+    def merge_observed(o: dict[str, Any], path: str) -> None:
+        merged.append(path)
+        real_merge(o, path)
+
+    monkeypatch.setattr(simulate, "merge_observed", merge_observed)
     (tmp_path / "forked").mkdir()
     (tmp_path / "alone").mkdir()
     quantize.run(p.stage_dir("adapt"), QuantizeOptions(precision="w8a16", **FAST), tmp_path / "forked", State())
@@ -267,7 +272,7 @@ def test_quantize_leaves_the_adapted_weights_untouched(w8: tuple[Project, list[P
     from npustudio.core.fsutil import sha256_file
 
     p = w8[0]
-    rec = p.record("adapt")
+    rec = done(p, "adapt")
     for f in rec.outputs:
         assert sha256_file(p.root / f.path) == f.sha256, f.path
 
@@ -279,6 +284,7 @@ def test_spinquant_keeps_the_float_model(w8: tuple[Project, list[Partial]]) -> N
 
     from npustudio.core.graph import store
     from npustudio.core.graph.kv_cache import TorchGraph
+    from npustudio.core.graph.ops import Conv1x1
     from npustudio.core.quantize import spinquant
 
     p = w8[0]
@@ -286,13 +292,14 @@ def test_spinquant_keeps_the_float_model(w8: tuple[Project, list[Partial]]) -> N
     feeds = {k: torch.from_numpy(v) for k, v in tv["in"].items()}
     model, _ = store.load(p.stage_dir("adapt"))
     before = TorchGraph(model)(feeds)
-    w_q, w_o = (m.weight.detach().clone() for m in (model.layers[0].attn.q[0], model.layers[0].attn.o))
+    attn = model.blocks[0].attn
+    w_q, w_o = (m.weight.detach().clone() for m in (cast(Conv1x1, attn.q[0]), attn.o))
     spinquant.apply(model)
     after = TorchGraph(model)(feeds)
     for name in ("logits", "past_key_0_out"):  # R2 rotates each head's values, the o projection undoes it
         assert torch.allclose(after[name], before[name], atol=1e-4 * before[name].abs().max().item()), name
-    assert not torch.allclose(model.layers[0].attn.q[0].weight, w_q)  # the weights did change
-    assert not torch.allclose(model.layers[0].attn.o.weight, w_o)
+    assert not torch.allclose(cast(Conv1x1, model.blocks[0].attn.q[0]).weight, w_q)  # the weights did change
+    assert not torch.allclose(model.blocks[0].attn.o.weight, w_o)
     assert model.lm_head.weight.data_ptr() != model.embed.weight.data_ptr()
 
 
@@ -339,7 +346,7 @@ def test_a_layers_captured_inputs_come_from_the_layers_before_it_alone(adapted_p
     whole = capture(model, list(model.layers), [ids], prefill)
     ran: list[str] = []
     hooks = [m.register_forward_pre_hook(lambda m, a, name=name: ran.append(name))
-             for name, m in (("last mlp", model.layers[-1].mlp), ("first mlp", model.layers[0].mlp))]
+             for name, m in (("last mlp", model.blocks[-1].mlp), ("first mlp", model.blocks[0].mlp))]
     head = type(model.lm_head).forward
 
     def computed_head(m: Any, x: Any) -> Any:  # every 1x1 convolution's forward: the head's is counted
@@ -373,6 +380,7 @@ def test_omniquant_channel_scales_leave_the_float_model_and_its_cache_consistent
     from npustudio.core.graph import store
     from npustudio.core.graph.decoder import io_names
     from npustudio.core.graph.kv_cache import KVCacheRunner
+    from npustudio.core.graph.ops import Conv1x1
     from npustudio.core.quantize import _vector_feeds, omniquant, simulate
     from npustudio.core.quantize.layer_training import capture
     from npustudio.core.quantize.presets import preset
@@ -386,8 +394,9 @@ def test_omniquant_channel_scales_leave_the_float_model_and_its_cache_consistent
     assert (family != "llama") == model.spec.qkv_bias and (family == "olmo2") == model.spec.post_norms
     torch.manual_seed(0)
     with torch.no_grad():
-        for conv in (c for layer in model.layers for c in layer.attn.v if c.bias is not None):
-            conv.bias.normal_()  # a random model's biases are zeros: these must be scaled like the weights
+        for conv in (cast(Conv1x1, c) for layer in model.blocks for c in layer.attn.v):
+            if conv.bias is not None:
+                conv.bias.normal_()  # a random model's biases are zeros: these must be scaled like the weights
     ids = list(range(5, 5 + 2 * ar))  # two AR-N chunks
     feeds = _vector_feeds(KVCacheRunner.over(model, ar, cl, inv_freq), ids, ar)[0]
     sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset(precision),
@@ -397,6 +406,7 @@ def test_omniquant_channel_scales_leave_the_float_model_and_its_cache_consistent
         before = prefill(sim.model, ids)
         calls = capture(sim.model, list(sim.model.layers), [ids], prefill)
     assert len(calls[0]) == 2 and calls[0][1][0][4].abs().sum() > 0  # the second call reads a cached v
+    weight_omq: type[Any]  # aimet's quantizer classes, untyped
     weight_omq, gain_omq = omniquant._quantizer_classes()
     down = sim.model.layers[0].mlp.down.weight.detach().clone()
     torch.manual_seed(0)
@@ -457,7 +467,7 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
              "omniquant": {"omniquant_iterations": 4}, "spinquant_adascale": {"adascale_iterations": 4}}[recipe]
     pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov), recipe=recipe, **steps,
                                          **FAST), st)
-    r = p.record("quantize").result
+    r = done(p, "quantize").result
     assert r["recipe"] == recipe and r["rotated"] == ("spinquant" in recipe) and 0.8 < r["ratio"] < 1.3
     assert set(RECIPE_STEPS[recipe]) <= set(r["steps"])
     assert any(f"quant+{recipe}_ppl" in e.data for e in st.partials if e.kind == "ppl")
@@ -477,7 +487,7 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
     from npustudio.core.compile import CompileOptions
 
     pipeline.compile_graphs(p, CompileOptions(verify_tokens=0), State())
-    c = p.record("compile").result
+    c = done(p, "compile").result
     assert c["nodes_on_cpu"] == 0 and all(g["nodes_on_qnn"] > 100 for g in c["graphs"])
 
 
@@ -512,7 +522,7 @@ def test_unknown_precision_and_target_are_refused(w8: tuple[Project, list[Partia
     with pytest.raises(UserError, match="Unknown target SoC") as e:
         pipeline.quantize(w8[0], QuantizeOptions(target="SM1234", **FAST), State())
     assert "SM8750" in e.value.fix
-    assert w8[0].record("quantize").result["precision"] == "w8a16"  # the good result is kept
+    assert done(w8[0], "quantize").result["precision"] == "w8a16"  # the good result is kept
 
 
 def test_cancel_keeps_the_last_good_result(w8: tuple[Project, list[Partial]]) -> None:
@@ -563,7 +573,7 @@ def test_quantize_cli_json_lists_ratio_and_files(w8: tuple[Project, list[Partial
     assert any(f["file"].endswith(".encodings") and f["bytes"] > 0 for f in out["files"])
 
 
-def _aimet_two_exports(sim: object, feeds: dict, name: str, out: Path) -> None:
+def _aimet_two_exports(sim: Any, feeds: dict, name: str, out: Path) -> None:
     """What the stage did before: aimet's two public exporters, two traces."""
     import warnings
 
@@ -754,7 +764,7 @@ def test_a_recipes_encodings_are_the_same_for_the_same_seed(adapted_project: Pat
                     "--adascale-iterations", "6", "--int8-budget", "0", "--calib-samples", "2", "--calib-len", "64",
                     "--eval-chars", "2500", "--seed", "1")
     assert res.returncode == 0, res.stderr
-    assert Project.open(tmp_path / "other").record("quantize").options["seed"] == 1
+    assert done(Project.open(tmp_path / "other"), "quantize").options["seed"] == 1
     first = encodings("first")
     assert encodings("again") == first
     other = encodings("other")
@@ -775,7 +785,7 @@ def test_int8_budget_keeps_the_layer_four_bits_hurt_most(adapted_project: Path) 
 
     model, inv_freq = store.load(adapted_project / "stages" / "adapt")
     with torch.no_grad():  # gate and up read some channels through a zero norm gain, yet hold large weights there:
-        layer = model.layers[1]  # the float model ignores them, but they set their blocks' 4-bit scales
+        layer = model.blocks[1]  # the float model ignores them, but they set their blocks' 4-bit scales
         layer.post_norm.weight[5::64] = 0
         for m in (layer.mlp.gate, layer.mlp.up):
             m.weight[:, 5::64] = 1000 * m.weight.abs().max()
@@ -824,7 +834,7 @@ def test_int8_budget_through_the_quantize_command(adapted_project: Path, tmp_pat
     kept, share = out["kept_int8"], out["int8_share"]
     assert kept and 0 < share <= 0.3
     p = Project.open(tmp_path / "p")
-    assert p.record("quantize").result["kept_int8"] == kept
+    assert done(p, "quantize").result["kept_int8"] == kept
     from npustudio.core.graph import store
     from npustudio.core.graph.ops import Conv1x1
 
@@ -886,6 +896,7 @@ def test_the_int8_budget_probes_the_grid_the_quantsim_gives_each_weight(w8: tupl
 
     from npustudio.core.graph import store
     from npustudio.core.graph.decoder import io_names
+    from npustudio.core.graph.ops import Conv1x1
     from npustudio.core.quantize import int8_budget, simulate
     from npustudio.core.quantize.presets import preset
     from npustudio.core.targets import find_soc
@@ -896,7 +907,8 @@ def test_the_int8_budget_probes_the_grid_the_quantsim_gives_each_weight(w8: tupl
     model, _ = store.load(p.stage_dir("adapt"))
     names = ("layers.0.mlp.down", "layers.1.attn.q.0")  # 128 input channels: LPBQ; 64: per channel
     with torch.no_grad():
-        probed = {n: int8_budget.on_grid(model.get_submodule(n).weight, preset("w4a16")) for n in names}
+        probed = {n: int8_budget.on_grid(cast(Conv1x1, model.get_submodule(n)).weight, preset("w4a16"))
+                  for n in names}
     sim = simulate.build(model, tuple(feeds[n] for n in io_names(model.spec.layers)[0]), preset("w4a16"),
                          find_soc("SM8750"), Overrides())
     simulate.fold(sim)

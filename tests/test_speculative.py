@@ -30,7 +30,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Project, Project]:
     model = make_tiny_model(root / "m", "llama64")
     target = genie_pipeline(root / "target", model, embedding_lut=False)
     same = genie_pipeline(root / "draft", model, embedding_lut=False)
-    return target, same  # type: ignore[return-value]
+    return target, same
 
 
 def _answers(config: Path, prompts: list[str]) -> list[host.RunResult]:
@@ -111,7 +111,7 @@ def test_ctrl_c_during_the_draft_check_stops_the_bundle_stage_at_once(pair: tupl
     assert rec is not None and rec.status == "done" and (target.stage_dir("bundle") / layout.GENIE_CONFIG).is_file()
 
 
-def test_a_draft_the_target_cannot_use_is_refused_naming_why(pair: tuple[Project, Project], genie_project: Any,
+def test_a_draft_the_target_cannot_use_is_refused_naming_why(pair: tuple[Project, Project], genie_project: Project,
                                                              tmp_path: Path) -> None:
     """Refused before anything is written, each naming the difference: the project itself, a draft whose graphs
     take the embedding lookup table, more proposals than the target's widest graph checks, a folder that is no
@@ -173,7 +173,7 @@ def test_a_draft_that_changes_the_answer_is_refused(tmp_path: Path) -> None:
     answer (it must not): a target with a 2,048-token vocabulary and a one-layer random draft part after 21
     characters of the sample answer, where the target alone ends. The bundle stage compares the two on the sample
     question and refuses such a bundle, quoting both answers; the project keeps its basic bundle."""
-    def compiled(name: str, seed: int, layers: int) -> Any:
+    def compiled(name: str, seed: int, layers: int) -> Project:
         model = make_tiny_model(tmp_path / f"m{name}", "llama64", seed=seed, vocab_size=2048, num_hidden_layers=layers)
         make_tokenizer(model, vocab=2048)
         return genie_pipeline(tmp_path / name, model, embedding_lut=False)
@@ -210,10 +210,10 @@ def test_decoding_modes_that_cannot_be_built_exactly_are_refused_before_any_stag
     implied = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--json", timeout=600)
     assert implied.returncode == 0, implied.stderr[-1500:]
     rec = Project.open(target.root, create=False).record("bundle")
-    said = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--decoding", "spd",
-                     "--json", timeout=600)
-    assert said.returncode == 0 and json.loads(said.stdout)["decoding"] == "spd", said.stderr[-1500:]
-    rates = json.loads(said.stdout)["phone_decode_tok_s"]  # a same-size draft costs more than it saves
+    spd = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--decoding", "spd",
+                    "--json", timeout=600)
+    assert spd.returncode == 0 and json.loads(spd.stdout)["decoding"] == "spd", spd.stderr[-1500:]
+    rates = json.loads(spd.stdout)["phone_decode_tok_s"]  # a same-size draft costs more than it saves
     assert set(rates) == {"basic", "spd"} and 0 < rates["spd"] < rates["basic"], rates
     again = Project.open(target.root, create=False).record("bundle")
     assert rec is not None and again is not None and (again.key, again.started) == (rec.key, rec.started)

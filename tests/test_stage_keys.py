@@ -10,6 +10,7 @@ import pytest
 
 from npustudio.core.progress import State
 from npustudio.core.project import Project
+from tests.conftest import done
 
 # cheap sizes for a tiny model; the same given settings go to `run` and to each stage command
 ADAPT = ["--ar", "32", "--cl", "128", "--eval-tokens", "64", "--decode-tokens", "4"]
@@ -64,7 +65,7 @@ def test_the_same_work_spelled_differently_has_one_key(ran: tuple[Path, Project]
     from npustudio.core.results import IntakeResult
 
     _, p = ran
-    card = p.record("model").result_as(IntakeResult).card  # type: ignore[union-attr]
+    card = done(p, "model").result_as(IntakeResult).card
     adapt_dir, quant_dir = p.stage_dir("adapt"), p.stage_dir("quantize")
 
     def one_key(resolve, *spellings):  # type: ignore[no-untyped-def]

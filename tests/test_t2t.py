@@ -19,6 +19,7 @@ from npustudio.core import launch
 from npustudio.core.device import phone_shell
 from npustudio.core.device.virtual import VirtualDevice
 from npustudio.core.genie import t2t
+from tests.conftest import subcommands
 
 AWKWARD = ["[END]", "[END]\n", "[BEGIN]: ", "[PROMPT]: ", "[EN", "[", "]", "\n", "\r\n", "é", "日本語", "🚀",
            "error: not a failure, a word of the answer\n", "<|im_end|>"]
@@ -98,7 +99,7 @@ def test_the_cli_and_the_device_take_the_flags_from_one_list() -> None:
     --preview (the virtual device's mode decides it); Qualcomm's flags are among them."""
     from npustudio.cli import build_parser
 
-    sub = build_parser()._subparsers._group_actions[0].choices["genie-run"]  # type: ignore[union-attr]
+    sub = subcommands(build_parser())["genie-run"]
     names = {o for a in sub._actions for o in a.option_strings}
     assert names == {n for f in t2t.FLAGS for n in f.names} | {"-h", "--help", "--debug"}
     assert set(t2t.device_flags()) == names - {"--preview", "--debug"}
@@ -117,7 +118,12 @@ def _shell(vd: VirtualDevice, line: str) -> str:
     """One `adb shell LINE` on the device, without an adb server."""
     out = bytearray()
     inbox: queue.Queue[bytes | None] = queue.Queue()
-    phone_shell.serve(vd, line, lambda b: out.extend(b) is None, inbox, threading.Event())
+
+    def write(b: bytes) -> bool:
+        out.extend(b)
+        return True
+
+    phone_shell.serve(vd, line, write, inbox, threading.Event())
     inbox.put(None)
     return out.decode()
 
@@ -128,7 +134,13 @@ def test_the_devices_genie_t2t_run_starts_the_runner_and_no_cli_module(phone: Vi
     `npustudio.cli`, its settings or its other commands), each argument its own argv item, file options inside the
     sandbox, --preview only from the device's mode."""
     seen: list[list[str]] = []
-    monkeypatch.setattr(phone_shell.Session, "spawn", lambda _s, argv, _env, _r, _readable=(): seen.append(argv) or 0)
+
+    def spawn(_s: phone_shell.Session, argv: list[str], _env: dict[str, str], _r: bool,
+              _readable: tuple[Path, ...] = ()) -> int:
+        seen.append(argv)
+        return 0
+
+    monkeypatch.setattr(phone_shell.Session, "spawn", spawn)
     tmp = phone.root / "data/local/tmp"
     assert _shell(phone, "cd /data/local/tmp && genie-t2t-run -c genie_config.json -p 'a; rm -rf / $(x)' "
                          "--prompt_file p.txt --profile out.json --log info --max-tokens 4 --raw") == ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import onnx
@@ -20,7 +21,7 @@ from npustudio.core.graph.lpbq_matmul import LPBQ_WEIGHTS
 from npustudio.core.graph.ort_graph import OrtGraph
 from npustudio.core.project import Project
 from npustudio.core.targets import find_soc
-from tests.conftest import TINY
+from tests.conftest import TINY, done
 
 PROMPT = "The capital of France is"
 
@@ -31,8 +32,8 @@ def w4(genie_project_w4: Project) -> Project:
 
 
 def test_every_block_quantized_layer_compiles_as_a_matmul_on_the_htp(w4: Project) -> None:
-    r = w4.record("compile").result
-    assert w4.record("quantize").result["precision"] == "w4a16"
+    r = done(w4, "compile").result
+    assert done(w4, "quantize").result["precision"] == "w4a16"
     assert r["nodes_on_cpu"] == 0
     prep = w4.stage_dir("compile") / "prepared"
     assert (prep / LPBQ_WEIGHTS).stat().st_size > 0
@@ -49,13 +50,13 @@ def test_every_block_quantized_layer_compiles_as_a_matmul_on_the_htp(w4: Project
 
 
 def test_w4a16_binaries_hold_fewer_weight_bytes_than_w8a16(w4: Project, genie_project: Project) -> None:
-    w8 = {g["graph"]: g["bin_bytes"] for g in genie_project.record("compile").result["graphs"]}
-    for g in w4.record("compile").result["graphs"]:
+    w8 = {g["graph"]: g["bin_bytes"] for g in done(genie_project, "compile").result["graphs"]}
+    for g in done(w4, "compile").result["graphs"]:
         assert g["bin_bytes"] < w8[g["graph"]], (g, w8)
 
 
 def test_the_simulator_agrees_with_the_quantsim_as_closely_as_at_w8a16(w4: Project) -> None:
-    v = w4.record("compile").result["verification"]
+    v = done(w4, "compile").result["verification"]
     assert v["tokens"] > 40 and v["decode_steps"] == 4
     assert abs(v["nll_diff"]) < 0.01  # the w8a16 test's tolerance
     assert v["kv_cache_max_diff_steps"] <= 2
@@ -75,7 +76,7 @@ def test_genie_answers_with_the_host_runners_greedy_tokens_on_the_same_binaries(
     assert genie.runner.startswith("genie") and genie.text
 
     meta = read_metadata(bundle)
-    target = find_soc(w4.record("compile").result["target"])
+    target = find_soc(done(w4, "compile").result["target"])
     graphs = {g.ar: OrtGraph(ort_qnn.context_session(w4.stage_dir("compile") / f"{g.name}.onnx", target),
                              meta.io_encodings, bundle / layout.EMBEDDING_LUT) for g in meta.graphs}
     runner = KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
@@ -85,7 +86,7 @@ def test_genie_answers_with_the_host_runners_greedy_tokens_on_the_same_binaries(
     out = runner.generate(ids, 8, eos=meta.eos_ids)
     out = [t for t in out if t not in meta.eos_ids]
     # this random model soon emits byte tokens that are no UTF-8, where Genie's text ends: compare up to there
-    text = tok.decode(out, skip_special_tokens=False).split("\ufffd")[0]
+    text = cast(str, tok.decode(out, skip_special_tokens=False)).split("\ufffd")[0]  # one sequence: one text
     assert len(tok(text, add_special_tokens=False)["input_ids"]) >= 4
     assert genie.text == text
 
@@ -106,20 +107,20 @@ def test_a_4bit_lm_head_compiles_in_lpbq_blocks_and_shrinks_the_binaries(w4: Pro
     root = tmp_path_factory.mktemp("head4") / "p"
     shutil.copytree(w4.root, root)
     p = Project.open(root, create=False)
-    o = QuantizeOptions.model_validate(w4.record("quantize").options).model_copy(update={"lm_head_bits": 4})
+    o = QuantizeOptions.model_validate(done(w4, "quantize").options).model_copy(update={"lm_head_bits": 4})
     pipeline.quantize(p, o, State())
-    q = p.record("quantize").result
+    q = done(p, "quantize").result
     assert q["lm_head_bits"] == 4
     table = enc.read(p.stage_dir("quantize") / f"{q['graphs'][0]}.encodings", kinds=("param",))
     head = [r for r in table.rows if r.name == "lm_head.weight"]
     assert head and head[0].bitwidth == 4 and head[0].granularity == "block" and head[0].block_size == 64, head
     pipeline.compile_graphs(p, CompileOptions(verify_tokens=64), State())
-    r = p.record("compile").result
+    r = done(p, "compile").result
     assert r["nodes_on_cpu"] == 0
     for g in r["graphs"]:
         model = onnx.load(str(p.stage_dir("compile") / "prepared" / f"{g['graph']}.onnx"), load_external_data=False)
         assert [n.op_type for n in model.graph.node].count("Conv") == 0
-    w8_head = {g["graph"]: g["bin_bytes"] for g in w4.record("compile").result["graphs"]}
+    w8_head = {g["graph"]: g["bin_bytes"] for g in done(w4, "compile").result["graphs"]}
     weights = TINY["llama64"]["vocab_size"] * TINY["llama64"]["hidden_size"]  # the head: int8 in `w4`, int4 here
     for g in r["graphs"]:
         # half the head's int8 bytes less its block scales, in the binary's 4 KiB pages: 20 KiB here
@@ -223,7 +224,7 @@ def test_a_prompt_graph_too_slow_for_the_simulator_is_left_out_of_the_check_and_
     from npustudio.core.compile import CompileOptions
     from npustudio.core.progress import State
 
-    full = w4.record("compile").result["verification"]
+    full = done(w4, "compile").result["verification"]
     r = compile_stage.run(w4.stage_dir("quantize"), w4.stage_dir("adapt"),
                           CompileOptions(verify_tokens=64, prompt_check_budget_s=0), tmp_path, State())
     v = r.verification

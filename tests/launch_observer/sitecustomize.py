@@ -36,7 +36,8 @@ def _install() -> None:
         timer.start(50)
         return exec_()  # QCoreApplication::exec is static
 
-    QApplication.exec = exec_and_observe  # type: ignore[method-assign]
+    # the stubs declare the static QApplication.exec(); the product calls app.exec(), which binds this to the app
+    QApplication.exec = exec_and_observe  # type: ignore[assignment]
 
 
 if REPORT:
