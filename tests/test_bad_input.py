@@ -27,7 +27,7 @@ from npustudio.cli import main
 from npustudio.core.errors import UserError
 from npustudio.core.project import Project
 from npustudio.core.shape import DecoderSpec
-from tests.conftest import npustudio
+from tests.conftest import done, npustudio
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -213,7 +213,12 @@ def test_a_model_that_brings_its_own_code_is_refused_without_asking(model_copy: 
                                                 "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
     (m / "configuration_evil.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
     asked: list[str] = []
-    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "y")  # a user typing y
+
+    def typing_y(prompt: str = "") -> str:  # a user typing y
+        asked.append(prompt)
+        return "y"
+
+    monkeypatch.setattr("builtins.input", typing_y)
     with nothing_changes(tmp_path):
         refused(cli(capsys, "info", str(m)), "names the model's own Python code", "configuration_evil.EvilConfig")
     assert asked == [] and not marker.exists()
@@ -502,7 +507,7 @@ def test_a_refused_command_keeps_a_project_folder_that_holds_more_than_it_made(t
     assert not p.remove_if_unused(existed=False, cheap=(INTAKE,)) and p.load().attempts
     p = made("busy")
     p.run_stage("hold", {}, {}, lambda out: {"removed": Project(p.root).remove_if_unused(False, (INTAKE, "hold"))})
-    assert p.record("hold").result == {"removed": False}  # type: ignore[union-attr]
+    assert done(p, "hold").result == {"removed": False}
     p = made("ours")
     assert p.remove_if_unused(existed=False, cheap=(INTAKE,)) and not p.root.exists()
 
@@ -843,13 +848,16 @@ def test_a_settings_file_the_cli_cannot_use_stops_it_naming_the_file_and_key(tmp
 
 
 def test_the_settings_accept_the_precisions_the_cli_offers() -> None:
-    """The settings check the helpers' table (a helper may not import the stage): it must name the same presets."""
-    from npustudio.core.models import PRECISIONS
+    """The settings check the precisions' declaration (a helper may not import the stage): every preset the stage
+    takes is accepted, anything else refused naming them."""
+    from pydantic import ValidationError
+
     from npustudio.core.quantize.presets import PRESETS
     from npustudio.core.settings import Settings
 
-    assert list(PRECISIONS) == list(PRESETS)
     assert [Settings(default_precision=p).default_precision for p in PRESETS] == list(PRESETS)
+    with pytest.raises(ValidationError, match="w8a16, w4a16"):
+        Settings(default_precision="w2a16")
 
 
 # ----------------------------------------------------------------- token and keyring

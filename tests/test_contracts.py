@@ -81,7 +81,7 @@ def test_the_stages_and_the_wizard_steps_are_listed_only_in_core_stages() -> Non
             items = node.keys if isinstance(node, ast.Dict) else \
                 node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else []
             words = [e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-            if len(words) >= 2 and len(words) == len(items) and set(words) <= names:
+            if len(words) >= 2 and len(words) == len(items) and set(words) <= names and isinstance(node, ast.expr):
                 lists.append(f"{f.relative_to(ROOT)}:{node.lineno} {words}")
     assert not lists, lists
 
@@ -265,12 +265,33 @@ def test_the_detector_sees_a_redeclared_option(tmp_path: Path) -> None:
     assert lines == ["1", "2", "3", "4", "5", "6", "7", "8", "9"], lines
 
 
-def test_the_precision_names_are_the_presets() -> None:
+def test_each_precision_is_declared_once_and_the_stage_the_fit_and_the_cli_follow_it() -> None:
+    """`stage_options.PRECISIONS` is the one declaration: the quantize presets, the fit estimate's bits and figures,
+    the 4-bit head rule and the CLI's choices and help all read it."""
+    from npustudio.cli.main import build_parser
     from npustudio.core import models
-    from npustudio.core.quantize.presets import PRESETS
-    from npustudio.core.stage_options import PRECISION_NAMES, PRECISION_NOTES
+    from npustudio.core.quantize.presets import PRESETS, takes_4bit_head
+    from npustudio.core.stage_options import DEFAULT_INT8_BUDGET, PRECISION_NAMES, PRECISIONS
+    from tests.conftest import subcommands
 
-    assert tuple(PRESETS) == PRECISION_NAMES == tuple(models.PRECISIONS) == tuple(PRECISION_NOTES)
+    card = models.ArchCard(family="Llama", model_type="llama", architecture="LlamaForCausalLM", source="test",
+                           layers=2, heads=4, kv_heads=2, head_dim=64, hidden=256, intermediate=512, vocab=1000,
+                           params=1_000_000, rope_theta=10000.0, rope_scaling=None, tied_embeddings=True,
+                           max_position=1024, rms_norm_eps=1e-5, qkv_bias=False, qk_norm=False, bos_id=1,
+                           eos_ids=[2], chat_template=None)
+    assert PRECISION_NAMES == tuple(PRECISIONS) == tuple(PRESETS)
+    for name, p in PRECISIONS.items():
+        assert (PRESETS[name].weight_bits, PRESETS[name].block_size) == (p.weight_bits, p.block_size)
+        assert takes_4bit_head(name) == (p.block_size is not None)
+        fit = models.fit_estimate(card, name, 256)
+        assert fit.ppl_ratio_default_model == p.ppl_ratio_default_model
+        assert (fit.with_4bit_head is not None) == p.takes_4bit_head
+        per_weight = p.weight_bits if p.block_size is None else (
+            (1 - DEFAULT_INT8_BUDGET) * (p.weight_bits + 4 / p.block_size) + DEFAULT_INT8_BUDGET * 8)
+        assert models.WEIGHT_BITS[name]["layer"] == pytest.approx(per_weight)
+    quantize_help = subcommands(build_parser())["quantize"].format_help()
+    assert f"{{{','.join(PRECISION_NAMES)}}}" in quantize_help
+    assert all(p.note.split(" (")[0] in " ".join(quantize_help.split()) for p in PRECISIONS.values())
 
 
 def test_the_stage_options_import_nothing_heavy() -> None:

@@ -222,7 +222,7 @@ def recipe_costs(card: Any, cpus: int | None = None) -> list[RecipeCost]:
 
 
 def estimate(card: Any, gguf: bool = False) -> HostEstimate:
-    from .models import PRECISIONS
+    from .models import WEIGHT_BITS
 
     cpus = os.cpu_count() or 1
     stages = [stage_cost(s, card, gguf, cpus) for s in RATES]
@@ -230,7 +230,7 @@ def estimate(card: Any, gguf: bool = False) -> HostEstimate:
     ram = machine_ram()
     return HostEstimate(stages=stages, peak_ram_bytes=peak,
                         recipes=recipe_costs(card, cpus), int8_budget_seconds=int8_budget_seconds(card, cpus),
-                        quantize_disk_bytes={p: quantize_disk_bytes(card, p) for p in PRECISIONS},
+                        quantize_disk_bytes={p: quantize_disk_bytes(card, p) for p in WEIGHT_BITS},
                         seconds=round(sum(s.seconds for s in stages)), machine_ram_bytes=ram, cpus=cpus,
                         fits=ram is None or peak <= ram)
 
@@ -254,13 +254,13 @@ def quantize_disk_bytes(card: Any, precision: str, ar: int | None = None, int8_b
     the share kept int8, the stage's default unless given); the test vectors, about three of the prompt graph's
     float32 logits (`ar` tokens, the adapt stage's default unless given). Qwen3-4B shape at w4a16: 22.42 GB
     written, 22.36 estimated."""
-    from .models import PRECISIONS, _layer_params, weight_bytes
+    from .models import WEIGHT_BITS, _layer_params, weight_bytes
     from .stage_options import DEFAULT_INT8_BUDGET, AdaptOptions
 
     ar = ar or AdaptOptions().ar
     share = DEFAULT_INT8_BUDGET if int8_budget is None else int8_budget
     tied = card.vocab * card.hidden if card.tied_embeddings else 0
-    blocks = (1 - share) * card.layers * _layer_params(card)[0] / 64 if PRECISIONS[precision]["layer"] < 8 else 0
+    blocks = (1 - share) * card.layers * _layer_params(card)[0] / 64 if WEIGHT_BITS[precision]["layer"] < 8 else 0
     return (4 * (card.params + tied) + weight_bytes(card, precision)
             + int(2 * LPBQ_ENCODINGS_BYTES_PER_BLOCK * blocks) + 3 * 4 * ar * card.vocab)
 

@@ -31,7 +31,8 @@ from .errors import UserError
 from .families import recipe_for
 from .fsutil import read_json, sha256_file
 from .shape import DecoderShape
-from .stage_options import DEFAULT_INT8_BUDGET, MNN_BLOCK
+from .stage_options import DEFAULT_INT8_BUDGET, MNN_BLOCK, PrecisionSpec
+from .stage_options import PRECISIONS as PRECISION_SPECS
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -701,22 +702,20 @@ class FitEstimate(BaseModel):
         return round(self.decode_tok_s_bound * find_soc(soc_name).memory_gb_s / find_soc(DEFAULT_SOC).memory_gb_s, 1)
 
 
-# quantized/float perplexity of SmolLM2-135M-Instruct at each preset (`npustudio run --precision P --json`, its
-# quantize stage's ratio, 2 cores; w4a16 with its default int8 budget): what a precision costs a real model, shown
-# beside the estimates
-MEASURED_PPL_RATIO = {"w8a16": 1.0069, "w4a16": 1.213}
-# the same at w4a16 with `--lm-head-bits 4` (the quantize stage on one adapted project, default int8 budget)
-MEASURED_PPL_RATIO_4BIT_HEAD = 1.421
-LPBQ_BITS = 4.0 + 4.0 / 64  # a 4-bit weight and its share of its block's scale
+LPBQ_SCALE_BITS = 4.0  # an LPBQ block's integer scale, shared by its weights
 
-PRECISIONS = {
-    # bits per weight for the decoder layers, the LM head and the embedding table (Genie's lookup table on the
-    # CPU, in the 16-bit encoding of the first graph's input: not in the HTP contexts); w4 adds LPBQ per-block
-    # 4-bit scales (block 64), and its default int8 budget keeps up to that share of the layers' weights 8-bit.
-    "w8a16": {"layer": 8.0, "lm_head": 8.0, "embed": 16.0},
-    "w4a16": {"layer": (1 - DEFAULT_INT8_BUDGET) * LPBQ_BITS + DEFAULT_INT8_BUDGET * 8.0, "lm_head": 8.0,
-              "embed": 16.0},
-}
+
+def _layer_bits(p: PrecisionSpec) -> float:
+    """Bits per decoder-layer weight at `p`: LPBQ adds each weight's share of its block's scale, and the default int8
+    budget keeps up to that share of the layers' weights 8-bit."""
+    if p.block_size is None:
+        return float(p.weight_bits)
+    return (1 - DEFAULT_INT8_BUDGET) * (p.weight_bits + LPBQ_SCALE_BITS / p.block_size) + DEFAULT_INT8_BUDGET * 8.0
+
+
+# bits per weight for the decoder layers, the LM head and the embedding table (Genie's lookup table on the CPU, in
+# the 16-bit encoding of the first graph's input: not in the HTP contexts), from each precision's declaration
+WEIGHT_BITS = {name: {"layer": _layer_bits(p), "lm_head": 8.0, "embed": 16.0} for name, p in PRECISION_SPECS.items()}
 
 
 def _layer_params(card: ArchCard) -> tuple[int, int]:
@@ -729,7 +728,7 @@ def _layer_params(card: ArchCard) -> tuple[int, int]:
 def part_model(card: ArchCard, precision: str, ar: int, cl: int) -> parts.PartModel:
     """The HTP estimate of the compiled graphs' pieces, from the card alone (see core/parts.py): what
     `npustudio info` counts parts by, the same way the compile stage counts them from the real tensors."""
-    b = PRECISIONS[precision]
+    b = WEIGHT_BITS[precision]
     d, hd, kv = card.hidden, card.head_dim, card.kv_heads
     weights, channels = _layer_params(card)
     per_channel = 5 * channels  # float32 scale + 8-bit zero point per output channel
@@ -774,26 +773,27 @@ def mnn_bytes(card: ArchCard, bits: int, block: int, lm_head_bits: int = 8) -> i
 
 def weight_bytes(card: ArchCard, precision: str) -> int:
     """The model's weights at `precision`: the embedding table, the LM head and every layer, norms kept 16-bit."""
-    b = PRECISIONS[precision]
+    b = WEIGHT_BITS[precision]
     layer_bytes = _layer_params(card)[0] * b["layer"] / 8 + 2 * card.hidden * 2
     return int(card.vocab * card.hidden * (b["embed"] + b["lm_head"]) / 8 + card.layers * layer_bytes)
 
 
 def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 128,
                  max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> FitEstimate:
-    b = PRECISIONS[precision]
+    b = WEIGHT_BITS[precision]
     weights = weight_bytes(card, precision)
     # the lookup table stays on the CPU, and decode reads one row of it
     on_htp = weights - int(card.vocab * card.hidden * b["embed"] / 8)
     kv = card.kv_bytes_per_token * context_length
     from .targets import DEFAULT_SOC, decode_tok_s_bound, find_soc
 
-    head4 = None
-    if b["layer"] < 8:  # LPBQ blocks the head can join
-        small = on_htp - int(card.vocab * card.hidden * (b["lm_head"] - LPBQ_BITS) / 8)
+    spec, head4 = PRECISION_SPECS[precision], None
+    if spec.block_size is not None:  # LPBQ blocks the head can join
+        lpbq_bits = spec.weight_bits + LPBQ_SCALE_BITS / spec.block_size
+        small = on_htp - int(card.vocab * card.hidden * (b["lm_head"] - lpbq_bits) / 8)
         head4 = HeadVariant(context_bytes_phone=int(small * parts.CONTEXT_PER_WEIGHT),
                             decode_tok_s_bound=decode_tok_s_bound(find_soc(DEFAULT_SOC), small + kv),
-                            ppl_ratio_default_model=MEASURED_PPL_RATIO_4BIT_HEAD)
+                            ppl_ratio_default_model=spec.ppl_ratio_4bit_head)
     ar = min(ar, max(1, context_length - 1))
     pm = part_model(card, precision, ar, context_length)
     problem: str | None = None
@@ -812,8 +812,8 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
         context_bytes_phone=int(on_htp * parts.CONTEXT_PER_WEIGHT),
         context_bytes_simulator=int(2 * on_htp * parts.CONTEXT_PER_WEIGHT),
         decode_tok_s_bound=decode_tok_s_bound(find_soc(DEFAULT_SOC), on_htp + kv),
-        ppl_ratio_default_model=MEASURED_PPL_RATIO.get(precision),
-        mnn_bytes=mnn_bytes(card, 8 if b["layer"] >= 8 else 4, largest_block(card, MNN_BLOCK)), with_4bit_head=head4,
+        ppl_ratio_default_model=spec.ppl_ratio_default_model,
+        mnn_bytes=mnn_bytes(card, spec.weight_bits, largest_block(card, MNN_BLOCK)), with_4bit_head=head4,
         assumptions=("weights at the preset's bitwidths (LM head 8-bit; the embedding table a 16-bit lookup table "
                      "on the CPU, outside the HTP contexts), 8-bit KV "
                      f"cache, each part's HTP graph under {max_part_mb:,.0f} MiB (the HTP refuses graphs over "
@@ -824,7 +824,7 @@ def fit_estimate(card: ArchCard, precision: str, context_length: int, ar: int = 
 
 def fit_table(card: ArchCard, context_length: int, ar: int = 128,
               max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> list[FitEstimate]:
-    return [fit_estimate(card, p, context_length, ar, max_part_mb) for p in PRECISIONS]
+    return [fit_estimate(card, p, context_length, ar, max_part_mb) for p in PRECISION_SPECS]
 
 
 class Plan(BaseModel):

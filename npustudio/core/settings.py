@@ -27,7 +27,7 @@ from .cluster import Cluster
 from .compute import Device
 from .errors import UserError
 from .fsutil import MiB, atomic_write_text, check_keys, read_json
-from .stage_options import PRECISION_NAMES as PRECISIONS  # the presets' names, light (models imports torch)
+from .stage_options import PRECISION_NAMES  # the presets' names, light (models imports torch)
 from .targets import DEFAULT_SOC, KNOWN_SOCS, find_soc
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class Settings(BaseModel):
     adb_path: str = ""  # empty: adb on PATH, else the one adbutils ships
     mnn_android_root: str = ""  # empty: the MNN_ANDROID_ROOT environment variable, if any
     default_target: str = DEFAULT_SOC
-    default_precision: str = "w8a16"
+    default_precision: str = PRECISION_NAMES[0]  # the best quality
     virtual_preview: bool = Field(False, description="the virtual device answers with the CPU preview (fast)")
     device: Device = Field("auto", description="where adapt and quantize run their torch work (auto: a CUDA GPU "
                                                "when there is one)")
@@ -58,8 +58,8 @@ class Settings(BaseModel):
     @classmethod
     def _known_precision(cls, v: str) -> str:
         """A precision the CLI and the window offer: another one failed later, in quantize, far from its cause."""
-        if v not in PRECISIONS:
-            raise ValueError(f"not a precision NPU Studio knows (use one of: {', '.join(PRECISIONS)})")
+        if v not in PRECISION_NAMES:
+            raise ValueError(f"not a precision NPU Studio knows (use one of: {', '.join(PRECISION_NAMES)})")
         return v
 
     @field_validator("qnn_sdk_root", "adb_path", "mnn_android_root")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 from copy import copy
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, cast, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 from pydantic.fields import FieldInfo
@@ -47,10 +47,43 @@ DEFAULT_WINDOW = 512
 # were AR-1 steps, 61 s of the quantize stage's 78-s eval.
 DEFAULT_DECODE = 16
 
-Precision = Literal["w8a16", "w4a16"]  # the quantize presets (core/quantize/presets.py), best quality first
+
+
+class PrecisionSpec(BaseModel):
+    """One precision, declared once: the quantize preset (core/quantize/presets.py), the fit estimate's bits per
+    weight (core/models.py), the label the CLI and the window show and what it cost a real model all derive from
+    it. Every one keeps 16-bit activations, an 8-bit KV cache and a 16-bit embedding table."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    weight_bits: int  # the decoder layers' weights
+    block_size: int | None = None  # None: one scale per output channel; else LPBQ blocks along the input channels
+    note: str
+    # quantized/float perplexity of SmolLM2-135M-Instruct (`npustudio run --precision P --json`, its quantize stage's
+    # ratio, 2 cores; 4-bit weights with the default int8 budget): shown beside the estimates
+    ppl_ratio_default_model: float
+    # the same with the LM head in the layers' LPBQ blocks (`--lm-head-bits 4`); None: the head stays 8-bit here
+    ppl_ratio_4bit_head: float | None = None
+
+    @property
+    def takes_4bit_head(self) -> bool:
+        """A 4-bit LM head needs LPBQ blocks: per-channel int4 without blocks runs several steps off on the HTP
+        simulator."""
+        return self.block_size is not None
+
+
+PRECISIONS: dict[str, PrecisionSpec] = {s.name: s for s in (  # best quality first
+    PrecisionSpec(name="w8a16", weight_bits=8, note="int8 weights, 16-bit activations (best quality)",
+                  ppl_ratio_default_model=1.0069),
+    PrecisionSpec(name="w4a16", weight_bits=4, block_size=64, note="int4 weight blocks, 16-bit activations (smallest)",
+                  ppl_ratio_default_model=1.213, ppl_ratio_4bit_head=1.421),
+)}
+Precision = Literal["w8a16", "w4a16"]  # PRECISIONS' names, as the type the options' field validates
 PRECISION_NAMES: tuple[str, ...] = get_args(Precision)
-PRECISION_NOTES = {"w8a16": "int8 weights, 16-bit activations (best quality)",
-                   "w4a16": "int4 weight blocks, 16-bit activations (smallest)"}
+if PRECISION_NAMES != tuple(PRECISIONS):  # pragma: no cover - a declaration edited in one place only
+    raise ImportError(f"stage_options: Precision {PRECISION_NAMES} and PRECISIONS {tuple(PRECISIONS)} differ")
+PRECISION_NOTES = {name: s.note for name, s in PRECISIONS.items()}
 # the weight-encoding recipes of the quantize stage, each a sequence of aimet-torch's own PTQ algorithms
 # (core/quantize/__init__.py runs the steps): a rotation of the float weights before the quantsim is built, then
 # the steps that choose weight encodings before activations are calibrated
@@ -178,7 +211,8 @@ DEFAULT_INT8_BUDGET = 0.05
 
 
 class QuantizeOptions(StageOptions):
-    precision: Precision = Field("w8a16", description="; ".join(f"{k}: {v}" for k, v in PRECISION_NOTES.items()))
+    precision: Precision = Field(cast(Precision, PRECISION_NAMES[0]),  # the best quality
+                                 description="; ".join(f"{k}: {v}" for k, v in PRECISION_NOTES.items()))
     target: str = Field(DEFAULT_SOC, description="target SoC")
     recipe: Recipe = Field("plain", description="weight-encoding recipe: "
                                                 + "; ".join(f"{k}: {v}" for k, v in RECIPE_NOTES.items()))

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import UserError
 from ..fsutil import check_keys, read_json
-from ..stage_options import DEFAULT_INT8_BUDGET
+from ..stage_options import DEFAULT_INT8_BUDGET, PRECISIONS
 from ..stage_options import Overrides as Overrides  # re-exported: a quantize option, declared there
 
 
@@ -33,10 +33,8 @@ class Preset(BaseModel):
     embedding_bits: int = 16  # the table is a Gather on the HTP: per tensor, so 16-bit keeps it exact
 
 
-PRESETS: dict[str, Preset] = {
-    "w8a16": Preset(name="w8a16", weight_bits=8),
-    "w4a16": Preset(name="w4a16", weight_bits=4, block_size=64),
-}
+PRESETS: dict[str, Preset] = {name: Preset(name=name, weight_bits=s.weight_bits, block_size=s.block_size)
+                               for name, s in PRECISIONS.items()}
 
 
 def preset(name: str) -> Preset:
@@ -51,9 +49,9 @@ def takes_int8_budget(precision: str) -> bool:
 
 
 def takes_4bit_head(precision: str) -> bool:
-    """Whether `--lm-head-bits 4` applies at `precision`: a 4-bit head needs the preset's LPBQ blocks (per-channel
-    int4 without blocks runs several steps off on the HTP simulator)."""
-    return preset(precision).block_size is not None
+    """Whether `--lm-head-bits 4` applies at `precision` (`PrecisionSpec.takes_4bit_head`)."""
+    preset(precision)  # an unknown name refused as the stage refuses it
+    return PRECISIONS[precision].takes_4bit_head
 
 
 def with_head(p: Preset, lm_head_bits: int) -> Preset:
