@@ -34,8 +34,8 @@ def test_the_core_starts_no_cli_module_either() -> None:
     assert named == []
 
 
-def test_mypy_passes_on_the_core_gui_cli_and_plugins() -> None:
-    """The type hints of npustudio/core, npustudio/gui, npustudio/cli and plugins are checked (settings in
+def test_mypy_passes_on_the_package_the_plugins_and_the_tests() -> None:
+    """The type hints of npustudio/core, npustudio/gui, npustudio/cli, plugins and tests are checked (settings in
     pyproject.toml), pydantic's plugin included."""
     r = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
