@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from npustudio.core import models
+from npustudio.core import model_source, models
 from npustudio.core.adapt import adapt_model
 from npustudio.core.evaluate import compare, hf_logits_fn, load_corpus
 from npustudio.core.graph import store
@@ -41,7 +41,7 @@ def main() -> None:
         return time.perf_counter()
 
     t = time.perf_counter()
-    lm = models.load(models.download(models.resolve_source(a.model)))
+    lm = models.load(model_source.download(model_source.resolve_source(a.model)))
     t = mark("load", t)
     model, inv = adapt_model(lm)
     t = mark("adapt_weights", t)

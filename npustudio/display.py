@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .core.models import FitEstimate
+    from .core.model_fit import FitEstimate
 
 
 def format_value(v: Any) -> str:

@@ -65,7 +65,7 @@ def deadline(seconds: float) -> Iterator[None]:
 
 def formats(seeds: Path) -> list[Format]:
     """The readers, over a seed folder made by `make_seeds` (each format's file at its place)."""
-    from npustudio.core import chat, models, project, settings
+    from npustudio.core import chat, model_source, models, project, settings
     from npustudio.core.genie import config as genie_config
     from npustudio.core.genie import meta, profile
     from npustudio.core.graph import encodings
@@ -73,7 +73,7 @@ def formats(seeds: Path) -> list[Format]:
     from npustudio.core.quantize import presets
 
     def card(d: Path) -> Any:
-        return models.read_card(models.resolve_source(str(d / "model")))
+        return models.read_card(model_source.resolve_source(str(d / "model")))
 
     def genie(d: Path) -> Any:
         return genie_config.absolute(genie_config.read(d / "bundle" / "genie_config.json"), d / "bundle")
@@ -82,7 +82,7 @@ def formats(seeds: Path) -> list[Format]:
         Format("config.json", "model/config.json", card),
         Format("tokenizer.json", "model/tokenizer.json", card),
         Format("safetensors header", "model/model.safetensors", card, is_json=False),
-        Format("GGUF", "model.gguf", lambda d: models.read_card(models.resolve_source(str(d / "model.gguf"))),
+        Format("GGUF", "model.gguf", lambda d: models.read_card(model_source.resolve_source(str(d / "model.gguf"))),
                is_json=False),
         Format(".encodings", "quantize/graph.encodings", lambda d: encodings.read(d / "quantize" / "graph.encodings")),
         Format("genie_config.json", "bundle/genie_config.json", genie),

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from npustudio.core import layout, models, pipeline
+from npustudio.core import layout, model_source, models, pipeline
 from npustudio.core.adapt import AdaptOptions
 from npustudio.core.errors import UserError
 from npustudio.core.graph import store
@@ -120,7 +120,7 @@ def test_saved_model_reloads_with_identical_logits_and_tied_weights_stored_once(
     assert "embed.weight" in names and "lm_head.weight" not in names
     model, inv = store.load(folder)
     assert model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()
-    lm = models.load(models.resolve_source(str(tiny_llama)))
+    lm = models.load(model_source.resolve_source(str(tiny_llama)))
     ids = list(range(3, 60))
     with torch.no_grad():
         ref = lm.model(input_ids=torch.tensor([ids])).logits[0]
@@ -131,7 +131,7 @@ def test_saved_model_reloads_with_identical_logits_and_tied_weights_stored_once(
 
 
 def test_greedy_generation_matches_transformers(adapted: dict[str, Project], tiny_models: dict[str, Path]) -> None:
-    lm = models.load(models.resolve_source(str(tiny_models["qwen2"])))
+    lm = models.load(model_source.resolve_source(str(tiny_models["qwen2"])))
     model, inv = store.load(adapted["qwen2"].stage_dir("adapt"))
     prompt = lm.tokenizer("def f(x):\n    return")["input_ids"]
     want = lm.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
@@ -259,7 +259,7 @@ def test_a_bf16_checkpoint_is_adapted_in_16_bits_with_float32_arithmetic(tiny_mo
     assert dtypes["layers.0.attn.q_norm.weight"] == "F32"  # the softmax scale folded in
     assert json.loads((folder / layout.CARD).read_text())["stored_bits"] == 16
 
-    wide = models.load(models.resolve_source(str(half))).model  # the checkpoint widened to float32 whole
+    wide = models.load(model_source.resolve_source(str(half))).model  # the checkpoint widened to float32 whole
     assert wide.dtype == torch.float32
     ref = Reference(folder)
     worst = 0.0
@@ -288,7 +288,7 @@ def test_float32_weights_under_a_config_naming_bfloat16_load_unrounded(tiny_mode
     shutil.copytree(tiny_models["llama"], folder)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(cfg | {"dtype": "bfloat16", "torch_dtype": "bfloat16"}))
-    source = models.resolve_source(str(folder))
+    source = model_source.resolve_source(str(folder))
     assert models.read_card(source).stored_bits == 32
     lm = models.load(source, keep_16bit=True)
     stored = load_file(str(next(folder.glob("*.safetensors"))))

@@ -378,14 +378,14 @@ def test_parts_are_planned_under_the_htp_limit() -> None:
 def test_info_counts_the_parts_compile_cuts_and_a_refused_cut_is_redone(project: Project, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from npustudio.core import compile as compile_stage
-    from npustudio.core import models
+    from npustudio.core import model_fit, models
     from npustudio.core.graph import ort_qnn
 
     for d in ("a", "b", "b2", "c"):
         (tmp_path / d).mkdir()
     card = models.ArchCard(**done(project, "model").result["card"])
     limit = 0.5  # MiB: the tiny model's graph is about 0.7
-    fit = models.fit_table(card, 128, ar=32, max_part_mb=limit)[0]
+    fit = model_fit.fit_table(card, 128, ar=32, max_part_mb=limit)[0]
     r = compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
                           CompileOptions(max_part_mb=limit, verify_tokens=0), tmp_path / "a", State())
     assert fit.parts == r.parts == 2 and not r.recut

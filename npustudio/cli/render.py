@@ -61,7 +61,7 @@ def card_table(card: dict[str, Any], fits: list[dict[str, Any]], plans: dict[str
     for e in fits:
         if e["parts_problem"]:
             out.print(f"{e['precision']}: {e['parts_problem']}")
-    from ..core.models import FitEstimate
+    from ..core.model_fit import FitEstimate
     from ..display import four_bit_head_note
 
     for e in fits:

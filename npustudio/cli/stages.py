@@ -41,7 +41,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     with err.status(f"reading {a.model}"):
         source = pipeline.resolve(a.model)
         res = pipeline.describe(source, a.cl, a.ar, a.max_part_mb)
-    from ..core.models import plan
+    from ..core.model_fit import plan
 
     fits = [f.model_dump() for f in res.fit]
     plans = {where: plan(res.fit, where).model_dump() for where in ("phone", "simulator")}

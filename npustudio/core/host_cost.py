@@ -222,7 +222,7 @@ def recipe_costs(card: Any, cpus: int | None = None) -> list[RecipeCost]:
 
 
 def estimate(card: Any, gguf: bool = False) -> HostEstimate:
-    from .models import WEIGHT_BITS
+    from .model_fit import WEIGHT_BITS
 
     cpus = os.cpu_count() or 1
     stages = [stage_cost(s, card, gguf, cpus) for s in RATES]
@@ -254,7 +254,7 @@ def quantize_disk_bytes(card: Any, precision: str, ar: int | None = None, int8_b
     the share kept int8, the stage's default unless given); the test vectors, about three of the prompt graph's
     float32 logits (`ar` tokens, the adapt stage's default unless given). Qwen3-4B shape at w4a16: 22.42 GB
     written, 22.36 estimated."""
-    from .models import WEIGHT_BITS, _layer_params, weight_bytes
+    from .model_fit import WEIGHT_BITS, _layer_params, weight_bytes
     from .stage_options import DEFAULT_INT8_BUDGET, AdaptOptions
 
     ar = ar or AdaptOptions().ar

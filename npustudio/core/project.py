@@ -93,7 +93,7 @@ class Choices(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = "default"  # a model spec (core/models.py); "default": the embedded model
+    model: str = "default"  # a model spec (core/model_source.py); "default": the embedded model
     cl: int = default(AdaptOptions, "cl")
     target: str | None = None  # a SoC of core/targets.py; None: not picked yet (the Target step is to do)
     deployed: Deployed | None = None

@@ -19,7 +19,9 @@ from .fsutil import read_json
 from .graph.graph_io import IOEncoding
 from .graph.ort_qnn import Compiled
 from .host_cost import HostEstimate
-from .models import ArchCard, FitEstimate, ModelSource
+from .model_fit import FitEstimate
+from .model_source import ModelSource
+from .models import ArchCard
 from .shape import DecoderSpec
 from .stage_options import StageOptions as StageOptions  # re-exported: declared with the options models
 

@@ -51,7 +51,7 @@ DEFAULT_DECODE = 16
 
 class PrecisionSpec(BaseModel):
     """One precision, declared once: the quantize preset (core/quantize/presets.py), the fit estimate's bits per
-    weight (core/models.py), the label the CLI and the window show and what it cost a real model all derive from
+    weight (core/model_fit.py), the label the CLI and the window show and what it cost a real model all derive from
     it. Every one keeps 16-bit activations, an 8-bit KV cache and a 16-bit embedding table."""
 
     model_config = ConfigDict(frozen=True)

@@ -32,7 +32,7 @@ KNOWN_SOCS: dict[str, Soc] = {s.soc: s for s in (
 )}
 DEFAULT_SOC = "SM8750"
 # An app may use about half of a phone's RAM: Android keeps the rest for itself and the apps in the background. The
-# phone-fit estimate (core/models.py), deploy's check of a phone (core/device) and the window's fit column read it.
+# phone-fit estimate (core/model_fit.py), deploy's check of a phone (core/device) and the window's fit column read it.
 APP_RAM_SHARE = 0.5
 RUNTIME_RAM_BYTES = 256 * 1024**2  # Genie and QNN's own memory beside the model's
 

@@ -15,7 +15,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from .. import evaluate, layout, models, stages
+from .. import evaluate, layout, model_fit, model_source, models, stages
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..progress import StateLike
@@ -43,9 +43,9 @@ def validate(options: MnnOptions, card: models.ArchCard) -> None:
                         f"{card.model_type!r}) yet: MNN's exporter would treat it as a Llama.",
                         f"Use `--backend ort-qnn`; the MNN back-end takes {', '.join(FAMILIES)} models.")
     if options.block:
-        odd = {k: v for k, v in models.linear_inputs(card).items() if v % options.block}
+        odd = {k: v for k, v in model_fit.linear_inputs(card).items() if v % options.block}
         if odd:
-            fits = models.largest_block(card, options.block)
+            fits = model_fit.largest_block(card, options.block)
             raise UserError(f"A block of {options.block} weights does not divide the model's "
                             + ", ".join(f"{k} ({v})" for k, v in odd.items())
                             + " (MNN's exporter would quietly use smaller blocks).",
@@ -56,11 +56,11 @@ def resolved(options: MnnOptions, card: models.ArchCard) -> MnnOptions:
     """The options with the block made explicit (what the record keys and shows)."""
     validate(options, card)
     if options.block is None:
-        options = options.model_copy(update={"block": models.largest_block(card, MNN_BLOCK)})
+        options = options.model_copy(update={"block": model_fit.largest_block(card, MNN_BLOCK)})
     return options
 
 
-def run(source: models.ModelSource, card: models.ArchCard, options: MnnOptions, out_dir: Path,
+def run(source: model_source.ModelSource, card: models.ArchCard, options: MnnOptions, out_dir: Path,
         state: StateLike, final_dir: Path | None = None, context_length: int | None = None) -> MnnResult:
     """Export the float model to MNN into `out_dir/model` and measure it against the float model. `final_dir`:
     where the stage's folder will be once it is done (the record names the model folder there);

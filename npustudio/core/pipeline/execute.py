@@ -12,7 +12,7 @@ import platformdirs
 
 from .. import adapt as adapt_stage
 from .. import compile as compile_stage
-from .. import host_cost, isolated, layout, lora, models, parts, stages
+from .. import host_cost, isolated, layout, lora, model_fit, model_source, models, parts, stages
 from .. import mnn as mnn_stage
 from .. import quantize as quantize_stage
 from ..cluster import Cluster, Job
@@ -60,28 +60,28 @@ def opened(project_dir: Path | str) -> Iterator[Project]:
         raise
 
 
-def resolve(model: str) -> models.ModelSource:
-    return models.download(models.resolve_source(model))
+def resolve(model: str) -> model_source.ModelSource:
+    return model_source.download(model_source.resolve_source(model))
 
 
-def describe(source: models.ModelSource, cl: int, ar: int = adapt_stage.AdaptOptions().ar,
+def describe(source: model_source.ModelSource, cl: int, ar: int = adapt_stage.AdaptOptions().ar,
              max_part_mb: float = parts.DEFAULT_MAX_PART_MB) -> IntakeResult:
     """A model's card, its fit on phones at context `cl` (parts cut for AR-`ar` graphs under `max_part_mb`) and
     what each stage will cost this computer: what the model stage records and `npustudio info` shows."""
     card = models.read_card(source)
     check_context(card, cl)
-    return IntakeResult(source=source, card=card, fit=models.fit_table(card, cl, ar, max_part_mb),
+    return IntakeResult(source=source, card=card, fit=model_fit.fit_table(card, cl, ar, max_part_mb),
                         host=host_cost.estimate(card, gguf=bool(source.gguf_file)))
 
 
 def check_lora(model: str, folder: str, weight: float = 1.0) -> LoraAdapter:
     """An adapter picked for `model` (a model spec), read and checked as adapt will before its weights load (the
     window's Model page: refused when picked, not minutes later)."""
-    source = models.resolve_source(model)
+    source = model_source.resolve_source(model)
     return lora.resolved((LoraAdapter(path=folder, weight=weight),), lora_bases(source))[0]
 
 
-def lora_report(source: models.ModelSource, card: models.ArchCard, adapters: tuple[LoraAdapter, ...]
+def lora_report(source: model_source.ModelSource, card: models.ArchCard, adapters: tuple[LoraAdapter, ...]
                 ) -> list[dict[str, Any]]:
     """What `info --lora` shows of each adapter, read and checked against the model as adapt will (its weights'
     shapes are checked when they load, at the start of adapt)."""
@@ -94,7 +94,7 @@ def lora_report(source: models.ModelSource, card: models.ArchCard, adapters: tup
 
 
 def intake(project: Project, model: str, cl: int, state: StateLike,
-           force: bool = False) -> tuple[models.ModelSource, StageRecord]:
+           force: bool = False) -> tuple[model_source.ModelSource, StageRecord]:
     state.progress(0.0, f"reading {model}")
     source = resolve(model)
     fp = models.fingerprint(source)
@@ -153,7 +153,7 @@ def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state
     return adapt_stage.run(lm, options, out, state.sub(0.1, 1.0)).model_dump()
 
 
-def lora_bases(source: models.ModelSource) -> list[str]:
+def lora_bases(source: model_source.ModelSource) -> list[str]:
     """The names a LoRA adapter's base may be given by for this model: its label first (said in a refusal)."""
     names = [source.label, source.spec, source.repo_id or "", source.gguf_file or ""]
     return names + ([Path(source.path).name] if source.path else [])

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from .. import adapt as adapt_stage
 from .. import compile as compile_stage
-from .. import models, stages
+from .. import model_fit, stages
 from .. import quantize as quantize_stage
 from ..cluster import Cluster
 from ..errors import UserError
@@ -90,15 +90,15 @@ def _decoding_planned(project: Project, boptions: bundle_stage.BundleOptions,
 
 def job_plan(project: Project, qoptions: quantize_stage.QuantizeOptions, coptions: compile_stage.CompileOptions,
              boptions: bundle_stage.BundleOptions | None = None
-             ) -> tuple[models.Plan, quantize_stage.QuantizeOptions, compile_stage.CompileOptions,
+             ) -> tuple[model_fit.Plan, quantize_stage.QuantizeOptions, compile_stage.CompileOptions,
                         bundle_stage.BundleOptions]:
-    """What the main job builds so that the bundle loads where it goes (`models.plan` over the model's recorded
+    """What the main job builds so that the bundle loads where it goes (`model_fit.plan` over the model's recorded
     fit): the precision unless the user chose one, weight sharing for a phone unless told, and for the simulator the
     prompt graphs only when its contexts fit one protection domain with them."""
     fit = project.record(stages.MODEL.name).result_as(IntakeResult).fit  # type: ignore[union-attr]
     destination: Literal["phone", "simulator"] = "phone" if coptions.optimize == "phone" else "simulator"
     given = qoptions.precision if "precision" in qoptions.model_fields_set else None
-    chosen = models.plan(fit, destination, given)
+    chosen = model_fit.plan(fit, destination, given)
     qoptions = qoptions.model_copy(update={"precision": chosen.precision})
     if "weight_sharing" not in coptions.model_fields_set:
         coptions = coptions.model_copy(update={"weight_sharing": chosen.weight_sharing})

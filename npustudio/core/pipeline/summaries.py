@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from .. import models, parts, stages
+from .. import model_fit, parts, stages
 from ..lora import label
 from ..project import Project, StageRecord
 from ..quantize.presets import takes_4bit_head
@@ -107,7 +107,7 @@ class RunSummary(BaseModel):
     bundle: BundleSummary
     sample: SampleAnswer | None
     stages: dict[str, StageFigures]
-    plan: models.Plan | None = None
+    plan: model_fit.Plan | None = None
 
 
 def adapt_summary(r: AdaptResult, lora: tuple[LoraAdapter, ...] = ()) -> AdaptSummary:

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
 )
 
 from ... import display
-from ...core import host_cost, lora, models, pipeline, stages
+from ...core import host_cost, lora, model_fit, model_source, pipeline, stages
 from ...core.errors import UserError
 from ...core.progress import about_duration
 from ...core.results import IntakeResult
@@ -103,7 +103,7 @@ class ModelPage(Page):
         self.clear_adapters.clicked.connect(lambda: self.set_adapters(()))
         self.strip.run.clicked.connect(lambda: self.start())
         self._kind_changed(0, True)
-        self.fits: list[models.FitEstimate] = []
+        self.fits: list[model_fit.FitEstimate] = []
 
     def spec(self) -> str:
         k = KINDS[self.kind.checkedId()][0]
@@ -113,7 +113,7 @@ class ModelPage(Page):
         if spec == "default":
             self.kind.button(0).setChecked(True)
             return
-        self.kind.button([k for k, _label in KINDS].index(models.source_kind(spec))).setChecked(True)
+        self.kind.button([k for k, _label in KINDS].index(model_source.source_kind(spec))).setChecked(True)
         self.source.setText(spec)
 
     def _kind_changed(self, i: int, on: bool) -> None:
@@ -220,7 +220,7 @@ class ModelPage(Page):
 
     def show_fit(self) -> None:
         """Colour each precision by whether it fits (core's rule, `fits_phone_ram`): the selected device's RAM if
-        one is picked, else a typical phone (`models.TYPICAL_PHONE_RAM_GB`)."""
+        one is picked, else a typical phone (`model_fit.TYPICAL_PHONE_RAM_GB`)."""
         dev = self.window_.device
         ram = dev.ram_bytes if dev is not None and dev.ram_bytes else None
         rows, colours = [], []
@@ -231,7 +231,7 @@ class ModelPage(Page):
                 ok = fits_phone_ram(f.phone_ram_bytes, ram)
                 verdict = f"{'fits' if ok else 'too large for'} {dev.serial} ({display.human_bytes(ram)})"
             else:
-                ok = f.min_phone_ram_gb is not None and f.min_phone_ram_gb <= models.TYPICAL_PHONE_RAM_GB
+                ok = f.min_phone_ram_gb is not None and f.min_phone_ram_gb <= model_fit.TYPICAL_PHONE_RAM_GB
                 verdict = (f"phones with ≥ {f.min_phone_ram_gb} GB" if f.min_phone_ram_gb
                            else "too large for the listed phones")
             colours.append(GOOD if ok else WARN if f.min_phone_ram_gb else BAD)
@@ -243,7 +243,7 @@ class ModelPage(Page):
                          f.parts, display.human_bytes(f.context_bytes_phone), display.human_bytes(f.mnn_bytes)))
         fill(self.fit, rows, colours)
         if self.fits:
-            phone, sim = (models.plan(self.fits, where) for where in ("phone", "simulator"))
+            phone, sim = (model_fit.plan(self.fits, where) for where in ("phone", "simulator"))
             heads = [n for f in self.fits if (n := display.four_bit_head_note(f))]
             self.advice.setText(f"Recommended: {phone.precision} for a phone ({phone.why.partition(': ')[2]}); "
                                 f"{sim.precision} on this computer's simulator ({sim.why.partition(': ')[2]})."
