@@ -29,6 +29,8 @@ import torch
 
 torch.set_num_threads(2)
 
+pytest.register_assert_rewrite("tests.gui_helpers")  # the GUI tests' shared helpers assert as a test does
+
 T = TypeVar("T")
 
 

@@ -14,7 +14,7 @@ from PySide6.QtGui import QStandardItemModel
 from npustudio.core import settings
 from npustudio.gui.app import MainWindow
 from npustudio.gui.widgets import cells
-from tests.test_gui import marks, run_page, shot, table_dict
+from tests.gui_helpers import marks, run_page, shot, table_dict
 
 pytestmark = pytest.mark.real
 
