@@ -7,6 +7,7 @@ process so peaks do not mix.
     .venv/bin/python benchmarks/quantize_bench.py                       # default model: w8a16, w4a16, w4a16+SeqMSE
     .venv/bin/python benchmarks/quantize_bench.py --variants w8a16 --llama-1b   # cost on a Llama-3.2-1B shape
     .venv/bin/python benchmarks/quantize_bench.py --variants w4a16/down8,w4a16@w4a16-mlp-gateup8+seqmse --no-export
+    .venv/bin/python benchmarks/quantize_bench.py --variants w8a16 --in-process   # the path of a model over 1 GiB
 """
 
 from __future__ import annotations
@@ -109,12 +110,18 @@ def _variant(name: str) -> dict:
     return VARIANTS[name]
 
 
-def one(adapt_dir: str, variant: str, eval_chars: int | None, export: bool) -> None:
-    """Child process: one quantize run, its result as JSON on stdout."""
+def one(adapt_dir: str, variant: str, eval_chars: int | None, export: bool, in_process: bool = False) -> None:
+    """Child process: one quantize run, its result as JSON on stdout. `in_process`: no forked copies beside the
+    stage, as a model over 1 GiB of float weights runs it (the export after the eval, the model let go before the
+    QDQ pass), so its memory is measured on the default model."""
     import torch
 
+    from npustudio.core import forked
     from npustudio.core.progress import State
     from npustudio.core.quantize import QuantizeOptions, run
+
+    if in_process:
+        forked.worth_forking = lambda *_a: False  # type: ignore[assignment]
 
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as out:
@@ -124,7 +131,8 @@ def one(adapt_dir: str, variant: str, eval_chars: int | None, export: bool) -> N
     print(json.dumps({"variant": variant, "ppl_fp": round(r.ppl_fp, 4), "ppl_quant": round(r.ppl_quant, 4),
                       "ratio": round(r.ratio, 4), "top1_agreement": round(r.top1_agreement, 4),
                       "eval_tokens": r.eval_tokens, "steps_s": r.steps, "total_s": round(sum(r.steps.values()), 1),
-                      "peak_rss_mb": r.peak_rss_mb, "exported_bytes": exported}))
+                      "peak_rss_mb": r.peak_rss_mb, "step_peak_rss_mb": r.step_peak_rss_mb,
+                      "exported_bytes": exported, "in_process": in_process}))
 
 
 def main() -> None:
@@ -134,10 +142,12 @@ def main() -> None:
     ap.add_argument("--eval-chars", type=int, default=None)
     ap.add_argument("--no-export", action="store_true")
     ap.add_argument("--work", default=None, help="scratch folder (kept, so reruns skip the adapt step)")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--in-process", action="store_true",
+                    help="no forked copies beside the stage: the path (and the memory) of a model over 1 GiB")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        one(a.child[0], a.child[1], int(a.child[2]) or None, a.child[3] == "1")
+        one(a.child[0], a.child[1], int(a.child[2]) or None, a.child[3] == "1", a.child[4] == "1")
         return
     work = Path(a.work or tempfile.mkdtemp(prefix="npustudio-bench-"))
     src = adapted_default(work)
@@ -145,7 +155,7 @@ def main() -> None:
     results = []
     for v in a.variants.split(","):
         p = subprocess.run([sys.executable, __file__, "--child", str(target), v, str(a.eval_chars or 0),
-                            "0" if a.no_export else "1"], capture_output=True, text=True)
+                            "0" if a.no_export else "1", "1" if a.in_process else "0"], capture_output=True, text=True)
         if p.returncode:
             results.append({"variant": v, "error": p.stderr.strip().splitlines()[-1:]})
         else:
