@@ -95,8 +95,11 @@ def test_ctrl_c_during_the_draft_check_stops_the_bundle_stage_at_once(pair: tupl
 
     target, same = pair
     stages_dir = target.root / layout.STAGES_DIR
+    # Ctrl-C as a terminal delivers it: a suite started in the background (`bash .ci/run &`) ignores SIGINT, and
+    # its children would inherit that
     proc = subprocess.Popen([NPUSTUDIO, "bundle", "--project", str(target.root), "--draft", str(same.root),
-                             "--draft-len", "2", "--force"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--draft-len", "2", "--force"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_until(lambda: any(stages_dir.rglob(".check-*.json")) or proc.poll() is not None, timeout=600)
         assert proc.poll() is None, proc.communicate()[1][-1500:]
