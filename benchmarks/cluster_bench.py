@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from npustudio.core import pipeline
+from npustudio.core import pipeline, stages
 from npustudio.core.adapt import AdaptOptions
 from npustudio.core.cluster import Cluster
 from npustudio.core.compile import CompileOptions
@@ -47,7 +47,7 @@ SMALL = {"tiny": (AdaptOptions(ar=32, cl=128, eval_chars=1500, window=128, decod
          "default": (AdaptOptions(), QuantizeOptions(), CompileOptions())}
 
 
-def stages(p: Project, q: QuantizeOptions, c: CompileOptions, cluster: Cluster | None) -> dict[str, Any]:
+def run_stages(p: Project, q: QuantizeOptions, c: CompileOptions, cluster: Cluster | None) -> dict[str, Any]:
     moved: list[dict[str, Any]] = []
     st = State()
     st.subscribe(lambda e: moved.append(e.data) if isinstance(e, Partial) and e.kind == "transfer" else None)
@@ -56,13 +56,13 @@ def stages(p: Project, q: QuantizeOptions, c: CompileOptions, cluster: Cluster |
     t1 = time.perf_counter()
     pipeline.compile_graphs(p, c, st, force=True, cluster=cluster)
     t2 = time.perf_counter()
-    q, c = p.record("quantize"), p.record("compile")
-    assert q is not None and c is not None
-    files = {f.path: f.sha256 for f in q.outputs if not f.path.endswith("quantize.json")}  # timings differ
+    qd, cd = p.record(stages.QUANTIZE), p.record(stages.COMPILE)
+    assert qd is not None and cd is not None
+    files = {f.path: f.sha256 for f in qd.record.outputs if not f.path.endswith("quantize.json")}  # timings differ
     checked = ("nll_quantsim_cpu", "nll_htp", "top1_agreement", "max_abs_logit_diff")
     return {"quantize_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2), "seconds": round(t2 - t0, 2),
-            "moved": moved, "files": files, "ratio": q.result["ratio"],
-            "verification": {k: c.result["verification"][k] for k in checked}}
+            "moved": moved, "files": files, "ratio": qd.result.ratio,
+            "verification": {k: getattr(cd.result.verification, k) for k in checked}}
 
 
 CLI_QUANTIZE = ["--precision", "w8a16", "--calib-samples", "2", "--calib-len", "64", "--eval-chars", "1500"]
@@ -95,12 +95,12 @@ def main() -> int:
         base = Project.open(root / "base")
         pipeline.adapt(base, model, adapt, State())
         here, there = (Project.open(shutil.copytree(base.root, root / n), create=False) for n in ("here", "there"))
-        local = stages(here, q, c, None)
+        local = run_stages(here, q, c, None)
         cli_local = cli_seconds(here.root, a.model, None)
         t0 = time.perf_counter()
         with loopback_head(cpus=os.cpu_count() or 2, temp_dir=root / "ray") as address:
             head_s = time.perf_counter() - t0
-            remote = stages(there, q, c, Cluster(address))
+            remote = run_stages(there, q, c, Cluster(address))
             import ray
 
             ray.shutdown()

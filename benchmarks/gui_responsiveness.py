@@ -146,11 +146,11 @@ def switch_projects(app: object, w: object, meter: StallMeter, other: Path) -> d
 def close_during_stage(app: object, w: object, meter: StallMeter, page: object, name: str) -> dict[str, object]:
     """Start `page`'s stage (Redo: it runs even when current), close the window once it reports progress,
     answer "Stop and quit", and wait for the window to go: what a person quitting mid-stage sees."""
-    from npustudio.core import layout
+    from npustudio.core import layout, stages
     from npustudio.core.project import Project
 
     root = w.project.root  # type: ignore[attr-defined]
-    before = Project.open(root, create=False).record(name)
+    before = Project.open(root, create=False).record(stages.spec(name))
     meter.step = f"{name} starting"
     meter.start()
     page.strip.redo.click()  # type: ignore[attr-defined]
@@ -171,12 +171,12 @@ def close_during_stage(app: object, w: object, meter: StallMeter, page: object, 
         time.sleep(0.002)
     closed = time.perf_counter() - t1
     meter.stop()
-    after = Project.open(root, create=False).record(name)
-    stages = root / layout.STAGES_DIR
+    after = Project.open(root, create=False).record(stages.spec(name))
+    stages_dir = root / layout.STAGES_DIR
     return {"stage": name, "seconds_until_progress": round(started, 1), "asked_before_quitting": asked,
             "seconds_to_close": round(closed, 2), "closed": not w.isVisible(), **meter.summary(),  # type: ignore
-            "kept_last_good": (after is not None and after.status == "done") if before is not None else None,
-            "scratch_left": sorted(p.name for p in stages.iterdir() if p.name.endswith(".partial"))}
+            "kept_last_good": after is not None if before is not None else None,
+            "scratch_left": sorted(p.name for p in stages_dir.iterdir() if p.name.endswith(".partial"))}
 
 
 def quit_after_opening(app: object, root: Path, after_s: float = 0.2) -> dict[str, object]:

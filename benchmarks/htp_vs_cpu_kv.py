@@ -23,9 +23,9 @@ def main() -> None:
     from npustudio.core import layout
     from npustudio.core.evaluate import load_corpus
     from npustudio.core.graph import embedding_lut, ort_qnn, store
-    from npustudio.core.graph.graph_io import IOEncoding
     from npustudio.core.graph.kv_cache import KVCacheRunner
     from npustudio.core.graph.ort_graph import cpu_session, quantize
+    from npustudio.core.results import IOEncoding
     from npustudio.core.targets import find_soc
 
     stages = Path(sys.argv[1]) / "stages"

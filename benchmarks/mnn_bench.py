@@ -33,9 +33,8 @@ def main() -> None:
 
     import torch
 
-    from npustudio.core import chat, layout, models, pipeline
+    from npustudio.core import chat, layout, models, pipeline, stages
     from npustudio.core.genie import host, profile
-    from npustudio.core.mnn import load_result
     from npustudio.core.progress import State
     from npustudio.core.stage_options import DEFAULT_QUESTION, MnnOptions
 
@@ -49,7 +48,7 @@ def main() -> None:
         bundle = project.stage_dir("bundle")
         has_bundle = pipeline.stage_status(project).get("bundle") == "done"
         model_ref = project.choices().model
-    rec = load_result(stage)
+    rec = stages.MNN.load(stage)
     out: dict[str, object] = {"project": str(root), "tokens": a.tokens, "cores": len(os.sched_getaffinity(0)),
                               "mnn": {"bits": rec.bits, "block": rec.block, "model_bytes": rec.model_bytes,
                                       "ppl_ratio": round(rec.ppl_ratio, 4), "stage_s": made_s}}

@@ -363,13 +363,13 @@ def simulator_tolerance(project: Path) -> float | None:
 def recorded(project: Path, stage: str, since: float) -> dict[str, Any] | None:
     """The project's record of `stage` when the command just run did not run it (its inputs and options were
     unchanged, or its output was seeded from another precision's project): the figures of the run that made it."""
-    from npustudio.core import layout
+    from npustudio.core import layout, stages
     from npustudio.core.project import Project
 
-    rec = Project(project).record(stage) if (project / layout.MANIFEST).is_file() else None
-    if rec is None or rec.started.timestamp() >= since:
+    done = Project(project).record(stages.spec(stage)) if (project / layout.MANIFEST).is_file() else None
+    if done is None or done.record.started.timestamp() >= since:
         return None
-    return {"seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)}
+    return {"seconds": round(done.record.seconds, 1), "peak_rss_mb": round(done.record.peak_rss_mb)}
 
 
 def over_one_domain(project: Path) -> bool:

@@ -18,8 +18,9 @@ from keyring.backend import KeyringBackend
 if TYPE_CHECKING:
     from PySide6.QtWidgets import QTableWidget, QTableWidgetItem
 
-    from npustudio.core.project import Project, StageRecord
+    from npustudio.core.project import Done, Project, StageRecord
     from npustudio.core.stage_options import LoraAdapter
+    from npustudio.core.stages import O, R, StageSpec
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -74,10 +75,18 @@ def wait_until(cond: Callable[[], object], timeout: float) -> None:
         time.sleep(0.05)
 
 
-def done(project: Project, name: str) -> StageRecord:
-    """The record of stage `name` in `project` (whatever its status): the test fails naming the stage when the
-    project has none."""
-    rec = project.record(name)
+def done(project: Project, spec: StageSpec[O, R]) -> Done[O, R]:
+    """The finished record of stage `spec` in `project`, its options and result typed: the test fails naming the
+    stage when the project has none."""
+    rec = project.record(spec)
+    assert rec is not None, f"the project has no finished {spec.name} stage"
+    return rec
+
+
+def raw_record(project: Project, name: str) -> StageRecord:
+    """The record the manifest keeps for `name` (whatever its status; a stage a test made up too): the test fails
+    naming it when there is none."""
+    rec = project.load().stages.get(name)
     assert rec is not None, f"the project has no record of its {name} stage"
     return rec
 

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from npustudio.core import layout, model_source, models, pipeline
+from npustudio.core import layout, model_source, models, pipeline, stages
 from npustudio.core.adapt import AdaptOptions
 from npustudio.core.errors import UserError
 from npustudio.core.graph import store
@@ -37,12 +37,12 @@ def adapted(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_adapted_graphs_reproduce_the_original_logits(adapted: dict[str, Project], family: str) -> None:
-    res = done(adapted[family], "adapt").result
-    eq = res["equivalence"]
-    assert eq["top1_agreement"] >= 0.999
-    assert eq["max_abs_logit_diff"] <= 1e-3
-    assert eq["decode_steps"] > 0 and eq["positions"] > 3 * FAST.ar  # both graphs were exercised
-    assert res["ppl_adapted"] == pytest.approx(res["ppl_fp"], rel=1e-5)
+    res = done(adapted[family], stages.ADAPT).result
+    eq = res.equivalence
+    assert eq.top1_agreement >= 0.999
+    assert eq.max_abs_logit_diff <= 1e-3
+    assert eq.decode_steps > 0 and eq.positions > 3 * FAST.ar  # both graphs were exercised
+    assert res.ppl_adapted == pytest.approx(res.ppl_fp, rel=1e-5)
 
 
 def test_the_eval_split_across_a_forked_copy_writes_what_one_process_writes(
@@ -142,7 +142,7 @@ def test_greedy_generation_matches_transformers(adapted: dict[str, Project], tin
 
 def test_second_run_is_skipped(adapted: dict[str, Project], tiny_models: dict[str, Path]) -> None:
     p = adapted["llama"]
-    before = done(p, "adapt")
+    before = done(p, stages.ADAPT).record
     rec = pipeline.adapt(p, str(tiny_models["llama"]), FAST, State())
     assert rec.started == before.started  # not rerun
 
@@ -195,7 +195,7 @@ def test_bad_options_are_refused_before_any_work(tiny_llama: Path, tmp_path: Pat
     p = Project.open(tmp_path / "p")
     with pytest.raises(UserError, match=message):
         pipeline.adapt(p, str(tiny_llama), opts, State())
-    assert p.record("adapt") is None and not p.stage_dir("adapt").exists()
+    assert "adapt" not in p.load().stages and not p.stage_dir("adapt").exists()
 
 
 def test_cancel_stops_the_stage_and_keeps_no_partial_output(tiny_llama: Path, tmp_path: Path) -> None:
@@ -204,7 +204,7 @@ def test_cancel_stops_the_stage_and_keeps_no_partial_output(tiny_llama: Path, tm
     st.subscribe(lambda ev: st.cancel() if getattr(ev, "kind", "") == "ppl" else None)
     with pytest.raises(Cancelled):
         pipeline.adapt(p, str(tiny_llama), FAST, st)
-    assert p.record("adapt") is None and p.load().attempts["adapt"].status == "cancelled"
+    assert "adapt" not in p.load().stages and p.load().attempts["adapt"].status == "cancelled"
     assert not p.stage_dir("adapt").exists()
     assert pipeline.adapt(p, str(tiny_llama), FAST, State()).status == "done"  # reruns cleanly
 

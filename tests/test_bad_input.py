@@ -27,7 +27,7 @@ from npustudio.cli import main
 from npustudio.core.errors import UserError
 from npustudio.core.project import Project
 from npustudio.core.shape import DecoderSpec
-from tests.conftest import done, npustudio
+from tests.conftest import npustudio, raw_record
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -128,6 +128,7 @@ def adapted_project(root: Path) -> Project:
     from npustudio.core.graph import store
     from npustudio.core.graph.decoder import StaticDecoder
     from npustudio.core.models import ArchCard
+    from npustudio.core.results import AdaptResult, Equivalence
 
     spec = TINY_SPEC
     card = ArchCard(**spec.model_dump(exclude={"rope_attention_scaling"}), architecture="LlamaForCausalLM",
@@ -138,7 +139,10 @@ def adapted_project(root: Path) -> Project:
         store.save(StaticDecoder(spec), torch.ones(8), out)
         atomic_write_json(out / layout.GRAPHS, [g.model_dump() for g in graph_specs(spec, 32, 128)])
         atomic_write_json(out / layout.CARD, card.model_dump())
-        return {}
+        proof = Equivalence(max_abs_logit_diff=0.0, top1_agreement=1.0, positions=0, windows=0, prefill_ar=32,
+                            decode_steps=0)  # a record the adapt stage's model reads (no equivalence ran)
+        return AdaptResult(spec=spec, graphs=graph_specs(spec, 32, 128), equivalence=proof, ppl_fp=1.0,
+                           ppl_adapted=1.0, eval_tokens=0, per_window=[]).model_dump()
 
     p = Project.open(root)
     p.run_stage("adapt", {"model": {"spec": "tiny"}}, {}, write)
@@ -507,7 +511,7 @@ def test_a_refused_command_keeps_a_project_folder_that_holds_more_than_it_made(t
     assert not p.remove_if_unused(existed=False, cheap=(INTAKE,)) and p.load().attempts
     p = made("busy")
     p.run_stage("hold", {}, {}, lambda out: {"removed": Project(p.root).remove_if_unused(False, (INTAKE, "hold"))})
-    assert done(p, "hold").result == {"removed": False}
+    assert raw_record(p, "hold").result == {"removed": False}
     p = made("ours")
     assert p.remove_if_unused(existed=False, cheap=(INTAKE,)) and not p.root.exists()
 

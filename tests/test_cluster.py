@@ -19,14 +19,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from npustudio.core import cluster, pipeline
+from npustudio.core import cluster, pipeline, stages
 from npustudio.core.cluster import Cluster
 from npustudio.core.compile import CompileOptions
 from npustudio.core.errors import UserError
 from npustudio.core.progress import Cancelled, Partial, Progress, State
 from npustudio.core.project import Project
 from npustudio.core.quantize import QuantizeOptions
-from tests.conftest import wait_until
+from tests.conftest import done, raw_record, wait_until
 
 from .ray_head import free_port, loopback_head
 
@@ -52,8 +52,7 @@ def _copy(project: Project, root: Path) -> Project:
 
 def _hashes(p: Project, stage: str) -> dict[str, str]:
     """Every output file's hash, but the stage's own record (its timings and peak memory differ on every run)."""
-    rec = p.record(stage)
-    assert rec is not None
+    rec = raw_record(p, stage)
     return {Path(f.path).name: f.sha256 for f in rec.outputs if Path(f.path).name != f"{stage}.json"}
 
 
@@ -72,8 +71,8 @@ def test_quantize_and_compile_on_the_cluster_give_the_local_files(head: str, gen
     qrec = pipeline.quantize(p, QUANTIZE, st, force=True, cluster=Cluster(head))
     assert qrec.ran_on == f"Ray cluster at {head}"
     assert _hashes(p, "quantize") == _hashes(genie_project, "quantize")  # encodings, graphs, weights.bin
-    local = genie_project.record("quantize")
-    assert local is not None and qrec.result["ratio"] == local.result["ratio"]
+    local = done(genie_project, stages.QUANTIZE).record
+    assert qrec.result["ratio"] == local.result["ratio"]
     assert qrec.result["files"] == local.result["files"]
     assert qrec.key == local.key and qrec.options == local.options  # the same record, apart from ran_on
     # the live perplexity points and the progress crossed the cluster as in a local run
@@ -88,8 +87,7 @@ def test_quantize_and_compile_on_the_cluster_give_the_local_files(head: str, gen
     assert crec.ran_on == f"Ray cluster at {head}"
     # QNN writes other bytes into a context binary on every compile, here too (its graph name hashes the
     # model's path, tensor ids change): the binaries are compared by what the HTP simulator computes with them
-    lrec = genie_project.record("compile")
-    assert lrec is not None
+    lrec = done(genie_project, stages.COMPILE).record
     assert {Path(f.path).name: f.bytes for f in crec.outputs if f.path.endswith(".bin")} == \
         {Path(f.path).name: f.bytes for f in lrec.outputs if f.path.endswith(".bin")}
     same = ("parts", "nodes_on_cpu", "io")
@@ -115,12 +113,9 @@ def test_adapt_on_the_cluster_sends_only_the_models_files_and_gives_the_local_gr
                                                                                     genie_project: Project,
                                                                                     tmp_path: Path) -> None:
     from npustudio.core.adapt import AdaptOptions
-    from npustudio.core.results import IntakeResult
 
     p = _copy(genie_project, tmp_path / "p")
-    mrec = p.record("model")
-    assert mrec is not None
-    folder = Path(mrec.result_as(IntakeResult).source.path or "")
+    folder = Path(done(p, stages.MODEL).result.source.path or "")
     (folder / "notes.bin").write_bytes(b"\0" * 4096)  # not part of the model: stays here
     events: list[Progress | Partial] = []
     st = State()

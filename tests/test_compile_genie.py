@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from npustudio.core import layout, pipeline
+from npustudio.core import layout, pipeline, results, stages
 from npustudio.core.compile import CompileOptions
 from npustudio.core.errors import UserError
 from npustudio.core.genie import bundle as bundle_stage
@@ -22,7 +22,6 @@ from npustudio.core.genie import config as genie_config
 from npustudio.core.genie import host, libgenie, profile
 from npustudio.core.genie.meta import read_metadata
 from npustudio.core.graph.exported import read_test_vectors
-from npustudio.core.graph.graph_io import IOEncoding
 from npustudio.core.graph.ort_graph import OrtGraph, cpu_session
 from npustudio.core.progress import State
 from npustudio.core.project import Project
@@ -37,34 +36,34 @@ def project(genie_project: Project) -> Project:
 
 
 def test_every_node_lands_on_the_htp_and_the_binaries_are_written(project: Project) -> None:
-    r = done(project, "compile").result
-    assert r["nodes_on_cpu"] == 0
-    assert [g["graph"] for g in r["graphs"]] == ["prompt_ar32_cl128_1_of_1", "token_ar1_cl128_1_of_1"]
-    for g in r["graphs"]:
-        assert g["nodes_on_qnn"] > 100
-        assert (project.stage_dir("compile") / g["context_bin"]).stat().st_size == g["bin_bytes"] > 100_000
-    assert (r["target"], r["dsp_arch"], r["soc_model"]) == ("SM8750", "v79", 69)
+    r = done(project, stages.COMPILE).result
+    assert r.nodes_on_cpu == 0
+    assert [g.graph for g in r.graphs] == ["prompt_ar32_cl128_1_of_1", "token_ar1_cl128_1_of_1"]
+    for g in r.graphs:
+        assert g.nodes_on_qnn > 100
+        assert (project.stage_dir("compile") / g.context_bin).stat().st_size == g.bin_bytes > 100_000
+    assert (r.target, r.dsp_arch, r.soc_model) == ("SM8750", "v79", 69)
 
 
 def test_graph_io_is_quantized_as_genie_needs(project: Project) -> None:
-    io = done(project, "compile").result["io"]
+    io = done(project, stages.COMPILE).result.io
     assert "input_ids" not in io  # the embedding table left the graphs: Genie looks the rows up on the CPU
     for name in ("inputs_embeds", "attention_mask", "position_ids_cos", "position_ids_sin", "logits"):
-        assert io[name]["dtype"] == "uint16", name
+        assert io[name].dtype == "uint16", name
     for layer in range(2):
         for kind in ("key", "value"):
-            assert io[f"past_{kind}_{layer}_in"]["dtype"] == "uint8"
+            assert io[f"past_{kind}_{layer}_in"].dtype == "uint8"
             assert io[f"past_{kind}_{layer}_in"] == io[f"past_{kind}_{layer}_out"]  # tied
 
 
 def test_simulator_agrees_with_the_quantsim(project: Project) -> None:
-    v = done(project, "compile").result["verification"]
-    assert v["tokens"] > 40 and v["decode_steps"] == 4
-    assert abs(v["nll_diff"]) < 0.01
+    v = done(project, stages.COMPILE).result.verification
+    assert v.tokens is not None and v.tokens > 40 and v.decode_steps == 4
+    assert v.nll_diff is not None and abs(v.nll_diff) < 0.01
     # the prompt graph's cache, which the token graph reads on a phone, within 2 of 255 steps of the quantsim's (1)
-    assert v["kv_cache_max_diff_steps"] <= 2
-    assert v["top1_agreement"] >= 0.95
-    tv = v["vs_quantsim_test_vectors"]
+    assert v.kv_cache_max_diff_steps is not None and v.kv_cache_max_diff_steps <= 2
+    assert v.top1_agreement is not None and v.top1_agreement >= 0.95
+    tv = v.vs_quantsim_test_vectors
     assert all(x == 1.0 for k, x in tv.items() if k.endswith("top1_agreement"))
     assert all(x < 0.05 for k, x in tv.items() if k.endswith("max_abs_logit_diff"))
 
@@ -84,16 +83,16 @@ def test_compile_cli_json_lists_binaries_and_nodes_on_cpu(project: Project, tmp_
     # each binary holds the 16-bit table (384 x 128) more (to QNN's 4 KiB alignment), and both forms compute the
     # same logits to the bit
     table = 384 * 128 * 2
-    lut_form = {g["graph"]: g["bin_bytes"] for g in done(project, "compile").result["graphs"]}
+    lut_form = {g.graph: g.bin_bytes for g in done(project, stages.COMPILE).result.graphs}
     for b in c["binaries"]:
         assert table - 8192 <= b["bytes"] - lut_form[b["graph"]] <= table + 8192, b
-    io = done(Project.open(copy), "compile").result["io"]
-    assert io["input_ids"]["dtype"] == "int32" and "inputs_embeds" not in io
+    io = done(Project.open(copy), stages.COMPILE).result.io
+    assert io["input_ids"].dtype == "int32" and "inputs_embeds" not in io
     for g in lut_form:
         vectors = read_test_vectors(project.stage_dir("quantize") / layout.TEST_VECTORS / f"{g}.npz")["in"]
         feeds = {k: torch.from_numpy(v) for k, v in vectors.items()}
         logits = [OrtGraph(cpu_session(p.stage_dir("compile") / "prepared" / f"{g}.onnx"),
-                           {k: IOEncoding(**v) for k, v in done(p, "compile").result["io"].items()},
+                           done(p, stages.COMPILE).result.io,
                            p.stage_dir("compile") / "prepared" / layout.EMBEDDING_LUT)(feeds)["logits"]
                   for p in (project, Project.open(copy))]
         assert torch.equal(*logits)
@@ -110,12 +109,12 @@ def test_bundle_holds_a_genie_config_libgenie_accepts(project: Project) -> None:
     assert cfg["engine"]["backend"]["QnnHtp"]["kv-dim"] == 64
     assert cfg["engine"]["model"]["positional-encoding"]["rope-dim"] == 32
     # the embedding table as Genie's lookup table: every token's 16-bit row, in the graph input's own encoding
-    emb, io = cfg["embedding"], done(project, "compile").result["io"]["inputs_embeds"]
+    emb, io = cfg["embedding"], done(project, stages.COMPILE).result.io["inputs_embeds"]
     assert (emb["type"], emb["size"], emb["datatype"]) == ("lut", 128, "ufixed16")
-    assert emb["quant-param"] == {"scale": io["scale"], "offset": -io["zero_point"]}
-    rec = done(project, "bundle").result
-    assert (b / emb["lut-path"]).stat().st_size == rec["embedding_lut_bytes"] == 384 * 128 * 2
-    assert any("lookup table on the CPU" in n for n in rec["notes"])
+    assert emb["quant-param"] == {"scale": io.scale, "offset": -io.zero_point}
+    rec = done(project, stages.BUNDLE).result
+    assert (b / emb["lut-path"]).stat().st_size == rec.embedding_lut_bytes == 384 * 128 * 2
+    assert any("lookup table on the CPU" in n for n in rec.notes)
     absolute = genie_config.absolute(json.loads((b / layout.GENIE_CONFIG).read_text()), b)
     status, _ = libgenie.validate_config(json.dumps(absolute))
     assert status == 0
@@ -268,14 +267,12 @@ def test_ctrl_c_stops_a_desktop_chat_and_the_history_keeps_the_turn_as_stopped(p
 def test_each_stage_reads_its_record_back_typed_and_names_a_damaged_one(project: Project, tmp_path: Path) -> None:
     """What a stage wrote into its folder is what the project recorded, read back as the stage's result model;
     the next stage reads it that way, so a damaged record is a message naming the file, not a KeyError."""
-    from npustudio.core import adapt, quantize, results
     from npustudio.core import compile as compile_stage
 
-    for name, stage, model in (("adapt", adapt, results.AdaptResult), ("quantize", quantize, results.QuantizeResult),
-                               ("compile", compile_stage, results.CompileResult),
-                               ("bundle", bundle_stage, results.BundleResult)):
-        assert stage.load_result(project.stage_dir(name)) == done(project, name).result_as(model), name
-    assert results.load_intake(project.stage_dir("model")) == done(project, "model").result_as(results.IntakeResult)
+    specs: tuple[stages.StageSpec[Any, Any], ...] = (stages.MODEL, stages.ADAPT, stages.QUANTIZE, stages.COMPILE,
+                                                     stages.BUNDLE)
+    for spec in specs:
+        assert spec.load(project.stage_dir(spec.name)) == done(project, spec).result, spec.name
     damaged = tmp_path / "quantize"
     damaged.mkdir()
     (damaged / layout.QUANTIZE_RESULT).write_text(json.dumps({"precision": "w8a16"}))
@@ -378,12 +375,12 @@ def test_parts_are_planned_under_the_htp_limit() -> None:
 def test_info_counts_the_parts_compile_cuts_and_a_refused_cut_is_redone(project: Project, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from npustudio.core import compile as compile_stage
-    from npustudio.core import model_fit, models
+    from npustudio.core import model_fit
     from npustudio.core.graph import ort_qnn
 
     for d in ("a", "b", "b2", "c"):
         (tmp_path / d).mkdir()
-    card = models.ArchCard(**done(project, "model").result["card"])
+    card = done(project, stages.MODEL).result.card
     limit = 0.5  # MiB: the tiny model's graph is about 0.7
     fit = model_fit.fit_table(card, 128, ar=32, max_part_mb=limit)[0]
     r = compile_stage.run(project.stage_dir("quantize"), project.stage_dir("adapt"),
@@ -398,13 +395,13 @@ def test_info_counts_the_parts_compile_cuts_and_a_refused_cut_is_redone(project:
     too_large = "QNN estimates 2347229 KB for it, over the HTP's limit"
     real, real_result = ort_qnn.compile_graph, compile_process.Running.result
 
-    def refuse_whole(src: Path, graph: str, *a: object, **kw: object) -> ort_qnn.Compiled:
+    def refuse_whole(src: Path, graph: str, *a: object, **kw: object) -> results.Compiled:
         if graph == "prompt_ar32_cl128_1_of_1":  # the whole model's prompt graph: the largest activations
             refused.append(graph)
             raise ort_qnn.GraphTooLarge(graph, too_large)
         return real(src, graph, *a, **kw)  # type: ignore[arg-type]
 
-    def refused_in_its_process(self: compile_process.Running, state: State) -> ort_qnn.Compiled:
+    def refused_in_its_process(self: compile_process.Running, state: State) -> results.Compiled:
         c = real_result(self, state)
         if self.graph == "prompt_ar32_cl128_1_of_1":
             refused.append(self.graph)
@@ -450,7 +447,7 @@ def test_a_large_models_verification_opens_one_part_at_a_time(project: Project,
     process beside (compared in one process: other tests recompile this project with other options)."""
     from npustudio.core import compile as compile_stage
     from npustudio.core.graph import ort_qnn
-    from npustudio.core.graph.graph_io import IOEncoding
+    from npustudio.core.results import IOEncoding
     from npustudio.core.targets import Soc, find_soc
 
     c = project.stage_dir("compile")
@@ -547,7 +544,7 @@ def test_the_main_job_plans_precision_and_bundle_form_from_the_recorded_fit(proj
 
     plan, q, c, b = pipeline.job_plan(project, QuantizeOptions(), CompileOptions(optimize="quick"))
     assert (plan.precision, q.precision, c.weight_sharing, b.prompt_graphs) == ("w8a16", "w8a16", False, True)
-    fit = {f.precision: f for f in done(project, "model").result_as(pipeline.IntakeResult).fit}
+    fit = {f.precision: f for f in done(project, stages.MODEL).result.fit}
     between = (fit["w4a16"].context_bytes_simulator + fit["w8a16"].context_bytes_simulator) // 2
     monkeypatch.setattr(parts, "PD_BUDGET_BYTES", between)
     plan, q, c, b = pipeline.job_plan(project, QuantizeOptions(), CompileOptions(optimize="quick"))

@@ -294,15 +294,39 @@ def test_each_precision_is_declared_once_and_the_stage_the_fit_and_the_cli_follo
     assert all(p.note.split(" (")[0] in " ".join(quantize_help.split()) for p in PRECISIONS.values())
 
 
-def test_the_stage_options_import_nothing_heavy() -> None:
-    """core/stage_options.py runs on pydantic and the standard library: the CLI's parser and the window's pages read
-    it without torch (the import contract in pyproject.toml says the same for the import graph)."""
-    code = ("import sys; import npustudio.core.stage_options\n"
+@pytest.mark.parametrize("module", ["stage_options", "stages", "results"])
+def test_the_stage_declarations_import_nothing_heavy(module: str) -> None:
+    """core/stage_options.py, the stages' declarations and their result models run on pydantic and the standard
+    library: the CLI's parser, `npustudio devices` and the window's first paint read them without torch (the
+    import contract in pyproject.toml says the same of stage_options for the import graph)."""
+    code = (f"import sys; import npustudio.core.{module}\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     third = {m for m in ast.literal_eval(r.stdout) if not m.startswith("_")} - {"npustudio"}
     assert third <= {"pydantic", "pydantic_core", "typing_extensions", "annotated_types", "typing_inspection"}, third
+
+
+def test_a_stage_is_read_back_as_its_declaration_types_it(tmp_path: Path) -> None:
+    """Each declaration names its result model and file: `project.record(spec)` gives the options and the result
+    typed (a stage's record read as another's is refused by the type checker), and a record that does not read
+    as its stage's model is a message that names the stage and the command that redoes it, not a traceback."""
+    from npustudio.core import stages
+    from npustudio.core.errors import UserError
+    from npustudio.core.project import Project
+    from npustudio.core.stage_options import QuantizeOptions
+
+    assert len({s.result for s in stages.SPECS}) == len({s.result_file for s in stages.SPECS}) == len(stages.SPECS)
+    p = Project.open(tmp_path / "p")
+    assert p.record(stages.QUANTIZE) is None
+    p.run_stage(stages.QUANTIZE.name, inputs={}, options={"seed": 3}, fn=lambda out: {"precision": "w8a16"})
+    assert p.rerun_options(stages.QUANTIZE) == QuantizeOptions(seed=3)  # the options read typed, the rest default
+    with pytest.raises(UserError) as e:
+        p.record(stages.QUANTIZE)
+    assert "record of its quantize stage is damaged" in e.value.problem and "npustudio quantize" in e.value.fix
+    with pytest.raises(UserError) as e:
+        stages.QUANTIZE.load(tmp_path / "nowhere")
+    assert "quantize.json is missing" in e.value.problem and "npustudio quantize --project P --force" in e.value.fix
 
 
 def test_npustudio_devices_does_not_import_torch(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from npustudio.core import layout, model_source, models, pipeline
+from npustudio.core import layout, model_source, models, pipeline, stages
 from npustudio.core.adapt import AdaptOptions
 from npustudio.core.config_audit import check_context, support_table
 from npustudio.core.errors import UserError
@@ -169,27 +169,27 @@ def check_geniex_metadata(project: Project) -> None:
 
     bundle = project.stage_dir("bundle")
     meta = json.loads((bundle / layout.METADATA).read_text())
-    card = done(project, "model").result["card"]
-    names = {g["graph"] for g in done(project, "compile").result["graphs"]}
+    card = done(project, stages.MODEL).result.card
+    names = {g.graph for g in done(project, stages.COMPILE).result.graphs}
     assert set(meta["model_files"]) == names
     for name, io in meta["model_files"].items():
         assert re.fullmatch(r"(?:[a-zA-Z]+_)?ar\d+_cl\d+_\d+_of_\d+", name)
         key, value = io["inputs"]["past_key_0_in"]["shape"], io["inputs"]["past_value_0_in"]["shape"]
-        assert key[0] == value[0] == card["kv_heads"] and key[1] == value[1] == 1
-        assert key[2] == value[3] == card["head_dim"]
+        assert key[0] == value[0] == card.kv_heads and key[1] == value[1] == 1
+        assert key[2] == value[3] == card.head_dim
         assert next(iter(io["inputs"])) in ("input_ids", "inputs_embeds")
-    prefix = geniex.PIPELINES.get(card["model_type"])
+    prefix = geniex.PIPELINES.get(card.model_type)
     assert (meta.get("model_id") or "").startswith(prefix) if prefix else "model_id" not in meta
 
 
 def prove_in_genie(project: Project, scaling: dict[str, Any] | None) -> None:
     """Adapt passed the gate, w8a16 kept the perplexity, every node is on the HTP, the bundle carries `scaling`,
     and the real Genie computes our RoPE tables and answers token for token like our runner on the same binaries."""
-    a = done(project, "adapt").result
-    assert a["gate"]["passed"] and not a["gate"]["accepted_mismatch"]
-    assert a["equivalence"]["top1_agreement"] >= 0.999
-    assert done(project, "quantize").result["ratio"] < 1.05
-    assert done(project, "compile").result["nodes_on_cpu"] == 0
+    a = done(project, stages.ADAPT).result
+    assert a.gate is not None and a.gate.passed and not a.gate.accepted_mismatch
+    assert a.equivalence.top1_agreement >= 0.999
+    assert done(project, stages.QUANTIZE).result.ratio < 1.05
+    assert done(project, stages.COMPILE).result.nodes_on_cpu == 0
     bundle = project.stage_dir("bundle")
     engine = json.loads((bundle / layout.GENIE_CONFIG).read_text())["dialog"]["engine"]
     encoding = engine["model"]["positional-encoding"]
@@ -227,9 +227,10 @@ def test_llama_biases_tanh_gelu_and_linear_rope_run_in_genie_as_adapted(llama: P
 
 
 def test_qwen3_biases_erf_gelu_and_dynamic_rope_run_in_genie_as_adapted(qwen3: Project) -> None:
-    card = done(qwen3, "model").result["card"]
-    assert (card["o_bias"], card["qk_norm"], card["activation"]) == (True, True, "gelu")
-    assert card["rope_scaling"]["rope_type"] == "dynamic"  # unscaled up to max_position_embeddings = CL
+    card = done(qwen3, stages.MODEL).result.card
+    assert (card.o_bias, card.qk_norm, card.activation) == (True, True, "gelu")
+    assert card.rope_scaling is not None
+    assert card.rope_scaling["rope_type"] == "dynamic"  # unscaled up to max_position_embeddings = CL
     prove_in_genie(qwen3, None)
 
 
@@ -265,8 +266,8 @@ def test_qwen3_read_one_token_at_a_time_answers_as_our_runner_over_the_token_gra
 
 
 def test_mistral_window_and_yarn_rope_run_in_genie_as_adapted(mistral: Project) -> None:
-    card = done(mistral, "model").result["card"]
-    assert (card["family"], card["sliding_window"]) == ("Mistral", 128)
+    card = done(mistral, stages.MODEL).result.card
+    assert (card.family, card.sliding_window) == ("Mistral", 128)
     # Genie scales its tables by attn-factor · (1 + 0.1·ln 4); transformers by attention_factor 1.2
     prove_in_genie(mistral, {"rope-type": "yarnrope", "factor": 4.0, "original-max-position-embeddings": 64,
                              "dim": 64, "extrapolation-factor": 1.0, "attn-factor": 1.2 / (1 + 0.1 * math.log(4)),
@@ -274,8 +275,9 @@ def test_mistral_window_and_yarn_rope_run_in_genie_as_adapted(mistral: Project) 
 
 
 def test_phi3_fused_weights_and_longrope_run_in_genie_as_adapted(phi3: Project) -> None:
-    card = done(phi3, "model").result["card"]
-    assert card["family"] == "Phi-3" and card["rope_scaling"]["attention_factor"] > 1.1  # the tables exceed ±1
+    card = done(phi3, stages.MODEL).result.card
+    assert card.family == "Phi-3" and card.rope_scaling is not None
+    assert card.rope_scaling["attention_factor"] > 1.1  # the tables exceed ±1
     prove_in_genie(phi3, {"rope-type": "longrope", "factor": 4.0, "original-max-position-embeddings": 128,
                           "short-factor": SHORT, "long-factor": LONG})
 
@@ -283,8 +285,8 @@ def test_phi3_fused_weights_and_longrope_run_in_genie_as_adapted(phi3: Project) 
 def test_phi4_mini_partial_rotary_and_longrope_run_in_genie_as_adapted(phi4_mini: Project) -> None:
     """Genie's `rope-dim` is the number of rotary frequencies: 24 for RoPE over the first 48 dims of each head. The
     tables it builds from it (24 wide, theta^(-i/24)) equal transformers' partial tables (theta^(-2i/48))."""
-    card = done(phi4_mini, "model").result["card"]
-    assert (card["family"], card["head_dim"], card["rotary_dim"]) == ("Phi-3", 64, 48)
+    card = done(phi4_mini, stages.MODEL).result.card
+    assert (card.family, card.head_dim, card.rotary_dim) == ("Phi-3", 64, 48)
     spec = json.loads((phi4_mini.stage_dir("adapt") / "decoder.json").read_text())
     assert spec["rotary_dim"] == 48
     enc = json.loads((phi4_mini.stage_dir("bundle") / layout.GENIE_CONFIG).read_text())
@@ -313,9 +315,9 @@ def test_partial_rotary_passes_the_gate_only_rotating_the_first_dims(tmp_path: P
 
 def test_granite_multipliers_run_in_genie_as_adapted(granite: Project) -> None:
     """The four constants live in the weights (Genie's config is Llama's): the real Genie answers like our runner."""
-    card = done(granite, "model").result["card"]
-    assert card["family"] == "Granite" and card["tied_embeddings"]
-    assert {k: card[k] for k in GRANITE} == GRANITE
+    card = done(granite, stages.MODEL).result.card
+    assert card.family == "Granite" and card.tied_embeddings
+    assert {k: getattr(card, k) for k in GRANITE} == GRANITE
     prove_in_genie(granite, None)
 
 
@@ -344,8 +346,8 @@ def test_granite_adapts_exactly_and_fails_the_gate_without_any_one_fold(tmp_path
 def test_smollm3_nope_layers_run_in_genie_as_adapted(smollm3: Project) -> None:
     """Layer 1 is NoPE: its q/k are not rotated while Genie feeds the same cos/sin inputs (its config is Llama's,
     with SmolLM3's rope_theta); the real Genie answers like our runner on the same binaries."""
-    card = done(smollm3, "model").result["card"]
-    assert (card["family"], card["nope_layers"], card["o_bias"]) == ("SmolLM3", [1], True)
+    card = done(smollm3, stages.MODEL).result.card
+    assert (card.family, card.nope_layers, card.o_bias) == ("SmolLM3", [1], True)
     spec = json.loads((smollm3.stage_dir("adapt") / "decoder.json").read_text())
     assert spec["nope_layers"] == [1]
     enc = json.loads((smollm3.stage_dir("bundle") / layout.GENIE_CONFIG).read_text())
@@ -371,8 +373,8 @@ def test_smollm3_fails_the_gate_when_its_nope_layers_are_rotated(tmp_path: Path,
 def test_olmo2_post_norms_and_whole_projection_qk_norm_run_in_genie_as_adapted(olmo2: Project) -> None:
     """No norm before the attention or the MLP, their outputs normed before each residual add, and q/k normed over
     all heads at once: built by the graphs (Genie's config is Llama's); the real Genie answers like our runner."""
-    card = done(olmo2, "model").result["card"]
-    assert (card["family"], card["post_norms"], card["qk_norm"], card["qk_norm_full"]) == ("OLMo 2", True, True, True)
+    card = done(olmo2, stages.MODEL).result.card
+    assert (card.family, card.post_norms, card.qk_norm, card.qk_norm_full) == ("OLMo 2", True, True, True)
     spec = json.loads((olmo2.stage_dir("adapt") / "decoder.json").read_text())
     assert (spec["post_norms"], spec["qk_norm_full"], spec["o_bias"]) == (True, True, True)
     prove_in_genie(olmo2, None)
@@ -512,14 +514,15 @@ def test_a_diverging_adaptation_fails_the_stage_and_keeps_the_last_good_state(
         pipeline.adapt(project, str(model), opts.model_copy(update={"ar": 16}), State())
     assert "top-1 agreement" in e.value.problem and "hidden_act gelu_tanh" in e.value.problem
     assert "--accept-mismatch" in e.value.fix
-    assert done(project, "adapt").key == good.key and not project.changed("adapt")  # the good stage is intact
-    assert {f.path: f.sha256 for f in done(project, "adapt").outputs} == files
+    kept = done(project, stages.ADAPT).record
+    assert kept.key == good.key and not project.changed("adapt")  # the good stage is intact
+    assert {f.path: f.sha256 for f in kept.outputs} == files
     assert project.load().attempts["adapt"].status == "failed"
 
     accepted = pipeline.adapt(project, str(model), opts.model_copy(update={"ar": 16, "accept_mismatch": True}),
                               State())
     assert accepted.result["gate"] == {**accepted.result["gate"], "passed": False, "accepted_mismatch": True}
-    assert pipeline.adapt_summary(accepted.result_as(AdaptResult)).gate == "failed, accepted"
+    assert pipeline.adapt_summary(AdaptResult.model_validate(accepted.result)).gate == "failed, accepted"
 
 
 def test_the_adapt_page_shows_an_accepted_mismatch_in_red(qtbot: Any, tmp_path: Path) -> None:

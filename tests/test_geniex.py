@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from npustudio.core import layout
+from npustudio.core import layout, stages
 from npustudio.core.project import Project
 from tests.conftest import done, genie_pipeline, make_tiny_model
 
@@ -55,11 +55,11 @@ def test_geniex_loads_a_tiny_llama_and_qwen3_bundle_with_their_shapes(harness: P
     names."""
     qwen3 = genie_pipeline(tmp_path / "qwen3", make_tiny_model(tmp_path / "q3", "qwen3"))
     for project, prefix in ((genie_project, "llama_v3_"), (qwen3, "qwen3_")):
-        card = done(project, "model").result["card"]
+        card = done(project, stages.MODEL).result.card
         got = _load(harness, project.stage_dir("bundle"))
         assert got["model_id"].startswith(prefix), got
         assert (got["shards"], got["num_kv_heads"], got["head_dim"], got["vocab_size"], got["num_hidden_layers"]) \
-            == (1, card["kv_heads"], card["head_dim"], card["vocab"], card["layers"]), (got, card)
+            == (1, card.kv_heads, card.head_dim, card.vocab, card.layers), (got, card)
         assert got["first_input"] in ("input_ids", "inputs_embeds") and got["model_paths"] == 2
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from PySide6.QtWidgets import QMessageBox
 
+from npustudio.core import stages
 from npustudio.core.errors import UserError
 from npustudio.core.project import Project
 from npustudio.gui.app import MainWindow
@@ -166,14 +167,15 @@ def test_run_on_a_page_keeps_the_options_the_page_does_not_show(
     root = tmp_path / "proj"
     shutil.copytree(genie_project.root, root)
     p = Project.open(root, create=False)
-    ran = {s: done(p, s).started for s in ("adapt", "quantize", "compile", "bundle")}
-    assert done(p, "quantize").options["calib_decode"] == 4  # not the default 8
+    specs: tuple[stages.StageSpec[Any, Any], ...] = (stages.ADAPT, stages.QUANTIZE, stages.COMPILE, stages.BUNDLE)
+    ran = {s.name: done(p, s).record.started for s in specs}
+    assert done(p, stages.QUANTIZE).options.calib_decode == 4  # not the default 8
     assert p.choices().model == str(genie_project.root.parent / "m")
     w = MainWindow(root, watch_devices=False)
     qtbot.addWidget(w)
     for page in (w.adapt_page, w.quantize_page, w.compile_page):
         run_page(qtbot, page)
-    assert {s: done(p, s).started for s in ran} == ran
+    assert {s.name: done(p, s).record.started for s in specs} == ran
     assert marks(w)[:5] == ["done"] * 5  # Deploy: whether another test deployed the shared project
 
 
@@ -230,3 +232,29 @@ def test_a_late_progress_message_keeps_stopping_and_a_push_states_one_rate(
     assert dlg.mnn.text() == picked["dir"]
     dlg.accept()
     assert user_settings.load().mnn_android_root == picked["dir"] == os.environ["MNN_ANDROID_ROOT"]
+
+
+def test_a_pages_form_shows_the_options_a_stage_ran_with_and_reads_them_back(qtbot: Any) -> None:
+    """A page's widgets are bound to its options model's fields (`Form`): showing the options a stage ran with and
+    reading the widgets back gives those options again, each widget starts at its field's default, and a widget
+    bound to a field the model does not have is refused when the page is built, not when a user runs it."""
+    from PySide6.QtWidgets import QSpinBox
+
+    from npustudio.core.stage_options import CompileOptions, QuantizeOptions
+    from npustudio.gui.fields import Form
+
+    form = Form(QuantizeOptions)
+    for w in (form.combo("precision"), form.combo("recipe"), form.spin("calib_len"), form.combo("lm_head_bits")):
+        qtbot.addWidget(w)
+    assert QuantizeOptions(**form.values()) == QuantizeOptions()
+    ran = QuantizeOptions(precision="w4a16", recipe="seqmse", calib_len=96, lm_head_bits=4)
+    form.show(ran)
+    assert QuantizeOptions(**form.values()) == ran
+    checks = Form(CompileOptions)
+    lut = checks.check("embedding_lut", "Embedding table on the CPU")
+    qtbot.addWidget(lut)
+    assert lut.isChecked() == CompileOptions().embedding_lut and lut.toolTip()
+    checks.show(CompileOptions(embedding_lut=not CompileOptions().embedding_lut))
+    assert checks.values() == {"embedding_lut": not CompileOptions().embedding_lut}
+    with pytest.raises(ValueError, match="QuantizeOptions has no field 'calib_lenght'"):
+        form.bind("calib_lenght", QSpinBox())

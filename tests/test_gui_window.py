@@ -14,6 +14,7 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox, QTableWidget
 
+from npustudio.core import stages
 from npustudio.core.device import DeviceInfo
 from npustudio.core.project import Project
 from npustudio.gui.app import STEPS, MainWindow
@@ -111,7 +112,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
         q.strip.job.partial.connect(first_point)
     assert blocker.args == [False] and "Cancelled" in q.strip.status.text()
     proj = Project.open(tmp_path / "proj", create=False)
-    assert proj.record("quantize") is None and proj.load().attempts["quantize"].status == "cancelled"
+    assert "quantize" not in proj.load().stages and proj.load().attempts["quantize"].status == "cancelled"
     assert not proj.stage_dir("quantize").exists() and marks(w)[3] == "todo"
 
     # ... and run again to the end: FP line and quantized points, results, the inspector on the export
@@ -141,7 +142,7 @@ def test_tiny_model_through_the_whole_wizard_to_a_chat_answer(qtbot: Any, tmp_pa
     run_page(qtbot, cp)
     r = table_dict(cp.results)
     assert r["Weights"] == "4-bit in blocks of 128 (HQQ), LM head 8-bit"
-    assert r["Perplexity vs the float model"].startswith(f"{done(w.project, 'mnn').result['mnn_ppl']:.3f} vs ")
+    assert r["Perplexity vs the float model"].startswith(f"{done(w.project, stages.MNN).result.mnn_ppl:.3f} vs ")
     assert "llm.mnn.weight" in [row[1] for row in cells(cp.binaries)]
     shot(w, "tiny_compile_mnn")
     assert marks(w) == ["done"] * 5 + ["todo"]  # the Genie steps are untouched
@@ -419,7 +420,7 @@ def test_an_out_of_date_step_locked_by_an_earlier_one_opens_to_say_why(
     # deployed before the target changed (as another test may have left the shared project): the device still
     # holds this very bundle, so Deploy has nothing to explain and stays shut
     p.choose(deployed={"device": "emulator-5554", "remote_dir": "/data/local/tmp/x",
-                       "bundle": done(p, "bundle").key, "at": 0.0})
+                       "bundle": done(p, stages.BUNDLE).record.key, "at": 0.0})
     p.choose(target="SM8650")
     w = MainWindow(root, watch_devices=False)
     qtbot.addWidget(w)
@@ -540,7 +541,7 @@ def test_closing_the_window_cancels_the_running_stage_cleanly(qtbot: Any, tmp_pa
     qtbot.waitUntil(lambda: not w.isVisible(), timeout=120_000)
     assert not w.busy()
     proj = Project.open(tmp_path / "proj", create=False)
-    assert proj.record("adapt") is None and proj.load().attempts["adapt"].status == "cancelled"
+    assert "adapt" not in proj.load().stages and proj.load().attempts["adapt"].status == "cancelled"
     assert not any(p.name.endswith(".partial") for p in (tmp_path / "proj" / "stages").iterdir())
 
 

@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from npustudio.core import layout
+from npustudio.core import layout, stages
 from npustudio.core.graph import store
 from npustudio.core.graph.kv_cache import KVCacheRunner
 from npustudio.core.project import Project
-from npustudio.core.stage_options import AdaptOptions
 from tests.conftest import done, make_tiny_model, npustudio
 
 SMALL = ("--ar", "8", "--cl", "64", "--eval-tokens", "48", "--decode-tokens", "4")
@@ -74,16 +73,15 @@ def test_a_merged_adapter_makes_the_graphs_compute_what_peft_computes(base: tupl
     agree = (ours.argmax(-1) == peft.argmax(-1)).float().mean().item()
     assert agree >= 0.999 and (ours - peft).abs().max() < 1e-3
     assert (plain.logits[0] - peft).abs().max() > 100 * (ours - peft).abs().max()  # the adapter mattered
-    rec = Project.open(project).record("adapt")
-    assert rec is not None
-    (kept,) = rec.options_as(AdaptOptions).lora
+    rec = done(Project.open(project), stages.ADAPT)
+    (kept,) = rec.options.lora
     assert kept.path == str(adapter.resolve()) and kept.weight == 1.0 and kept.sha256
     assert Project.open(project).choices().lora == (kept,)  # the window's Model page shows what the CLI merged
     again = npustudio("adapt", str(model), "--project", str(project), "--lora", str(adapter), *SMALL, timeout=600)
-    assert again.returncode == 0 and done(Project.open(project), "adapt").key == rec.key
+    assert again.returncode == 0 and done(Project.open(project), stages.ADAPT).record.key == rec.record.key
     half = npustudio("adapt", str(model), "--project", str(project), "--lora", f"{adapter}=0.5", *SMALL, timeout=600)
     assert half.returncode == 0, half.stderr[-1500:]
-    assert done(Project.open(project), "adapt").key != rec.key
+    assert done(Project.open(project), stages.ADAPT).record.key != rec.record.key
     mnn = npustudio("compile", "--project", str(project), "--backend", "mnn", timeout=300)
     assert mnn.returncode == 2 and "LoRA adapters merged" in mnn.stderr, mnn.stderr[-1500:]
 

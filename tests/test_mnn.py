@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from npustudio.core import layout, pipeline
+from npustudio.core import layout, pipeline, stages
 from npustudio.core.progress import State
 from npustudio.core.project import Project
 from tests.conftest import make_tiny_model, npustudio
@@ -113,8 +113,8 @@ def test_the_default_model_at_4_bits_answers_as_the_float_model_and_a_bad_export
     assert "far off the float model" in bad.stderr and "over the x1.25 allowed" in bad.stderr, bad.stderr[-800:]
     assert "--mnn-bits 8" in bad.stderr
     project = Project.open(proj, create=False)
-    rec = project.record("mnn")
-    assert rec is not None and rec.options["method"] == "hqq" and weights.stat().st_size == before
+    rec = project.record(stages.MNN)
+    assert rec is not None and rec.options.method == "hqq" and weights.stat().st_size == before
 
 
 def test_what_the_mnn_back_end_would_not_do_exactly_is_refused_before_any_work(tiny_models: dict[str, Path],

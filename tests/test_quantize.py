@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from npustudio.core import pipeline
+from npustudio.core import pipeline, stages
 from npustudio.core.adapt import AdaptOptions
 from npustudio.core.errors import UserError
 from npustudio.core.graph import encodings
@@ -53,11 +53,11 @@ def _table(p: Project, graph: str = PROMPT) -> encodings.EncodingsTable:
 
 def test_w8a16_keeps_perplexity_and_reports_it(w8: tuple[Project, list[Partial]]) -> None:
     p, _ = w8
-    r = done(p, "quantize").result
-    assert r["ratio"] == pytest.approx(1.0, abs=0.02)
-    assert r["ppl_quant"] / r["ppl_fp"] == pytest.approx(r["ratio"])
-    assert r["top1_agreement"] > 0.9
-    assert r["graphs"] == [PROMPT, TOKEN]
+    r = done(p, stages.QUANTIZE).result
+    assert r.ratio == pytest.approx(1.0, abs=0.02)
+    assert r.ppl_quant / r.ppl_fp == pytest.approx(r.ratio)
+    assert r.top1_agreement > 0.9
+    assert r.graphs == [PROMPT, TOKEN]
 
 
 def test_the_float_model_is_evaluated_once_across_adapt_and_quantize(w8: tuple[Project, list[Partial]],
@@ -66,14 +66,14 @@ def test_the_float_model_is_evaluated_once_across_adapt_and_quantize(w8: tuple[P
     from npustudio.core import quantize
 
     p, _ = w8
-    adapt, quant = done(p, "adapt").result, done(p, "quantize").result
-    assert quant["ppl_fp"] == adapt["ppl_adapted"] and quant["eval_tokens"] == adapt["eval_tokens"]
+    adapt, quant = done(p, stages.ADAPT).result, done(p, stages.QUANTIZE).result
+    assert quant.ppl_fp == adapt.ppl_adapted and quant.eval_tokens == adapt.eval_tokens
     # another eval than adapt's is computed here, from the float model, and the adapt stage's logits are not read
     read: list[Path] = []
     monkeypatch.setattr(quantize, "Reference", lambda folder: read.append(folder))
     opts = QuantizeOptions(precision="w8a16", **(FAST | {"eval_tokens": 200}), export=False)
     r = quantize.run(p.stage_dir("adapt"), opts, tmp_path, State())
-    assert r.eval_tokens < quant["eval_tokens"] and not read and r.ppl_fp != quant["ppl_fp"]
+    assert r.eval_tokens < quant.eval_tokens and not read and r.ppl_fp != quant.ppl_fp
 
 
 def test_live_points_fp_first_then_quantized_for_every_window(w8: tuple[Project, list[Partial]]) -> None:
@@ -205,8 +205,8 @@ def test_export_stores_weights_once_and_leaves_no_temp_files(w8: tuple[Project, 
     blobs = set(a.values()) | set(refs(f"{PROMPT}_qdq.onnx").values())
     unique = sum(int(n) for _, n in blobs)
     assert (d / "weights.bin").stat().st_size < unique + 64 * len(blobs) + 1
-    rec = done(w8[0], "quantize")
-    listed = {f["file"] for f in rec.result["files"]}
+    rec = done(w8[0], stages.QUANTIZE)
+    listed = {f["file"] for f in rec.result.files}
     assert "weights.bin" in listed and f"test_vectors/{PROMPT}.npz" in listed
 
 
@@ -215,12 +215,12 @@ def test_a_quantize_the_disk_cannot_hold_is_refused_before_it_starts(w8: tuple[P
     """What the stage writes is estimated from the model (weights.bin: its float32 weights and the quantized ones)
     and held against the disk's free space before any work: the project keeps its last quantize output."""
     from npustudio.core import host_cost
-    from npustudio.core.results import load_card
+    from npustudio.core.stages import load_card
 
     p = w8[0]
     weights = p.stage_dir("quantize") / "weights.bin"
     written = sum(f.stat().st_size for f in p.stage_dir("quantize").rglob("*") if f.is_file())
-    stamp, rec = weights.stat().st_mtime_ns, p.record("quantize")
+    stamp, rec = weights.stat().st_mtime_ns, p.record(stages.QUANTIZE)
     ar = adapt_graphs(p.stage_dir("adapt"))[0]
     need = host_cost.quantize_disk_bytes(load_card(p.stage_dir("adapt")), "w8a16", ar)
     # at least its weights file; at most all it wrote (a tiny model's graphs and encodings are large beside its
@@ -229,7 +229,7 @@ def test_a_quantize_the_disk_cannot_hold_is_refused_before_it_starts(w8: tuple[P
     monkeypatch.setattr(host_cost.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(2**40, 2**40, need - 1))
     with pytest.raises(UserError, match=r"The quantize stage writes about 0.0 GB \(an estimate\) to .* 0.0 GB free"):
         pipeline.quantize(p, QuantizeOptions(precision="w8a16", **FAST), State(), force=True)
-    assert p.record("quantize") == rec and weights.stat().st_mtime_ns == stamp
+    assert p.record(stages.QUANTIZE) == rec and weights.stat().st_mtime_ns == stamp
 
 
 def test_work_beside_the_stage_writes_what_one_process_writes(w8: tuple[Project, list[Partial]], tmp_path: Path,
@@ -241,8 +241,8 @@ def test_work_beside_the_stage_writes_what_one_process_writes(w8: tuple[Project,
     from npustudio.core.quantize import simulate
 
     p = w8[0]
-    beside = done(p, "quantize").result
-    assert "export_after_eval" in beside["steps"]  # the tiny model took the forked path
+    beside = done(p, stages.QUANTIZE).result
+    assert "export_after_eval" in beside.steps  # the tiny model took the forked path
     merged: list[str] = []
     real_merge = simulate.merge_observed
 
@@ -259,7 +259,7 @@ def test_work_beside_the_stage_writes_what_one_process_writes(w8: tuple[Project,
     alone = quantize.run(p.stage_dir("adapt"), QuantizeOptions(precision="w8a16", **FAST), tmp_path / "alone",
                          State())
     assert len(merged) == 1 and "export_after_eval" not in alone.steps
-    assert alone.ppl_quant == beside["ppl_quant"]
+    assert alone.ppl_quant == beside.ppl_quant
     for d in (p.stage_dir("quantize"), tmp_path / "forked"):
         made = sorted(f.relative_to(tmp_path / "alone") for f in (tmp_path / "alone").rglob("*") if f.is_file())
         assert made == sorted(f.relative_to(d) for f in d.rglob("*") if f.is_file())
@@ -272,7 +272,7 @@ def test_quantize_leaves_the_adapted_weights_untouched(w8: tuple[Project, list[P
     from npustudio.core.fsutil import sha256_file
 
     p = w8[0]
-    rec = done(p, "adapt")
+    rec = done(p, stages.ADAPT).record
     for f in rec.outputs:
         assert sha256_file(p.root / f.path) == f.sha256, f.path
 
@@ -467,9 +467,9 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
              "omniquant": {"omniquant_iterations": 4}, "spinquant_adascale": {"adascale_iterations": 4}}[recipe]
     pipeline.quantize(p, QuantizeOptions(precision="w4a16", overrides=load_overrides(ov), recipe=recipe, **steps,
                                          **FAST), st)
-    r = done(p, "quantize").result
-    assert r["recipe"] == recipe and r["rotated"] == ("spinquant" in recipe) and 0.8 < r["ratio"] < 1.3
-    assert set(RECIPE_STEPS[recipe]) <= set(r["steps"])
+    r = done(p, stages.QUANTIZE).result
+    assert r.recipe == recipe and r.rotated == ("spinquant" in recipe) and 0.8 < r.ratio < 1.3
+    assert set(RECIPE_STEPS[recipe]) <= set(r.steps)
     assert any(f"quant+{recipe}_ppl" in e.data for e in st.partials if e.kind == "ppl")
     t = _table(p)
     params = {r.name: r for r in t.rows if r.kind == "param"}
@@ -487,8 +487,8 @@ def test_w4a16_lpbq_head_int8_and_overrides(adapted_project: Path, tmp_path: Pat
     from npustudio.core.compile import CompileOptions
 
     pipeline.compile_graphs(p, CompileOptions(verify_tokens=0), State())
-    c = done(p, "compile").result
-    assert c["nodes_on_cpu"] == 0 and all(g["nodes_on_qnn"] > 100 for g in c["graphs"])
+    c = done(p, stages.COMPILE).result
+    assert c.nodes_on_cpu == 0 and all(g.nodes_on_qnn > 100 for g in c.graphs)
 
 
 def test_quantize_before_adapt_says_what_to_do(tmp_path: Path) -> None:
@@ -522,12 +522,12 @@ def test_unknown_precision_and_target_are_refused(w8: tuple[Project, list[Partia
     with pytest.raises(UserError, match="Unknown target SoC") as e:
         pipeline.quantize(w8[0], QuantizeOptions(target="SM1234", **FAST), State())
     assert "SM8750" in e.value.fix
-    assert done(w8[0], "quantize").result["precision"] == "w8a16"  # the good result is kept
+    assert done(w8[0], stages.QUANTIZE).result.precision == "w8a16"  # the good result is kept
 
 
 def test_cancel_keeps_the_last_good_result(w8: tuple[Project, list[Partial]]) -> None:
     p = w8[0]
-    before = p.record("quantize")
+    before = p.record(stages.QUANTIZE)
     children = _child_processes()
     st = State()
     # the user stops during the evaluation, while the graphs are being exported beside it in forked processes
@@ -537,7 +537,7 @@ def test_cancel_keeps_the_last_good_result(w8: tuple[Project, list[Partial]]) ->
     with pytest.raises(Cancelled):
         pipeline.quantize(p, QuantizeOptions(precision="w8a16", calib_samples=1, **{
             k: v for k, v in FAST.items() if k != "calib_samples"}), st)
-    assert p.record("quantize") == before
+    assert p.record(stages.QUANTIZE) == before
     assert p.load().attempts["quantize"].status == "cancelled"
     assert not (p.root / "stages" / ".quantize.partial").exists()
     assert p.changed("quantize") == []
@@ -764,7 +764,7 @@ def test_a_recipes_encodings_are_the_same_for_the_same_seed(adapted_project: Pat
                     "--adascale-iterations", "6", "--int8-budget", "0", "--calib-samples", "2", "--calib-len", "64",
                     "--eval-chars", "2500", "--seed", "1")
     assert res.returncode == 0, res.stderr
-    assert done(Project.open(tmp_path / "other"), "quantize").options["seed"] == 1
+    assert done(Project.open(tmp_path / "other"), stages.QUANTIZE).options.seed == 1
     first = encodings("first")
     assert encodings("again") == first
     other = encodings("other")
@@ -834,7 +834,7 @@ def test_int8_budget_through_the_quantize_command(adapted_project: Path, tmp_pat
     kept, share = out["kept_int8"], out["int8_share"]
     assert kept and 0 < share <= 0.3
     p = Project.open(tmp_path / "p")
-    assert done(p, "quantize").result["kept_int8"] == kept
+    assert done(p, stages.QUANTIZE).result.kept_int8 == kept
     from npustudio.core.graph import store
     from npustudio.core.graph.ops import Conv1x1
 

@@ -76,8 +76,8 @@ def test_run_default_adapts_quantizes_exports_and_compiles(default_project: Path
 def test_default_model_on_the_simulator_matches_the_quantsim_and_genie_answers_paris(default_project: Path) -> None:
     """The issue's must-show through the real libGenie on the HTP simulator (~4 min: ~60 s per AR-128 call)."""
     from npustudio.core import compile as compile_stage
-    from npustudio.core.graph.graph_io import IOEncoding
     from npustudio.core.progress import State
+    from npustudio.core.results import IOEncoding
     from npustudio.core.targets import find_soc
 
     stages = default_project / "stages"

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from npustudio.core import layout
+from npustudio.core import layout, stages
 from npustudio.core.errors import UserError
 from npustudio.core.genie import draft, host
 from npustudio.core.project import Project
-from tests.conftest import genie_pipeline, make_tiny_model, make_tokenizer, npustudio
+from tests.conftest import done, genie_pipeline, make_tiny_model, make_tokenizer, npustudio, raw_record
 
 PROMPTS = ["Hello, tell me a story about the sea.", "def add(a, b):", "List three colours:"]
 
@@ -110,8 +110,8 @@ def test_ctrl_c_during_the_draft_check_stops_the_bundle_stage_at_once(pair: tupl
         proc.kill()
     assert proc.returncode == 130 and "stopped; the project keeps its last finished stages" in err, err[-1500:]
     assert not list(stages_dir.rglob(".check-*.json")) and not layout.scratch_dir(target.root, "bundle").exists()
-    rec = target.record("bundle")
-    assert rec is not None and rec.status == "done" and (target.stage_dir("bundle") / layout.GENIE_CONFIG).is_file()
+    rec = raw_record(target, "bundle")
+    assert rec.status == "done" and (target.stage_dir("bundle") / layout.GENIE_CONFIG).is_file()
 
 
 def test_a_draft_the_target_cannot_use_is_refused_naming_why(pair: tuple[Project, Project], genie_project: Project,
@@ -212,14 +212,14 @@ def test_decoding_modes_that_cannot_be_built_exactly_are_refused_before_any_stag
     assert (target.stage_dir("bundle") / layout.BUNDLE_RESULT).read_bytes() == before
     implied = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--json", timeout=600)
     assert implied.returncode == 0, implied.stderr[-1500:]
-    rec = Project.open(target.root, create=False).record("bundle")
+    rec = done(Project.open(target.root, create=False), stages.BUNDLE).record
     spd = npustudio("bundle", "--project", str(target.root), "--draft", str(same.root), "--decoding", "spd",
                     "--json", timeout=600)
     assert spd.returncode == 0 and json.loads(spd.stdout)["decoding"] == "spd", spd.stderr[-1500:]
     rates = json.loads(spd.stdout)["phone_decode_tok_s"]  # a same-size draft costs more than it saves
     assert set(rates) == {"basic", "spd"} and 0 < rates["spd"] < rates["basic"], rates
-    again = Project.open(target.root, create=False).record("bundle")
-    assert rec is not None and again is not None and (again.key, again.started) == (rec.key, rec.started)
+    again = done(Project.open(target.root, create=False), stages.BUNDLE).record
+    assert (again.key, again.started) == (rec.key, rec.started)
 
 
 def test_run_with_a_draft_makes_a_draft_model_bundle_that_answers_on_the_virtual_device(

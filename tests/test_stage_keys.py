@@ -61,11 +61,10 @@ def test_each_stage_command_after_run_on_the_same_settings_skips_its_stage(
 def test_the_same_work_spelled_differently_has_one_key(ran: tuple[Path, Project]) -> None:
     """Each stage's options resolved to what the stage comes to: a default left unset and the value it comes to
     given are one key (and resolving twice changes nothing); another eval is another key."""
-    from npustudio.core import adapt, compile, quantize
-    from npustudio.core.results import IntakeResult
+    from npustudio.core import adapt, compile, quantize, stages
 
     _, p = ran
-    card = done(p, "model").result_as(IntakeResult).card
+    card = done(p, stages.MODEL).result.card
     adapt_dir, quant_dir = p.stage_dir("adapt"), p.stage_dir("quantize")
 
     def one_key(resolve, *spellings):  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 
-from npustudio.core import layout
+from npustudio.core import layout, stages
 from npustudio.core.genie import host
 from npustudio.core.genie.meta import read_metadata
 from npustudio.core.graph import ort_qnn
@@ -32,13 +32,13 @@ def w4(genie_project_w4: Project) -> Project:
 
 
 def test_every_block_quantized_layer_compiles_as_a_matmul_on_the_htp(w4: Project) -> None:
-    r = done(w4, "compile").result
-    assert done(w4, "quantize").result["precision"] == "w4a16"
-    assert r["nodes_on_cpu"] == 0
+    r = done(w4, stages.COMPILE).result
+    assert done(w4, stages.QUANTIZE).result.precision == "w4a16"
+    assert r.nodes_on_cpu == 0
     prep = w4.stage_dir("compile") / "prepared"
     assert (prep / LPBQ_WEIGHTS).stat().st_size > 0
-    for g in r["graphs"]:
-        model = onnx.load(str(prep / f"{g['graph']}.onnx"), load_external_data=False)
+    for g in r.graphs:
+        model = onnx.load(str(prep / f"{g.graph}.onnx"), load_external_data=False)
         ops = [n.op_type for n in model.graph.node]
         assert ops.count("MatMul") >= 16  # 2 layers × (q 2 heads, k, v, o, gate, up, down) as LPBQ MatMuls
         assert ops.count("Conv") == 1  # only the int8 per-channel LM head stays a convolution
@@ -46,22 +46,22 @@ def test_every_block_quantized_layer_compiles_as_a_matmul_on_the_htp(w4: Project
                    and any(a.name == "block_size" for a in n.attribute)]
         assert blocked and all(onnx.helper.get_attribute_value(a) == 0
                                for n in blocked for a in n.attribute if a.name == "axis")  # [K, N], blocks along K
-        assert g["nodes_on_qnn"] > 100
+        assert g.nodes_on_qnn > 100
 
 
 def test_w4a16_binaries_hold_fewer_weight_bytes_than_w8a16(w4: Project, genie_project: Project) -> None:
-    w8 = {g["graph"]: g["bin_bytes"] for g in done(genie_project, "compile").result["graphs"]}
-    for g in done(w4, "compile").result["graphs"]:
-        assert g["bin_bytes"] < w8[g["graph"]], (g, w8)
+    w8 = {g.graph: g.bin_bytes for g in done(genie_project, stages.COMPILE).result.graphs}
+    for g in done(w4, stages.COMPILE).result.graphs:
+        assert g.bin_bytes < w8[g.graph], (g, w8)
 
 
 def test_the_simulator_agrees_with_the_quantsim_as_closely_as_at_w8a16(w4: Project) -> None:
-    v = done(w4, "compile").result["verification"]
-    assert v["tokens"] > 40 and v["decode_steps"] == 4
-    assert abs(v["nll_diff"]) < 0.01  # the w8a16 test's tolerance
-    assert v["kv_cache_max_diff_steps"] <= 2
-    assert v["top1_agreement"] >= 0.95
-    tv = v["vs_quantsim_test_vectors"]  # the prepared MatMul graphs on the CPU reproduce the quantsim's Conv graphs
+    v = done(w4, stages.COMPILE).result.verification
+    assert v.tokens is not None and v.tokens > 40 and v.decode_steps == 4
+    assert v.nll_diff is not None and abs(v.nll_diff) < 0.01  # the w8a16 test's tolerance
+    assert v.kv_cache_max_diff_steps is not None and v.kv_cache_max_diff_steps <= 2
+    assert v.top1_agreement is not None and v.top1_agreement >= 0.95
+    tv = v.vs_quantsim_test_vectors  # the prepared MatMul graphs on the CPU reproduce the quantsim's Conv graphs
     assert all(x == 1.0 for k, x in tv.items() if k.endswith("top1_agreement"))
     assert all(x < 0.05 for k, x in tv.items() if k.endswith("max_abs_logit_diff"))
 
@@ -76,7 +76,7 @@ def test_genie_answers_with_the_host_runners_greedy_tokens_on_the_same_binaries(
     assert genie.runner.startswith("genie") and genie.text
 
     meta = read_metadata(bundle)
-    target = find_soc(done(w4, "compile").result["target"])
+    target = find_soc(done(w4, stages.COMPILE).result.target)
     graphs = {g.ar: OrtGraph(ort_qnn.context_session(w4.stage_dir("compile") / f"{g.name}.onnx", target),
                              meta.io_encodings, bundle / layout.EMBEDDING_LUT) for g in meta.graphs}
     runner = KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
@@ -102,31 +102,31 @@ def test_a_4bit_lm_head_compiles_in_lpbq_blocks_and_shrinks_the_binaries(w4: Pro
     from npustudio.core.compile import CompileOptions
     from npustudio.core.graph import encodings as enc
     from npustudio.core.progress import State
-    from npustudio.core.quantize import QuantizeOptions
 
     root = tmp_path_factory.mktemp("head4") / "p"
     shutil.copytree(w4.root, root)
     p = Project.open(root, create=False)
-    o = QuantizeOptions.model_validate(done(w4, "quantize").options).model_copy(update={"lm_head_bits": 4})
+    o = done(w4, stages.QUANTIZE).options.model_copy(update={"lm_head_bits": 4})
     pipeline.quantize(p, o, State())
-    q = done(p, "quantize").result
-    assert q["lm_head_bits"] == 4
-    table = enc.read(p.stage_dir("quantize") / f"{q['graphs'][0]}.encodings", kinds=("param",))
+    q = done(p, stages.QUANTIZE).result
+    assert q.lm_head_bits == 4
+    table = enc.read(p.stage_dir("quantize") / f"{q.graphs[0]}.encodings", kinds=("param",))
     head = [r for r in table.rows if r.name == "lm_head.weight"]
     assert head and head[0].bitwidth == 4 and head[0].granularity == "block" and head[0].block_size == 64, head
     pipeline.compile_graphs(p, CompileOptions(verify_tokens=64), State())
-    r = done(p, "compile").result
-    assert r["nodes_on_cpu"] == 0
-    for g in r["graphs"]:
-        model = onnx.load(str(p.stage_dir("compile") / "prepared" / f"{g['graph']}.onnx"), load_external_data=False)
+    r = done(p, stages.COMPILE).result
+    assert r.nodes_on_cpu == 0
+    for g in r.graphs:
+        model = onnx.load(str(p.stage_dir("compile") / "prepared" / f"{g.graph}.onnx"), load_external_data=False)
         assert [n.op_type for n in model.graph.node].count("Conv") == 0
-    w8_head = {g["graph"]: g["bin_bytes"] for g in done(w4, "compile").result["graphs"]}
+    w8_head = {g.graph: g.bin_bytes for g in done(w4, stages.COMPILE).result.graphs}
     weights = TINY["llama64"]["vocab_size"] * TINY["llama64"]["hidden_size"]  # the head: int8 in `w4`, int4 here
-    for g in r["graphs"]:
+    for g in r.graphs:
         # half the head's int8 bytes less its block scales, in the binary's 4 KiB pages: 20 KiB here
-        assert w8_head[g["graph"]] - g["bin_bytes"] > 0.3 * weights, (g, w8_head)
-    v = r["verification"]
-    assert abs(v["nll_diff"]) < 0.01 and v["top1_agreement"] >= 0.95, v
+        assert w8_head[g.graph] - g.bin_bytes > 0.3 * weights, (g, w8_head)
+    v = r.verification
+    assert v.nll_diff is not None and abs(v.nll_diff) < 0.01, v
+    assert v.top1_agreement is not None and v.top1_agreement >= 0.95, v
 
 
 # -- the rewrite itself, on one layer -----------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_a_prompt_graph_too_slow_for_the_simulator_is_left_out_of_the_check_and_
     from npustudio.core.compile import CompileOptions
     from npustudio.core.progress import State
 
-    full = done(w4, "compile").result["verification"]
+    full = done(w4, stages.COMPILE).result.verification
     r = compile_stage.run(w4.stage_dir("quantize"), w4.stage_dir("adapt"),
                           CompileOptions(verify_tokens=64, prompt_check_budget_s=0), tmp_path, State())
     v = r.verification
@@ -232,4 +232,4 @@ def test_a_prompt_graph_too_slow_for_the_simulator_is_left_out_of_the_check_and_
     assert v.tokens == v.decode_steps == 4 and v.kv_cache_max_diff_steps is None
     assert list(v.seconds_per_call_htp) == [1]  # the prompt graph never ran there
     assert v.nll_diff is not None and abs(v.nll_diff) < 0.05 and (v.top1_agreement or 0) >= 0.75
-    assert full["tokens"] > 40 and full["simulator"] is None  # the project's own compile ran the whole check
+    assert (full.tokens or 0) > 40 and full.simulator is None  # the project's own compile ran the whole check

@@ -17,6 +17,7 @@ from ..core import layout, quiet
 from ..core.errors import UserError
 from ..core.genie import t2t
 from ..core.progress import Cancelled
+from ..core.stage_options import user_value
 from . import account, devices, genie, serve, stages
 from .args import (
     adapt_args,
@@ -146,7 +147,7 @@ def _run_command(c: _Commands) -> None:
     s.add_argument("--no-ask", action="store_true", help="stop at the verified bundle (skip the Genie question)")
     _json_arg(s)
     c.preferred(s)
-    if "default_precision" not in c.prefs.model_fields_set:  # neither the flag nor the settings: the job plans it
+    if user_value(c.prefs, "default_precision") is None:  # neither the flag nor the settings: the job plans it
         s.set_defaults(precision=None)
         next(x for x in s._actions if x.dest == "precision").help = (
             "w8a16 or w4a16 (default: the best quality whose bundle loads where the job deploys, from the model's "

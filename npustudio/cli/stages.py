@@ -75,10 +75,11 @@ def cmd_stage(a: argparse.Namespace) -> int:
         cluster = cluster_of(a) if spec.remote else None
         rec = pipeline.run_stage(project, spec, options, st, force=a.force, cluster=cluster,
                                  model=getattr(a, "model", None))
-    summary = pipeline.summary(spec.name, rec, project)
+    summary = pipeline.summary(rec, project)
     if a.json:
         print_json(summary.model_dump() | {"stage": spec.name, "project": str(project.root),
-                                           "seconds": round(rec.seconds, 1), "peak_rss_mb": round(rec.peak_rss_mb)})
+                                           "seconds": round(rec.record.seconds, 1),
+                                           "peak_rss_mb": round(rec.record.peak_rss_mb)})
     else:
         SHOW[spec.name](summary, project.root)
     return 0

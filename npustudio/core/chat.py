@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from . import layout
+from . import layout, stages
 from .errors import UserError
 from .fsutil import MiB, TooLarge, atomic_write_json, read_at_most
 
@@ -265,10 +265,8 @@ class MnnEngine:
     """The MNN back-end's model on this computer, run by MNN's own runtime (greedy; kept loaded)."""
 
     def __init__(self, stage_dir: Path, max_tokens: int | None = None) -> None:
-        from .mnn import load_result
-
         self.stage_dir, self.max_tokens = Path(stage_dir), max_tokens
-        self.record = load_result(self.stage_dir)
+        self.record = stages.MNN.load(self.stage_dir)
         self.name = "MNN on this computer (CPU)"
         self.figures: dict[str, float] = {}
         self.one_question = False
@@ -304,10 +302,8 @@ class MnnDeviceEngine:
     applies the chat template itself and answers one question at a time, so a chat with it has no history."""
 
     def __init__(self, serial: str, stage_dir: Path, remote_dir: str, max_tokens: int | None = None) -> None:
-        from .mnn import load_result
-
         self.serial, self.stage_dir, self.remote, self.max_tokens = serial, Path(stage_dir), remote_dir, max_tokens
-        self.record = load_result(self.stage_dir)
+        self.record = stages.MNN.load(self.stage_dir)
         self.name = f"MNN llm_demo on device {serial}"
         self.figures: dict[str, float] = {}
         self.one_question = True
@@ -351,9 +347,7 @@ def chat_model(folder: Path) -> ChatModel:
     from .genie.meta import read_metadata
 
     if (folder / layout.MNN_RESULT).is_file():
-        from .mnn import load_result
-
-        r = load_result(folder)
+        r = stages.MNN.load(folder)
         return ChatModel(tok=template_tokenizer(folder, r.bos_id, r.eos_ids, r.chat_template),
                          limit=r.context_length - min(64, r.context_length // 8))
     meta = read_metadata(folder)

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
 
 from . import forked, layout
 from .errors import UserError
 from .progress import State, StateLike
+from .results import EvalPlan
 from .stage_options import DEFAULT_DECODE as DEFAULT_DECODE  # re-exported: the options' defaults, declared there
 from .stage_options import DEFAULT_WINDOW as DEFAULT_WINDOW
 
@@ -98,17 +98,6 @@ def _load_dataset_text(ident: str, nchars: int | None) -> str:
             break
     text = "\n".join(parts)
     return text[:nchars] if nchars else text
-
-
-class EvalPlan(BaseModel):
-    """Which tokens an evaluation scores and how: the adapt stage's proof and the quantize stage's perplexity
-    share one plan, so the float model's logits are computed once (by adapt) and read back by quantize."""
-
-    corpus: str = "default"
-    chars: int | None = None
-    tokens: int = Field(description="tokens scored (the start of the corpus)")
-    window: int = DEFAULT_WINDOW
-    decode_tokens: int = DEFAULT_DECODE
 
 
 def auto_eval_tokens(params: int) -> int:

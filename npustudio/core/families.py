@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import UserError
+
+if TYPE_CHECKING:  # annotations only: the model card reads a family's recipe without torch
+    import torch
 
 ENTRY_POINT_GROUP = "npustudio.families"
 

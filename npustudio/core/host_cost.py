@@ -15,10 +15,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from . import stages
 from .errors import UserError
+from .results import HostEstimate, RecipeCost, StageCost
 
 REFERENCE_CPUS = 2
 MB = 2**20
@@ -68,34 +67,6 @@ COMPILE_BYTES_PER_PARAM_BEYOND = 0.63
 # the AIMET 1.0.0 .encodings file lists each LPBQ block's integer scale: 12.8 bytes a block (the Qwen3-4B shape at
 # w4a16: 692 MB a graph)
 LPBQ_ENCODINGS_BYTES_PER_BLOCK = 12.8
-
-
-class StageCost(BaseModel):
-    stage: str
-    peak_ram_bytes: int
-    seconds: float
-
-
-class RecipeCost(BaseModel):
-    recipe: str
-    seconds: float  # added to the quantize stage's estimate
-    ram_bytes: int = 0  # added to the quantize stage's peak
-    refused: str = ""  # why this model cannot take the recipe (recipe_rules), else empty
-
-
-class HostEstimate(BaseModel):
-    """For any precision: the stages hold float weights whatever the target bitwidth."""
-
-    stages: list[StageCost]
-    recipes: list[RecipeCost] = []
-    int8_budget_seconds: float = 0.0  # added to the quantize stage by --int8-budget at w4a16
-    quantize_disk_bytes: dict[str, int] = {}  # precision -> what the quantize stage writes (`quantize_disk_bytes`)
-    peak_ram_bytes: int
-    seconds: float
-    machine_ram_bytes: int | None
-    cpus: int
-    fits: bool
-    note: str = "estimate from rates measured on a 2-core machine; the real figures depend on the machine"
 
 
 def machine_ram() -> int | None:

@@ -18,9 +18,10 @@ import stat
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal
 
 from pydantic import (
     BaseModel,
@@ -37,9 +38,9 @@ from .errors import UserError
 from .fsutil import atomic_write_text, open_nofollow, refuse_link, sha256_file, sha256_json
 from .progress import Cancelled, peak_rss_mb
 from .stage_options import AdaptOptions, LoraAdapter, QuantizeOptions, _known_soc, default
+from .stages import O, R, StageSpec
 
 SCHEMA_VERSION = 1
-Record = TypeVar("Record", bound=BaseModel)
 STAGE_NOTE = "NPU Studio stage: "  # added to an unexpected exception, so the CLI can say where it happened
 # (device, inode, size, mtime_ns) -> sha256, for this process: a file hard-linked into a later stage (compile's
 # copy of the quantize weights, the bundle's binaries) is hashed once, and a stage's outputs once as it ends
@@ -67,14 +68,26 @@ class StageRecord(BaseModel):
     error: str | None = None
     ran_on: str | None = None  # None: this computer
 
-    def result_as(self, model: type[Record]) -> Record:
-        """The stage's result as its typed record (`core/results.py`)."""
-        return model.model_validate(self.result)
 
-    def options_as(self, model: type[Record]) -> Record:
-        """The options the stage ran with as its typed model (`core/stage_options.py`): a field an older record
-        lacks reads as the model's default, declared there once."""
-        return model.model_validate(self.options)
+@dataclass(frozen=True)
+class Done(Generic[O, R]):
+    """A finished stage's record with the options it ran with and its result, read as its declaration types them
+    (`StageSpec.options`, `StageSpec.result`): a field an older record lacks reads as the model's default."""
+
+    record: StageRecord
+    options: O
+    result: R
+
+    @classmethod
+    def of(cls, spec: StageSpec[O, R], record: StageRecord) -> Done[O, R]:
+        """`record` read as `spec` types it; a damaged record is a UserError that says how to redo the stage."""
+        try:
+            return cls(record, spec.options.model_validate(record.options), spec.result.model_validate(record.result))
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise UserError(f"The project's record of its {spec.name} stage is damaged "
+                            f"({'.'.join(map(str, first['loc']))}: {first['msg']}).",
+                            f"Redo the stage: `npustudio {spec.command} --project P --force`.") from e
 
 
 class Deployed(BaseModel):
@@ -215,20 +228,25 @@ class Project:
         except OSError as e:
             raise _disk_error(self.root, e) from e
 
-    def record(self, name: str) -> StageRecord | None:
+    def record(self, spec: StageSpec[O, R]) -> Done[O, R] | None:
+        """The stage's finished record, typed (None when it has not finished)."""
+        rec = self._record(spec.name)
+        return Done.of(spec, rec) if rec is not None and rec.status == "done" else None
+
+    def _record(self, name: str) -> StageRecord | None:
         return self.load().stages.get(name)
 
-    def rerun_options(self, name: str, model: type[Record], **shown: Any) -> Record:
-        """The options a view reruns stage `name` with: the values it shows, and for every option it does not show
+    def rerun_options(self, spec: StageSpec[O, R], **shown: Any) -> O:
+        """The options a view reruns the stage with: the values it shows, and for every option it does not show
         the value the stage last ran with (`quantize --seed 1` from the command line stays 1 when the window reruns
         it), else the default. A value the options refuse is a UserError that names it."""
-        rec = self.record(name)
+        rec = self._record(spec.name)
         try:
-            return model.model_validate({**(rec.options if rec is not None else {}), **shown})
+            return spec.options.model_validate({**(rec.options if rec is not None else {}), **shown})
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(map(str, err["loc"]))
-            raise UserError(f"The {name} option {where} is not valid: {err['msg']}.",
+            raise UserError(f"The {spec.name} option {where} is not valid: {err['msg']}.",
                             "Change it on the page, or rerun the stage from the command line with a valid value."
                             ) from e
 
@@ -295,7 +313,7 @@ class Project:
 
     # ----- stages -----
     def is_current(self, name: str, key: str) -> bool:
-        rec = self.record(name)
+        rec = self._record(name)
         if rec is None or rec.status != "done" or rec.key != key:
             return False
         return not self.changed(name)
@@ -305,7 +323,7 @@ class Project:
 
         The one notion of "intact" for skipping a stage and for requiring it: content hashes, recomputed
         only for a file whose size or mtime differs from the record."""
-        rec = self.record(name)
+        rec = self._record(name)
         return [fr.path for fr in (rec.outputs if rec else []) if not self._intact(fr)]
 
     def _intact(self, fr: FileRecord) -> bool:
@@ -344,7 +362,7 @@ class Project:
             self._recover(name)
             if not force and self.is_current(name, key):
                 self._remember_mtimes(name)
-                return self.record(name), False  # type: ignore[return-value]
+                return self.load().stages[name], False
             shutil.rmtree(scratch, ignore_errors=True)
             try:
                 scratch.mkdir(parents=True)

@@ -1,8 +1,10 @@
-"""What each stage hands on: its result record, typed, and `load_*` to read it from the stage's folder.
+"""What each stage hands on: its result record, typed, and `load` to read one from the stage's folder.
 
 The stages never import each other: compile reads the quantize stage's record and the bundle the compile
-stage's through here, and the pipeline, the window and the CLI read every record as these models (the
-project's manifest keeps each one as JSON). Each stage exposes its own as `load_result(stage_dir)`.
+stage's through their declarations (`core/stages.py`: `spec.load(stage_dir)`, `project.record(spec)`), which name
+these models; the pipeline, the window and the CLI read every record as them (the project's manifest keeps each
+one as JSON). Light on purpose (pydantic and the model card only): the declarations are read at the window's
+first paint.
 """
 
 from __future__ import annotations
@@ -10,20 +12,83 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, ValidationInfo, field_validator
 
-from . import layout, stages
 from .errors import UserError
-from .evaluate import EvalPlan
 from .fsutil import read_json
-from .graph.graph_io import IOEncoding
-from .graph.ort_qnn import Compiled
-from .host_cost import HostEstimate
 from .model_fit import FitEstimate
 from .model_source import ModelSource
 from .models import ArchCard
 from .shape import DecoderSpec
+from .stage_options import DEFAULT_DECODE, DEFAULT_WINDOW
 from .stage_options import StageOptions as StageOptions  # re-exported: declared with the options models
+
+
+class EvalPlan(BaseModel):
+    """Which tokens an evaluation scores and how: the adapt stage's proof and the quantize stage's perplexity
+    share one plan, so the float model's logits are computed once (by adapt) and read back by quantize."""
+
+    corpus: str = "default"
+    chars: int | None = None
+    tokens: int = Field(description="tokens scored (the start of the corpus)")
+    window: int = DEFAULT_WINDOW
+    decode_tokens: int = DEFAULT_DECODE
+
+
+class IOEncoding(BaseModel):
+    """How Genie (or any host) quantizes a graph input or dequantizes an output: float = (q - zp) * scale."""
+
+    dtype: str  # uint8 | uint16 | int32
+    scale: float = 1.0
+    zero_point: int = 0
+
+
+class CpuNode(BaseModel):
+    op_type: str
+    name: str
+    reason: str = ""
+
+
+class Compiled(BaseModel):
+    graph: str
+    context_onnx: str
+    context_bin: str
+    bin_bytes: int
+    seconds: float
+    nodes_on_qnn: int
+    nodes_on_cpu: list[CpuNode]
+    estimated_alloc_kb: int | None = None  # our estimate of the HTP allocation (core/parts.py)
+    qnn_alloc_kb: int | None = None  # QNN's own, when its log states it
+
+
+class StageCost(BaseModel):
+    stage: str
+    peak_ram_bytes: int
+    seconds: float
+
+
+class RecipeCost(BaseModel):
+    recipe: str
+    seconds: float  # added to the quantize stage's estimate
+    ram_bytes: int = 0  # added to the quantize stage's peak
+    refused: str = ""  # why this model cannot take the recipe (recipe_rules), else empty
+
+
+class HostEstimate(BaseModel):
+    """For any precision: the stages hold float weights whatever the target bitwidth."""
+
+    stages: list[StageCost]
+    recipes: list[RecipeCost] = []
+    int8_budget_seconds: float = 0.0  # added to the quantize stage by --int8-budget at w4a16
+    quantize_disk_bytes: dict[str, int] = {}  # precision -> what the quantize stage writes (`quantize_disk_bytes`)
+    peak_ram_bytes: int
+    seconds: float
+    machine_ram_bytes: int | None
+    cpus: int
+    fits: bool
+    note: str = "estimate from rates measured on a 2-core machine; the real figures depend on the machine"
+
+
 
 
 class IntakeResult(BaseModel):
@@ -168,6 +233,14 @@ class BundleResult(BaseModel):
         default_factory=dict, description="the phone's estimated decode rate per decoding mode (roofline over the "
                                           "binaries each token reads; spd at the tokens per target call measured)")
 
+    @field_validator("folder")
+    @classmethod
+    def _where_it_is_read(cls, v: str, info: ValidationInfo) -> str:
+        """Read from its folder (`load`), the bundle is that folder: it was written into a scratch folder, then
+        moved."""
+        here = (info.context or {}).get("stage_dir")
+        return str(Path(here).resolve()) if here is not None else v
+
 
 class MnnResult(BaseModel):
     """The MNN back-end: the model folder MNN's LLM runtime loads, and how it measured against the float model on
@@ -207,57 +280,25 @@ class MnnResult(BaseModel):
 Record = TypeVar("Record", bound=BaseModel)
 
 
-def load(stage_dir: Path, file: str, model: type[Record], stage: str) -> Record:
-    """`stage_dir/file` as `model`; a clear UserError when it is missing or damaged."""
+def load(stage_dir: Path, file: str, model: type[Record], stage: str, command: str) -> Record:
+    """`stage_dir/file` as `model`; a clear UserError when it is missing or damaged, saying that `npustudio
+    {command}` rewrites it."""
     path = Path(stage_dir) / file
-    spec = next((s for s in stages.SPECS if s.name == stage), None)
-    command = f"npustudio {spec.command} --project P --force" if spec is not None else f"the {stage} stage again"
-    fix = f"Run `{command}` to rewrite it." if spec is not None else f"Run {command} to rewrite it."
+    fix = f"Run `npustudio {command} --project P --force` to rewrite it."
     if not path.is_file():
         raise UserError(f"{stage_dir} holds no {stage} result ({file} is missing).", fix)
-    return validated(path, read_json(path, f"the {stage} stage's result ({file})", fix), model, fix)
+    return validated(path, read_json(path, f"the {stage} stage's result ({file})", fix), model, fix,
+                     context={"stage_dir": Path(stage_dir)})
 
 
-def validated(path: Path, data: Any, model: type[Record], fix: str) -> Record:
+def validated(path: Path, data: Any, model: type[Record], fix: str, context: dict[str, Any] | None = None) -> Record:
     """`data`, read from `path`, as `model`; a UserError naming the file and its first wrong field otherwise."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as e:
         first = e.errors()[0]
         raise UserError(f"{path} is damaged: {'.'.join(map(str, first['loc']))}: {first['msg']}.", fix) from e
 
 
-def load_intake(stage_dir: Path) -> IntakeResult:
-    return load(stage_dir, layout.MODEL_RESULT, IntakeResult, "model")
-
-
-def load_adapt(stage_dir: Path) -> AdaptResult:
-    return load(stage_dir, layout.ADAPT_RESULT, AdaptResult, "adapt")
-
-
-def load_quantize(stage_dir: Path) -> QuantizeResult:
-    return load(stage_dir, layout.QUANTIZE_RESULT, QuantizeResult, "quantize")
-
-
-def load_compile(stage_dir: Path) -> CompileResult:
-    return load(stage_dir, layout.COMPILE_RESULT, CompileResult, "compile")
-
-
-def load_bundle(stage_dir: Path) -> BundleResult:
-    res = load(stage_dir, layout.BUNDLE_RESULT, BundleResult, "bundle")
-    res.folder = str(Path(stage_dir).resolve())  # it was written into a scratch folder, then moved
-    return res
-
-
-def load_card(adapt_dir: Path) -> ArchCard:
-    """The architecture card the adapt stage keeps beside its graphs."""
-    return load(adapt_dir, layout.CARD, ArchCard, "adapt")
-
-
-def load_graphs(adapt_dir: Path) -> list[GraphSpec]:
-    """The adapted graphs' shapes (the quantize stage copies the file)."""
-    return load(adapt_dir, layout.GRAPHS, _Graphs, "adapt").root
-
-
-class _Graphs(RootModel[list[GraphSpec]]):
-    pass
+class Graphs(RootModel[list[GraphSpec]]):
+    """The adapted graphs' shapes, as the adapt stage keeps them (the quantize stage copies the file)."""

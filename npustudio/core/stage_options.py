@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 from copy import copy
 from dataclasses import dataclass
-from typing import Any, Literal, cast, get_args, get_origin
+from typing import Any, Literal, TypeVar, cast, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 from pydantic.fields import FieldInfo
@@ -392,6 +392,21 @@ def default(model: type[BaseModel], name: str) -> Any:
 
 def help_of(model: type[BaseModel], name: str) -> str | None:
     return model.model_fields[name].description
+
+
+Options = TypeVar("Options", bound=BaseModel)
+
+
+def user_value(options: BaseModel, name: str) -> Any:
+    """The value the user gave for `name` (a flag, a page's field, a setting), None where they left it unset: an
+    unset option is the plan's to decide (`planned`), a given one never is."""
+    return getattr(options, name) if name in options.model_fields_set else None
+
+
+def planned(options: Options, **values: Any) -> Options:
+    """`options` with the plan's `values` for those the user left unset: the one place "unset means the plan
+    decides" is written."""
+    return options.model_copy(update={k: v for k, v in values.items() if k not in options.model_fields_set})
 
 
 class ServeOptions(BaseModel):

@@ -31,6 +31,7 @@ from .window import StudioWindow
 
 if TYPE_CHECKING:
     from ..core.project import Project
+    from ..core.stages import O, R, StageSpec
 
 T = TypeVar("T")
 GOOD, BAD, WARN = QColor("#d7f5dd"), QColor("#f8d7da"), QColor("#fff3cd")
@@ -319,6 +320,23 @@ class Page(QWidget):
         except UserError as e:
             show_error(self, e.problem, e.fix)
             return None
+
+    def run(self, spec: StageSpec[O, R], options: O, name: str, force: bool = False,
+            model: str | None = None) -> None:
+        """Run a stage of the open project from this page, as every page does: in a spawned process (AIMET and the
+        ONNX export hold the GIL for hundreds of ms), on the cluster the settings name where the stage may run
+        there, its progress on the strip, its perplexity points on the page's chart and its result to `finish`.
+        `name` is what the strip says meanwhile ("Quantizing")."""
+        from ..core import pipeline
+
+        project = self.project
+        cluster = self.window_.settings.cluster if spec.remote else None  # None: here
+
+        def work(state: Any) -> R:
+            return pipeline.run_stage(project, spec, options, state, force=force, cluster=cluster, model=model,
+                                      where="child").result
+
+        self.strip.start(work, self.finish, name, on_partial=self.ppl_point)
 
     def start(self, force: bool = False) -> None:
         """Run the page's stage (`force`: again, though its inputs and options are unchanged); the Redo button of

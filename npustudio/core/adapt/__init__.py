@@ -34,18 +34,13 @@ from ..graph.half_weights import computing_in_fp32
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..models import LoadedModel
 from ..progress import StateLike
-from ..results import AdaptResult, Equivalence, Gate, GraphSpec, TensorSpec, load_adapt
+from ..results import AdaptResult, Equivalence, Gate, GraphSpec, TensorSpec
 from ..shape import DecoderSpec
 from ..stage_options import AdaptOptions
 
 __all__ = ["AdaptOptions", "AdaptResult", "DecoderSpec", "Equivalence", "Gate", "GraphSpec", "KVCacheRunner",
            "StaticDecoder", "TensorSpec", "TorchGraph",
-           "equivalence_gate", "eval_plan", "load_result", "resolved", "run"]
-
-
-def load_result(stage_dir: Path) -> AdaptResult:
-    """This stage's record, read back from its folder (a UserError when it is missing or damaged)."""
-    return load_adapt(stage_dir)
+           "equivalence_gate", "eval_plan", "resolved", "run"]
 
 
 MIN_TOP1 = 0.999

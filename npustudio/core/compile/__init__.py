@@ -30,13 +30,13 @@ from ..evaluate import load_corpus, max_abs_diff, nll
 from ..fsutil import atomic_write_json, link_or_copy
 from ..graph import compile_process, embedding_lut, graph_io, lpbq_matmul, ort_qnn, store
 from ..graph.exported import read_test_vectors
-from ..graph.graph_io import IOEncoding
 from ..graph.kv_cache import Cache, KVCacheRunner
 from ..graph.ort_graph import OrtGraph, cpu_session
 from ..progress import Laps, StateLike, peak_rss_mb
-from ..results import CompileResult, Verification, load_compile, load_graphs, load_quantize
+from ..results import Compiled, CompileResult, IOEncoding, Verification
 from ..spawned import Spawned
 from ..stage_options import CompileOptions
+from ..stages import load_graphs
 from ..targets import find_soc
 from . import split
 
@@ -51,16 +51,11 @@ SIM_SECONDS_PER_WEIGHT = {"int8": 0.268e-6, "int4": 1.54e-6}
 SIDE_BY_SIDE_BYTES = 2**30
 
 
-def load_result(stage_dir: Path) -> CompileResult:
-    """This stage's record, read back from its folder (a UserError when it is missing or damaged)."""
-    return load_compile(stage_dir)
-
-
 def resolved(options: CompileOptions, quant_dir: Path) -> CompileOptions:
     """`options` with the values the stage comes to in place of its defaults: the target, by default the quantize
     stage's, by its part number; the embedding table in the graphs for qairt. The stage key hashes these, so the
     same work asked for by any front end has one key."""
-    update: dict[str, Any] = {"target": find_soc(options.target or load_quantize(quant_dir).target).soc}
+    update: dict[str, Any] = {"target": find_soc(options.target or stages.QUANTIZE.load(quant_dir).target).soc}
     if options.backend == "qairt":  # the SDK's converter keeps the table in the graph: the record says so
         update["embedding_lut"] = False
     return options.model_copy(update=update)
@@ -105,7 +100,7 @@ def run(quant_dir: Path, adapt_dir: Path, options: CompileOptions, out_dir: Path
         return qairt.run(quant_dir, options, out_dir, state)
     if options.backend != "ort-qnn":
         raise UserError(f"Unknown compile back-end {options.backend!r}.", "Use `ort-qnn` or `qairt`.")
-    qres = load_quantize(quant_dir)
+    qres = stages.QUANTIZE.load(quant_dir)
     target = find_soc(options.target or qres.target)
     graphs = qres.graphs
     lap = Laps()
@@ -200,11 +195,11 @@ def _clear(prep: Path, out_dir: Path, names: dict[str, list[str]]) -> None:
 
 
 def _compile_parts(prep: Path, out_dir: Path, graphs: list[str], names: dict[str, list[str]], target: Any,
-                   shared: bool, optimize: str, state: StateLike, lap: Laps) -> list[ort_qnn.Compiled]:
+                   shared: bool, optimize: str, state: StateLike, lap: Laps) -> list[Compiled]:
     """Compile every part of every graph, part by part (the prompt and token graph of a part together, so a
     weight-shared binary holds both); name the QNN graphs inside the binaries when there are several parts."""
     n_parts = len(names[graphs[0]])
-    compiled: list[ort_qnn.Compiled] = []
+    compiled: list[Compiled] = []
     hold: list[Any] = []  # the sessions of a context being shared, until its last graph
     todo = [(names[g][i], ("last" if g == graphs[-1] else "on") if shared else "")
             for i in range(n_parts) for g in graphs]
@@ -227,7 +222,7 @@ def _compile_parts(prep: Path, out_dir: Path, graphs: list[str], names: dict[str
 
 def _compile_side_by_side(prep: Path, out_dir: Path, names: dict[str, list[str]], target: Any, optimize: str,
                           state: StateLike, checks: Callable[[], dict[str, Any]] | None
-                          ) -> tuple[list[ort_qnn.Compiled], dict[str, Any]]:
+                          ) -> tuple[list[Compiled], dict[str, Any]]:
     """Every part of every graph compiled at once, each in a process of its own, while `checks` (the CPU-side
     verification, which needs no binary) runs here; the compiled graphs in part order, and what `checks` found."""
     n_parts = len(next(iter(names.values())))
@@ -263,7 +258,7 @@ def _cpu_checks(quant_dir: Path, adapt_dir: Path, prep: Path, graphs: list[str],
             "cpu": _on_cpu(_VerifyText(quant_dir, adapt_dir, o), prep, graphs, io, names, session)}
 
 
-def _refuse_cpu_nodes(g: str, c: ort_qnn.Compiled) -> None:
+def _refuse_cpu_nodes(g: str, c: Compiled) -> None:
     if c.nodes_on_cpu:
         listing = "; ".join(f"{n.op_type} {n.name}" + (f" ({n.reason})" if n.reason else "")
                             for n in c.nodes_on_cpu[:10])

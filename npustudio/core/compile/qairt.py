@@ -23,7 +23,8 @@ from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..progress import StateLike, peak_rss_mb
-from ..results import Verification, load_graphs, load_quantize
+from ..results import Verification
+from ..stages import QUANTIZE, load_graphs
 from ..targets import Soc, find_soc
 
 if TYPE_CHECKING:
@@ -169,13 +170,13 @@ def _find(x: Any, keys: tuple[str, ...]) -> Any:
 
 def run(quant_dir: Path, options: CompileOptions, out_dir: Path, state: StateLike) -> CompileResult:
     from ..graph.graph_io import activation_encodings
-    from ..graph.ort_qnn import Compiled
+    from ..results import Compiled
     from . import CompileResult
 
     root = sdk_root()
     version = sdk_version(root)
     warnings = check_version(version)
-    qres = load_quantize(quant_dir)
+    qres = QUANTIZE.load(quant_dir)
     target = find_soc(options.target or qres.target)
     graphs = qres.graphs
     specs = {g.name: (g.ar, g.cl) for g in load_graphs(quant_dir)}

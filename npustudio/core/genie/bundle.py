@@ -26,13 +26,10 @@ from ..results import (
     BundleResult,
     CompileResult,
     GraphSpec,
-    load_bundle,
-    load_card,
-    load_compile,
-    load_graphs,
 )
 from ..stage_options import DEFAULT_QUESTION as DEFAULT_QUESTION  # re-exported: declared with the options
 from ..stage_options import BundleOptions
+from ..stages import load_card, load_graphs
 from ..targets import Soc, find_soc
 from . import config as genie_config
 from . import decoding, draft, geniex, host, libgenie
@@ -40,11 +37,6 @@ from .libgenie import PD_BUDGET_BYTES
 from .meta import BundleMeta, GraphMeta
 
 FORMAT = stages.BUNDLE.format  # bumped in core/stages.py when the output changes meaning
-
-
-def load_result(stage_dir: Path) -> BundleResult:
-    """This stage's record, read back from its folder (a UserError when it is missing or damaged)."""
-    return load_bundle(stage_dir)
 
 
 def runtime_libraries(target: Soc) -> list[tuple[str, str]]:
@@ -103,7 +95,7 @@ def _check_draft(options: BundleOptions, shared: bool, out_dir: Path, cfg: dict[
 
 def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Path, state: StateLike) -> BundleResult:
     decoding.resolve(options.decoding, options.draft)
-    comp = load_compile(compile_dir)
+    comp = stages.COMPILE.load(compile_dir)
     card = load_card(adapt_dir)
     graphs = load_graphs(adapt_dir)
     target = find_soc(comp.target)

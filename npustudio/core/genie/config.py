@@ -17,7 +17,7 @@ from ..stage_options import Sampler as Sampler  # re-exported: the bundle option
 from ..targets import Soc
 
 if TYPE_CHECKING:
-    from ..graph.graph_io import IOEncoding
+    from ..results import IOEncoding
 
 
 def rope(card: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from ..errors import UserError
 from ..fsutil import link_or_copy, read_json
 from ..graph.embedding_lut import INPUT as LUT_INPUT
 from ..models import ArchCard
-from ..results import CompileResult, GraphSpec, load_card, load_compile, load_graphs
+from ..results import CompileResult, GraphSpec
+from ..stages import load_card, load_graphs
 
 NO_LUT_FIX = "Compile it with --no-embedding-lut (`npustudio compile --project P --no-embedding-lut --force`)."
 
@@ -49,7 +50,7 @@ def open_model(project: Path, what: str = "draft") -> Model:
         raise UserError(f"The {what} project {project} has no compiled graphs.",
                         f"Take the {what} model through the compile stage first (`npustudio run MODEL --project "
                         f"{project} --no-embedding-lut`).")
-    return Model(project, compile_dir, adapt_dir, load_card(adapt_dir), load_compile(compile_dir),
+    return Model(project, compile_dir, adapt_dir, load_card(adapt_dir), stages.COMPILE.load(compile_dir),
                  load_graphs(adapt_dir))
 
 

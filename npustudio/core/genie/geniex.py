@@ -18,9 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..graph.graph_io import IOEncoding
 from ..models import ArchCard
-from ..results import CompileResult
+from ..results import CompileResult, IOEncoding
 
 # model_type -> GenieX's pipeline prefix (its models/dispatch.h). The pipelines are the same spec-driven decoder for
 # these (the RoPE and tokens from genie_config.json); Qwen2 is Qwen2.5's architecture, Phi-3 Phi-3.5's.

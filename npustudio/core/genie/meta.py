@@ -12,8 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import layout
 from ..errors import UserError
 from ..fsutil import read_json
-from ..graph.graph_io import IOEncoding
-from ..results import validated
+from ..results import IOEncoding, validated
 from ..shape import DecoderSpec
 from ..targets import Soc
 

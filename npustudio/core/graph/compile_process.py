@@ -18,8 +18,9 @@ from typing import Any
 from ..errors import UserError
 from ..forked import Started, die_with_parent, leave, unpack
 from ..progress import StateLike
+from ..results import Compiled
 from ..targets import Soc
-from .ort_qnn import Compiled, GraphTooLarge, compile_graph
+from .ort_qnn import GraphTooLarge, compile_graph
 
 
 class Running(Started):

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..fsutil import atomic_write_bytes, atomic_writer
-from .graph_io import IOEncoding
+from ..results import IOEncoding
 
 INPUT = "inputs_embeds"  # the name Genie's qnn-htp engine looks for in the first part's inputs
 IDS = "input_ids"

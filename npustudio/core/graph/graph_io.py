@@ -18,23 +18,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from ..errors import UserError
+from ..results import IOEncoding
 from . import lpbq_matmul
 from .lpbq_matmul import Store
 
 # ops that only move data: ORT's QDQ selectors accept them with any (equal) in/out types
 _DATA_MOVEMENT = {"Reshape", "Transpose", "Concat", "Split", "Gather", "Squeeze", "Unsqueeze", "Slice", "Tile",
                   "Expand", "Identity", "Flatten"}
-
-
-class IOEncoding(BaseModel):
-    """How Genie (or any host) quantizes a graph input or dequantizes an output: float = (q - zp) * scale."""
-
-    dtype: str  # uint8 | uint16 | int32
-    scale: float = 1.0
-    zero_point: int = 0
 
 
 def prepare(src: Path, encodings_file: Path, dst: Path, lpbq: Store | None = None) -> dict[str, IOEncoding]:

@@ -15,8 +15,8 @@ import torch
 
 from .. import layout
 from ..errors import UserError
+from ..results import IOEncoding
 from . import embedding_lut
-from .graph_io import IOEncoding
 
 # Genie rounds its RoPE tables down into their encoding (measured: floor(x/scale) + zero point matches its
 # tables to the bit), everything else it hands over as the graph made it

@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from ..errors import UserError
 from ..native_io import fd_redirected
+from ..results import Compiled, CpuNode
 from ..targets import Soc
 
 QNN_EP = "QNNExecutionProvider"
@@ -27,24 +26,6 @@ QNN_EP = "QNNExecutionProvider"
 # gives the same logits and runs as fast on the simulator (mode 1 compiles in 17 s but runs 10 s slower there)
 FINALIZATION = {"phone": "3", "quick": "0"}
 _registered = False
-
-
-class CpuNode(BaseModel):
-    op_type: str
-    name: str
-    reason: str = ""
-
-
-class Compiled(BaseModel):
-    graph: str
-    context_onnx: str
-    context_bin: str
-    bin_bytes: int
-    seconds: float
-    nodes_on_qnn: int
-    nodes_on_cpu: list[CpuNode]
-    estimated_alloc_kb: int | None = None  # our estimate of the HTP allocation (core/parts.py)
-    qnn_alloc_kb: int | None = None  # QNN's own, when its log states it
 
 
 class GraphTooLarge(Exception):

@@ -19,7 +19,7 @@ from .. import evaluate, layout, model_fit, model_source, models, stages
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..progress import StateLike
-from ..results import MnnResult, load
+from ..results import EvalPlan, MnnResult
 from ..stage_options import MNN_BLOCK, MnnOptions
 from . import export as exporter
 from .runtime import MnnModel, threads
@@ -29,11 +29,7 @@ FORMAT = stages.MNN.format
 # the exporter maps an unknown type as a Llama, which would silently drop another family's options
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
-__all__ = ["MnnOptions", "MnnResult", "load_result", "resolved", "run", "validate"]
-
-
-def load_result(stage_dir: Path) -> MnnResult:
-    return load(stage_dir, layout.MNN_RESULT, MnnResult, stages.MNN.name)
+__all__ = ["MnnOptions", "MnnResult", "resolved", "run", "validate"]
 
 
 def validate(options: MnnOptions, card: models.ArchCard) -> None:
@@ -76,7 +72,7 @@ def run(source: model_source.ModelSource, card: models.ArchCard, options: MnnOpt
             exporter.write_float_folder(lm.model, lm.tokenizer, float_dir)
         else:
             exporter.link_float_folder(Path(str(source.path)), float_dir)
-        plan = evaluate.EvalPlan(corpus=options.eval_corpus, window=options.window,
+        plan = EvalPlan(corpus=options.eval_corpus, window=options.window,
                                  tokens=options.eval_tokens or evaluate.auto_eval_tokens(card.params))
         ids = evaluate.eval_ids(lm.tokenizer, plan)
         ws = evaluate.windows(ids, plan.window)

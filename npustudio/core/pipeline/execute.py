@@ -22,21 +22,23 @@ from ..fsutil import atomic_write_json
 from ..genie import bundle as bundle_stage
 from ..genie import decoding
 from ..progress import StateLike, free_big_blocks_at_once
-from ..project import Project, StageRecord
-from ..results import IntakeResult, StageOptions, load_card
+from ..project import Done, Project, StageRecord
+from ..results import BundleResult, CompileResult, IntakeResult, StageOptions
 from ..stage_options import (
     AdaptOptions,
     BundleOptions,
     CompileOptions,
-    IntakeOptions,
     LoraAdapter,
     MnnOptions,
     QuantizeOptions,
     widens,
 )
-from ..stages import O
+from ..stages import O, R
 from .status import _require
 
+# a stage's body where it runs (here, or on a cluster worker): (its inputs' folders, its arguments, the output folder,
+# the state) -> its result as JSON
+Body = Callable[[dict[str, Path], tuple[Any, ...], Path, StateLike], dict[str, Any]]
 INTAKE = stages.MODEL.name  # the stage that reads the model: its record, not work worth a project folder
 
 
@@ -118,7 +120,7 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
     `cluster` runs it on that Ray cluster; `later`: the quantize options the job goes on with, refused here
     already where the model cannot take them."""
     source, mrec = intake(project, model, options.cl, state.sub(0.0, 0.05))
-    card = mrec.result_as(IntakeResult).card
+    card = Done.of(stages.MODEL, mrec).result.card
     adapt_stage.validate(options, card)  # before any weight is loaded
     if later is not None:
         quantize_stage.validate(later, card)
@@ -168,9 +170,9 @@ def quantize(project: Project, options: quantize_stage.QuantizeOptions, state: S
              force: bool = False, cluster: Cluster | None = None) -> StageRecord:
     """Quantize the project's adapted graphs (the adapt stage must have finished)."""
     up = _require(project, stages.ADAPT)  # before reading its graphs
-    quantize_stage.validate(options, load_card(project.stage_dir(stages.ADAPT.name)))
+    quantize_stage.validate(options, stages.load_card(project.stage_dir(stages.ADAPT.name)))
     options = quantize_stage.resolved(options, project.stage_dir(stages.ADAPT.name))  # one key for the same work
-    rec = _made_from(project, stages.QUANTIZE, up, options, state, force, cluster)
+    rec = _made_from(project, stages.QUANTIZE, _quantize_body, up, options, state, force, cluster)
     project.choose(target=options.target)  # what the stage was made for is the target now, from the CLI too
     return rec
 
@@ -180,7 +182,7 @@ def compile_graphs(project: Project, options: compile_stage.CompileOptions, stat
     """Compile the quantized graphs to QNN HTP context binaries and verify them on the simulator."""
     up = _require(project, stages.QUANTIZE)  # before reading its options
     options = compile_stage.resolved(options, project.stage_dir(stages.QUANTIZE.name))  # one key for the same work
-    return _made_from(project, stages.COMPILE, up, options, state, force, cluster)
+    return _made_from(project, stages.COMPILE, _compile_body, up, options, state, force, cluster)
 
 
 def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLike,
@@ -189,7 +191,8 @@ def bundle(project: Project, options: bundle_stage.BundleOptions, state: StateLi
     (draft-model decoding) is named by its absolute folder and its compile record: compiled again, it makes the
     bundle stale."""
     options = bundle_resolved(project, options)
-    return _made_from(project, stages.BUNDLE, _require(project, stages.COMPILE), options, state, force, None)
+    return _made_from(project, stages.BUNDLE, _bundle_body, _require(project, stages.COMPILE), options, state, force,
+                      None)
 
 
 def bundle_resolved(project: Project, options: bundle_stage.BundleOptions) -> bundle_stage.BundleOptions:
@@ -202,12 +205,12 @@ def bundle_resolved(project: Project, options: bundle_stage.BundleOptions) -> bu
         if folder == project.root.resolve():
             raise UserError("The draft project is this project itself: a model drafting for itself proposes exactly "
                             "what it checks, and gains nothing.", "Name another project, with a smaller model.")
-        rec = Project.open(folder, create=False).record(stages.COMPILE.name) if folder.is_dir() else None
-        if rec is None or rec.status != "done":
+        rec = Project.open(folder, create=False).record(stages.COMPILE) if folder.is_dir() else None
+        if rec is None:
             raise UserError(f"The draft project {folder} has no finished compile stage.",
                             f"Take the draft model through the compile stage first (`npustudio run MODEL --project "
                             f"{folder} --no-embedding-lut`).")
-        options = options.model_copy(update={"draft": str(folder), "draft_key": rec.key})
+        options = options.model_copy(update={"draft": str(folder), "draft_key": rec.record.key})
     return options
 
 
@@ -215,17 +218,17 @@ def mnn(project: Project, options: mnn_stage.MnnOptions, state: StateLike, force
         model: str | None = None) -> StageRecord:
     """The MNN back-end: the project's float model (read again, so an edited model is seen) exported by MNN's
     exporter and checked against the float model on this computer."""
-    adapted = project.record(stages.ADAPT.name)
-    if adapted is not None and adapted.options_as(AdaptOptions).lora:
+    adapted = project.record(stages.ADAPT)
+    if adapted is not None and adapted.options.lora:
         raise UserError("This project's model has LoRA adapters merged; the MNN back-end exports the base model "
                         "without them, which would answer differently.",
                         "Use the Genie bundle for the fine-tuned model, or make the MNN model in a project without "
                         "adapters.")
-    choices, prev = project.choices(), project.record(INTAKE)
+    choices, prev = project.choices(), project.record(stages.MODEL)
     # at the context length the model was read for: another would make the Genie stages stale
-    cl = prev.options_as(IntakeOptions).cl if prev is not None and prev.status == "done" else choices.cl
+    cl = prev.options.cl if prev is not None else choices.cl
     source, mrec = intake(project, model or choices.model, cl, state.sub(0.0, 0.02))
-    card = mrec.result_as(IntakeResult).card
+    card = Done.of(stages.MODEL, mrec).result.card
     options = mnn_stage.resolved(options, card)  # before any weight is loaded; one key for the same work
 
     def fn(out: Path) -> dict[str, Any]:
@@ -240,21 +243,22 @@ def mnn(project: Project, options: mnn_stage.MnnOptions, state: StateLike, force
     return rec
 
 
-def _made_from(project: Project, spec: stages.StageSpec[Any], up: StageRecord, options: StageOptions, state: StateLike,
-               force: bool, cluster: Cluster | None) -> StageRecord:
+def _made_from(project: Project, spec: stages.StageSpec[Any, Any], body: Body, up: Done[Any, Any],
+               options: StageOptions, state: StateLike, force: bool, cluster: Cluster | None) -> StageRecord:
     """A stage made from the one before it: its record keys that stage's key and its own output format (redoing
-    the earlier stage, or a new format, makes it stale); its body reads `spec.reads`' folders, here or on the
-    cluster when the stage may run there. `up`: the intact record of the stage it requires (`_require`, checked
-    once by the caller, which reads that stage's folder before this)."""
+    the earlier stage, or a new format, makes it stale); its `body` reads `spec.reads`' folders, here or on the
+    cluster when the stage may run there (a module-level function: a cluster worker unpickles it by name). `up`:
+    the intact record of the stage it requires (`_require`, checked once by the caller, which reads that stage's
+    folder before this)."""
     assert spec.requires is not None
     where = cluster if spec.remote else None
 
     def fn(out: Path) -> dict[str, Any]:
         inputs = {s: project.stage_dir(s) for s in spec.reads}
-        return _on(where, spec.name, BODIES[spec.name], inputs, (_card(project), options), out, state,
+        return _on(where, spec.name, body, inputs, (_card(project), options), out, state,
                    getattr(options, "device", "cpu"))
 
-    rec, _ = project.run_stage(spec.name, inputs={spec.requires: up.key, "format": spec.format},
+    rec, _ = project.run_stage(spec.name, inputs={spec.requires: up.record.key, "format": spec.format},
                                options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(where))
     return rec
 
@@ -285,12 +289,6 @@ def _bundle_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, stat
     return res.model_dump() | {"folder": str(inputs["compile"].parent / stages.BUNDLE.name)}
 
 
-# each stage's body where it runs (here, or on a cluster worker: a module-level function, pickled by name)
-BODIES: dict[str, Callable[[dict[str, Path], tuple[Any, ...], Path, StateLike], dict[str, Any]]] = {
-    stages.ADAPT.name: _adapt_body, stages.QUANTIZE.name: _quantize_body, stages.COMPILE.name: _compile_body,
-    stages.BUNDLE.name: _bundle_body}
-
-
 def _on(cluster: Cluster | None, stage: str, body: Any, inputs: Mapping[str, Path | list[Path]], args: Any, out: Path,
         state: StateLike, device: str = "cpu") -> dict[str, Any]:
     """`body` here, or on the Ray cluster at `cluster` (the inputs sent, the output folder brought back)."""
@@ -307,40 +305,43 @@ def _ran_on(cluster: Cluster | None) -> str | None:
 
 
 def _card(project: Project) -> models.ArchCard | None:
-    rec = project.record(stages.MODEL.name)
-    return rec.result_as(IntakeResult).card if rec is not None and rec.status == "done" else None
+    rec = project.record(stages.MODEL)
+    return rec.result.card if rec is not None else None
 
 
-def run_stage(project: Project, spec: stages.StageSpec[O], options: O, state: StateLike, *,
+def run_stage(project: Project, spec: stages.StageSpec[O, R], options: O, state: StateLike, *,
               force: bool = False, cluster: Cluster | None = None, model: str | None = None,
-              where: Literal["here", "child"] = "here") -> StageRecord:
+              where: Literal["here", "child"] = "here") -> Done[O, R]:
     """Any stage, by its declaration: the one call the window, the CLI and the main job make. `where="child"`
     runs it in a spawned process (the window: AIMET and the ONNX export hold the GIL for hundreds of ms), with
     progress, partial results and cancel carried across; `cluster` sends a stage that may run there to Ray."""
     if type(options) is not spec.options:
         raise TypeError(f"the {spec.name} stage takes {spec.options.__name__}, not {type(options).__name__}")
     if where == "child":
-        rec: StageRecord = isolated.run(partial(run_stage, force=force, cluster=cluster, model=model), project,
+        done: Done[O, R] = isolated.run(partial(run_stage, force=force, cluster=cluster, model=model), project,
                                         spec, options, state=state)
-        return rec
+        return done
     match options:  # the options' type is the stage's (checked above)
         case AdaptOptions():
-            return adapt(project, model or project.choices().model, options, state, force=force, cluster=cluster)
+            rec = adapt(project, model or project.choices().model, options, state, force=force, cluster=cluster)
         case QuantizeOptions():
-            return quantize(project, options, state, force=force, cluster=cluster)
+            rec = quantize(project, options, state, force=force, cluster=cluster)
         case CompileOptions():
-            return compile_graphs(project, options, state, force=force, cluster=cluster)
+            rec = compile_graphs(project, options, state, force=force, cluster=cluster)
         case BundleOptions():
-            return bundle(project, options, state, force=force)
+            rec = bundle(project, options, state, force=force)
         case MnnOptions():
-            return mnn(project, options, state, force=force, model=model)
-    raise ValueError(f"{spec.name} is not run with options: it is read by `intake`")
+            rec = mnn(project, options, state, force=force, model=model)
+        case _:
+            raise ValueError(f"{spec.name} is not run with options: it is read by `intake`")
+    return Done.of(spec, rec)
 
 
 def compile_and_bundle(project: Project, options: compile_stage.CompileOptions, state: StateLike,
-                       boptions: bundle_stage.BundleOptions | None = None,
-                       force: bool = False, cluster: Cluster | None = None) -> tuple[StageRecord, StageRecord]:
+                       boptions: bundle_stage.BundleOptions | None = None, force: bool = False,
+                       cluster: Cluster | None = None
+                       ) -> tuple[Done[CompileOptions, CompileResult], Done[BundleOptions, BundleResult]]:
     """Compile (+ simulator check), then the libGenie-validated bundle: the wizard's Compile step."""
     crec = compile_graphs(project, options, state.sub(0.0, 0.9), force=force, cluster=cluster)
     brec = bundle(project, boptions or bundle_stage.BundleOptions(), state.sub(0.9, 1.0), force=force)
-    return crec, brec
+    return Done.of(stages.COMPILE, crec), Done.of(stages.BUNDLE, brec)

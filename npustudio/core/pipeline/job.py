@@ -14,11 +14,11 @@ from ..errors import UserError
 from ..genie import bundle as bundle_stage
 from ..genie import draft
 from ..progress import State, StateLike
-from ..project import Project
-from ..results import AdaptResult, BundleResult, CompileResult, IntakeResult, QuantizeResult
-from ..stage_options import AdaptOptions
+from ..project import Done, Project
+from ..stage_options import planned, user_value
 from .execute import adapt, bundle_resolved, compile_and_bundle, opened, quantize
 from .phone import ask_on_device
+from .status import _require
 from .summaries import (
     RunSummary,
     StageFigures,
@@ -42,8 +42,7 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     qoptions = qoptions or quantize_stage.QuantizeOptions()
     coptions = coptions or compile_stage.CompileOptions()
     boptions = boptions or bundle_stage.BundleOptions()
-    if "optimize" not in coptions.model_fields_set:
-        coptions = coptions.model_copy(update={"optimize": graphs_for(ask)})
+    coptions = planned(coptions, optimize=graphs_for(ask))
     state = state or State()
     with opened(project_dir) as project:
         boptions, coptions = _decoding_planned(project, boptions, coptions)
@@ -59,14 +58,14 @@ def run_all(project_dir: Path, model: str = "default", options: adapt_stage.Adap
     if ask:
         sample = ask_on_device(project, on_text=on_text, state=state.sub(0.9, 1.0))
     m = project.load()
-    b = brec.result_as(BundleResult)
+    adapted = Done.of(stages.ADAPT, rec)
     return RunSummary(
         project=str(project.root),
-        model=m.stages["model"].result_as(IntakeResult).card.source,
-        adapt=adapt_summary(rec.result_as(AdaptResult), rec.options_as(AdaptOptions).lora),
-        quantize=quantize_summary(qrec.result_as(QuantizeResult), project.stage_dir(stages.QUANTIZE.name)),
-        compile=compile_summary(crec.result_as(CompileResult)),
-        bundle=bundle_summary(b),
+        model=Done.of(stages.MODEL, m.stages[stages.MODEL.name]).result.card.source,
+        adapt=adapt_summary(adapted.result, adapted.options.lora),
+        quantize=quantize_summary(Done.of(stages.QUANTIZE, qrec).result, project.stage_dir(stages.QUANTIZE.name)),
+        compile=compile_summary(crec.result),
+        bundle=bundle_summary(brec.result),
         sample=sample,
         stages={n: StageFigures(seconds=round(s.seconds, 2), peak_rss_mb=round(s.peak_rss_mb))
                 for n, s in m.stages.items()},
@@ -81,10 +80,10 @@ def _decoding_planned(project: Project, boptions: bundle_stage.BundleOptions,
     (Genie's speculative dialogs refuse the embedding lookup table) unless the user asked for the table."""
     boptions = bundle_resolved(project, boptions)
     if boptions.draft:
-        if "embedding_lut" in coptions.model_fields_set and coptions.embedding_lut:
+        if user_value(coptions, "embedding_lut"):
             raise UserError("Draft-model decoding cannot use the embedding lookup table: Genie's speculative dialogs "
                             "refuse it.", "Leave --embedding-lut out (or give --no-embedding-lut) with --draft.")
-        coptions = coptions.model_copy(update={"embedding_lut": False})
+        coptions = planned(coptions, embedding_lut=False)
     return boptions, coptions
 
 
@@ -95,13 +94,11 @@ def job_plan(project: Project, qoptions: quantize_stage.QuantizeOptions, coption
     """What the main job builds so that the bundle loads where it goes (`model_fit.plan` over the model's recorded
     fit): the precision unless the user chose one, weight sharing for a phone unless told, and for the simulator the
     prompt graphs only when its contexts fit one protection domain with them."""
-    fit = project.record(stages.MODEL.name).result_as(IntakeResult).fit  # type: ignore[union-attr]
+    fit = _require(project, stages.MODEL).result.fit
     destination: Literal["phone", "simulator"] = "phone" if coptions.optimize == "phone" else "simulator"
-    given = qoptions.precision if "precision" in qoptions.model_fields_set else None
-    chosen = model_fit.plan(fit, destination, given)
-    qoptions = qoptions.model_copy(update={"precision": chosen.precision})
-    if "weight_sharing" not in coptions.model_fields_set:
-        coptions = coptions.model_copy(update={"weight_sharing": chosen.weight_sharing})
+    chosen = model_fit.plan(fit, destination, user_value(qoptions, "precision"))
+    qoptions = planned(qoptions, precision=chosen.precision)
+    coptions = planned(coptions, weight_sharing=chosen.weight_sharing)
     boptions = boptions or bundle_stage.BundleOptions()
     if boptions.draft and not chosen.prompt_graphs:
         raise UserError(f"Draft-model decoding checks the draft's tokens with the target's prompt graph, but this "

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from ..targets import Soc
 from ..progress import State, StateLike
 from ..project import Deployed, Project
-from ..results import IntakeResult, QuantizeResult
 from .status import _require, stale_reasons
 
 
@@ -31,10 +30,11 @@ def deploy(project: Project, dev: Any, state: StateLike, force: bool = False) ->
 
     brec = _require(project, stages.BUNDLE)
     folder = project.stage_dir(stages.BUNDLE.name)
-    recorded = {f.name: (fr.bytes, fr.mtime_ns, fr.sha256) for fr in brec.outputs
+    recorded = {f.name: (fr.bytes, fr.mtime_ns, fr.sha256) for fr in brec.record.outputs
                 if fr.mtime_ns is not None and (f := project.root / fr.path).parent == folder}
     res = device_deploy.deploy(folder, dev, state, force=force, recorded=recorded)
-    project.choose(deployed=Deployed(device=res.device, remote_dir=res.remote_dir, bundle=brec.key, at=time.time()))
+    project.choose(deployed=Deployed(device=res.device, remote_dir=res.remote_dir, bundle=brec.record.key,
+                                     at=time.time()))
     return res
 
 
@@ -47,10 +47,10 @@ def deploy_mnn(stage_dir: Path, dev: Any, state: StateLike, force: bool = False)
     A phone needs that runtime, and is refused before any byte moves without it; the virtual device answers
     llm_demo itself (MNN's runtime on this computer)."""
     from ..device import deploy as device_deploy
-    from ..mnn import android, config_check, load_result
+    from ..mnn import android, config_check
 
     stage_dir = Path(stage_dir)
-    record = load_result(stage_dir)  # "not an MNN model" before anything else
+    record = stages.MNN.load(stage_dir)  # "not an MNN model" before anything else
     files = device_deploy.folder_files(stage_dir / layout.MNN_MODEL, MNN_HOST_ONLY.__contains__, "the MNN model",
                                        "Export the model again: `npustudio compile --backend mnn --project P "
                                        "--force`.")
@@ -137,14 +137,14 @@ def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, fl
     Target pages both show these."""
     from ..genie import profile
 
-    rec = project.record(stages.MODEL.name)
-    if rec is None or rec.status != "done":
+    rec = project.record(stages.MODEL)
+    if rec is None:
         return []
-    intake = rec.result_as(IntakeResult)
+    intake = rec.result
     built = None
-    quant, bundle = project.record(stages.QUANTIZE.name), project.record(stages.BUNDLE.name)
-    if quant and bundle and bundle.status == "done" and "bundle" not in stale_reasons(project):
-        built = quant.result_as(QuantizeResult).precision
+    quant, bundle = project.record(stages.QUANTIZE), project.record(stages.BUNDLE)
+    if quant and bundle and stages.BUNDLE.name not in stale_reasons(project):
+        built = quant.result.precision
     out = []
     for f in intake.fit:
         if f.precision == built:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel
 
 from .. import stages
 from ..errors import UserError
-from ..project import Manifest, Project, StageRecord
-from ..results import IntakeResult
-from ..stage_options import AdaptOptions, IntakeOptions, QuantizeOptions
+from ..project import Done, Manifest, Project
+from ..stages import O, R
 
 
 def stage_status(project: Project) -> dict[str, str | None]:
@@ -87,23 +86,26 @@ def _stale(m: Manifest) -> dict[str, str]:
         elif prev is None or prev.status != "done":
             out[name] = f"the {up} stage it was made from is gone"
         elif name == stages.ADAPT.name and rec.inputs.get("model") != prev.inputs.get("model"):
-            out[name] = f"another model was read ({prev.result_as(IntakeResult).source.spec})"
-        elif name == stages.ADAPT.name and (cl := rec.options_as(AdaptOptions).cl) != prev.options_as(IntakeOptions).cl:
-            out[name] = f"the context length is now {prev.options_as(IntakeOptions).cl} (adapted for {cl})"
+            out[name] = f"another model was read ({Done.of(stages.MODEL, prev).result.source.spec})"
+        elif name == stages.ADAPT.name and (cl := Done.of(stages.ADAPT, rec).options.cl) != (
+                now := Done.of(stages.MODEL, prev).options.cl):
+            out[name] = f"the context length is now {now} (adapted for {cl})"
         elif name != stages.ADAPT.name and rec.inputs.get(up) != prev.key:
             out[name] = f"the {up} stage was run again since"
-        elif name == stages.QUANTIZE.name and target and (made_for := rec.options_as(QuantizeOptions).target) != target:
+        elif name == stages.QUANTIZE.name and target and (
+                made_for := Done.of(stages.QUANTIZE, rec).options.target) != target:
             out[name] = f"the target is now {target} (quantized for {made_for})"
     return out
 
 
-def _require(project: Project, spec: stages.StageSpec[Any]) -> StageRecord:
-    """The record of an earlier stage that finished and whose outputs are intact; else say what to rerun."""
-    rec = project.record(spec.name)
+def _require(project: Project, spec: stages.StageSpec[O, R]) -> Done[O, R]:
+    """The record of an earlier stage that finished and whose outputs are intact; else say what to rerun (outputs
+    edited since are said before a record that does not read as the stage's)."""
+    raw = project.load().stages.get(spec.name)
     rerun = f"npustudio {spec.command} --project {project.root}"
-    if spec == stages.ADAPT and rec is not None:
-        rerun = f"npustudio adapt {rec.inputs.get('model', {}).get('spec', 'MODEL')} --project {project.root}"
-    if rec is None or rec.status != "done":
+    if spec == stages.ADAPT and raw is not None:
+        rerun = f"npustudio adapt {raw.inputs.get('model', {}).get('spec', 'MODEL')} --project {project.root}"
+    if raw is None or raw.status != "done":
         raise UserError(f"The project {project.root} has no intact {spec.what} yet.",
                         f"Run `{rerun}` first (or `npustudio run`).")
     changed = project.changed(spec.name)
@@ -111,4 +113,4 @@ def _require(project: Project, spec: stages.StageSpec[Any]) -> StageRecord:
         shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
         raise UserError(f"The {spec.what} in {project.root} was changed after the {spec.name} stage wrote it "
                         f"({shown}).", f"Rerun that stage: `{rerun}` (it redoes the stage), then this command again.")
-    return rec
+    return Done.of(spec, raw)

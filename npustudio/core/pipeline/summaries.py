@@ -9,10 +9,10 @@ from pydantic import BaseModel, Field
 
 from .. import model_fit, parts, stages
 from ..lora import label
-from ..project import Project, StageRecord
+from ..project import Done, Project
 from ..quantize.presets import takes_4bit_head
 from ..results import AdaptResult, BundleResult, CompileResult, MnnResult, QuantizeResult, Verification
-from ..stage_options import AdaptOptions, LoraAdapter
+from ..stage_options import LoraAdapter
 from .phone import SampleAnswer
 
 
@@ -149,14 +149,18 @@ def bundle_summary(r: BundleResult) -> BundleSummary:
                          spd_check=r.spd_check, phone_decode_tok_s=r.phone_decode_tok_s, target=r.target)
 
 
-def summary(stage: str, rec: StageRecord, project: Project) -> BaseModel:
-    """What the views show of a finished stage's record: one shape per stage, for the tables and `--json`."""
-    if stage == stages.ADAPT.name:
-        return adapt_summary(rec.result_as(AdaptResult), rec.options_as(AdaptOptions).lora)
-    if stage == stages.QUANTIZE.name:
-        return quantize_summary(rec.result_as(QuantizeResult), project.stage_dir(stage))
-    if stage == stages.COMPILE.name:
-        return compile_summary(rec.result_as(CompileResult))
-    if stage == stages.MNN.name:
-        return rec.result_as(MnnResult)  # its record is already what a person reads
-    return bundle_summary(rec.result_as(BundleResult))
+def summary(done: Done[Any, Any], project: Project) -> BaseModel:
+    """What the views show of a finished stage's record: one shape per stage (told by its result's type), for the
+    tables and `--json`."""
+    match done.result:
+        case AdaptResult():
+            return adapt_summary(done.result, done.options.lora)
+        case QuantizeResult():
+            return quantize_summary(done.result, project.stage_dir(stages.QUANTIZE.name))
+        case CompileResult():
+            return compile_summary(done.result)
+        case BundleResult():
+            return bundle_summary(done.result)
+        case MnnResult():
+            return done.result  # its record is already what a person reads
+    raise TypeError(f"the {done.record.name} stage has no summary: its record is read by `info`")

@@ -44,9 +44,10 @@ from ..graph.half_weights import widen_while_computing
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
 from ..recipe_rules import refusal
-from ..results import QuantizeResult, load_card, load_graphs, load_quantize
+from ..results import QuantizeResult
 from ..shape import DecoderShape
 from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotates, widens
+from ..stages import load_card, load_graphs
 from ..targets import find_soc
 from . import adascale, export, int8_budget, omniquant, simulate, spinquant
 from .fast_qdq import fast_fake_quantize
@@ -58,11 +59,6 @@ FORMAT = stages.QUANTIZE.format  # bumped in core/stages.py when the output chan
 # the tokenizer, and the graphs' names and I/O (the exported graphs are the adapted ones, quantized)
 COPIED_FILES = (layout.TOKENIZER, "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                 layout.GRAPHS)
-
-
-def load_result(stage_dir: Path) -> QuantizeResult:
-    """This stage's record, read back from its folder (a UserError when it is missing or damaged)."""
-    return load_quantize(stage_dir)
 
 
 @compute.plain_convolutions

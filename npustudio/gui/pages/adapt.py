@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from PySide6.QtWidgets import QCheckBox
-
 from ...core import pipeline, stages
 from ...core.results import AdaptResult
 from ...core.stage_options import AdaptOptions
 from ..charts import PplChart
-from ..fields import limit_context, spin
+from ..fields import Form, limit_context
 from ..widgets import BAD, Page, fill, table, with_note
 from ..window import StudioWindow
 
@@ -22,11 +18,12 @@ class AdaptPage(Page):
 
     def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
-        self.ar = spin(AdaptOptions, "ar", step=32)
-        self.cl = spin(AdaptOptions, "cl", step=128)
+        self.fields = Form(AdaptOptions)
+        self.ar = self.fields.spin("ar", step=32)
+        self.cl = self.fields.spin("cl", step=128)
         self.form.addRow("Prompt tokens per step (AR):", self.ar)
         self.form.addRow("Context length (CL):", self.cl)
-        self.accept_mismatch = QCheckBox("Keep graphs that fail the equivalence gate")
+        self.accept_mismatch = self.fields.check("accept_mismatch", "Keep graphs that fail the equivalence gate")
         self.form.addRow("", with_note(self.accept_mismatch, "They will not answer like the original model."))
         self.add_strip("Adapt", redo=True)
         self.chart = PplChart()
@@ -36,43 +33,30 @@ class AdaptPage(Page):
         self.strip.run.clicked.connect(lambda: self.start())
 
     def options(self) -> AdaptOptions:
-        return self.project.rerun_options(stages.ADAPT.name, AdaptOptions, ar=self.ar.value(), cl=self.cl.value(),
-                                          device=self.window_.settings.device,
-                                          accept_mismatch=self.accept_mismatch.isChecked(),
+        return self.project.rerun_options(stages.ADAPT, **self.fields.values(), device=self.window_.settings.device,
                                           lora=self.project.choices().lora)  # picked on the Model page
 
     def start(self, force: bool = False) -> None:
-        project, opts = self.project, self.unless_refused(self.options)
+        opts = self.unless_refused(self.options)
         if opts is None:
             return
-        model = project.choices().model
         self.chart.clear_results()
         self.strip.status.setStyleSheet("")
-        cluster = self.window_.settings.cluster  # None: here
-
-        def work(state: Any) -> AdaptResult:
-            rec = pipeline.run_stage(project, stages.ADAPT, opts, state, force=force, cluster=cluster, model=model,
-                                     where="child")
-            return rec.result_as(AdaptResult)
-
-        self.strip.start(work, self.finish, "Adapting", on_partial=self.ppl_point)
+        self.run(stages.ADAPT, opts, "Adapting", force=force, model=self.project.choices().model)
 
     def refresh(self) -> None:
-        rec = self.project.record(stages.ADAPT.name)
+        rec = self.project.record(stages.ADAPT)
         ch = self.project.choices()
         limit_context(self.cl, self.project)
-        if rec and rec.status == "done":
-            o = rec.options_as(AdaptOptions)
-            self.ar.setValue(o.ar)
-            self.cl.setValue(o.cl)
-            self.accept_mismatch.setChecked(o.accept_mismatch)
-            self.show_result(rec.result_as(AdaptResult))
+        if rec:
+            self.fields.show(rec.options)
+            self.show_result(rec.result)
         else:
             self.cl.setValue(ch.cl)
 
     def show_result(self, r: AdaptResult) -> None:
-        rec = self.project.record(stages.ADAPT.name) if self.project else None
-        s = pipeline.adapt_summary(r, rec.options_as(AdaptOptions).lora if rec and rec.status == "done" else ())
+        rec = self.project.record(stages.ADAPT) if self.project else None
+        s = pipeline.adapt_summary(r, rec.options.lora if rec else ())
         if not self.chart.series:
             self.chart.extend(list(r.per_window))
         accepted = s.gate == "failed, accepted"

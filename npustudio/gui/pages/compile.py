@@ -20,10 +20,11 @@ from PySide6.QtWidgets import (
 from ...core import isolated, pipeline, stages
 from ...core.compile import qairt
 from ...core.errors import UserError
+from ...core.project import Done
 from ...core.results import BundleResult, CompileResult, MnnResult
 from ...core.stage_options import BACKEND_NOTES, BundleOptions, CompileOptions, MnnOptions
 from ...display import human_bytes
-from ..fields import combo, spin
+from ..fields import Form
 from ..widgets import Page, fill, table, with_note
 from ..window import StudioWindow
 
@@ -58,22 +59,23 @@ class CompilePage(Page):
         self.mnn = QRadioButton("MNN for a phone's CPU or GPU (made from the float model)")
         self.mnn.setToolTip(BACKEND_NOTES["mnn"] + ": for phones without a Hexagon NPU")
         self.backend.addButton(self.mnn, 2)
-        self.verify = spin(CompileOptions, "verify_tokens", step=32)
+        self.fields = Form(CompileOptions)
+        self.verify = self.fields.spin("verify_tokens", step=32)
         self.form.addRow("Back-end:", self.embedded)
         self.form.addRow("", self.sdk)
-        self.mnn_bits = combo(MnnOptions, "bits", {4: "4-bit weight blocks, LM head 8-bit", 8: "8-bit weights"})
+        self.mnn_fields = Form(MnnOptions)
+        self.mnn_bits = self.mnn_fields.combo("bits", {4: "4-bit weight blocks, LM head 8-bit", 8: "8-bit weights"})
         self.form.addRow("", with_note(self.mnn, "MNN's exporter and runtime, for phones without a Hexagon NPU; "
                                                  "checked against the float model on this computer."))
         self.form.addRow("MNN weights:", self.mnn_bits)
-        self.share = QCheckBox("Weight sharing (for a phone)")
+        self.share = self.fields.check("weight_sharing", "Weight sharing (for a phone)")
         self.form.addRow("Verify on the simulator (tokens):", self.verify)
         self.form.addRow("", with_note(self.share, "One binary per part holding the prompt and token graphs, weights "
                                                    "once. The simulator and the virtual device cannot load it."))
         self.quick = QCheckBox("Quick compile (for the simulator)")
         self.form.addRow("", with_note(self.quick, "QNN's default graph finalization: about twice as fast, the same "
                                                    "answers; deploy to a phone asks for a compile for the phone."))
-        self.lut = QCheckBox("Embedding table on the CPU (Genie's lookup table)")
-        self.lut.setChecked(CompileOptions().embedding_lut)
+        self.lut = self.fields.check("embedding_lut", "Embedding table on the CPU (Genie's lookup table)")
         self.form.addRow("", with_note(self.lut, "Keeps the 16-bit table out of the NPU contexts, where each graph of "
                                                  "the first part would hold it; Genie copies each token's row in."))
         self.draft = QLineEdit()
@@ -86,7 +88,8 @@ class CompilePage(Page):
         self.no_draft = QToolButton()
         self.no_draft.setText("None")
         self.no_draft.clicked.connect(lambda: self.set_draft(None))
-        self.draft_len = spin(BundleOptions, "draft_len")
+        self.bundle_fields = Form(BundleOptions)
+        self.draft_len = self.bundle_fields.spin("draft_len")
         row = QHBoxLayout()
         row.addWidget(self.draft, 1)
         row.addWidget(pick)
@@ -130,14 +133,12 @@ class CompilePage(Page):
             self.lut.setChecked(False)
 
     def bundle_options(self) -> BundleOptions:
-        return self.project.rerun_options(stages.BUNDLE.name, BundleOptions, draft=self.draft.text() or None,
-                                          draft_len=self.draft_len.value())
+        return self.project.rerun_options(stages.BUNDLE, **self.bundle_fields.values(), draft=self.draft.text() or None)
 
     def options(self) -> CompileOptions:
-        return self.project.rerun_options(
-            stages.COMPILE.name, CompileOptions, backend="qairt" if self.sdk.isChecked() else "ort-qnn",
-            verify_tokens=self.verify.value(), weight_sharing=self.share.isChecked(),
-            embedding_lut=self.lut.isChecked(), optimize="quick" if self.quick.isChecked() else "phone")
+        return self.project.rerun_options(stages.COMPILE, **self.fields.values(),
+                                          backend="qairt" if self.sdk.isChecked() else "ort-qnn",
+                                          optimize="quick" if self.quick.isChecked() else "phone")
 
     def _backend_chosen(self, mnn: bool) -> None:
         """MNN takes its own options; the QNN ones stay out of its way (and its result is shown when it has one)."""
@@ -160,24 +161,18 @@ class CompilePage(Page):
         cluster = self.window_.settings.cluster  # None: here
 
         def work(state: Any) -> tuple[CompileResult, BundleResult]:
+            # the two stages in one process: the bundle's libGenie check follows the compile with no new start
             run = partial(pipeline.compile_and_bundle, boptions=bopts, force=force, cluster=cluster)
-            crec, brec = isolated.run(run, project, opts, state=state)
-            return crec.result_as(CompileResult), brec.result_as(BundleResult)
+            made: tuple[Done[CompileOptions, CompileResult], Done[BundleOptions, BundleResult]] = isolated.run(
+                run, project, opts, state=state)
+            return made[0].result, made[1].result
 
         self.strip.start(work, self.finish, "Compiling")
 
     def _start_mnn(self, force: bool) -> None:
-        project = self.project
-        opts = self.unless_refused(
-            lambda: project.rerun_options(stages.MNN.name, MnnOptions, bits=self.mnn_bits.currentData()))
-        if opts is None:
-            return
-
-        def work(state: Any) -> MnnResult:
-            rec = pipeline.run_stage(project, stages.MNN, opts, state, force=force, where="child")
-            return rec.result_as(MnnResult)
-
-        self.strip.start(work, self.finish, "Exporting to MNN")
+        opts = self.unless_refused(lambda: self.project.rerun_options(stages.MNN, **self.mnn_fields.values()))
+        if opts is not None:
+            self.run(stages.MNN, opts, "Exporting to MNN", force=force)
 
     def show_result(self, result: tuple[CompileResult, BundleResult] | MnnResult) -> None:
         if isinstance(result, MnnResult):
@@ -187,27 +182,25 @@ class CompilePage(Page):
 
     def refresh(self) -> None:
         self.find_sdk()
-        crec, brec, mrec = (self.project.record(s.name) for s in (stages.COMPILE, stages.BUNDLE, stages.MNN))
+        crec, brec, mrec = (self.project.record(stages.COMPILE), self.project.record(stages.BUNDLE),
+                            self.project.record(stages.MNN))
         if self.mnn.isChecked():
-            if mrec and mrec.status == "done":
-                self.mnn_bits.setCurrentIndex(max(0, self.mnn_bits.findData(mrec.options_as(MnnOptions).bits)))
-                self._show_mnn(mrec.result_as(MnnResult))
+            if mrec:
+                self.mnn_fields.show(mrec.options)
+                self._show_mnn(mrec.result)
             else:
                 fill(self.binaries, [])
                 fill(self.results, [])
                 self.strip.status.setText("No MNN model yet.")
-        elif crec and crec.status == "done":
-            bo = brec.options_as(BundleOptions) if brec and brec.status == "done" else None
+        elif crec:
+            bo = brec.options if brec else None
             self.set_draft(bo.draft if bo else None)
             if bo is not None:
-                self.draft_len.setValue(bo.draft_len)
-            o = crec.options_as(CompileOptions)
-            self.verify.setValue(o.verify_tokens)
-            self.share.setChecked(o.weight_sharing)
-            self.lut.setChecked(o.embedding_lut)
+                self.bundle_fields.show(bo)
+            o = crec.options
+            self.fields.show(o)
             (self.sdk if o.backend == "qairt" and self.sdk.isEnabled() else self.embedded).setChecked(True)
-            self._show(crec.result_as(CompileResult),
-                       brec.result_as(BundleResult) if brec and brec.status == "done" else None)
+            self._show(crec.result, brec.result if brec else None)
 
     def _columns(self, names: list[str]) -> None:
         self.binaries.setColumnCount(len(names))

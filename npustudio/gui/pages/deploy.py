@@ -12,7 +12,6 @@ from ...core import device, pipeline, stages
 from ...core.device import deploy
 from ...core.errors import UserError
 from ...core.genie.meta import read_metadata
-from ...core.results import BundleResult
 from ...display import human_bytes
 from ..widgets import BAD, GOOD, Page, fill, show_error, status_label, table
 from ..window import StudioWindow
@@ -95,10 +94,10 @@ class DeployPage(Page):
 
     def _decoding(self) -> list[tuple[str, str]]:
         """How the phone will decode, with the bundle stage's estimate of its rate per mode."""
-        rec = self.project.record(stages.BUNDLE.name)
-        if rec is None or rec.status != "done":
+        rec = self.project.record(stages.BUNDLE)
+        if rec is None:
             return []
-        b = rec.result_as(BundleResult)
+        b = rec.result
         how = (f"draft model, {b.draft_len} proposals per target call" if b.decoding == "spd"
                else "one token per call")
         rates = ", ".join(f"{mode} {rate:,.0f} tok/s" for mode, rate in b.phone_decode_tok_s.items())

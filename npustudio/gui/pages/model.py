@@ -18,10 +18,11 @@ from PySide6.QtWidgets import (
 )
 
 from ... import display
-from ...core import host_cost, lora, model_fit, model_source, pipeline, stages
+from ...core import lora, model_fit, model_source, pipeline, stages
 from ...core.errors import UserError
 from ...core.progress import about_duration
-from ...core.results import IntakeResult
+from ...core.project import Done
+from ...core.results import HostEstimate, IntakeResult
 from ...core.stage_options import AdaptOptions, LoraAdapter
 from ...core.targets import DEFAULT_SOC, find_soc, fits_phone_ram
 from ..fields import limit_context, spin
@@ -167,7 +168,7 @@ class ModelPage(Page):
 
         def work(state: Any) -> IntakeResult:
             _src, rec = pipeline.intake(project, spec, cl, state, force=force)
-            return rec.result_as(IntakeResult)
+            return Done.of(stages.MODEL, rec).result
 
         self.strip.start(work, self.finish, f"Reading {spec}")
 
@@ -177,9 +178,9 @@ class ModelPage(Page):
         self._show_adapters(ch.lora)
         limit_context(self.cl, self.project)
         self.cl.setValue(ch.cl)
-        rec = self.project.record(stages.MODEL.name)
-        if rec and rec.status == "done":
-            self.show_result(rec.result_as(IntakeResult))
+        rec = self.project.record(stages.MODEL)
+        if rec:
+            self.show_result(rec.result)
 
     def show_result(self, result: IntakeResult) -> None:
         card = result.card
@@ -191,7 +192,7 @@ class ModelPage(Page):
         self.show_host(result.host)
         self.strip.status.setText(f"{card.source}: {card.family}, {card.params / 1e6:.1f} M parameters")
 
-    def show_host(self, h: host_cost.HostEstimate) -> None:
+    def show_host(self, h: HostEstimate) -> None:
         """What the stages will cost this computer (an estimate, said so)."""
         per = ", ".join(f"{s.stage} {display.human_bytes(s.peak_ram_bytes)} ~{max(1, round(s.seconds / 60))} min"
                         for s in h.stages)

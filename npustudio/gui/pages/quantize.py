@@ -24,12 +24,12 @@ from ...core.graph import encodings as enc
 from ...core.graph import sqnr
 from ...core.progress import about_duration
 from ...core.quantize.presets import int8_budget_of, load_overrides, takes_4bit_head, takes_int8_budget
-from ...core.results import IntakeResult, QuantizeResult
+from ...core.results import QuantizeResult, RecipeCost
 from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, bounds, choices, help_of
 from ...display import human_bytes, kept_int8
 from .. import worker
 from ..charts import PplChart
-from ..fields import combo, default, spin
+from ..fields import Form, default
 from ..inspector import Inspector
 from ..settings_dialog import device_choice
 from ..widgets import Page, TabsSizedToShown, fill, table
@@ -57,7 +57,7 @@ def _file_row(edit: QLineEdit, title: str, filt: str, parent: QWidget) -> QWidge
 NO_OVERRIDES = "optional: per-module bitwidth overrides (JSON)"
 
 
-def _recipe_label(name: str, cost: host_cost.RecipeCost | None = None) -> str:
+def _recipe_label(name: str, cost: RecipeCost | None = None) -> str:
     """A recipe as the choice shows it: what it does and, for a chosen model, what it adds here."""
     extra = ""
     if cost and cost.refused:
@@ -75,15 +75,16 @@ class QuantizePage(Page):
 
     def __init__(self, window: StudioWindow) -> None:
         super().__init__(window)
-        self.precision = combo(QuantizeOptions, "precision", {p: f"{p} — {n}" for p, n in PRECISION_NOTES.items()})
-        self.recipe = combo(QuantizeOptions, "recipe", {r: _recipe_label(r) for r in RECIPE_NOTES})
+        self.fields = Form(QuantizeOptions)  # the precision first: showing it resets the LM head's width
+        self.precision = self.fields.combo("precision", {p: f"{p} — {n}" for p, n in PRECISION_NOTES.items()})
+        self.recipe = self.fields.combo("recipe", {r: _recipe_label(r) for r in RECIPE_NOTES})
         self.recipe.setToolTip("How the weight encodings are found: Qualcomm's algorithms from aimet-torch, "
                                "slower and better at w4a16")
         # its long labels (and the estimates added to them) must not widen the page: the popup shows them whole
         self.recipe.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.recipe.setMinimumContentsLength(16)
-        self.calib_samples = spin(QuantizeOptions, "calib_samples")
-        self.calib_len = spin(QuantizeOptions, "calib_len", step=64)
+        self.calib_samples = self.fields.spin("calib_samples")
+        self.calib_len = self.fields.spin("calib_len", step=64)
         self.calib = QLineEdit(default(QuantizeOptions, "calib_corpus"))
         self.calib.setToolTip("default (offline text), a UTF-8 text file, or datasets:ID")
         self.overrides = QLineEdit()
@@ -94,15 +95,14 @@ class QuantizePage(Page):
         self.int8_budget.setSuffix(" %")
         self.int8_budget.setToolTip(help_of(QuantizeOptions, "int8_budget") or "")
         heads = choices(QuantizeOptions, "lm_head_bits") or ()
-        self.lm_head_bits = combo(QuantizeOptions, "lm_head_bits",
-                                  {b: "4-bit blocks, as the layers" if b == 4 else f"{b}-bit per channel"
-                                   for b in heads})
+        self.lm_head_bits = self.fields.combo("lm_head_bits", {b: "4-bit blocks, as the layers" if b == 4
+                                                               else f"{b}-bit per channel" for b in heads})
         self.lm_head_bits.setToolTip(help_of(QuantizeOptions, "lm_head_bits") or "")
         self._budgets: dict[str, int] = {}  # the budget last shown per precision, kept while another is chosen
         self._budget_of: str | None = None
         self.precision.currentIndexChanged.connect(self._budget_applies)
         self._budget_applies()
-        self.device = device_choice(window.settings.device)
+        self.device = self.fields.bind("device", device_choice(window.settings.device))
         weights = QWidget()  # the head's width beside the precision: one row, so the charts stay in view
         wl = QHBoxLayout(weights)
         wl.setContentsMargins(0, 0, 0, 0)
@@ -141,48 +141,34 @@ class QuantizePage(Page):
 
     def options(self) -> QuantizeOptions:
         target = self.project.choices().target_soc
-        shown = dict(precision=self.precision.currentData(), target=target, recipe=self.recipe.currentData(),
+        shown = dict(self.fields.values(), target=target,
                      calib_corpus=self.calib.text().strip() or default(QuantizeOptions, "calib_corpus"),
-                     calib_samples=self.calib_samples.value(), calib_len=self.calib_len.value(),
-                     int8_budget=self.int8_budget.value() / 100 if self.int8_budget.isEnabled() else 0.0,
-                     lm_head_bits=self.lm_head_bits.currentData(), device=self.device.currentData())
+                     int8_budget=self.int8_budget.value() / 100 if self.int8_budget.isEnabled() else 0.0)
         if path := self.overrides.text().strip():  # else the last run's overrides (its file may be anywhere)
             shown["overrides"] = load_overrides(path)
-        return self.project.rerun_options(stages.QUANTIZE.name, QuantizeOptions, **shown)
+        return self.project.rerun_options(stages.QUANTIZE, **shown)
 
     def start(self, force: bool = False) -> None:
         opts = self.unless_refused(self.options)
         if opts is None:
             return
-        project = self.project
         self.chart.clear_results()
         self.tabs.setCurrentIndex(0)
-        cluster = self.window_.settings.cluster  # None: here
-
-        def work(state: Any) -> QuantizeResult:
-            rec = pipeline.run_stage(project, stages.QUANTIZE, opts, state, force=force, cluster=cluster, where="child")
-            return rec.result_as(QuantizeResult)
-
-        self.strip.start(work, self.finish, "Quantizing", on_partial=self.ppl_point)
+        self.run(stages.QUANTIZE, opts, "Quantizing", force=force)
 
     def refresh(self) -> None:
         self.show_recipe_costs()
         self._budgets.clear()  # a budget typed for another project's run is not this one's
-        rec = self.project.record(stages.QUANTIZE.name)
-        if rec and rec.status == "done":
-            o = rec.options_as(QuantizeOptions)
-            self.precision.setCurrentIndex(max(0, self.precision.findData(o.precision)))
-            self.recipe.setCurrentIndex(max(0, self.recipe.findData(o.recipe)))
+        rec = self.project.record(stages.QUANTIZE)
+        if rec:
+            o = rec.options
+            self.fields.show(o)
             self.int8_budget.setValue(round(100 * int8_budget_of(o.precision, o.int8_budget)))
-            self.lm_head_bits.setCurrentIndex(max(0, self.lm_head_bits.findData(o.lm_head_bits)))
-            self.calib_samples.setValue(o.calib_samples)
-            self.calib_len.setValue(o.calib_len)
             self.calib.setText(o.calib_corpus)
-            self.device.setCurrentIndex(max(0, self.device.findData(o.device)))
             n = len(o.overrides.weights) + len(o.overrides.activations)
             self.overrides.setPlaceholderText(f"the last run's {n} override pattern{'s' * (n != 1)}, kept unless a "
                                               "file is chosen" if n else NO_OVERRIDES)
-            self.show_result(rec.result_as(QuantizeResult))
+            self.show_result(rec.result)
         else:
             self.precision.setCurrentIndex(max(0, self.precision.findData(self.window_.settings.default_precision)))
             self.overrides.setPlaceholderText(NO_OVERRIDES)
@@ -202,9 +188,8 @@ class QuantizePage(Page):
 
     def show_recipe_costs(self) -> None:
         """Each recipe's estimated extra time and memory for the chosen model on this computer, beside its name."""
-        rec = self.project.record(stages.MODEL.name)
-        costs = ({c.recipe: c for c in host_cost.recipe_costs(rec.result_as(IntakeResult).card)}
-                 if rec and rec.status == "done" else {})
+        rec = self.project.record(stages.MODEL)
+        costs = {c.recipe: c for c in host_cost.recipe_costs(rec.result.card)} if rec else {}
         items = self.recipe.model()
         for i in range(self.recipe.count()):
             name = self.recipe.itemData(i)
