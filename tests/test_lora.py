@@ -79,9 +79,19 @@ def test_a_merged_adapter_makes_the_graphs_compute_what_peft_computes(base: tupl
     assert Project.open(project).choices().lora == (kept,)  # the window's Model page shows what the CLI merged
     again = npustudio("adapt", str(model), "--project", str(project), "--lora", str(adapter), *SMALL, timeout=600)
     assert again.returncode == 0 and done(Project.open(project), stages.ADAPT).record.key == rec.record.key
-    half = npustudio("adapt", str(model), "--project", str(project), "--lora", f"{adapter}=0.5", *SMALL, timeout=600)
-    assert half.returncode == 0, half.stderr[-1500:]
+    weak = npustudio("adapt", str(model), "--project", str(project), "--lora", f"{adapter}=0.001", *SMALL, timeout=600)
+    assert weak.returncode == 0, weak.stderr[-1500:]
     assert done(Project.open(project), stages.ADAPT).record.key != rec.record.key
+    # item 4: so weak an update is under half of int8's step nearly everywhere; the inspector's table says so
+    q = npustudio("quantize", "--project", str(project), "--calib-samples", "2", "--calib-len", "64", "--eval-chars",
+                  "1500", timeout=600)
+    assert q.returncode == 0, q.stderr[-1500:]
+    enc = next(Project.open(project).stage_dir("quantize").glob("token_*.encodings"))
+    shown = npustudio("encodings", str(enc), "--lora", "--json", timeout=300)
+    assert shown.returncode == 0, shown.stderr[-1500:]
+    rows = json.loads(shown.stdout)
+    assert len(rows) == 6 and all(r["scale"] == pytest.approx(0.002) for r in rows)
+    assert all(r["kept"] < 0.05 and "rounding can erase it" in r["flags"][0] for r in rows)
     mnn = npustudio("compile", "--project", str(project), "--backend", "mnn", timeout=300)
     assert mnn.returncode == 2 and "LoRA adapters merged" in mnn.stderr, mnn.stderr[-1500:]
 
@@ -146,17 +156,23 @@ def test_an_adapter_that_cannot_be_merged_exactly_is_refused_before_any_stage(ba
     assert shown["rank"] == 4 and shown["alpha"] == 8 and shown["modules"] == 6 and shown["weight"] == 0.5
 
 
-def test_a_bundle_of_the_merged_model_answers_in_genie_as_our_runner_and_not_as_the_base(
-        base: tuple[Path, Path], genie_project: Project, tmp_path: Path) -> None:
-    """The fine-tuned model to a bundle: the real Genie answers token for token like our runner on the same
-    binaries, and not like the bundle of the base model alone (the session's tiny project: the same base)."""
+@pytest.fixture(scope="module")
+def merged_project(base: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Project:
+    """The tiny model with the adapter merged, taken to a bundle."""
     from npustudio.core.stage_options import LoraAdapter
     from tests.conftest import genie_pipeline
-    from tests.test_families import TOKENS, genie_run, htp_runner, prompt_text
 
     model, adapter = base
-    project = genie_pipeline(tmp_path / "p", model, lora=(LoraAdapter(path=str(adapter)),))
-    assert isinstance(project, Project)
+    return genie_pipeline(tmp_path_factory.mktemp("merged") / "p", model, lora=(LoraAdapter(path=str(adapter)),))
+
+
+def test_a_bundle_of_the_merged_model_answers_in_genie_as_our_runner_and_not_as_the_base(
+        base: tuple[Path, Path], merged_project: Project, genie_project: Project) -> None:
+    """The fine-tuned model to a bundle: the real Genie answers token for token like our runner on the same
+    binaries, and not like the bundle of the base model alone (the session's tiny project: the same base)."""
+    from tests.test_families import TOKENS, genie_run, htp_runner, prompt_text
+
+    project = merged_project
     from transformers import PreTrainedTokenizerFast
 
     bundle = project.stage_dir("bundle")
@@ -202,3 +218,91 @@ def test_the_model_page_picks_checks_and_removes_adapters_that_adapt_then_merges
     page.clear_adapters.click()
     assert w.project.choices().lora == () and page.adapters.text() == NO_ADAPTER
     assert w.adapt_page.options().lora == ()
+
+
+def test_the_inspector_traces_each_adapter_module_to_its_graph_weights_and_encodings(
+        qtbot: Any, base: tuple[Path, Path], merged_project: Project, genie_project: Project) -> None:
+    """Item 4: `encodings --lora` (a process) and the inspector's LoRA adapters… dialog list each adapted module with
+    its rank, scale and A/B shapes, the graph weights holding it and their encoding; the rows it names are exactly
+    where PEFT's merged weight is in the adapted graphs (q split into heads with the softmax scale folded in), and
+    an adapter at full strength is kept by int8 (most entries above half a step). A row selects its weight."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from npustudio.core.graph import encodings
+    from npustudio.gui.inspector import Inspector
+
+    model, adapter = base
+    enc = next(merged_project.stage_dir("quantize").glob("prompt_*.encodings"))
+    res = npustudio("encodings", str(enc), "--lora", "--json", timeout=300)
+    assert res.returncode == 0, res.stderr[-1500:]
+    rows = json.loads(res.stdout)
+    assert sorted(r["module"].rsplit(".", 1)[-1] for r in rows) == ["down_proj"] * 2 + ["q_proj"] * 2 + ["v_proj"] * 2
+    assert all(r["rank"] == 4 and r["scale"] == 2.0 and r["bitwidth"] == 8 for r in rows)
+    assert all(r["kept"] > 0.9 and not r["flags"] and 0 < r["update_ratio"] < 10 for r in rows)
+    q0 = next(r for r in rows if r["module"] == "model.layers.0.self_attn.q_proj")
+    assert q0["tensors"] == ["layers.0.attn.q.0.weight", "layers.0.attn.q.1.weight"] and q0["role"] == "q"
+    assert q0["a_shape"] == [4, 128] and q0["b_shape"] == [128, 4]
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    merged = dict(PeftModel.from_pretrained(hf, str(adapter)).merge_and_unload().named_parameters())
+    graph = load_file(str(merged_project.stage_dir("adapt") / "decoder.safetensors"))
+    places = json.loads((merged_project.stage_dir("adapt") / layout.LORA_PLACES).read_text())["places"]
+    for r in rows:
+        for p in places[r["module"] + ".weight"]:
+            want = merged[r["module"] + ".weight"][p["rows"][0]:p["rows"][1]] * p["factor"]
+            assert torch.allclose(graph[p["tensor"]].reshape(want.shape), want, atol=1e-6), p
+    ins = Inspector()
+    qtbot.addWidget(ins)
+    ins.load(encodings.read(enc))
+    assert not ins.adapters.isHidden()
+    ins.adapters.click()
+    qtbot.waitUntil(lambda: ins.adapters_dialog is not None, timeout=60_000)
+    dialog = ins.adapters_dialog
+    assert dialog is not None and dialog.table.rowCount() == 6 and "1 adapter(s) (adapter)" in dialog.summary.text()
+    row = next(i for i, r in enumerate(dialog.rows) if r.module == "model.layers.1.mlp.down_proj")
+    dialog.table.setCurrentCell(row, 0)
+    chosen = ins.selected()
+    assert chosen is not None and chosen.name == "layers.1.mlp.down.weight" and chosen.bitwidth == 8
+    ins.load(encodings.read(next(genie_project.stage_dir("quantize").glob("prompt_*.encodings"))))
+    assert ins.adapters.isHidden()  # the base model's project: no adapter merged, no button
+
+
+def test_switching_adapters_at_run_time_is_refused_plainly(merged_project: Project) -> None:
+    """Item 2: `chat --lora NAME` and `serve --lora NAME` (processes) refuse before any runner starts, saying that the
+    bundle carries its adapters merged, what switching would need (the SDK's binary sections) and how to chat with a
+    fine-tune instead."""
+    bundle = merged_project.stage_dir("bundle")
+    for cmd in (("chat", "--desktop", "hello"), ("serve", "--desktop")):
+        res = npustudio(*cmd, "--bundle", str(bundle), "--lora", "math", timeout=120)
+        assert res.returncode == 2, res.stderr[-1500:]
+        assert "no switchable LoRA adapter 'math'" in res.stderr and "--adapter_weight_config" in res.stderr
+        assert "npustudio run --model MODEL --lora ADAPTER_DIR" in res.stderr
+
+
+def test_the_places_of_fused_weights_are_the_rows_each_graph_weight_took(tmp_path: Path) -> None:
+    """Phi-3 fuses q/k/v and gate/up in one Linear each: `weight_places` finds, by memory, which rows of the fused
+    weight each head and each MLP weight took, and the factor folded in (the graph weight is exactly those rows times
+    it), so an adapter on qkv_proj is traced to its q, k and v heads."""
+    from npustudio.core import models
+    from npustudio.core.families import recipe_for
+    from npustudio.core.graph.decoder import adapt_weights, spec_from, weight_places
+    from npustudio.core.pipeline import resolve
+
+    lm = models.load(resolve(str(make_tiny_model(tmp_path / "phi", "phi3", pad_token_id=0,
+                                                 max_position_embeddings=512))), keep_16bit=True)
+    recipe = recipe_for(lm.card.model_type, lm.card.architecture)
+    spec = spec_from(lm.card, lm.model)
+    decoder = adapt_weights(spec, recipe, lm.model)
+    places = weight_places(spec, recipe, lm.model, decoder)
+    hf, graph = dict(lm.model.named_parameters()), dict(decoder.named_parameters())
+    qkv = places["model.layers.1.self_attn.qkv_proj.weight"]
+    assert [p.tensor for p in qkv] == [f"layers.1.attn.{f}.{h}.weight" for f, n in (("q", 2), ("k", 1), ("v", 1))
+                                       for h in range(n)]
+    assert qkv[0].rows == (0, 64) and qkv[-1].rows == (192, 256) and qkv[0].factor == pytest.approx(64**-0.5)
+    assert [p.tensor for p in places["model.layers.0.mlp.gate_up_proj.weight"]] == ["layers.0.mlp.gate.weight",
+                                                                                   "layers.0.mlp.up.weight"]
+    for name, where in places.items():
+        for p in where:
+            want = hf[name][p.rows[0]:p.rows[1]] * p.factor
+            assert torch.allclose(graph[p.tensor].reshape(want.shape), want, atol=1e-6), (name, p)

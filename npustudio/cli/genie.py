@@ -101,6 +101,10 @@ def runner_of(a: argparse.Namespace) -> tuple[Path, Where]:
         raise UserError("Pick one runner: --device, --desktop, --preview or --mnn (with --device: on that device).",
                         "Leave the others out.")
     bundle = Path(a.bundle) if a.bundle else default_bundle(stages.MNN.name if a.mnn else stages.BUNDLE.name)
+    if a.lora:
+        from ..core.lora import refuse_switching
+
+        refuse_switching(a.lora, bundle)
     where: Where = "mnn" if a.mnn else "preview" if a.preview else "desktop" if a.desktop else "device"
     return bundle, where
 
@@ -108,6 +112,9 @@ def runner_of(a: argparse.Namespace) -> tuple[Path, Where]:
 def runner_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--bundle", type=given, default=None, help="bundle folder (default: the default project's)")
     s.add_argument("--device", default=None, help="adb serial")
+    s.add_argument("--lora", default=None, metavar="NAME",
+                   help="answer with the bundle's LoRA adapter NAME switched on (refused: NPU Studio's bundles carry "
+                        "adapters merged, not switchable; the message says why and what to do)")
     s.add_argument("--desktop", action="store_true", help="real Genie on this computer's HTP simulator")
     s.add_argument("--preview", action="store_true", help="the fast CPU preview on this computer")
     s.add_argument("--mnn", action="store_true", help="the MNN model (`compile --backend mnn`) run by MNN's runtime "

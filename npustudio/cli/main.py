@@ -128,6 +128,9 @@ def _model_commands(c: _Commands) -> None:
     s.add_argument("--against", type=given, default=None, metavar="BEFORE.encodings",
                    help="what changed from another run's encodings (another project's: a recipe, an override file): "
                         "each tensor's SQNR in both, the most damaged by the change first")
+    s.add_argument("--lora", action="store_true", help="what quantization keeps of each merged LoRA adapter: per "
+                                                       "module its rank and scale, the graph weights holding it and "
+                                                       "the share of its update at least half a quantization step")
     _json_arg(s)
 
 

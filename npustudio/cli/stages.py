@@ -101,6 +101,8 @@ def cmd_encodings(a: argparse.Namespace) -> int:
 
     if a.against:
         return _sqnr_changes(sqnr.changes(a.against, a.file), a)
+    if a.lora:
+        return _lora_effects(a)
     table = sqnr.annotated(a.file) if a.sqnr else encodings.read(a.file)
     if a.json:
         print_json(table.model_dump())
@@ -128,6 +130,30 @@ def cmd_encodings(a: argparse.Namespace) -> int:
                   ",".join(map(str, layer.weight_bits)), ",".join(map(str, layer.activation_bits)),
                   f"{layer.max_scale_spread:.1f}", str(layer.flagged))
     out.print(s)
+    return 0
+
+
+def _lora_effects(a: argparse.Namespace) -> int:
+    from ..core.lora_effect import effects
+
+    rows = effects(a.file)
+    if a.json:
+        print_json([r.model_dump() for r in rows])
+        return 0
+    if not rows:
+        out.print(f"{Path(a.file).name}: its project merged no LoRA adapter.")
+        return 0
+    t = Table(title=f"LoRA adapters in {Path(a.file).name}: what quantization keeps of each update")
+    for col in ("adapter", "module", "layer", "role", "rank", "scale", "A / B", "graph weights", "bits",
+                "‖ΔW‖/‖W‖", "≥ ½ step", "flags"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(r.adapter, r.module, "" if r.layer is None else str(r.layer), r.role, str(r.rank), f"{r.scale:g}",
+                  f"{tuple(r.a_shape)} / {tuple(r.b_shape)}", ", ".join(r.tensors),
+                  "" if r.bitwidth is None else f"{r.bitwidth} ({r.granularity})",
+                  "—" if r.update_ratio is None else f"{r.update_ratio:.2%}",
+                  "—" if r.kept is None else f"{r.kept:.1%}", "; ".join(r.flags))
+    out.print(t)
     return 0
 
 

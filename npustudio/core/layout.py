@@ -42,6 +42,7 @@ DECODER_WEIGHTS = "decoder.safetensors"
 DECODER_SPEC = "decoder.json"
 REFERENCE_LOGITS = "reference_logits.safetensors"
 EVAL_PLAN = "eval_plan.json"
+LORA_PLACES = "lora_places.json"  # where each merged LoRA module's rows are in the graph tensors
 
 # ----- quantize
 QUANTIZE_RESULT = "quantize.json"

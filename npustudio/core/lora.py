@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import UserError
 from .fsutil import sha256_file
@@ -230,3 +230,17 @@ def merge(model: Any, adapters: tuple[LoraAdapter, ...], base_names: list[str]) 
             merged.append({"adapter": ad.name, "weight": a.weight, "rank": ad.rank, "alpha": ad.alpha,
                            "modules": len(ad.modules), "bytes": ad.bytes})
     return merged
+
+
+def refuse_switching(name: str, bundle: Path) -> NoReturn:
+    """Switching adapters at run time (Genie's `lora` block, `GenieDialog_applyLora`) needs the context binary
+    built with updatable weights and one binary section per adapter. QAIRT's `qnn-context-binary-generator
+    --adapter_weight_config` writes those; the onnxruntime-qnn embedded here only applies sections at run time
+    (`qnn.lora_config`), and NPU Studio does not drive the SDK's LoRA tools: it merges adapters instead."""
+    raise UserError(f"The bundle {bundle} has no switchable LoRA adapter {name!r}: NPU Studio merges adapters into "
+                    "the model before adaptation, so a bundle answers as its model with those adapters merged, and "
+                    "there is nothing to switch at run time. Switchable adapters need a context binary with "
+                    "updatable weights and one binary section per adapter, which only Qualcomm's QAIRT SDK writes "
+                    "(qnn-context-binary-generator --adapter_weight_config); NPU Studio does not build them.",
+                    "Build a bundle with the adapter merged, one project per adapter: npustudio run --model MODEL "
+                    "--lora ADAPTER_DIR --project PROJECT; then chat with --bundle PROJECT/stages/bundle.")

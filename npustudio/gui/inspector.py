@@ -40,6 +40,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ..core import lora_effect
 from ..core.graph import sqnr
 from ..core.graph.encodings import EncodingsTable, TensorRow
 from ..core.graph.sqnr import SqnrChange
@@ -339,6 +340,13 @@ class Inspector(QWidget):
                                 "tensor: its SQNR in both runs, the most damaged by the change first")
         self.compare.setEnabled(False)
         self.compare.clicked.connect(self._compare_clicked)
+        self.adapters = QPushButton("LoRA adapters…")
+        self.adapters.setToolTip("What quantization keeps of each merged LoRA adapter: per module its rank and scale, "
+                                 "the graph weights holding it and the share of its update at least half a "
+                                 "quantization step (a click on a row selects its weight here)")
+        self.adapters.setVisible(False)
+        self.adapters.clicked.connect(self.show_adapters)
+        self.adapters_dialog: AdaptersDialog | None = None
         self.changes: ChangesDialog | None = None
         self._compare_job: worker.Job | None = None
         self.title = TitleLabel("No encodings loaded.")
@@ -355,6 +363,7 @@ class Inspector(QWidget):
             filters.addWidget(w)
         head = QHBoxLayout()  # what is loaded, and the comparison with another run of it
         head.addWidget(self.title, 1)
+        head.addWidget(self.adapters)
         head.addWidget(self.compare)
         lay.addLayout(head)
         lay.addLayout(bar)
@@ -441,6 +450,7 @@ class Inspector(QWidget):
             chart.fit()
         self.graph.clear()
         self.compare.setEnabled(False)
+        self.adapters.setVisible(False)
         self.title.setText("No encodings loaded.")
 
     def set_graphs(self, files: list[Path]) -> None:
@@ -455,6 +465,7 @@ class Inspector(QWidget):
     def load(self, table: EncodingsTable) -> None:
         self.table_ = table
         self.compare.setEnabled(True)
+        self.adapters.setVisible(lora_effect.merged(Path(table.path)))
         self.proxy.setSourceModel(TensorModel(table.rows))
         self.view.resizeColumnsToContents()
         self._widths(table.rows)
@@ -505,6 +516,27 @@ class Inspector(QWidget):
         self._compare_job = worker.start(lambda state: sqnr.changes(before, after, state), "Comparing runs",
                                          read=True, progress=progress, done=done, failed=failed,
                                          cancelled=lambda: self._compare_finished(shown))
+
+    def show_adapters(self) -> None:
+        """The merged adapters' modules (`lora_effect.effects`), read off the GUI thread, in a dialog whose rows
+        select their graph weight here."""
+        if self.table_ is None:
+            return
+        path = Path(self.table_.path)
+
+        def done(rows: list[lora_effect.AdapterTensor]) -> None:
+            self.adapters.setEnabled(True)
+            self.adapters_dialog = AdaptersDialog(rows, path, self)
+            self.adapters_dialog.chosen.connect(self.select_tensor)
+            self.adapters_dialog.show()
+
+        def failed(problem: str, fix: str) -> None:
+            self.adapters.setEnabled(True)
+            show_error(self, problem, fix)
+
+        self.adapters.setEnabled(False)
+        worker.start(lambda _state: lora_effect.effects(path), "Reading the LoRA adapters", read=True, done=done,
+                     failed=failed, cancelled=lambda: self.adapters.setEnabled(True))
 
     def _compare_finished(self, title: str) -> None:
         self._compare_job = None
@@ -705,6 +737,41 @@ class ChangesDialog(QDialog):
                            None if r.change_db is None else f"{r.change_db:+.2f}") for r in rows])
         lay.addWidget(self.table, 1)
         self.resize(820, 520)
+
+
+class AdaptersDialog(QDialog):
+    """Each merged adapter's modules as the quantized graphs hold them; a row flagged when most of its update is
+    under half a quantization step. Selecting a row emits its first graph weight (the inspector shows its encoding)."""
+
+    chosen = Signal(str)
+
+    def __init__(self, rows: list[lora_effect.AdapterTensor], enc_file: Path, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("LoRA adapters: what quantization keeps")
+        self.rows = rows
+        lay = QVBoxLayout(self)
+        flagged = sum(bool(r.flags) for r in rows)
+        names = sorted({r.adapter for r in rows})
+        self.summary = QLabel(f"{_run_name(enc_file)}: {len(names)} adapter(s) ({', '.join(names)}) over "
+                              f"{len(rows)} modules; {flagged} flagged. \"≥ ½ step\": the share of the update's "
+                              "entries at least half a quantization step of their channel — smaller ones can round "
+                              "away.")
+        self.summary.setWordWrap(True)
+        lay.addWidget(self.summary)
+        self.table = table(["Adapter", "Module", "Layer", "Role", "Rank", "Scale", "Graph weights", "Bits",
+                            "‖ΔW‖/‖W‖", "≥ ½ step", "Flags"])
+        fill(self.table, [(r.adapter, r.module, r.layer, r.role, r.rank, f"{r.scale:g}", ", ".join(r.tensors),
+                           None if r.bitwidth is None else f"{r.bitwidth} ({r.granularity})",
+                           None if r.update_ratio is None else f"{r.update_ratio:.2%}",
+                           None if r.kept is None else f"{r.kept:.1%}", "; ".join(r.flags)) for r in rows],
+             [FLAGGED if r.flags else None for r in rows])
+        self.table.currentCellChanged.connect(self._picked)
+        lay.addWidget(self.table, 1)
+        self.resize(min(1280, parent.width() if parent is not None else 1280), 420)
+
+    def _picked(self, row: int, *_: int) -> None:
+        if 0 <= row < len(self.rows) and self.rows[row].tensors:
+            self.chosen.emit(self.rows[row].tensors[0])
 
 
 def _run_name(encodings_file: Path) -> str:

@@ -29,7 +29,15 @@ from ..evaluate import (
 from ..families import recipe_for
 from ..fsutil import atomic_write_json
 from ..graph import store
-from ..graph.decoder import StaticDecoder, adapt_weights, graph_names, io_names, io_shapes, spec_from
+from ..graph.decoder import (
+    StaticDecoder,
+    adapt_weights,
+    graph_names,
+    io_names,
+    io_shapes,
+    spec_from,
+    weight_places,
+)
 from ..graph.half_weights import computing_in_fp32
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..models import LoadedModel
@@ -149,6 +157,11 @@ def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike)
     lm.model.to(device)  # the adapted model shares its weights, on the same device
     state.progress(0.02, "adapting weights to the static graph form")
     model, inv_freq = adapt_model(lm)
+    if options.lora:  # what the inspector traces each merged adapter's update through
+        places = weight_places(model.spec, recipe_for(lm.card.model_type, lm.card.architecture), lm.model, model)
+        atomic_write_json(out_dir / layout.LORA_PLACES, {"adapters": [a.model_dump() for a in options.lora],
+                                                         "places": {k: [p.model_dump() for p in v]
+                                                                    for k, v in places.items()}})
     state.check()
 
     runner = KVCacheRunner.over(model, options.ar, options.cl, inv_freq)

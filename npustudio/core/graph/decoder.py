@@ -18,6 +18,7 @@ import math
 from typing import Any, cast
 
 import torch
+from pydantic import BaseModel
 from torch import nn
 
 from ..families import FamilyRecipe
@@ -203,9 +204,7 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
 
     with init_empty_weights(include_buffers=False):  # parameters on the meta device; constants (buffers) real
         m = StaticDecoder(spec)
-    hd = spec.head_dim
-    scale = 1.0 / math.sqrt(hd) if spec.attention_multiplier is None else spec.attention_multiplier
-    emb, res = spec.embedding_multiplier, spec.residual_multiplier
+    emb = spec.embedding_multiplier
     table = recipe.embedding(hf_model)
     _share(m.embed, "weight", _scaled(table, emb))
     for layer, hf_layer in zip(m.blocks, recipe.layers(hf_model), strict=True):
@@ -217,28 +216,23 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
         if layer.mlp_norm is not None and w.post_ff_norm is not None:
             _share(layer.mlp_norm, "weight", w.post_ff_norm)
         _share(layer.post_norm, "weight", w.post_norm)
-        at = layer.attn
-        q_scale = 1.0 if spec.qk_norm else scale
-        for heads, wt, b, sc in ((at.q, w.q, w.q_bias, q_scale), (at.k, w.k, w.k_bias, 1.0),
-                                 (at.v, w.v, w.v_bias, 1.0)):
-            for h, conv in enumerate(heads):
-                rows = slice(h * hd, (h + 1) * hd)
-                _share(conv, "weight", _scaled(_conv(wt[rows]), sc))
+        for field, conv, rows, sc in linear_places(spec, layer):
+            wt, b = getattr(w, field), getattr(w, f"{field}_bias")
+            _share(conv, "weight", _scaled(_conv(wt[rows]), sc))
+            if field in ("q", "k", "v"):  # a head's rows; its bias rows when the weights have biases
                 if b is not None:
                     _share(conv, "bias", _scaled(b[rows], sc))
+                continue
+            if (conv.bias is None) != (b is None):  # never drop (or invent) a bias silently
+                raise ValueError(f"the {field} bias of the weights does not match the card's options")
+            if b is not None:
+                _share(conv, "bias", _scaled(b, sc))
+        at = layer.attn
         if at.q_norm is not None and at.k_norm is not None:
             if w.q_norm is None or w.k_norm is None:
                 raise ValueError("the card says q/k norm; the weights have none")
-            _share(at.q_norm, "weight", _scaled(w.q_norm, scale))
+            _share(at.q_norm, "weight", _scaled(w.q_norm, _softmax_scale(spec)))
             _share(at.k_norm, "weight", w.k_norm)
-        for name, conv, wt, b in (("o_proj", at.o, w.o, w.o_bias), ("gate", layer.mlp.gate, w.gate, w.gate_bias),
-                                  ("up", layer.mlp.up, w.up, w.up_bias), ("down", layer.mlp.down, w.down, w.down_bias)):
-            sc = res if name in ("o_proj", "down") else 1.0
-            _share(conv, "weight", _scaled(_conv(wt), sc))
-            if (conv.bias is None) != (b is None):  # never drop (or invent) a bias silently
-                raise ValueError(f"the {name} bias of the weights does not match the card's options")
-            if b is not None:
-                _share(conv, "bias", _scaled(b, sc))
     norm = recipe.final_norm(hf_model)
     head_scale = 1.0 / spec.logits_scaling / (emb if spec.tied_embeddings else 1.0)
     _share(m.norm, "weight", _scaled(norm, head_scale))
@@ -250,6 +244,64 @@ def adapt_weights(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any) -> Sta
     if left:
         raise ValueError(f"the {spec.family} recipe left {left[:3]} without weights")
     return m.eval()
+
+
+def _softmax_scale(spec: DecoderSpec) -> float:
+    """1/sqrt(hd), or Granite's attention multiplier: folded into q (with a q-norm, into its gain)."""
+    return 1.0 / math.sqrt(spec.head_dim) if spec.attention_multiplier is None else spec.attention_multiplier
+
+
+def linear_places(spec: DecoderSpec, layer: Layer) -> list[tuple[str, Conv1x1, slice, float]]:
+    """Where each Linear of a HF layer lands in the static layer: (LayerWeights field, conv, the rows of the HF
+    weight it takes, the factor folded into it). q/k/v take one head's rows per conv; o_proj and down_proj carry
+    the residual multiplier. `adapt_weights` shares the weights by it and `weight_places` says it for a view."""
+    hd, res = spec.head_dim, spec.residual_multiplier
+    at, mlp = layer.attn, layer.mlp
+    q_scale = 1.0 if spec.qk_norm else _softmax_scale(spec)
+    out: list[tuple[str, Conv1x1, slice, float]] = []
+    for field, heads, sc in (("q", at.q, q_scale), ("k", at.k, 1.0), ("v", at.v, 1.0)):
+        out += [(field, cast(Conv1x1, conv), slice(h * hd, (h + 1) * hd), sc) for h, conv in enumerate(heads)]
+    for field, conv in (("o", at.o), ("gate", mlp.gate), ("up", mlp.up), ("down", mlp.down)):
+        out.append((field, conv, slice(None), res if field in ("o", "down") else 1.0))
+    return out
+
+
+class Place(BaseModel):
+    """Rows of a HF Linear weight as the static decoder holds them: in graph tensor `tensor`, times `factor`."""
+
+    tensor: str
+    rows: tuple[int, int]
+    factor: float
+
+
+def weight_places(spec: DecoderSpec, recipe: FamilyRecipe, hf_model: Any, m: StaticDecoder) -> dict[str, list[Place]]:
+    """Each HF Linear weight (by parameter name) -> where its rows are in `m`'s graph tensors, found by memory: the
+    tensor a recipe reads is the parameter or a run of its rows (a fused qkv). A weight a recipe copies or
+    rearranges is left out: where its rows went is not known."""
+    params = [(n, p) for n, p in hf_model.named_parameters(remove_duplicate=False) if p.dim() == 2]
+    names = {id(mod): n for n, mod in m.named_modules()}
+
+    def source(t: torch.Tensor) -> tuple[str, int] | None:
+        for n, p in params:
+            start, row = p.data_ptr(), p.stride(0) * p.element_size()
+            if p.dtype == t.dtype and p.shape[1] == t.shape[1] and start <= t.data_ptr() < start + p.shape[0] * row:
+                return n, (t.data_ptr() - start) // row
+        return None
+
+    out: dict[str, list[Place]] = {}
+    for layer, hf_layer in zip(m.blocks, recipe.layers(hf_model), strict=True):
+        w = recipe.layer(hf_layer)
+        for field, conv, rows, sc in linear_places(spec, layer):
+            found = source(getattr(w, field))
+            if found is not None:
+                name, first = found
+                a, b, _ = rows.indices(getattr(w, field).shape[0])
+                out.setdefault(name, []).append(Place(tensor=f"{names[id(conv)]}.weight", rows=(first + a, first + b),
+                                                      factor=sc))
+    if not spec.tied_embeddings and (found := source(recipe.lm_head(hf_model))) is not None:
+        out.setdefault(found[0], []).append(Place(tensor="lm_head.weight", rows=(found[1], found[1] +
+                                                  recipe.lm_head(hf_model).shape[0]), factor=1.0))
+    return out
 
 
 def _conv(w: torch.Tensor) -> torch.Tensor:

@@ -155,7 +155,7 @@ def _grid(r: TensorRow, n_rows: int, width: int) -> tuple[np.ndarray, np.ndarray
     return None
 
 
-class _Weight:
+class WeightGrid:
     """A stored weight read as (rows, width) slabs beside its encoding's scales and offsets: what the SQNR and the
     histogram both walk."""
 
@@ -163,7 +163,7 @@ class _Weight:
         self.x, self.scales, self.offsets, self.n_rows, self.width, self.top = x, scales, offsets, n_rows, width, top
 
     @classmethod
-    def of(cls, x: Any, r: TensorRow) -> _Weight | None:
+    def of(cls, x: Any, r: TensorRow) -> WeightGrid | None:
         """`x`: a safetensors slice; None when `r`'s encoding does not fit its shape."""
         shape = tuple(x.get_shape())
         n_rows = shape[0] if len(shape) > 1 else 1
@@ -182,7 +182,7 @@ class _Weight:
 
 def _sqnr(x: Any, r: TensorRow) -> float | None:
     """`x`: a safetensors slice (shape and row slabs)."""
-    weight = _Weight.of(x, r)
+    weight = WeightGrid.of(x, r)
     if weight is None:
         return None
     signal = noise = 0.0
@@ -220,7 +220,7 @@ def histogram(enc_file: Path, r: TensorRow, bins: int = 120) -> WeightHistogram 
         name = _stored_name(r, set(f.keys()))
         if name is None:
             return None
-        weight = _Weight.of(f.get_slice(name), r)
+        weight = WeightGrid.of(f.get_slice(name), r)
         if weight is None:
             return None
         n_rows, width, scales, offsets, top = weight.n_rows, weight.width, weight.scales, weight.offsets, weight.top
