@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .core.model_fit import FitEstimate
+    from .core.results import AdapterKept
 
 
 def format_value(v: Any) -> str:
@@ -46,6 +47,15 @@ def per_precision(sizes: dict[str, int]) -> str:
 def kept_int8(groups: list[str], share: float) -> str:
     """What `--int8-budget` kept at 8 bits, in one line: the groups and their share of the decoder's linear weights."""
     return f"{', '.join(groups) or 'nothing'} ({share:.1%} of the decoder's linear weights)"
+
+
+def adapter_kept(k: AdapterKept) -> str:
+    """What quantization kept of a merged LoRA adapter, in one line (the CLI's and the Quantize page's)."""
+    worst = "" if k.kept_min is None else f"{k.kept_min:.0%}"
+    if k.flagged:
+        return (f"{k.flagged} of {k.modules} modules have most of their update under half a quantization step "
+                f"(the worst keeps {worst}): rounding can erase it (per module: encodings FILE --lora)")
+    return f"all {k.modules} modules keep at least {worst} of their update at half a quantization step or more"
 
 
 def four_bit_head_note(f: FitEstimate) -> str | None:

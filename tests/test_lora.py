@@ -86,6 +86,7 @@ def test_a_merged_adapter_makes_the_graphs_compute_what_peft_computes(base: tupl
     q = npustudio("quantize", "--project", str(project), "--calib-samples", "2", "--calib-len", "64", "--eval-chars",
                   "1500", timeout=600)
     assert q.returncode == 0, q.stderr[-1500:]
+    assert "LoRA adapter adapter: 6 of 6 modules have most of their update under half a quantization step" in q.stdout
     enc = next(Project.open(project).stage_dir("quantize").glob("token_*.encodings"))
     shown = npustudio("encodings", str(enc), "--lora", "--json", timeout=300)
     assert shown.returncode == 0, shown.stderr[-1500:]
@@ -231,7 +232,9 @@ def test_the_inspector_traces_each_adapter_module_to_its_graph_weights_and_encod
     from transformers import AutoModelForCausalLM
 
     from npustudio.core.graph import encodings
+    from npustudio.gui.app import MainWindow
     from npustudio.gui.inspector import Inspector
+    from npustudio.gui.widgets import cells
 
     model, adapter = base
     enc = next(merged_project.stage_dir("quantize").glob("prompt_*.encodings"))
@@ -252,6 +255,13 @@ def test_the_inspector_traces_each_adapter_module_to_its_graph_weights_and_encod
         for p in places[r["module"] + ".weight"]:
             want = merged[r["module"] + ".weight"][p["rows"][0]:p["rows"][1]] * p["factor"]
             assert torch.allclose(graph[p["tensor"]].reshape(want.shape), want, atol=1e-6), p
+    (kept,) = done(merged_project, stages.QUANTIZE).result.lora_kept  # the stage says it, the Quantize page shows it
+    assert kept.adapter == "adapter" and kept.modules == 6 and kept.flagged == 0 and kept.kept_min is not None
+    assert kept.kept_min == min(r["kept"] for r in rows)
+    w = MainWindow(merged_project.root, watch_devices=False)
+    qtbot.addWidget(w)
+    shown = dict((r[0], r[1]) for r in cells(w.quantize_page.results))
+    assert shown["LoRA adapter adapter"].startswith("all 6 modules keep at least 9")
     ins = Inspector()
     qtbot.addWidget(ins)
     ins.load(encodings.read(enc))

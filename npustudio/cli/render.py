@@ -101,7 +101,7 @@ def host_table(h: Any) -> None:
 
 
 def print_quantize(q: QuantizeSummary) -> None:
-    from ..display import human_bytes, kept_int8
+    from ..display import adapter_kept, human_bytes, kept_int8
 
     how = (f" with the {q.recipe} recipe" * (q.recipe != "plain") + " (stream rotated)" * q.rotated
            + f", {q.lm_head}" * bool(q.lm_head))
@@ -110,6 +110,9 @@ def print_quantize(q: QuantizeSummary) -> None:
               f"top-1 agreement {q.top1_agreement:.3f} over {q.eval_tokens} tokens")
     if q.int8_share is not None:
         out.print(f"Kept int8 by --int8-budget: {kept_int8(q.kept_int8, q.int8_share)}")
+    for k in q.lora_kept:
+        out.print(f"{'[yellow]' if k.flagged else ''}LoRA adapter {escape(k.adapter)}: "
+                  f"{escape(adapter_kept(k))}{'[/]' if k.flagged else ''}")
     t = Table(title=f"Exported to {q.folder}")
     t.add_column("file")
     t.add_column("size", justify="right")

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
-from . import layout, lora
+from . import layout, lora, stages
 from .errors import UserError
 from .fsutil import read_json, sha256_file
 from .graph.encodings import TensorRow, read
+from .results import AdapterKept
 from .stage_options import LoraAdapter
 
 KEPT_FLAG = 0.5  # below this share of entries at least half a step, most of the update can round away
@@ -50,20 +51,25 @@ class AdapterTensor(BaseModel):
     flags: list[str] = []
 
 
-def merged(enc_file: Path) -> bool:
-    """Whether the project of `enc_file` (a quantize stage's `.encodings`) merged LoRA adapters."""
-    return (Path(enc_file).resolve().parent.parent / "adapt" / layout.LORA_PLACES).is_file()
+def adapt_dir_of(enc_file: Path) -> Path:
+    """The adapt stage beside the quantize stage that `enc_file` (an `.encodings`) belongs to."""
+    return Path(enc_file).resolve().parent.parent / stages.ADAPT.name
 
 
-def effects(enc_file: str | Path) -> list[AdapterTensor]:
-    """Each merged adapter's modules against `enc_file` (an `.encodings` of a project's quantize stage); empty when
-    the project merged no adapter."""
+def merged(adapt_dir: Path) -> bool:
+    """Whether the adapt stage in `adapt_dir` merged LoRA adapters."""
+    return (adapt_dir / layout.LORA_PLACES).is_file()
+
+
+def effects(enc_file: str | Path, adapt_dir: Path | None = None) -> list[AdapterTensor]:
+    """Each merged adapter's modules against `enc_file` (a quantize stage's `.encodings`; `adapt_dir`: the adapt stage
+    it was made from, by default the one beside it in its project); empty when no adapter was merged."""
     from safetensors import safe_open
 
     enc_file = Path(enc_file).resolve()
-    adapt_dir = enc_file.parent.parent / "adapt"
+    adapt_dir = adapt_dir or adapt_dir_of(enc_file)
     places_file = adapt_dir / layout.LORA_PLACES
-    if not merged(enc_file):
+    if not merged(adapt_dir):
         return []
     recorded = read_json(places_file, "record of merged LoRA adapters", "Run adapt again.")
     adapters = [LoraAdapter.model_validate(a) for a in recorded["adapters"]]
@@ -80,6 +86,18 @@ def effects(enc_file: str | Path) -> list[AdapterTensor]:
                 out.append(_module(ad.name, module, lo_a, lo_b, scale, places.get(f"{module}.weight", []), rows,
                                    floats, stored))
     return out
+
+
+def kept(rows: list[AdapterTensor]) -> list[AdapterKept]:
+    """Per adapter, in the order merged: its modules, how many are flagged and the smallest share kept."""
+    out: dict[str, AdapterKept] = {}
+    for r in rows:
+        k = out.setdefault(r.adapter, AdapterKept(adapter=r.adapter, modules=0, flagged=0, kept_min=None))
+        k.modules += 1
+        k.flagged += bool(r.flags)
+        if r.kept is not None:
+            k.kept_min = r.kept if k.kept_min is None else min(k.kept_min, r.kept)
+    return list(out.values())
 
 
 def _unchanged(a: LoraAdapter) -> lora.Adapter:

@@ -147,6 +147,16 @@ class AdaptResult(BaseModel):
     gate: Gate | None = None
 
 
+class AdapterKept(BaseModel):
+    """What quantization kept of one merged LoRA adapter (`lora_effect`): of its modules, how many have most of their
+    update under half a quantization step (flagged), and the smallest share at least half a step of any module."""
+
+    adapter: str
+    modules: int
+    flagged: int
+    kept_min: float | None
+
+
 class QuantizeResult(BaseModel):
     precision: str
     target: str
@@ -171,6 +181,7 @@ class QuantizeResult(BaseModel):
     peak_rss_mb: float
     step_peak_rss_mb: dict[str, float] = Field(default_factory=dict, description="peak RSS as each step ended")
     device: str = "cpu"
+    lora_kept: list[AdapterKept] = Field(default_factory=list, description="each merged LoRA adapter, as quantized")
 
 
 class Verification(BaseModel):

@@ -465,7 +465,7 @@ class Inspector(QWidget):
     def load(self, table: EncodingsTable) -> None:
         self.table_ = table
         self.compare.setEnabled(True)
-        self.adapters.setVisible(lora_effect.merged(Path(table.path)))
+        self.adapters.setVisible(lora_effect.merged(lora_effect.adapt_dir_of(Path(table.path))))
         self.proxy.setSourceModel(TensorModel(table.rows))
         self.view.resizeColumnsToContents()
         self._widths(table.rows)

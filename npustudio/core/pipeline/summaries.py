@@ -11,7 +11,15 @@ from .. import model_fit, parts, stages
 from ..lora import label
 from ..project import Done, Project
 from ..quantize.presets import takes_4bit_head
-from ..results import AdaptResult, BundleResult, CompileResult, MnnResult, QuantizeResult, Verification
+from ..results import (
+    AdapterKept,
+    AdaptResult,
+    BundleResult,
+    CompileResult,
+    MnnResult,
+    QuantizeResult,
+    Verification,
+)
 from ..stage_options import LoraAdapter
 from .phone import SampleAnswer
 
@@ -48,6 +56,7 @@ class QuantizeSummary(BaseModel):
     folder: str
     files: list[dict[str, Any]]
     steps: dict[str, float]
+    lora_kept: list[AdapterKept] = []
 
 
 class BinarySummary(BaseModel):
@@ -128,7 +137,8 @@ def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:
                            lm_head=f"LM head {r.lm_head_bits}-bit" if takes_4bit_head(r.precision) else None,
                            ppl_fp=r.ppl_fp, ppl_quant=r.ppl_quant,
                            ratio=r.ratio, top1_agreement=r.top1_agreement,
-                           eval_tokens=r.eval_tokens, folder=str(folder), files=r.files, steps=r.steps)
+                           eval_tokens=r.eval_tokens, folder=str(folder), files=r.files, steps=r.steps,
+                           lora_kept=r.lora_kept)
 
 
 def compile_summary(r: CompileResult) -> CompileSummary:

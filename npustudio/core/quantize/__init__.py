@@ -44,7 +44,7 @@ from ..graph.half_weights import widen_while_computing
 from ..graph.kv_cache import KVCacheRunner, TorchGraph
 from ..progress import Laps, StateLike, peak_rss_mb, trim_heap
 from ..recipe_rules import refusal
-from ..results import QuantizeResult
+from ..results import AdapterKept, QuantizeResult
 from ..shape import DecoderShape
 from ..stage_options import RECIPE_STEPS, ROTATION_STEPS, QuantizeOptions, rotates, widens
 from ..stages import load_card, load_graphs
@@ -129,6 +129,7 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     del model, sim, fp_run, q_run, vectors, fp_out, fp_ref
     cmp, files = _evaluate_and_export(held, adapt_dir, ids, plan, options, graph_list, beside, out_dir, state, lap)
     rows = export.write_manifest(out_dir, files) if files else []
+    lora_kept = _lora_kept(out_dir / f"{graph_list[-1]}.encodings", adapt_dir)
     res = QuantizeResult(
         precision=pre.name, target=target.soc, dsp_arch=target.dsp_arch, recipe=options.recipe,
         rotated=rotates(options.recipe), lm_head_bits=overrides.weight_bits("lm_head", pre.head_bits),
@@ -136,10 +137,24 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         ppl_fp=cmp.ref_ppl, ppl_quant=cmp.test_ppl, ratio=cmp.test_ppl / cmp.ref_ppl,
         top1_agreement=cmp.top1_agreement, max_abs_logit_diff=cmp.max_abs_logit_diff, eval_tokens=cmp.tokens,
         calib_tokens=sum(map(len, calib)), per_window=cmp.per_window, graphs=graph_list, files=rows,
-        steps=lap.steps, peak_rss_mb=round(peak_rss_mb()), step_peak_rss_mb=lap.peaks, device=device)
+        steps=lap.steps, peak_rss_mb=round(peak_rss_mb()), step_peak_rss_mb=lap.peaks, device=device,
+        lora_kept=lora_kept)
     atomic_write_json(out_dir / layout.QUANTIZE_RESULT, res.model_dump())
     state.progress(1.0, f"{pre.name}: PPL {res.ppl_quant:.3f} vs FP {res.ppl_fp:.3f} (×{res.ratio:.4f})")
     return res
+
+
+def _lora_kept(enc_file: Path, adapt_dir: Path) -> list[AdapterKept]:
+    """What the quantized weights kept of each merged LoRA adapter; none where the adapter files are not at hand
+    (a cluster worker has the adapt stage, not the adapters): the inspector reads them where they are."""
+    from .. import lora_effect
+
+    if not lora_effect.merged(adapt_dir) or not enc_file.is_file():
+        return []
+    try:
+        return lora_effect.kept(lora_effect.effects(enc_file, adapt_dir))
+    except UserError:
+        return []
 
 
 def _fp_reference(adapt_dir: Path, fp_run: KVCacheRunner, ids: list[int], reference: Reference | None,

@@ -26,7 +26,7 @@ from ...core.progress import about_duration
 from ...core.quantize.presets import int8_budget_of, load_overrides, takes_4bit_head, takes_int8_budget
 from ...core.results import QuantizeResult, RecipeCost
 from ...core.stage_options import PRECISION_NOTES, RECIPE_NOTES, QuantizeOptions, bounds, choices, help_of
-from ...display import human_bytes, kept_int8
+from ...display import adapter_kept, human_bytes, kept_int8
 from .. import worker
 from ..charts import PplChart
 from ..fields import Form, default
@@ -212,6 +212,7 @@ class QuantizePage(Page):
                 ("Ratio", f"×{s.ratio:.4f}"), ("Top-1 agreement", f"{s.top1_agreement:.3f}")]
         if s.int8_share is not None:
             rows.append(("Kept int8 (budget)", kept_int8(s.kept_int8, s.int8_share)))
+        rows += [(f"LoRA adapter {k.adapter}", adapter_kept(k)) for k in s.lora_kept]
         rows += [(f["file"], human_bytes(f["bytes"])) for f in s.files]
         fill(self.results, rows)
         head = self.results.horizontalHeader()  # the values whole; long file names shortened in the middle
