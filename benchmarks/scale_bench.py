@@ -1,21 +1,22 @@
 """The whole pipeline on random models of real size, stage by stage: wall seconds and peak RSS as JSON.
 
 Builds Hugging Face folders (bf16 safetensors, a tokenizer covering every id) with exactly the shapes of
-Llama-3.2-1B and Qwen3-1.7B, then runs each stage as its own `npustudio` command (so each peak is that stage's
-alone): adapt -> quantize -> compile -> bundle, then Genie on the HTP simulator and the CPU preview answer the
-same prompt greedily and their tokens are compared (contexts over one HTP protection domain, a 1B model's, are
-bundled with --token-graphs-only: the simulator's Genie loads those). Along Genie's answer, our own KV-cache runner
-on the same binaries must pick Genie's token at every step (else Genie and NPU Studio drive the graphs
-differently: the run fails), and from the CPU's own cache before each answer step the binaries must compute that
-position within ONE_STEP_FACTOR x the compile stage's measured tolerance of the CPU graphs (else a position is
-wrong: the run fails); the CPU preview's own picks along Genie's path are reported. Random weights: perplexities
-mean nothing here, cost does; their logits are flat (top-1/top-2 gaps of 0.004-0.08 logits at the Qwen3-1.7B
-width), so greedy answers part at the first near tie.
+Llama-3.2-1B, Qwen3-1.7B, Qwen3-4B, Phi-4-mini or Llama-3.1-8B, then runs each stage as its own `npustudio` command
+(so each peak is that stage's alone): adapt -> quantize -> compile -> bundle, then Genie on the HTP simulator and
+the CPU preview answer the same prompt greedily and their tokens are compared (contexts over one HTP protection
+domain, a 1B model's, are bundled with --token-graphs-only: the simulator's Genie loads those). Along Genie's
+answer, our own KV-cache runner on the same binaries must pick Genie's token at every step (else Genie and NPU
+Studio drive the graphs differently: the run fails), and from the CPU's own cache before each answer step the
+binaries must compute that position within ONE_STEP_FACTOR x the compile stage's measured tolerance of the CPU
+graphs (else a position is wrong: the run fails); the CPU preview's own picks along Genie's path are reported.
+Random weights: perplexities mean nothing here, cost does; their logits are flat (top-1/top-2 gaps of 0.004-0.08
+logits at the Qwen3-1.7B width), so greedy answers part at the first near tie.
 
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --precision w8a16 --json
     .venv/bin/python benchmarks/scale_bench.py --model qwen3-1.7b --precision w8a16,w4a16 --stage adapt,quantize
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --stage compile --work /tmp/scale   # rerun one piece
     .venv/bin/python benchmarks/scale_bench.py --model qwen3-1.7b:4 --tokens 8   # the 1.7B widths, 4 layers
+    .venv/bin/python benchmarks/scale_bench.py --model llama31-8b:8 --stage adapt,quantize   # 8B widths, 8 layers
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --precision w4a16 --cl 4096   # a longer context
     .venv/bin/python benchmarks/scale_bench.py --model llama32-1b --precision w4a16 --lm-head-bits 4   # 4-bit head
 
@@ -43,6 +44,13 @@ MODELS: dict[str, dict[str, Any]] = {
         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5,
         max_position_embeddings=131072, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192})},
+    # issue 70's target: Llama-3.1-8B's shapes (untied head, llama3 RoPE); `llama31-8b:8` its widths at 8 layers
+    "llama31-8b": {"class": ("LlamaConfig", "LlamaForCausalLM"), "config": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192})},
     "qwen3-1.7b": {"class": ("Qwen3Config", "Qwen3ForCausalLM"), "config": dict(
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
