@@ -245,7 +245,10 @@ def run(seeds: Path, work: Path, n: int | None = None, seconds: float | None = N
             o.refused += 1
         except Hang:
             o.hangs.append(data[:200].decode("utf-8", "replace"))
-        except Exception as e:  # a finding: a traceback where the person should read a message
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a finding: a traceback where the person should read a message (a Rust
+            # library's panic too: pyo3 raises it as a BaseException, past a reader's `except Exception`)
             where = traceback.extract_tb(e.__traceback__)[-1]
             o.crashes.append(f"{type(e).__name__}: {str(e)[:160]} at {Path(where.filename).name}:{where.lineno} "
                              f"for {data[:120]!r}")

@@ -952,3 +952,17 @@ def test_a_fix_that_names_a_log_option_names_a_command_that_has_it() -> None:
     assert "`npustudio genie-run -c BUNDLE/genie_config.json -p hi --log verbose`" in fix
     assert "--log {error,warn,info,verbose}" in npustudio("genie-run", "--help").stdout
     assert "--log" not in npustudio("chat", "--help").stdout  # why the fix cannot say "chat --log"
+
+
+def test_a_tokenizer_that_panics_the_rust_library_is_refused_with_a_message(
+        capsys: pytest.CaptureFixture[str], tiny_llama: Path, tmp_path: Path) -> None:
+    """A tokenizer.json whose continuing_subword_prefix is longer than its merged tokens makes the `tokenizers`
+    library panic; pyo3 raises that as a BaseException, past an `except Exception` (found by the fuzz suite). `info`
+    refuses it as a damaged tokenizer, with exit 2 and no traceback."""
+    m = tmp_path / "m"
+    shutil.copytree(tiny_llama, m)
+    tok = json.loads((m / "tokenizer.json").read_text())
+    tok["model"]["continuing_subword_prefix"] = "x" * 16
+    (m / "tokenizer.json").write_text(json.dumps(tok))
+    refused(cli(capsys, "info", str(m)), "The tokenizer in", "cannot be loaded (PanicException",
+            "Copy tokenizer.json")

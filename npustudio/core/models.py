@@ -234,6 +234,13 @@ def _one_tensor_name_map() -> Iterator[None]:
         gguf.get_tensor_name_map = real
 
 
+def refusable(e: BaseException) -> bool:
+    """Whether reading a file failed on its content: any Exception, or a Rust library's panic (tokenizers on a
+    damaged tokenizer.json: "range end index 16 out of range"), which pyo3 raises as a BaseException; never Ctrl-C
+    or an exit."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
 def load_config_and_tokenizer(source: ModelSource) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -255,7 +262,9 @@ def load_config_and_tokenizer(source: ModelSource) -> tuple[Any, Any]:
         check_sizes(config, gpath.name)
         try:
             tok = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, trust_remote_code=False)
-        except Exception as e:  # no tokenizer in the file, or one transformers cannot build
+        except BaseException as e:  # no tokenizer in the file, or one transformers cannot build
+            if not refusable(e):
+                raise
             raise UserError(f"The GGUF file {gpath.name} holds no tokenizer transformers can use "
                             f"({e.__class__.__name__}: {' '.join(str(e).split())[:200]}).",
                             "Use a GGUF converted with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it), "
@@ -276,7 +285,9 @@ def load_config_and_tokenizer(source: ModelSource) -> tuple[Any, Any]:
     check_sizes(config, "config.json")
     try:
         tok = AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
-    except Exception as e:
+    except BaseException as e:
+        if not refusable(e):
+            raise
         raise UserError(f"The tokenizer in {source.path} cannot be loaded ({e.__class__.__name__}: {e}).",
                         "Copy tokenizer.json (and tokenizer_config.json) from the model's repository.") from e
     check_chat_template(tok, source.path)
