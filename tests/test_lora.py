@@ -278,16 +278,14 @@ def test_the_inspector_traces_each_adapter_module_to_its_graph_weights_and_encod
     assert ins.adapters.isHidden()  # the base model's project: no adapter merged, no button
 
 
-def test_switching_adapters_at_run_time_is_refused_plainly(merged_project: Project) -> None:
-    """Item 2: `chat --lora NAME` and `serve --lora NAME` (processes) refuse before any runner starts, saying that the
-    bundle carries its adapters merged, what switching would need (the SDK's binary sections) and how to chat with a
-    fine-tune instead."""
+def test_a_merged_bundle_has_no_adapter_to_switch_and_says_how_to_build_one(merged_project: Project) -> None:
+    """`chat --lora NAME` / `serve --lora NAME` on a bundle whose adapter was merged: exit 2 before any runner
+    starts, saying there is nothing to switch and how to build a bundle that switches."""
     bundle = merged_project.stage_dir("bundle")
     for cmd in (("chat", "--desktop", "hello"), ("serve", "--desktop")):
         res = npustudio(*cmd, "--bundle", str(bundle), "--lora", "math", timeout=120)
         assert res.returncode == 2, res.stderr[-1500:]
-        assert "no switchable LoRA adapter 'math'" in res.stderr and "--adapter_weight_config" in res.stderr
-        assert "npustudio run --model MODEL --lora ADAPTER_DIR" in res.stderr
+        assert "no switchable LoRA adapter 'math'" in res.stderr and "--lora-switchable" in res.stderr
 
 
 def test_the_places_of_fused_weights_are_the_rows_each_graph_weight_took(tmp_path: Path) -> None:
@@ -316,3 +314,210 @@ def test_the_places_of_fused_weights_are_the_rows_each_graph_weight_took(tmp_pat
         for p in where:
             want = hf[name][p.rows[0]:p.rows[1]] * p.factor
             assert torch.allclose(graph[p.tensor].reshape(want.shape), want, atol=1e-6), (name, p)
+
+
+# -- switchable adapters: graph inputs Genie fills (lora-version 1) -----------------------------------------------
+def test_adapters_as_graph_inputs_compute_what_peft_computes_with_each_and_with_none(base: tuple[Path, Path],
+                                                                                      tmp_path: Path) -> None:
+    """Two adapters of different ranks and modules kept apart from the weights: the static graphs fed one's inputs
+    compute what PEFT's model computes with it, fed zeros what the base computes; a slot takes the largest rank."""
+    from transformers import AutoModelForCausalLM
+
+    from npustudio.core import lora, models
+    from npustudio.core.families import recipe_for
+    from npustudio.core.graph import lora_inputs
+    from npustudio.core.graph.decoder import adapt_weights, spec_from, weight_places
+    from npustudio.core.pipeline import resolve
+
+    model, a1 = base
+    a2 = _adapter(model, tmp_path / "a2", seed=2, targets=("q_proj", "o_proj", "gate_proj", "up_proj"), rank=2)
+    lm = models.load(resolve(str(model)))
+    recipe = recipe_for(lm.card.model_type, lm.card.architecture)
+    spec = spec_from(lm.card, lm.model)
+    decoder = adapt_weights(spec, recipe, lm.model)
+    read = [lora.read(a1), lora.read(a2)]
+    slots = lora_inputs.slots(read, weight_places(spec, recipe, lm.model, decoder))
+    assert {s.module.rsplit(".", 1)[1]: s.rank for s in slots if ".layers.0." in s.module} == {
+        "q_proj": 4, "v_proj": 4, "down_proj": 4, "o_proj": 2, "gate_proj": 2, "up_proj": 2}
+    lora_inputs.attach(decoder, slots)
+    inv = lm.model.model.rotary_emb.inv_freq
+    plain = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logits = plain(input_ids=torch.tensor([IDS])).logits[0]
+    for adapter, path in ((None, None), (read[0], a1), (read[1], a2)):
+        runner = KVCacheRunner.over(decoder, 8, 64, inv)
+        runner.extra = lora_inputs.values(slots, adapter)
+        ours = runner.score(IDS)
+        ref = _peft_logits(model, path) if path else base_logits
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() == 1.0 and (ours - ref).abs().max() < 1e-4
+        assert path is None or (base_logits - ref).abs().max() > 100 * (ours - ref).abs().max()
+
+
+def _turns(bundle: Path, prompt: str, steps: list[str], n: int) -> tuple[list[list[int]], dict[str, Any]]:
+    """The real libGenie over `bundle` in ONE dialog: each step `+NAME` applies an adapter, `=S` sets the strength,
+    `?` asks `prompt` for `n` greedy tokens (then resets). The tokens of each answer, read back from Genie's tensor
+    dump (which stops after about 20 graph calls: keep the prompt to one chunk and `n` small), and its profile."""
+    import shutil
+
+    import numpy as np
+
+    from npustudio.core.genie import config as genie_config
+    from npustudio.core.genie import libgenie
+
+    dump = bundle.parent / "genie_lora_dump"
+    shutil.rmtree(dump, ignore_errors=True)
+    cfg = genie_config.absolute(genie_config.read(bundle / layout.GENIE_CONFIG), bundle)
+    cfg["dialog"]["debug"] = {"path": str(dump), "dump-tensors": True}
+    dialog = libgenie.Dialog(json.dumps(cfg))
+    try:
+        dialog.set_max_tokens(n + 1)  # each generated token but the last is fed back, and so dumped
+        for step in steps:
+            if step.startswith("+"):
+                dialog.apply_lora(step[1:])
+            elif step.startswith("="):
+                dialog.set_lora_strength(layout.LORA_ALPHA, float(step[1:]))
+            else:
+                assert dialog.query(prompt, lambda _s, _c: None) == 0
+                dialog.reset()
+        profile = json.loads(dialog.profile_json() or "{}")
+    finally:
+        dialog.close()
+        dialog.free_profile()
+    width = cfg["dialog"]["embedding"]["size"]
+    table = np.fromfile(bundle / cfg["dialog"]["embedding"]["lut-path"], dtype=np.uint16).reshape(-1, width)
+    token_of = {row.tobytes(): t for t, row in reversed(list(enumerate(table)))}
+    turns: list[list[int]] = []
+    for f in sorted(dump.rglob("*_in_inputs_embeds*"), key=lambda f: f.name):
+        rows = [token_of[r.tobytes()] for r in np.fromfile(f, dtype=np.uint16).reshape(-1, width)]
+        if len(rows) > 1 and (not turns or turns[-1]):  # a prompt chunk after generated tokens: the next answer
+            turns.append([])
+        elif len(rows) == 1:
+            turns[-1].append(rows[0])
+    return turns, profile
+
+
+@pytest.fixture(scope="module")
+def switchable_project(base: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Project, Path]:
+    """`npustudio run --lora A --lora B=0.5 --lora-switchable`, as a process: the tiny model with two adapters
+    kept switchable, to a bundle."""
+    model, a1 = base
+    root = tmp_path_factory.mktemp("switch")
+    a2 = _adapter(model, root / "b2", seed=2, targets=("k_proj", "o_proj", "gate_proj", "up_proj"), rank=2)
+    res = npustudio("run", "--model", str(model), "--project", str(root / "p"), "--lora", str(a1), "--lora",
+                    f"{a2}=0.5", "--lora-switchable", "--precision", "w8a16", *SMALL, "--calib-samples", "2",
+                    "--calib-len", "64", "--eval-chars", "1500", "--no-ask", timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "LoRA adapter kept switchable, adapter: top-1 1.0000" in res.stdout
+    assert "LoRA adapter kept switchable, b2: top-1 1.0000" in res.stdout and "keep at least" not in res.stdout
+    return Project.open(root / "p"), a2
+
+
+def test_one_bundle_switches_adapters_in_genie_as_our_runner_answers_with_each(
+        switchable_project: tuple[Project, Path]) -> None:
+    """One dialog of the real libGenie on the simulator: adapter A, then B, then none (strength 0) answer token for
+    token as our runner on the same binaries fed that adapter's files; A's answer is not the base's; Genie's
+    profile times each switch. The adapt stage proved the graphs with each adapter and with none."""
+    from transformers import PreTrainedTokenizerFast
+
+    from npustudio.core.genie import adapters
+    from npustudio.core.genie.meta import read_metadata
+    from tests.test_families import htp_runner
+
+    project, _ = switchable_project
+    adapted = done(project, stages.ADAPT).result
+    assert set(adapted.lora_equivalence) == {"adapter", "b2"}
+    assert all(e.top1_agreement == 1.0 for e in adapted.lora_equivalence.values())
+    bundle = project.stage_dir("bundle")
+    meta = read_metadata(bundle)
+    assert meta.lora_adapters == ["adapter", "b2"] and layout.LORA_ALPHA in meta.lora_inputs
+    n, prompt = 5, "the cat sat"
+    turns, profile = _turns(bundle, prompt, ["+adapter", "=1", "?", "+b2", "=1", "?", "=0", "?"], n)
+    runner = htp_runner(project)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle / layout.TOKENIZER))
+    ids = [1] + tok(prompt, add_special_tokens=False)["input_ids"]  # Genie prepends BOS (1)
+    assert len(ids) <= 8  # one AR-8 chunk a query: the dump holds three queries
+    ours = []
+    for choice in (adapters.Choice(name="adapter"), adapters.Choice(name="b2"), adapters.Choice()):
+        runner.reset()
+        runner.extra = adapters.feeds(bundle, meta, choice)
+        ours.append(runner.generate(ids, n)[:n])
+    assert turns == ours
+    assert turns[0] != turns[2] and turns[1] != turns[2]
+    switches = [e for c in profile["components"] for e in c["events"] if e["type"] == "GenieDialog_applyLora"]
+    assert len(switches) == 2 and all(e["lora-adapter-switching-time"]["value"] > 0 for e in switches)
+
+
+def test_chat_answers_with_the_chosen_adapter_and_refuses_one_the_bundle_lacks(
+        switchable_project: tuple[Project, Path]) -> None:
+    """`chat --lora NAME` and `genie-run -l NAME,lora_alpha,S` as processes: an adapter of the bundle answers, one
+    it lacks or a malformed -l is refused naming what there is; deploying it to a device is refused up front (its
+    adapter folders would not go along)."""
+    from npustudio.core.device import DeviceInfo, compatibility
+
+    project, _ = switchable_project
+    bundle = project.stage_dir("bundle")
+    ok = npustudio("chat", "--preview", "--bundle", str(bundle), "--lora", "b2", "hello", timeout=300)
+    assert ok.returncode == 0, ok.stderr[-1500:]
+    missing = npustudio("chat", "--preview", "--bundle", str(bundle), "--lora", "math", "hello", timeout=300)
+    assert missing.returncode == 2 and "no LoRA adapter 'math'; it has adapter, b2" in missing.stderr
+    run = npustudio("genie-run", "-c", str(bundle / layout.GENIE_CONFIG), "-p", "hi", "--max-tokens", "4",
+                    "-l", "b2,lora_alpha,0.5", timeout=300)
+    assert run.returncode == 0 and "[BEGIN]" in run.stdout, run.stderr[-1500:]
+    bad = npustudio("genie-run", "-c", str(bundle / layout.GENIE_CONFIG), "-p", "hi", "-l", "b2,alpha", timeout=120)
+    assert bad.returncode == 2 and "NAME,lora_alpha,STRENGTH" in bad.stderr
+    dev = DeviceInfo(serial="phone", state="device", soc="SM8750", dsp_arch="v79")
+    assert any("switchable LoRA adapters (adapter, b2)" in p for p, _ in compatibility(dev, bundle))
+
+
+def test_switchable_adapters_need_adapters_with_distinct_plain_names(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """Refused before any stage: --lora-switchable without --lora, and two adapters whose folders share a name (the
+    bundle and the chat name an adapter by its folder)."""
+    model, adapter = base
+    alone = npustudio("adapt", str(model), "--project", str(tmp_path / "p"), "--lora-switchable", *SMALL, timeout=300)
+    assert alone.returncode == 2 and "no adapter was given" in alone.stderr
+    (tmp_path / "other").mkdir()
+    twin = _edited(adapter, tmp_path / "other" / "adapter")
+    res = npustudio("adapt", str(model), "--project", str(tmp_path / "p"), "--lora", str(adapter), "--lora",
+                    str(twin), "--lora-switchable", *SMALL, timeout=300)
+    assert res.returncode == 2 and "'adapter' names two of them" in res.stderr
+
+
+def test_the_chat_panel_picks_the_bundles_adapter_and_the_model_page_keeps_them_switchable(
+        qtbot: Any, switchable_project: tuple[Project, Path], tmp_path: Path) -> None:
+    """The window over a project built with switchable adapters (from the CLI): the Model page shows them kept
+    switchable; the chat panel lists the base model and each adapter, and answers with the one picked, as the CPU
+    preview does with that adapter's files."""
+    import shutil
+
+    from npustudio.core import chat
+    from npustudio.core.genie import adapters, host
+    from npustudio.gui.app import MainWindow
+
+    project, _ = switchable_project
+    root = tmp_path / "proj"  # a copy: the shared project keeps no chat
+    shutil.copytree(project.root, root)
+    w = MainWindow(root, watch_devices=False)
+    qtbot.addWidget(w)
+    w.show()
+    assert w.model_page.switchable.isChecked() and w.model_page.switchable.isEnabled()
+    assert w.adapt_page.options().lora_switchable
+    c = w.chat
+    c.runner.setCurrentIndex(c.runner.findData("preview"))
+    assert c.adapter.isVisible()
+    assert [c.adapter.itemText(i) for i in range(c.adapter.count())] == [
+        "Base model (no LoRA adapter)", "LoRA adapter: adapter", "LoRA adapter: b2"]
+    bundle = root / "stages" / "bundle"
+    said = {}
+    for name in (None, "b2"):
+        c.adapter.setCurrentIndex(c.adapter.findData(name))
+        c.new_btn.click()
+        with qtbot.waitSignal(c.answered, timeout=120_000) as got:
+            c.ask("Hello")
+        session = c.session
+        assert session is not None and isinstance(session.engine, chat.DesktopEngine)
+        assert session.engine.lora == adapters.Choice(name=name)
+        raw = host.Preview(bundle, adapters.Choice(name=name)).query(session.prompt_for("Hello", []), lambda _s: None)
+        said[name] = got.args[0].assistant
+        assert said[name] == chat.clean_answer(raw[0], session.tok)
+    assert said[None] != said["b2"]
+    w.close()

@@ -104,7 +104,7 @@ def test_the_cli_and_the_device_take_the_flags_from_one_list() -> None:
     assert names == {n for f in t2t.FLAGS for n in f.names} | {"-h", "--help", "--debug"}
     assert set(t2t.device_flags()) == names - {"--preview", "--debug"}
     assert {n for f in t2t.FLAGS if f.qualcomm for n in f.names} == \
-        {"-c", "--config", "-p", "--prompt", "--prompt_file", "--profile", "--log"}
+        {"-c", "--config", "-p", "--prompt", "--prompt_file", "--profile", "--log", "-l", "--lora"}
 
 
 @pytest.fixture

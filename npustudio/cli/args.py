@@ -113,6 +113,9 @@ def lora_arg(s: argparse.ArgumentParser) -> None:
 def adapt_args(s: argparse.ArgumentParser) -> None:
     O = AdaptOptions
     lora_arg(s)
+    s.add_argument("--lora-switchable", action="store_true",
+                   help="keep the --lora adapters apart: one bundle answers as the base model or with any of them, "
+                        "chosen in the chat (npustudio chat --lora NAME) instead of merged")
 
     option(s, O, "ar")
     option(s, O, "cl")
@@ -231,7 +234,7 @@ def cluster_of(a: argparse.Namespace) -> Cluster | None:
 def adapt_options(a: argparse.Namespace) -> AdaptOptions:
     return AdaptOptions(ar=a.ar, cl=a.cl, eval_corpus=a.eval_corpus, eval_tokens=a.eval_tokens,
                         decode_tokens=a.decode_tokens, device=a.device, accept_mismatch=a.accept_mismatch,
-                        lora=tuple(a.lora))
+                        lora=tuple(a.lora), lora_switchable=a.lora_switchable)
 
 
 def quantize_options(a: argparse.Namespace) -> QuantizeOptions:

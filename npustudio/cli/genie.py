@@ -12,6 +12,9 @@ from rich.table import Table
 
 from ..core import layout, stages
 from ..core.errors import UserError
+from ..core.genie import adapters
+from ..core.genie.adapters import Choice
+from ..core.genie.meta import read_metadata
 from .args import given
 from .console import err, live_state, out, print_json, until_done
 
@@ -48,12 +51,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
     from ..core import pipeline
 
-    bundle, where = runner_of(a)
+    bundle, where, lora = runner_of(a)
     if a.mnn and a.device is not None and a.prompt is None:  # before the model is pushed there
         raise UserError("MNN's llm_demo on a device answers one question on its own (it keeps no conversation).",
                         'Give the question on the command line: npustudio chat --mnn --device SERIAL "QUESTION".')
     with live_state() as st:
-        session = pipeline.open_chat(bundle, where, a.device, a.system, st)
+        session = pipeline.open_chat(bundle, where, a.device, a.system, st, lora=lora)
     engine = session.engine
     if note := session.history.notice():
         err.print(f"[yellow]{escape(note)}[/]")
@@ -95,26 +98,30 @@ def cmd_chat(a: argparse.Namespace) -> int:
 Where = Literal["device", "desktop", "preview", "mnn"]
 
 
-def runner_of(a: argparse.Namespace) -> tuple[Path, Where]:
-    """The bundle and the runner `chat` and `serve` were asked for (one of --device, --desktop, --preview, --mnn)."""
+def runner_of(a: argparse.Namespace) -> tuple[Path, Where, Choice]:
+    """The bundle, the runner `chat` and `serve` were asked for (one of --device, --desktop, --preview, --mnn) and
+    the bundle's switchable LoRA adapter to answer with (--lora), checked against the bundle before any work."""
     if sum((a.preview, a.desktop, a.mnn, a.device is not None and not a.mnn)) > 1:
         raise UserError("Pick one runner: --device, --desktop, --preview or --mnn (with --device: on that device).",
                         "Leave the others out.")
     bundle = Path(a.bundle) if a.bundle else default_bundle(stages.MNN.name if a.mnn else stages.BUNDLE.name)
-    if a.lora:
-        from ..core.lora import refuse_switching
+    lora = adapters.parse(a.lora)
+    if lora.name is not None:
+        if a.mnn:
+            from ..core.lora import refuse_switching
 
-        refuse_switching(a.lora, bundle)
+            refuse_switching(lora.name, bundle)
+        adapters.check(bundle, read_metadata(bundle), lora)
     where: Where = "mnn" if a.mnn else "preview" if a.preview else "desktop" if a.desktop else "device"
-    return bundle, where
+    return bundle, where, lora
 
 
 def runner_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--bundle", type=given, default=None, help="bundle folder (default: the default project's)")
     s.add_argument("--device", default=None, help="adb serial")
-    s.add_argument("--lora", default=None, metavar="NAME",
-                   help="answer with the bundle's LoRA adapter NAME switched on (refused: NPU Studio's bundles carry "
-                        "adapters merged, not switchable; the message says why and what to do)")
+    s.add_argument("--lora", default=None, metavar="NAME[,lora_alpha,STRENGTH]",
+                   help="answer with the bundle's LoRA adapter NAME (a bundle built with --lora-switchable), at "
+                        "STRENGTH 0 to 1 (default 1); without it the base model answers")
     s.add_argument("--desktop", action="store_true", help="real Genie on this computer's HTP simulator")
     s.add_argument("--preview", action="store_true", help="the fast CPU preview on this computer")
     s.add_argument("--mnn", action="store_true", help="the MNN model (`compile --backend mnn`) run by MNN's runtime "

@@ -149,6 +149,9 @@ def print_adapt(ad: AdaptSummary, root: Path) -> None:
     out.print(f"Adapted into {root}: graphs {', '.join(ad.graphs)}")
     if ad.lora:
         out.print(f"LoRA adapters merged first: {', '.join(ad.lora)} (the gate compares with the model and them)")
+    if ad.switchable:
+        out.print("LoRA adapters kept switchable (graph inputs; the base model answers without one), each against "
+                  f"the model computing with it: {'; '.join(ad.switchable)}")
     if ad.gate == "failed, accepted":
         out.print("[bold red]Equivalence gate FAILED; the mismatch was accepted (--accept-mismatch): this model "
                   "will not answer like the original.[/]")

@@ -21,9 +21,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     key = os.environ.get(KEY_ENV) or None
     serve.check_address(a.host, key)
-    bundle, where = runner_of(a)
+    bundle, where, lora = runner_of(a)
     with live_state() as st:  # a device gets the bundle first (nothing moves when it is there already)
-        server = serve.open_server(bundle, where, a.device, st, api_key=key, max_waiting=a.max_waiting)
+        server = serve.open_server(bundle, where, a.device, st, api_key=key, max_waiting=a.max_waiting, lora=lora)
     model_id, engine = server.model_id, server.engine
 
     def ready(url: str) -> None:

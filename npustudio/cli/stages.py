@@ -206,6 +206,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     out.print(f"  graphs: {', '.join(ad.graphs)}")
     out.print(f"  equivalence: top-1 {ad.top1_agreement:.4f}, max |Δlogit| {ad.max_abs_logit_diff:.2e} "
               f"({ad.positions} positions)")
+    for line in ad.switchable:
+        out.print(f"  LoRA adapter kept switchable, {line}")
     if ad.gate == "failed, accepted":
         out.print("  [bold red]equivalence gate FAILED, mismatch accepted: the model will not answer like the "
                   "original[/]")

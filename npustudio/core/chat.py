@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 from . import layout, stages
 from .errors import UserError
 from .fsutil import MiB, TooLarge, atomic_write_json, read_at_most
+from .genie.adapters import Choice
 
 OnText = Callable[[str], None]
 
@@ -208,10 +209,12 @@ class DesktopEngine:
     """The bundle on this computer: real Genie on the HTP simulator, or the CPU preview (kept loaded)."""
 
     def __init__(self, bundle_dir: Path, preview: bool = False, max_tokens: int | None = None,
-                 apart: bool = False) -> None:
+                 apart: bool = False, lora: Choice | None = None) -> None:
         """`apart`: real Genie runs in a child process at a lower CPU priority (`host.run_apart`), for a caller
-        whose own thread must stay responsive (the window)."""
+        whose own thread must stay responsive (the window). `lora`: the bundle's switchable adapter to answer
+        with."""
         self.bundle_dir, self.preview, self.max_tokens, self.apart = Path(bundle_dir), preview, max_tokens, apart
+        self.lora = lora
         self.name = "desktop preview on the CPU" if preview else "desktop Genie on the HTP simulator"  # shown in ( )
         self.figures: dict[str, float] = {}
         self.one_question = False
@@ -224,22 +227,25 @@ class DesktopEngine:
 
         if self.preview:  # not Genie: it has no log of its own
             if self._preview is None:
-                self._preview = host.Preview(self.bundle_dir)
+                self._preview = host.Preview(self.bundle_dir, self.lora)
             text, event, aborted = self._preview.query(prompt, on_text, stop, max_tokens or self.max_tokens)
             return text, aborted, self._preview.profile([event])
         res = (host.run_apart if self.apart else host.run)(self.bundle_dir / layout.GENIE_CONFIG, prompt, on_text,
                                                            stop=stop, max_tokens=max_tokens or self.max_tokens,
-                                                           log_level=log_level, on_log=on_log)
+                                                           log_level=log_level, on_log=on_log, lora=self.lora)
         return res.text, res.status == "aborted", res.profile or None
 
 
 class DeviceEngine:
     """The deployed bundle on an adb device (a phone, or the virtual device)."""
 
-    def __init__(self, serial: str, bundle_dir: Path, virtual: bool = False) -> None:
+    def __init__(self, serial: str, bundle_dir: Path, virtual: bool = False, lora: Choice | None = None) -> None:
         from .device.deploy import remote_dir
+        from .genie import adapters
+        from .genie.meta import read_metadata
 
         self.serial, self.remote = serial, remote_dir(Path(bundle_dir))
+        self.lora_flag = adapters.t2t_flag(read_metadata(Path(bundle_dir)), lora or adapters.Choice())
         self.name = f"device {serial}"
         self.figures: dict[str, float] = {}
         self.one_question = False
@@ -255,7 +261,8 @@ class DeviceEngine:
             prof = Path(tmp) / "profile.json"
             try:
                 res = remote_genie.run(self.serial, self.remote, prompt, reader.feed, stop, prof, log=log_level,
-                                       max_tokens=max_tokens if self.exact_max_tokens else None)
+                                       max_tokens=max_tokens if self.exact_max_tokens else None,
+                                       extra=self.lora_flag)
             finally:
                 reader.close()
             return res.text, res.status == "stopped", prof.read_text(encoding="utf-8") if res.profile_path else None

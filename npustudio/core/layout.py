@@ -43,6 +43,10 @@ DECODER_SPEC = "decoder.json"
 REFERENCE_LOGITS = "reference_logits.safetensors"
 EVAL_PLAN = "eval_plan.json"
 LORA_PLACES = "lora_places.json"  # where each merged LoRA module's rows are in the graph tensors
+LORA_SLOTS = "lora_slots.json"  # adapt, switchable adapters: the graph inputs each adapted Linear takes
+LORA_INPUTS = "lora_inputs"  # adapt, switchable adapters: what those inputs hold, NAME.safetensors per adapter
+LORA_ALPHA = "lora_alpha"  # switchable adapters: the graph input Genie writes an adapter's strength into
+LORA_BUNDLE = "lora"  # bundle, switchable adapters: NAME/INPUT.raw (float32), what Genie reads when one is applied
 
 # ----- quantize
 QUANTIZE_RESULT = "quantize.json"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -204,9 +206,76 @@ def merge(model: Any, adapters: tuple[LoraAdapter, ...], base_names: list[str]) 
     import torch
 
     params = dict(model.named_parameters())
-    tied = getattr(model.config, "tie_word_embeddings", False)
     read_ = [(a, read(Path(a.path))) for a in adapters]
-    for _a, ad in read_:
+    check(model, [ad for _a, ad in read_], base_names)
+    merged = []
+    with torch.no_grad():
+        for a, ad in read_:
+            for module, (lo_a, lo_b, scale) in ad.modules.items():
+                w = params[f"{module}.weight"]
+                w.copy_((w.to(torch.float32) + (a.weight * scale) * (lo_b @ lo_a)).to(w.dtype))
+            merged.append({"adapter": ad.name, "weight": a.weight, "rank": ad.rank, "alpha": ad.alpha,
+                           "modules": len(ad.modules), "bytes": ad.bytes})
+    return merged
+
+
+@dataclass
+class Switchable:
+    """An adapter kept apart from the model (a graph input Genie fills): its name in the bundle, as read, and the
+    weight its update is applied with."""
+
+    name: str
+    adapter: Adapter
+    weight: float
+
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def switchable(model: Any, adapters: tuple[LoraAdapter, ...], base_names: list[str]) -> list[Switchable]:
+    """The adapters to keep switchable, read and checked against `model` (as `merge` checks them)."""
+    out = [Switchable(n, read(Path(a.path)), a.weight) for n, a in zip(switch_names(adapters), adapters, strict=True)]
+    check(model, [s.adapter for s in out], base_names)
+    return out
+
+
+def switch_names(adapters: tuple[LoraAdapter, ...]) -> list[str]:
+    """Each switchable adapter's name: its folder's, which must be a name a phone's path and Genie's config take,
+    and unique (refused up front, naming the clash)."""
+    names = [Path(a.path).name for a in adapters]
+    for n in names:
+        if not NAME.match(n) or names.count(n) > 1:
+            why = "names two of them" if names.count(n) > 1 else "is not a plain name"
+            raise UserError(f"A switchable adapter is named by its folder, and {n!r} {why}: the bundle keeps each "
+                            "adapter in a folder of that name and the chat picks it by it.",
+                            "Put each adapter in a folder of its own with a plain name (letters, digits, . _ -).")
+    return names
+
+
+@contextmanager
+def applied(model: Any, adapter: Adapter, weight: float = 1.0) -> Iterator[None]:
+    """`model` computing as PEFT's unmerged model does with `adapter` (each module's output plus weight * scale *
+    B(A x)), by forward hooks: no weight changes, so a 16-bit model is its own base again after the block."""
+    modules = dict(model.named_modules())
+    handles = []
+    for name, (a, b, scale) in adapter.modules.items():
+        def hook(_m: Any, args: tuple[Any, ...], out: Any, a: Any = a, b: Any = b, s: float = scale * weight) -> Any:
+            x = args[0]
+            return out + ((x.to(a.dtype) @ a.t().to(x.device)) @ b.t().to(x.device)).to(out.dtype) * s
+        handles.append(modules[name].register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def check(model: Any, adapters: list[Adapter], base_names: list[str]) -> None:
+    """Refuse, naming why, an adapter for another base, or one that targets a module `model` (a transformers
+    *ForCausalLM) lacks or shapes differently, or its lm_head when the head shares the token embedding."""
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for ad in adapters:
         _same_base(ad, base_names)
         for module, (lo_a, lo_b, _s) in ad.modules.items():
             w = params.get(f"{module}.weight")
@@ -221,26 +290,12 @@ def merge(model: Any, adapters: tuple[LoraAdapter, ...], base_names: list[str]) 
                 raise UserError(f"The LoRA adapter {ad.name} updates lm_head, which this model shares with its token "
                                 "embedding: merged, it would change the embedding too.",
                                 "Train the adapter without lm_head in target_modules.")
-    merged = []
-    with torch.no_grad():
-        for a, ad in read_:
-            for module, (lo_a, lo_b, scale) in ad.modules.items():
-                w = params[f"{module}.weight"]
-                w.copy_((w.to(torch.float32) + (a.weight * scale) * (lo_b @ lo_a)).to(w.dtype))
-            merged.append({"adapter": ad.name, "weight": a.weight, "rank": ad.rank, "alpha": ad.alpha,
-                           "modules": len(ad.modules), "bytes": ad.bytes})
-    return merged
 
 
 def refuse_switching(name: str, bundle: Path) -> NoReturn:
-    """Switching adapters at run time (Genie's `lora` block, `GenieDialog_applyLora`) needs the context binary
-    built with updatable weights and one binary section per adapter. QAIRT's `qnn-context-binary-generator
-    --adapter_weight_config` writes those; the onnxruntime-qnn embedded here only applies sections at run time
-    (`qnn.lora_config`), and NPU Studio does not drive the SDK's LoRA tools: it merges adapters instead."""
-    raise UserError(f"The bundle {bundle} has no switchable LoRA adapter {name!r}: NPU Studio merges adapters into "
-                    "the model before adaptation, so a bundle answers as its model with those adapters merged, and "
-                    "there is nothing to switch at run time. Switchable adapters need a context binary with "
-                    "updatable weights and one binary section per adapter, which only Qualcomm's QAIRT SDK writes "
-                    "(qnn-context-binary-generator --adapter_weight_config); NPU Studio does not build them.",
-                    "Build a bundle with the adapter merged, one project per adapter: npustudio run --model MODEL "
-                    "--lora ADAPTER_DIR --project PROJECT; then chat with --bundle PROJECT/stages/bundle.")
+    """A run asked for adapter `name` of a bundle that carries none switchable: its adapters, if any, were merged."""
+    raise UserError(f"The bundle {bundle} has no switchable LoRA adapter {name!r}: it answers as its model, with any "
+                    "adapters it was built with merged in, so there is nothing to switch at run time.",
+                    "Build the bundle with the adapters kept switchable: npustudio run --model MODEL --lora "
+                    "ADAPTER_DIR [--lora ADAPTER_DIR ...] --lora-switchable --project PROJECT; then chat with --bundle "
+                    "PROJECT/stages/bundle --lora NAME (NAME: the adapter's folder name).")

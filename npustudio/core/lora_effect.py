@@ -57,8 +57,9 @@ def adapt_dir_of(enc_file: Path) -> Path:
 
 
 def merged(adapt_dir: Path) -> bool:
-    """Whether the adapt stage in `adapt_dir` merged LoRA adapters."""
-    return (adapt_dir / layout.LORA_PLACES).is_file()
+    """Whether the adapt stage in `adapt_dir` merged LoRA adapters (not kept them switchable: then the weights hold
+    none of their update, and their precision is their inputs' encodings)."""
+    return (adapt_dir / layout.LORA_PLACES).is_file() and not (adapt_dir / layout.LORA_SLOTS).is_file()
 
 
 def effects(enc_file: str | Path, adapt_dir: Path | None = None) -> list[AdapterTensor]:

@@ -111,6 +111,7 @@ class Choices(BaseModel):
     target: str | None = None  # a SoC of core/targets.py; None: not picked yet (the Target step is to do)
     deployed: Deployed | None = None
     lora: tuple[LoraAdapter, ...] = ()  # LoRA adapters merged into the model before adaptation (core/lora.py)
+    lora_switchable: bool = False  # ... or kept apart, as graph inputs: one bundle answers with any of them
 
     check_target = field_validator("target")(_known_soc)  # as the stage options check theirs
 

@@ -145,6 +145,8 @@ class AdaptResult(BaseModel):
     eval_plan: EvalPlan | None = None
     device: str = "cpu"
     gate: Gate | None = None
+    # switchable LoRA adapters: by name, the graphs fed each adapter's inputs against the model computing with it
+    lora_equivalence: dict[str, Equivalence] = {}
 
 
 class AdapterKept(BaseModel):

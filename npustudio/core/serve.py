@@ -29,6 +29,7 @@ from . import layout
 from .chat import ChatModel, Engine, clean_answer
 from .errors import UserError
 from .fsutil import MiB, TooLarge, read_at_most
+from .genie.adapters import Choice
 from .genie.config import PROMPT_LIMIT, chat_prompt, check_prompt
 from .progress import StateLike
 
@@ -598,11 +599,13 @@ def model_id_of(folder: Path) -> str:
 
 
 def open_server(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"], serial: str | None = None,
-                state: StateLike | None = None, api_key: str | None = None, max_waiting: int = 16) -> Server:
-    """The endpoint over the runner the chat would use for `bundle` (a device gets the bundle first)."""
+                state: StateLike | None = None, api_key: str | None = None, max_waiting: int = 16,
+                lora: Choice | None = None) -> Server:
+    """The endpoint over the runner the chat would use for `bundle` (a device gets the bundle first), answering
+    with its switchable LoRA adapter `lora` where given."""
     from . import pipeline
     from .chat import chat_model
 
-    engine = pipeline.open_engine(bundle, where, serial, state, apart=True)
+    engine = pipeline.open_engine(bundle, where, serial, state, apart=True, lora=lora)
     return Server(engine, chat_model(bundle), model_id_of(bundle), sampling_of(bundle, where == "preview"),
                   api_key=api_key, max_waiting=max_waiting)

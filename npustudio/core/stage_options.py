@@ -165,6 +165,8 @@ class AdaptOptions(StageOptions):
     device: Device = Field("auto", description="where the proof runs (auto: the CUDA GPU when torch sees one)")
     accept_mismatch: bool = Field(False, description="keep adapted graphs that fail the equivalence gate")
     lora: tuple[LoraAdapter, ...] = Field((), description="LoRA adapters merged into the model first, in order")
+    lora_switchable: bool = Field(False, description="keep the LoRA adapters apart from the model, as graph inputs "
+                                                     "Genie fills with the adapter a dialog applies")
 
     @model_serializer(mode="wrap")
     def _without_empty_lora(self, handler: Any) -> Any:
@@ -173,6 +175,8 @@ class AdaptOptions(StageOptions):
         out = handler(self)
         if isinstance(out, dict) and not out.get("lora"):
             out.pop("lora", None)
+        if isinstance(out, dict) and not out.get("lora_switchable"):
+            out.pop("lora_switchable", None)
         return out
 
 

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QSignalBlocker, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
@@ -32,6 +32,8 @@ from PySide6.QtWidgets import (
 from ..core import chat, layout, pipeline, stages
 from ..core.chat import ChatSession, Turn
 from ..core.errors import UserError
+from ..core.genie.adapters import Choice
+from ..core.genie.meta import read_metadata
 from . import worker
 from .chat_widgets import Bubble, ChatInput, Transcript, figures, tokens
 from .serve_bar import ServeBar, Target
@@ -67,6 +69,7 @@ class ChatPanel(QWidget):
         self.edit_btn.clicked.connect(self.edit_last)
         self.chats.activated.connect(lambda i: self.pick(self.chats.itemData(i)))
         self.runner.currentIndexChanged.connect(lambda _i: self.reload())
+        self.adapter.currentIndexChanged.connect(lambda _i: self.reload())
         self.rename_box: QInputDialog | None = None
         self.delete_box: QMessageBox | None = None
         self.last_answer = ""
@@ -107,6 +110,9 @@ class ChatPanel(QWidget):
         self.runner = QComboBox()
         for k, label in RUNNERS:
             self.runner.addItem(label, k)
+        self.adapter = QComboBox()  # shown for a bundle with switchable LoRA adapters: which one answers
+        self.adapter.setToolTip("The bundle's LoRA adapter the model answers with (switched at run time)")
+        self.adapter.hide()
         self.system = QLineEdit()
         self.system.setPlaceholderText("system prompt (optional)")
         self.transcript = Transcript()
@@ -123,6 +129,7 @@ class ChatPanel(QWidget):
         self.stats = StatusLine()
         lay.addLayout(top)
         lay.addWidget(self.runner)
+        lay.addWidget(self.adapter)
         lay.addWidget(self.system)
         lay.addWidget(self.transcript, 1)
         lay.addWidget(self.stats)
@@ -172,7 +179,7 @@ class ChatPanel(QWidget):
         on_device = kind in DEVICE_RUNNERS
         if on_device and dev is None:
             return None
-        return (str(project.root), kind, dev.serial if on_device and dev else None)
+        return (str(project.root), kind, dev.serial if on_device and dev else None, self.adapter.currentData())
 
     def _serve_target(self) -> Target | None:
         """What `npustudio serve` would serve for the runner picked here (None: nothing to serve yet)."""
@@ -180,12 +187,32 @@ class ChatPanel(QWidget):
         if key is None or project is None:
             return None
         kind = key[1]
-        return self._folder(project, kind), "mnn" if kind in MNN_RUNNERS else kind, key[2]
+        return self._folder(project, kind), "mnn" if kind in MNN_RUNNERS else kind, key[2], key[3]
 
     @staticmethod
     def _folder(project: Any, kind: str) -> Path:
         """What the runner `kind` chats with: the MNN stage's folder, else the Genie bundle."""
         return project.stage_dir(stages.MNN.name if kind in MNN_RUNNERS else stages.BUNDLE.name)
+
+    def _list_adapters(self) -> None:
+        """The adapter list of the project's bundle, kept on the one picked while the bundle still has it; hidden
+        when the bundle has none to switch (or the runner is MNN's)."""
+        project, kind = self.window_.project, self.runner.currentData()
+        names: list[str] = []
+        if project is not None and kind not in MNN_RUNNERS:
+            try:
+                names = read_metadata(project.stage_dir(stages.BUNDLE.name)).lora_adapters
+            except UserError:  # no bundle yet: the status line says so
+                names = []
+        picked = self.adapter.currentData()
+        if [self.adapter.itemData(i) for i in range(1, self.adapter.count())] != names:
+            with QSignalBlocker(self.adapter):
+                self.adapter.clear()
+                self.adapter.addItem("Base model (no LoRA adapter)", None)
+                for n in names:
+                    self.adapter.addItem(f"LoRA adapter: {n}", n)
+                self.adapter.setCurrentIndex(max(0, self.adapter.findData(picked)) if picked in names else 0)
+        self.adapter.setVisible(bool(names))
 
     def _history(self) -> chat.ChatHistory | None:
         project = self.window_.project
@@ -195,6 +222,7 @@ class ChatPanel(QWidget):
         """Show this project's chats and the current one (the session itself is made on the first message)."""
         if self.busy:
             return
+        self._list_adapters()
         key = self._runner_key()
         if key != self._key:
             self.session, self._key = None, key
@@ -256,6 +284,7 @@ class ChatPanel(QWidget):
         self.regen_btn.setEnabled(not busy and has_turn)
         self.edit_btn.setEnabled(not busy and has_turn)
         self.runner.setEnabled(not busy)  # the runner answering stays the one named
+        self.adapter.setEnabled(not busy)
 
     def ask(self, text: str) -> None:
         self.input.setPlainText(text)
@@ -305,7 +334,7 @@ class ChatPanel(QWidget):
             return
         if key != self._key:
             self.session, self._key = None, key
-        kind, serial = key[1], key[2]
+        kind, serial, adapter = key[1], key[2], key[3]
         bundle, system = self._folder(project, kind), self.system.text().strip() or None
         self.window_.chat_dock.raise_()  # the answer is to be seen (the device panel shares its place)
         self.stop_event = threading.Event()
@@ -332,7 +361,7 @@ class ChatPanel(QWidget):
             nonlocal session
             if session is None:  # Genie away from the window; MNN's model on this computer or on the device
                 session = pipeline.open_chat(bundle, "mnn" if kind in MNN_RUNNERS else kind, serial, system,
-                                             apart=True)
+                                             apart=True, lora=Choice(name=adapter))
             session.system = system
             if session.engine.one_question and session.turns and not replace_last:
                 session.clear()  # a new chat for this question; the earlier ones stay in the list

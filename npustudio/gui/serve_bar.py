@@ -11,12 +11,14 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QHBoxLayout, QLineEdit, QPushButton, QToolButton, QWidget
 
 from ..core import serve
+from ..core.genie.adapters import Choice
 from ..core.stage_options import ServeOptions
 from . import worker
 from .widgets import show_error
 
 Where = Literal["device", "desktop", "preview", "mnn"]
-Target = tuple[Path, Where, "str | None"]  # the bundle (or MNN folder), the runner, the device's serial
+# the bundle (or MNN folder), the runner, the device's serial, the bundle's switchable LoRA adapter answering
+Target = tuple[Path, Where, "str | None", "str | None"]
 
 
 class ServeBar(QWidget):
@@ -62,12 +64,13 @@ class ServeBar(QWidget):
             show_error(self, "There is nothing to serve yet.",
                        "Build the bundle (Compile step) and pick a device, or choose 'This computer'.")
             return
-        bundle, where, serial = target
+        bundle, where, serial, adapter = target
         port = self.port
         self.served = target
 
         def work(state: Any) -> serve.Background:
-            bg = serve.Background(serve.open_server(bundle, where, serial, state), "127.0.0.1", port)
+            bg = serve.Background(serve.open_server(bundle, where, serial, state, lora=Choice(name=adapter)),
+                                  "127.0.0.1", port)
             bg.start()
             return bg
 

@@ -8,13 +8,14 @@ equivalence gate fails the stage when they differ (unless the user accepts the m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import compute, forked, layout
+from .. import compute, forked, layout, lora
 from ..config_audit import check_context
 from ..errors import UserError
 from ..evaluate import (
@@ -28,7 +29,7 @@ from ..evaluate import (
 )
 from ..families import recipe_for
 from ..fsutil import atomic_write_json
-from ..graph import store
+from ..graph import lora_inputs, store
 from ..graph.decoder import (
     StaticDecoder,
     adapt_weights,
@@ -95,6 +96,9 @@ def equivalence_gate(eq: Equivalence, card: Any, accept_mismatch: bool) -> Gate:
 
 
 def validate(opts: AdaptOptions, card: Any) -> None:
+    if opts.lora_switchable and not opts.lora:
+        raise UserError("Switchable LoRA adapters were asked for, and no adapter was given.",
+                        "Add --lora ADAPTER_DIR (repeatable), or leave --lora-switchable out.")
     if opts.ar == 1:  # two AR-1 graphs, which Genie loads as two parts of one model and runs wrongly
         raise UserError("AR 1 would make the prompt graph a second token graph: Genie takes two graphs of the same "
                         "shape for two parts of the model.",
@@ -130,12 +134,14 @@ def resolved(options: AdaptOptions, card: Any) -> AdaptOptions:
     return options.model_copy(update={"eval_tokens": plan.tokens, "window": plan.window})
 
 
-def graph_specs(spec: DecoderSpec, ar: int, cl: int) -> list[GraphSpec]:
+def graph_specs(spec: DecoderSpec, ar: int, cl: int, slots: Sequence[lora_inputs.Slot] = ()) -> list[GraphSpec]:
     names = graph_names(ar, cl)
-    ins_order, outs_order = io_names(spec.layers)
+    extra = lora_inputs.shapes(list(slots)) if slots else {}
+    ins_order, outs_order = io_names(spec.layers, list(extra))
     out = []
     for kind, n in (("prompt", ar), ("token", 1)):
         ins, outs = io_shapes(spec, n, cl)
+        ins.update(extra)
         out.append(GraphSpec(
             name=names[kind][0], kind=kind, ar=n, cl=cl,
             inputs=[TensorSpec(name=k, shape=ins[k], dtype="int32" if k == "input_ids" else "float32")
@@ -151,20 +157,30 @@ def adapt_model(lm: LoadedModel) -> tuple[StaticDecoder, torch.Tensor]:
 
 
 @compute.plain_convolutions
-def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike) -> AdaptResult:
+def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike,
+        switch: Sequence[lora.Switchable] = ()) -> AdaptResult:
+    """`switch`: LoRA adapters kept apart from the weights as graph inputs (`graph.lora_inputs`); the graphs are
+    then proven with none (the base) and with each."""
     validate(options, lm.card)
     device = compute.resolve(options.device)
     lm.model.to(device)  # the adapted model shares its weights, on the same device
     state.progress(0.02, "adapting weights to the static graph form")
     model, inv_freq = adapt_model(lm)
-    if options.lora:  # what the inspector traces each merged adapter's update through
+    slots: list[lora_inputs.Slot] = []
+    if options.lora:  # what the inspector traces each adapter's update through
         places = weight_places(model.spec, recipe_for(lm.card.model_type, lm.card.architecture), lm.model, model)
         atomic_write_json(out_dir / layout.LORA_PLACES, {"adapters": [a.model_dump() for a in options.lora],
                                                          "places": {k: [p.model_dump() for p in v]
                                                                     for k, v in places.items()}})
+        if switch:
+            slots = lora_inputs.slots([s.adapter for s in switch], places)
+            lora_inputs.attach(model, slots)
     state.check()
 
     runner = KVCacheRunner.over(model, options.ar, options.cl, inv_freq)
+    values = {s.name: lora_inputs.values(slots, s.adapter, s.weight) for s in switch}
+    if switch:
+        runner.extra = lora_inputs.values(slots, None)
     plan = eval_plan(options, lm.card)
     ids = eval_ids(lm.tokenizer, plan)
     plan.tokens = len(ids)
@@ -172,24 +188,40 @@ def run(lm: LoadedModel, options: AdaptOptions, out_dir: Path, state: StateLike)
     state.progress(0.05, f"proving equivalence over {len(ids)} tokens")
     # a small model's second half of the windows in a forked copy, each process on one thread (default model,
     # 2 cores: the stage 25.4 -> 23.0 s, the same bytes)
+    share = 0.85 / (1 + len(switch))
     with computing_in_fp32(lm.model, model):  # a 16-bit checkpoint's weights stay 16-bit, the arithmetic fp32's
         cmp = compare(ids, hf_logits_fn(lm.model), partial(runner.score, decode_tokens=options.decode_tokens),
-                      window=plan.window, state=state.sub(0.05, 0.9), labels=("fp", "adapted"), kept=kept,
+                      window=plan.window, state=state.sub(0.05, 0.05 + share), labels=("fp", "adapted"), kept=kept,
                       beside=forked.worth_forking(lm.model, device))
+        with_adapter = {}
+        for i, s in enumerate(switch):
+            runner.extra = values[s.name]
+            with lora.applied(lm.model, s.adapter, s.weight):
+                with_adapter[s.name] = compare(
+                    ids, hf_logits_fn(lm.model), partial(runner.score, decode_tokens=options.decode_tokens),
+                    window=plan.window, state=state.sub(0.05 + share * (i + 1), 0.05 + share * (i + 2)),
+                    labels=("fp", s.name), beside=forked.worth_forking(lm.model, device))
     decode = sum(min(options.decode_tokens, len(w) - 1) for w in windows(ids, plan.window))
     state.progress(0.92, "saving the adapted model")
     store.save(model, inv_freq, out_dir)
+    if switch:
+        lora_inputs.save(out_dir, slots, values)
     write_reference(out_dir, plan, ids, kept)
     kept.clear()
     lm.tokenizer.save_pretrained(str(out_dir))
     res = AdaptResult(
-        spec=model.spec, graphs=graph_specs(model.spec, options.ar, options.cl),
+        spec=model.spec, graphs=graph_specs(model.spec, options.ar, options.cl, slots),
         equivalence=Equivalence(max_abs_logit_diff=cmp.max_abs_logit_diff, top1_agreement=cmp.top1_agreement,
                                 positions=cmp.positions, windows=cmp.windows, prefill_ar=options.ar,
                                 decode_steps=decode, ref_logit_range=cmp.ref_logit_range),
         ppl_fp=cmp.ref_ppl, ppl_adapted=cmp.test_ppl, eval_tokens=cmp.tokens, per_window=cmp.per_window,
         eval_plan=plan, device=device)
     res.gate = equivalence_gate(res.equivalence, lm.card, options.accept_mismatch)
+    for name, c in with_adapter.items():
+        res.lora_equivalence[name] = eq = Equivalence(
+            max_abs_logit_diff=c.max_abs_logit_diff, top1_agreement=c.top1_agreement, positions=c.positions,
+            windows=c.windows, prefill_ar=options.ar, decode_steps=decode, ref_logit_range=c.ref_logit_range)
+        equivalence_gate(eq, lm.card, options.accept_mismatch)
     atomic_write_json(out_dir / layout.GRAPHS, [g.model_dump() for g in res.graphs])
     atomic_write_json(out_dir / layout.CARD, lm.card.model_dump())
     atomic_write_json(out_dir / layout.EQUIVALENCE, res.equivalence.model_dump())

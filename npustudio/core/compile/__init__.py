@@ -28,7 +28,7 @@ from .. import layout, parts, stages
 from ..errors import UserError
 from ..evaluate import load_corpus, max_abs_diff, nll
 from ..fsutil import atomic_write_json, link_or_copy
-from ..graph import compile_process, embedding_lut, graph_io, lpbq_matmul, ort_qnn, store
+from ..graph import compile_process, embedding_lut, graph_io, lora_inputs, lpbq_matmul, ort_qnn, store
 from ..graph.exported import read_test_vectors
 from ..graph.kv_cache import Cache, KVCacheRunner
 from ..graph.ort_graph import OrtGraph, cpu_session
@@ -304,6 +304,8 @@ class _VerifyText:
         from transformers import AutoTokenizer
 
         self.spec, self.inv_freq = store.load_spec(adapt_dir)
+        slots = lora_inputs.saved_slots(adapt_dir)  # switchable LoRA adapters: verified as the base (all zeros)
+        self.extra = lora_inputs.values(slots, None) if slots else {}
         prompt_spec = load_graphs(quant_dir)[0]
         self.ar_n, self.cl = prompt_spec.ar, prompt_spec.cl
         tok = AutoTokenizer.from_pretrained(str(quant_dir), trust_remote_code=False)
@@ -318,6 +320,7 @@ class _VerifyText:
         cache it leaves."""
         fns = split.OneAtATime({self.ar_n: partial(make, graph)})
         runner = KVCacheRunner(self.spec, self.cl, fns.graphs(), self.inv_freq)
+        runner.extra = self.extra
         logits = runner.prefill(self.ids[:len(self.ids) - self.decode])
         cache = runner.snapshot()
         fns.release()
@@ -327,6 +330,7 @@ class _VerifyText:
         """The token graph's AR-1 steps over the last `decode` tokens, going on from `cache`."""
         fns = split.OneAtATime({1: partial(make, graph)})
         runner = KVCacheRunner(self.spec, self.cl, fns.graphs(), self.inv_freq)
+        runner.extra = self.extra
         runner.resume(cache)
         logits = torch.cat([runner.step([t], 1) for t in self.ids[len(self.ids) - self.decode:]])
         fns.release()

@@ -184,6 +184,12 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
 
     meta = read_metadata(bundle_dir)
     problems = []
+    if meta.lora_adapters:  # Genie reads each adapter from a folder of its own; deploy sends one flat folder
+        problems.append((f"The bundle carries switchable LoRA adapters ({', '.join(meta.lora_adapters)}), each in a "
+                         f"folder under {layout.LORA_BUNDLE}/, and NPU Studio's deploy sends a bundle's own files, "
+                         "not its folders: Genie on the device could not find them.",
+                         "Chat with it on this computer (npustudio chat --desktop --bundle B --lora NAME), or build "
+                         "one bundle per adapter with it merged (leave --lora-switchable out) for the phone."))
     want = meta.target
     if not dev.dsp_arch:
         problems.append((f"{dev.serial} reports SoC {dev.soc or '?'}, which has no known Hexagon NPU.",

@@ -101,9 +101,10 @@ def answer(output: str, prompt: str | None = None) -> str:
 
 def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], None],
         stop: threading.Event | None = None, profile_to: Path | None = None, log: str = "error",
-        max_tokens: int | None = None) -> DeviceRun:
+        max_tokens: int | None = None, extra: list[str] | None = None) -> DeviceRun:
     """`max_tokens` is for the virtual device only: its genie-t2t-run (our desktop runner) takes
-    `--max-tokens`; a phone's genie-t2t-run has no such flag (stop it with `stop` instead)."""
+    `--max-tokens`; a phone's genie-t2t-run has no such flag (stop it with `stop` instead). `extra`: more of
+    genie-t2t-run's arguments (`-l NAME,lora_alpha,STRENGTH`), each quoted."""
     if log not in t2t.LOG_LEVELS:
         raise UserError(f"Unknown log level {log!r}.", f"Use {', '.join(t2t.LOG_LEVELS)}.")
     d = client().device(serial=serial)
@@ -116,7 +117,8 @@ def run(serial: str, remote_dir: str, prompt: str, on_output: Callable[[str], No
             f"LD_LIBRARY_PATH={q(remote_dir)}:$LD_LIBRARY_PATH ADSP_LIBRARY_PATH={q(remote_dir)} "
             f"exec {'./genie-t2t-run' if own else 'genie-t2t-run'} -c genie_config.json "
             f"--prompt_file {layout.PROMPT_FILE} --profile {layout.PROFILE_FILE} --log {log}"
-            + (f" --max-tokens {int(max_tokens)}" if max_tokens else "") + " 2>&1")
+            + (f" --max-tokens {int(max_tokens)}" if max_tokens else "")
+            + "".join(f" {q(x)}" for x in extra or []) + " 2>&1")
     t0 = time.perf_counter()
     d.shell(["rm", "-f", posixpath.join(remote_dir, layout.PROFILE_FILE)], timeout=30)
     output, stopped = remote_shell.stream(d, line, on_output, stop)

@@ -117,6 +117,12 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
     draft_meta = draft.describe(pair, options.draft_len, draft_bins) if pair else None
     cfg = genie_config.dialog_config(card.model_dump(), cl, bins, options.sampler, options.n_threads, htp_ext=True,
                                      embedding=embedding)
+    adapters = _write_adapters(adapt_dir, out_dir)
+    if adapters:
+        if pair:
+            raise UserError("A draft-model bundle cannot also switch LoRA adapters: the draft would still propose "
+                            "the base model's tokens.", "Bundle without --draft, or merge the adapter.")
+        cfg = genie_config.with_lora(cfg, adapters, layout.LORA_ALPHA)
     if pair:
         cfg = genie_config.speculative(cfg, genie_config.engine_config(pair.card.model_dump(), draft_bins,
                                                                        options.n_threads, htp_ext=True),
@@ -141,7 +147,8 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
         versions=_versions(), decoder=spec,
         rope_inv_freq=inv_freq.tolist(), eos_ids=card.eos_ids, bos_id=card.bos_id, question=options.question,
         chat_template=card.chat_template, runtime_files=copied, runtime_missing=missing,
-        project_compile_dir=str(compile_dir.resolve()), decoding="spd" if draft_meta else "basic", draft=draft_meta)
+        project_compile_dir=str(compile_dir.resolve()), decoding="spd" if draft_meta else "basic", draft=draft_meta,
+        lora_adapters=adapters, lora_inputs=_lora_shapes(adapt_dir) if adapters else {})
     shown = [g.graph for g in comp.graphs if _whole_graph(g.graph) in kept]
     extra = geniex.metadata(card, comp, compile_dir, shown)
     if draft_meta:  # GenieX runs one engine: it would take the draft's binaries for the target's
@@ -170,6 +177,31 @@ def run(compile_dir: Path, adapt_dir: Path, options: BundleOptions, out_dir: Pat
                                                                (spd_check or {}).get("tokens_per_target_call")))
     atomic_write_json(out_dir / layout.BUNDLE_RESULT, res.model_dump())
     return res
+
+
+def _write_adapters(adapt_dir: Path, out_dir: Path) -> list[str]:
+    """Each switchable LoRA adapter as Genie reads it: `lora/NAME/INPUT.raw`, float32 in the graph's order of
+    elements (written atomically, a folder at a time); their names, none when the adapters were merged."""
+    from ..graph import lora_inputs
+
+    adapters = lora_inputs.saved_values(adapt_dir)
+    root = out_dir / layout.LORA_BUNDLE
+    if root.exists():
+        shutil.rmtree(root)
+    for name, values in adapters.items():
+        tmp = root / f".{name}.tmp"
+        tmp.mkdir(parents=True)
+        for tensor, v in values.items():
+            if tensor != lora_inputs.ALPHA:
+                v.float().contiguous().numpy().astype("<f4").tofile(tmp / f"{tensor}.raw")
+        os.replace(tmp, root / name)
+    return list(adapters)
+
+
+def _lora_shapes(adapt_dir: Path) -> dict[str, list[int]]:
+    from ..graph import lora_inputs
+
+    return lora_inputs.shapes(lora_inputs.saved_slots(adapt_dir))
 
 
 def _whole_graph(name: str) -> str:

@@ -93,6 +93,18 @@ def dialog_config(card: dict[str, Any], cl: int, ctx_bins: list[str], sampler: S
     return {"dialog": dialog}
 
 
+def with_lora(config: dict[str, Any], adapters: list[str], alpha: str) -> dict[str, Any]:
+    """Genie's input-weight LoRA (lora-version 1) on the dialog's engine: each adapter a folder of `.raw` files, one
+    per graph input holding "lora" in its name, which `GenieDialog_applyLora` quantizes into those inputs; `alpha`
+    the input its strength goes to."""
+    out = copy.deepcopy(config)
+    out["dialog"]["engine"]["model"]["binary"]["lora"] = {
+        "version": 1, "lora-version": 1, "alpha-tensor-name": alpha,
+        "adapters": [{"version": 1, "name": n, "path": f"{layout.LORA_BUNDLE}/{n}", "alphas": [alpha]}
+                     for n in adapters]}
+    return out
+
+
 def speculative(config: dict[str, Any], draft_engine: dict[str, Any], draft_len: int) -> dict[str, Any]:
     """A basic dialog turned into Genie's draft-model dialog (`spd`): the draft proposes `draft_len` tokens, the
     target checks them in one call and keeps those it would have chosen (with greedy sampling, the same answer)."""
@@ -131,6 +143,9 @@ def absolute(config: dict[str, Any], folder: Path) -> dict[str, Any]:
         for engine in d["engine"] if isinstance(d["engine"], list) else [d["engine"]]:
             binary = engine["model"]["binary"]
             binary["ctx-bins"] = [_file(folder, b) for b in binary["ctx-bins"]]
+            for adapter in binary.get("lora", {}).get("adapters", []):
+                if "path" in adapter:
+                    adapter["path"] = _file(folder, adapter["path"])
             backend = engine["backend"]
             if "extensions" in backend:
                 backend["extensions"] = _file(folder, backend["extensions"])

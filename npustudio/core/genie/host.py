@@ -26,8 +26,8 @@ from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_text
 from ..progress import State
+from . import adapters, libgenie
 from . import config as genie_config
-from . import libgenie
 
 if TYPE_CHECKING:
     from .meta import BundleMeta
@@ -47,22 +47,27 @@ class RunResult(BaseModel):
 def run(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None = None, log_level: str = "error",
         on_log: Callable[[str], None] | None = None, stop: threading.Event | None = None,
         max_tokens: int | None = None, preview: bool = False,
-        on_query: Callable[[], None] | None = None) -> RunResult:
+        on_query: Callable[[], None] | None = None, lora: adapters.Choice | None = None) -> RunResult:
     """`on_query` is called once the runner is loaded and starts on the prompt: the wait a person sees splits there
-    into loading and reading the prompt."""
+    into loading and reading the prompt. `lora`: the bundle's switchable adapter to answer with (none: the base)."""
     if not prompt:
         raise UserError("The prompt is empty.", "Give a prompt with -p or --prompt_file.")
     genie_config.check_prompt(prompt)
     if profile_path is not None:
         check_output_file(Path(profile_path), "--profile")
+    lora = lora or adapters.Choice()
+    if lora.name is not None:
+        adapters.check(Path(config_path).parent, _metadata(Path(config_path).parent), lora)
     if preview:
-        return _preview(Path(config_path), prompt, on_text, profile_path, stop, max_tokens)
-    return _genie(Path(config_path), prompt, on_text, profile_path, log_level, on_log, stop, max_tokens, on_query)
+        return _preview(Path(config_path), prompt, on_text, profile_path, stop, max_tokens, lora)
+    return _genie(Path(config_path), prompt, on_text, profile_path, log_level, on_log, stop, max_tokens, on_query,
+                  lora)
 
 
 def run_apart(config_path: Path, prompt: str, on_text: OnText, stop: threading.Event | None = None,
               max_tokens: int | None = None, log_level: str = "error",
-              on_log: Callable[[str], None] | None = None, on_query: Callable[[], None] | None = None) -> RunResult:
+              on_log: Callable[[str], None] | None = None, on_query: Callable[[], None] | None = None,
+              lora: adapters.Choice | None = None) -> RunResult:
     """`run` with real Genie in a child process at a lower CPU priority (`isolated.run`), its text and log
     arriving here as Genie produces them and `stop` aborting it there. For the window: in its process the HTP
     simulator's threads took both cores at the window's own priority for minutes, and the tokenizer's load held
@@ -87,7 +92,7 @@ def run_apart(config_path: Path, prompt: str, on_text: OnText, stop: threading.E
     t0 = time.perf_counter()
     try:
         result: RunResult = run_isolated(_run_in_child, Path(config_path), prompt, max_tokens, log_level,
-                                         on_log is not None, state=state, grace_s=STOP_GRACE_S)
+                                         on_log is not None, lora, state=state, grace_s=STOP_GRACE_S)
     except Cancelled:  # Genie did not take the abort in time (it reads a whole prompt first): its child was ended
         return RunResult(text="".join(streamed), status="aborted", runner="genie (HTP simulator)",
                          seconds=round(time.perf_counter() - t0, 3))
@@ -95,12 +100,12 @@ def run_apart(config_path: Path, prompt: str, on_text: OnText, stop: threading.E
 
 
 def _run_in_child(config_path: Path, prompt: str, max_tokens: int | None, log_level: str, with_log: bool,
-                  state: State) -> RunResult:
+                  lora: adapters.Choice | None, state: State) -> RunResult:
     """`run_apart`'s child: the parent's stop arrives as `state`'s cancel, which Genie's abort watcher waits on."""
     return run(config_path, prompt, lambda s: state.partial("text", text=s), stop=state.stop_event,
                max_tokens=max_tokens, log_level=log_level,
                on_log=(lambda line: state.partial("log", line=line)) if with_log else None,
-               on_query=lambda: state.partial("query"))
+               on_query=lambda: state.partial("query"), lora=lora)
 
 
 def until_done(work: Callable[[], Any], stop: threading.Event, on_stop: Callable[[], None] | None = None) -> Any:
@@ -144,12 +149,13 @@ def check_output_file(path: Path, what: str) -> None:
 
 def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None, log_level: str,
            on_log: Callable[[str], None] | None, stop: threading.Event | None, max_tokens: int | None,
-           on_query: Callable[[], None] | None = None) -> RunResult:
+           on_query: Callable[[], None] | None = None, lora: adapters.Choice | None = None) -> RunResult:
     cfg = genie_config.absolute(genie_config.read(config_path), config_path.parent)
     try:
-        shared = _metadata(config_path.parent).weight_shared
+        meta: BundleMeta | None = _metadata(config_path.parent)
     except UserError:  # a bundle made elsewhere has no metadata: Genie says what it finds
-        shared = False
+        meta = None
+    shared = meta is not None and meta.weight_shared
     if shared:
         raise UserError("This bundle's binaries are weight-shared, for a phone: the x86 HTP simulator cannot "
                         "load them (Genie and onnxruntime crash on it).",
@@ -163,6 +169,8 @@ def _genie(config_path: Path, prompt: str, on_text: OnText, profile_path: Path |
     pieces: list[str] = []
     watch = _Aborter(dialog, stop)
     try:
+        if meta is not None:
+            adapters.apply(dialog, meta, lora or adapters.Choice())
         # Genie refuses a query outright ("Context Size was exceeded") when prompt + its token budget
         # exceed the context, and its default budget is the whole context: give it the room that is left
         room = _room(cfg, prompt)
@@ -307,7 +315,7 @@ class TextPieces:
 class Preview:
     """The bundle's quantized graphs on the CPU, kept loaded between queries (chat)."""
 
-    def __init__(self, bundle_dir: Path) -> None:
+    def __init__(self, bundle_dir: Path, lora: adapters.Choice | None = None) -> None:
         import torch
         from transformers import PreTrainedTokenizerFast
 
@@ -325,6 +333,7 @@ class Preview:
                                  prepared / layout.EMBEDDING_LUT) for g in meta.graphs}
         self.runner = KVCacheRunner(meta.decoder, meta.context_length, graphs,  # type: ignore[arg-type]
                                     torch.tensor(meta.rope_inv_freq))
+        self.runner.extra = adapters.feeds(bundle_dir, meta, lora or adapters.Choice())
         self.tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle_dir / layout.TOKENIZER))
         self.bos, self.eos = meta.bos_id, set(meta.eos_ids)
         warm = meta.eos_ids[0] if meta.bos_id is None else meta.bos_id
@@ -382,9 +391,9 @@ class Preview:
 
 
 def _preview(config_path: Path, prompt: str, on_text: OnText, profile_path: Path | None,
-             stop: threading.Event | None, max_tokens: int | None) -> RunResult:
+             stop: threading.Event | None, max_tokens: int | None, lora: adapters.Choice) -> RunResult:
     t0 = time.perf_counter()
-    pv = Preview(config_path.parent)
+    pv = Preview(config_path.parent, lora)
     text, event, aborted = pv.query(prompt, on_text, stop, max_tokens)
     profile = pv.profile([event])
     if profile_path:

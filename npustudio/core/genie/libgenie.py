@@ -86,6 +86,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "GenieDialog_signal": ([H, ctypes.c_int], i32),
         "GenieDialog_setMaxNumTokens": ([H, ctypes.c_uint32], i32),
         "GenieDialog_reset": ([H], i32),
+        "GenieDialog_applyLora": ([H, ctypes.c_char_p, ctypes.c_char_p], i32),
+        "GenieDialog_setLoraStrength": ([H, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_float], i32),
         "GenieDialog_free": ([H], i32),
         "GenieProfile_create": ([H, p(H)], i32),
         "GenieProfile_getJsonData": ([H, _ALLOC, p(ctypes.c_char_p)], i32),
@@ -202,6 +204,18 @@ class Dialog:
 
     def reset(self) -> None:
         self.lib.GenieDialog_reset(self.handle)
+
+    def apply_lora(self, name: str, engine: str = "primary") -> None:
+        """Switch the dialog to the bundle's LoRA adapter `name` (Genie fills the graphs' adapter inputs from its
+        files); the next query answers with it."""
+        status = int(self.lib.GenieDialog_applyLora(self.handle, engine.encode(), name.encode()))
+        if status:
+            raise GenieError(f"Genie could not apply the LoRA adapter {name!r}", status, self.log)
+
+    def set_lora_strength(self, tensor: str, value: float, engine: str = "primary") -> None:
+        status = int(self.lib.GenieDialog_setLoraStrength(self.handle, engine.encode(), tensor.encode(), value))
+        if status:
+            raise GenieError(f"Genie could not set the LoRA strength {tensor} to {value}", status, self.log)
 
     def profile_json(self) -> str | None:
         if not self.profile.value:

@@ -50,6 +50,8 @@ class BundleMeta(BaseModel):
     project_compile_dir: str | None = None
     decoding: str = "basic"  # Genie's dialog type: basic (one token per call) or spd (a draft model proposes)
     draft: dict[str, Any] | None = None  # the draft model of an spd bundle (`draft.describe`)
+    lora_adapters: list[str] = Field(default_factory=list)  # switchable LoRA adapters, by name (`chat --lora NAME`)
+    lora_inputs: dict[str, list[int]] = Field(default_factory=dict)  # their graph inputs' shapes (strength included)
 
 
 def read_metadata(bundle_dir: Path) -> BundleMeta:

@@ -82,6 +82,8 @@ FLAGS = (
     Flag(("--prompt_file",), "prompt text file (real newlines)", "input"),
     Flag(("--profile",), "write Genie's profile JSON here", "output"),
     Flag(("--log",), "Genie's log level, on stderr"),
+    Flag(("-l", "--lora"), f"answer with the bundle's LoRA adapter: NAME, or NAME,{layout.LORA_ALPHA},STRENGTH "
+         "(0 to 1)"),
     Flag(("--max-tokens",), "stop after N generated tokens", qualcomm=False),
     Flag(("--raw",), "send the prompt exactly as given (genie-t2t-run's way); by default a prompt that is not "
          "already in the model's chat template is put into it", "switch", qualcomm=False),
@@ -167,7 +169,7 @@ def run(a: argparse.Namespace) -> int:
     import ctypes
 
     from ..native_io import fd_redirected
-    from . import host
+    from . import adapters, host
     from .config import as_chat_prompt, check_prompt, read_prompt_file
 
     prompt = read_prompt_file(Path(a.prompt_file)) if a.prompt_file else a.prompt or ""
@@ -176,6 +178,7 @@ def run(a: argparse.Namespace) -> int:
         host.check_output_file(Path(a.profile), "--profile")
     if not a.raw:
         prompt = as_chat_prompt(Path(a.config).parent, prompt)
+    lora = adapters.parse(a.lora)  # before any work: a bad -l is a message, not a half-run
     stop = threading.Event()
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(os.fdopen(os.dup(stack.enter_context(fd_redirected(1))), "w", encoding="utf-8"))
@@ -190,7 +193,7 @@ def run(a: argparse.Namespace) -> int:
         try:
             res = host.until_done(lambda: host.run(
                 Path(a.config), prompt, w.text, Path(a.profile) if a.profile else None, log_level=a.log,
-                on_log=w.log, stop=stop, max_tokens=a.max_tokens, preview=a.preview),
+                on_log=w.log, stop=stop, max_tokens=a.max_tokens, preview=a.preview, lora=lora),
                 stop, lambda: w.say("\nstopping…"))
         finally:
             ctypes.CDLL(None).fflush(None)  # native buffers to /dev/null before [END] ends the answer

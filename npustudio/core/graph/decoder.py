@@ -15,6 +15,7 @@ single-head convs (SHA).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -25,6 +26,12 @@ from ..families import FamilyRecipe
 from ..shape import DecoderShape, DecoderSpec
 from .half_weights import widened
 from .ops import ACTIVATIONS, Add, Concat, Conv1x1, MatMul, Mul, RMSNorm, Rope
+
+Linear = Callable[[Conv1x1, torch.Tensor], torch.Tensor]  # how a block applies one of its 1x1 convs to an input
+
+
+def plain(conv: Conv1x1, x: torch.Tensor) -> torch.Tensor:
+    return conv(x)
 
 
 class Neg(nn.Module):
@@ -63,21 +70,22 @@ class Attention(nn.Module):
         self.o = Conv1x1(z(s.hidden, s.heads * hd), z(s.hidden) if s.o_bias else None)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], mask: torch.Tensor,
-                past_k: torch.Tensor, past_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                past_k: torch.Tensor, past_v: torch.Tensor, lin: Linear = plain) -> tuple[torch.Tensor, ...]:
         n = x.shape[-1]
         hd, kv, g = self.hd, self.kv, self.g
         cos_q, sin_q, cos_k, sin_k = rope
+        qs, ks, vs = (cast(list[Conv1x1], list(c)) for c in (self.q, self.k, self.v))
         # (1,hd,1,N) per head -> q (KV, G*N, hd); k (KV,1,hd,N); v (KV,1,N,hd)
-        v = torch.stack([self.v[j](x).reshape(hd, n).t().reshape(1, n, hd) for j in range(kv)])
+        v = torch.stack([lin(vs[j], x).reshape(hd, n).t().reshape(1, n, hd) for j in range(kv)])
         if self.q_join is not None and self.k_join is not None and self.q_norm is not None and self.k_norm is not None:
             # the norm over the whole projection: the heads joined on the channel axis, normed, then split as below
-            qa = self.q_norm(self.q_join(*[c(x) for c in self.q]))  # (1, H*hd, 1, N), head h = j*G + i
+            qa = self.q_norm(self.q_join(*[lin(c, x) for c in qs]))  # (1, H*hd, 1, N), head h = j*G + i
             q = qa.reshape(kv, g, hd, n).transpose(2, 3).reshape(kv, g * n, hd)
-            k = self.k_norm(self.k_join(*[c(x) for c in self.k])).reshape(kv, 1, hd, n)
+            k = self.k_norm(self.k_join(*[lin(c, x) for c in ks])).reshape(kv, 1, hd, n)
         else:
-            q = torch.stack([torch.cat([self.q[j * g + i](x).reshape(hd, n).t() for i in range(g)], 0)
+            q = torch.stack([torch.cat([lin(qs[j * g + i], x).reshape(hd, n).t() for i in range(g)], 0)
                              for j in range(kv)])
-            k = torch.stack([self.k[j](x).reshape(1, hd, n) for j in range(kv)])
+            k = torch.stack([lin(ks[j], x).reshape(1, hd, n) for j in range(kv)])
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
         if self.q_rope is not None and self.k_rope is not None:
@@ -89,7 +97,7 @@ class Attention(nn.Module):
         p = self.softmax(self.mask_add(scores, mask)).reshape(kv, g * n, -1)
         o = self.pv(p, vals)  # (KV, G*N, hd) -> heads in order -> (1, H*hd, 1, N)
         o = o.reshape(kv * g, n, hd).permute(0, 2, 1).reshape(1, kv * g * hd, 1, n)
-        return self.o(o), k, v
+        return lin(self.o, o), k, v
 
 
 class MLP(nn.Module):
@@ -103,8 +111,8 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[spec.activation]()
         self.mul = Mul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.mul(self.act(self.gate(x)), self.up(x)))
+    def forward(self, x: torch.Tensor, lin: Linear = plain) -> torch.Tensor:
+        return lin(self.down, self.mul(self.act(lin(self.gate, x)), lin(self.up, x)))
 
 
 class Layer(nn.Module):
@@ -124,23 +132,36 @@ class Layer(nn.Module):
         self.mlp_add = Add()
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, ...], mask: torch.Tensor,
-                past_k: torch.Tensor, past_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                past_k: torch.Tensor, past_v: torch.Tensor, lin: Linear = plain) -> tuple[torch.Tensor, ...]:
         if self.mlp_norm is not None:  # post-norm
-            a, k, v = self.attn(h, rope, mask, past_k, past_v)
+            a, k, v = self.attn(h, rope, mask, past_k, past_v, lin)
             h = self.attn_add(h, self.post_norm(a))
-            h = self.mlp_add(h, self.mlp_norm(self.mlp(h)))
+            h = self.mlp_add(h, self.mlp_norm(self.mlp(h, lin)))
             return h, k, v
         assert self.input_norm is not None
-        a, k, v = self.attn(self.input_norm(h), rope, mask, past_k, past_v)
+        a, k, v = self.attn(self.input_norm(h), rope, mask, past_k, past_v, lin)
         h = self.attn_add(h, a)
-        h = self.mlp_add(h, self.mlp(self.post_norm(h)))
+        h = self.mlp_add(h, self.mlp(self.post_norm(h), lin))
         return h, k, v
 
 
+class Branches(nn.Module):
+    """What adds to some convs' outputs from extra graph inputs (LoRA adapters as inputs): `names` are those
+    inputs, after the KV cache's; `linears(decoder, inputs)` says how each layer applies its convs in one call."""
+
+    names: list[str]
+
+    def linears(self, decoder: nn.Module, inputs: dict[str, torch.Tensor]) -> Callable[[int], Linear]:
+        raise NotImplementedError
+
+
 class StaticDecoder(nn.Module):
+    branches: Branches | None
+
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         self.spec = spec
+        self.branches = None
         s = spec
         self.embed = nn.Embedding(s.vocab, s.hidden)
         self.cos_cat = Concat(dim=-1)
@@ -162,8 +183,15 @@ class StaticDecoder(nn.Module):
         """The decoder layers, typed (an nn.ModuleList yields plain Modules)."""
         return [cast(Layer, m) for m in self.layers]
 
+    @property
+    def extra_inputs(self) -> list[str]:
+        """The inputs after the KV cache's (none unless branches are attached)."""
+        return list(self.branches.names) if self.branches is not None else []
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids_cos: torch.Tensor,
-                position_ids_sin: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                position_ids_sin: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        past, extra = rest[:2 * self.spec.layers], dict(zip(self.extra_inputs, rest[2 * self.spec.layers:],
+                                                           strict=True))
         n = input_ids.shape[1]
         g = self.spec.heads // self.spec.kv_heads
         cos2 = self.cos_cat(position_ids_cos, position_ids_cos)[0, 0]  # (N, rd)
@@ -171,8 +199,9 @@ class StaticDecoder(nn.Module):
         rope = (cos2.repeat(g, 1), sin2.repeat(g, 1), cos2.t(), sin2.t())
         h = self.embed(input_ids).permute(0, 2, 1).reshape(1, -1, 1, n)  # (1, D, 1, N)
         kv_out: list[torch.Tensor] = []
+        linear = self.branches.linears(self, extra) if self.branches is not None else (lambda _i: plain)
         for i, layer in enumerate(self.layers):
-            h, k, v = layer(h, rope, attention_mask, past[2 * i], past[2 * i + 1])
+            h, k, v = layer(h, rope, attention_mask, past[2 * i], past[2 * i + 1], linear(i))
             kv_out += [k, v]
         logits = self.lm_head(self.norm(h)).reshape(1, -1, n).transpose(1, 2)
         return (logits, *kv_out)
@@ -324,13 +353,14 @@ def _share(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(tensor.detach(), requires_grad=False))
 
 
-def io_names(layers: int) -> tuple[list[str], list[str]]:
+def io_names(layers: int, extra: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """The graph's input and output names in the forward's order; `extra`: the inputs after the KV cache's."""
     ins = ["input_ids", "attention_mask", "position_ids_cos", "position_ids_sin"]
     outs = ["logits"]
     for i in range(layers):
         ins += [f"past_key_{i}_in", f"past_value_{i}_in"]
         outs += [f"past_key_{i}_out", f"past_value_{i}_out"]
-    return ins, outs
+    return ins + list(extra), outs
 
 
 def io_shapes(spec: DecoderSpec, ar: int, cl: int) -> tuple[dict[str, list[int]], dict[str, list[int]]]:

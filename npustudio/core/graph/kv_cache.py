@@ -32,7 +32,7 @@ class TorchGraph:
 
     def __init__(self, model: StaticDecoder) -> None:
         self.model = model
-        self.ins, self.outs = io_names(model.spec.layers)
+        self.ins, self.outs = io_names(model.spec.layers, model.extra_inputs)
         self.device = device_of(model)
 
     @torch.inference_mode()
@@ -62,6 +62,7 @@ class KVCacheRunner:
         self.spec, self.cl, self.graphs, self.inv_freq = spec, cl, graphs, inv_freq
         self.device = torch.device(device)  # where the cache lives: the graphs' device
         self.ar_prompt = max(graphs)
+        self.extra: dict[str, torch.Tensor] = {}  # inputs every step takes as they are (an adapter's weights)
         self.reset()
 
     @classmethod
@@ -113,6 +114,7 @@ class KVCacheRunner:
         for i in range(self.spec.layers):
             f[f"past_key_{i}_in"] = self.k[i][:, :, :, : cl - ar]
             f[f"past_value_{i}_in"] = self.v[i][:, :, : cl - ar, :]
+        f.update((k, v.to(self.device)) for k, v in self.extra.items())
         return f
 
     def step(self, tokens: Sequence[int], ar: int | None = None) -> torch.Tensor:

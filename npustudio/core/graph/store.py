@@ -12,6 +12,7 @@ from .. import layout
 from ..errors import UserError
 from ..fsutil import atomic_write_json
 from ..shape import DecoderSpec
+from . import lora_inputs
 from .decoder import StaticDecoder
 from .half_weights import widened
 
@@ -78,6 +79,8 @@ def load(folder: Path, widen: bool = True) -> tuple[StaticDecoder, torch.Tensor]
                         "Rerun the adapt stage.")
     if spec.tied_embeddings:
         model.tie()
+    if slots := lora_inputs.saved_slots(folder):  # switchable LoRA adapters: their graph inputs and branches
+        lora_inputs.attach(model, slots)
     return model.eval(), inv_freq
 
 

@@ -126,6 +126,8 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
         quantize_stage.validate(later, card)
     options = adapt_stage.resolved(options, card)  # one key for the same work, whichever front end asks
     options = options.model_copy(update={"lora": lora.resolved(options.lora, lora_bases(source), _weight_bytes(card))})
+    if options.lora_switchable:
+        lora.switch_names(options.lora)
     inputs: dict[str, Path | list[Path]] = {"model": models.files(source)}
     for i, a in enumerate(options.lora):  # sent to a cluster worker with the model's files
         inputs[f"lora{i}"] = [Path(a.path) / lora.CONFIG, Path(a.path) / lora.WEIGHTS]
@@ -136,8 +138,9 @@ def adapt(project: Project, model: str, options: adapt_stage.AdaptOptions, state
 
     rec, _ = project.run_stage(stages.ADAPT.name, inputs={"model": mrec.inputs["model"]},
                                options=options.model_dump(), fn=fn, force=force, ran_on=_ran_on(cluster))
-    if project.choices().lora != options.lora:  # what the model is made with, from the CLI too: the window shows it
-        project.choose(lora=options.lora)
+    ch = project.choices()  # what the model is made with, from the CLI too: the window shows it
+    if (ch.lora, ch.lora_switchable) != (options.lora, options.lora_switchable):
+        project.choose(lora=options.lora, lora_switchable=options.lora_switchable)
     return rec
 
 
@@ -148,9 +151,12 @@ def _adapt_body(inputs: dict[str, Path], args: tuple[Any, ...], out: Path, state
     free_big_blocks_at_once()
     state.progress(0.0, "loading weights")
     lm = models.load(source.model_copy(update={"path": str(inputs["model"])}), keep_16bit=True)
+    here = tuple(a.model_copy(update={"path": str(inputs[f"lora{i}"])}) for i, a in enumerate(options.lora))
+    if options.lora_switchable:  # kept apart, as graph inputs: the gate proves the graphs with each and with none
+        switch = lora.switchable(lm.model, here, lora_bases(source))
+        return adapt_stage.run(lm, options, out, state.sub(0.1, 1.0), switch).model_dump()
     if options.lora:  # merged before adaptation: the equivalence gate then proves the graphs against base + adapters
         state.progress(0.08, f"merging {len(options.lora)} LoRA adapter(s)")
-        here = tuple(a.model_copy(update={"path": str(inputs[f"lora{i}"])}) for i, a in enumerate(options.lora))
         lora.merge(lm.model, here, lora_bases(source))
     return adapt_stage.run(lm, options, out, state.sub(0.1, 1.0)).model_dump()
 

@@ -15,6 +15,7 @@ from ..genie.profile import Summary as ProfileSummary
 
 if TYPE_CHECKING:
     from ..chat import ChatSession, Engine
+    from ..genie.adapters import Choice
     from ..targets import Soc
 from ..progress import State, StateLike
 from ..project import Deployed, Project
@@ -93,20 +94,21 @@ def _as_recorded(folder: Path, recorded: list[dict[str, Any]]) -> None:
 
 
 def open_chat(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"], serial: str | None = None,
-              system: str | None = None, state: StateLike | None = None, apart: bool = False) -> ChatSession:
+              system: str | None = None, state: StateLike | None = None, apart: bool = False,
+              lora: Choice | None = None) -> ChatSession:
     """A chat over a bundle, with its history, on the runner `open_engine` gives."""
     from .. import chat
 
-    return chat.ChatSession(Path(bundle), open_engine(bundle, where, serial, state, apart), system=system)
+    return chat.ChatSession(Path(bundle), open_engine(bundle, where, serial, state, apart, lora), system=system)
 
 
 def open_engine(bundle: Path, where: Literal["device", "desktop", "preview", "mnn"], serial: str | None = None,
-                state: StateLike | None = None, apart: bool = False) -> Engine:
+                state: StateLike | None = None, apart: bool = False, lora: Choice | None = None) -> Engine:
     """The runner for a bundle: on a device (the bundle deployed there first: nothing moves when it is there
     already, and a project's bundle is recorded as deployed), with real Genie on this computer (`apart`: in a child
     process at a lower CPU priority), or with the CPU preview; `mnn`: the MNN stage's model (`bundle` is that
     stage's folder) run by MNN's runtime on this computer, or by llm_demo on the device `serial` (deployed there
-    first)."""
+    first). `lora`: the bundle's switchable LoRA adapter the answers come with (none: the base model)."""
     from .. import chat, device
     from ..device import deploy as device_deploy
 
@@ -125,8 +127,8 @@ def open_engine(bundle: Path, where: Literal["device", "desktop", "preview", "mn
             deploy(project, dev, state or State())
         else:
             device_deploy.deploy(bundle, dev, state or State())
-        return chat.DeviceEngine(dev.serial, bundle, virtual=dev.virtual)
-    return chat.DesktopEngine(bundle, preview=where == "preview", apart=apart)
+        return chat.DeviceEngine(dev.serial, bundle, virtual=dev.virtual, lora=lora)
+    return chat.DesktopEngine(bundle, preview=where == "preview", apart=apart, lora=lora)
 
 
 def decode_bounds(project: Project, target: Soc) -> list[tuple[str, dict[str, float], str]]:

@@ -38,6 +38,7 @@ class AdaptSummary(BaseModel):
     eval_tokens: int
     graphs: list[str]
     lora: list[str] = []  # the LoRA adapters merged first: "folder" or "folder ×weight"
+    switchable: list[str] = []  # the LoRA adapters kept switchable, each with its proof: "name: top-1 …, max |Δ| …"
 
 
 class QuantizeSummary(BaseModel):
@@ -128,7 +129,9 @@ def adapt_summary(r: AdaptResult, lora: tuple[LoraAdapter, ...] = ()) -> AdaptSu
                         positions=eq.positions, prefill_ar=eq.prefill_ar, decode_steps=eq.decode_steps,
                         ppl_fp=r.ppl_fp, ppl_adapted=r.ppl_adapted, eval_tokens=r.eval_tokens,
                         graphs=[g.name for g in r.graphs],
-                        lora=[label(a) for a in lora])
+                        lora=[] if r.lora_equivalence else [label(a) for a in lora],
+                        switchable=[f"{n}: top-1 {e.top1_agreement:.4f}, max |Δ logit| {e.max_abs_logit_diff:.2e}"
+                                    for n, e in r.lora_equivalence.items()])
 
 
 def quantize_summary(r: QuantizeResult, folder: Path) -> QuantizeSummary:

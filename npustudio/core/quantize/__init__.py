@@ -37,7 +37,7 @@ from ..evaluate import (
 )
 from ..forked import Forked
 from ..fsutil import atomic_write_json
-from ..graph import store
+from ..graph import lora_inputs, store
 from ..graph.decoder import io_names
 from ..graph.exported import write_test_vectors
 from ..graph.half_weights import widen_while_computing
@@ -90,8 +90,13 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         spinquant.apply(model)
         lap("spinquant")
 
+    adapters = lora_inputs.saved_values(adapt_dir)  # switchable LoRA adapters: the inputs each fills
+    base_inputs = lora_inputs.values(lora_inputs.saved_slots(adapt_dir), None) if adapters else {}
+
     def runner(m: torch.nn.Module) -> KVCacheRunner:
-        return KVCacheRunner.over(m, ar, cl, inv_freq)
+        r = KVCacheRunner.over(m, ar, cl, inv_freq)
+        r.extra = base_inputs  # the base model: the eval and every recipe step run it
+        return r
 
     fp_run = runner(model)
     fp_ref, ref = _fp_reference(adapt_dir, fp_run, ids, reference, plan, state)
@@ -107,8 +112,8 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
         lap("int8_budget")
 
     state.progress(0.19, f"building the {pre.name} quantsim for {target.soc} ({target.dsp_arch})")
-    dummy = tuple(vectors[0][n].to(device) for n in io_names(spec.layers)[0])  # traced where the model is
-    sim = simulate.build(model, dummy, pre, target, overrides)
+    dummy = tuple(vectors[0][n].to(device) for n in io_names(spec.layers, model.extra_inputs)[0])  # where it is
+    sim = simulate.build(model, dummy, pre, target, overrides, adapters)
     del dummy  # the prompt graph's feeds (its KV inputs: ~60 MB on a 1B model) go with the export's first graph
     lap("build_sim")
     _apply_recipe(sim, calib, runner, options, device, state, lap)
@@ -120,8 +125,9 @@ def run(adapt_dir: Path, options: QuantizeOptions, out_dir: Path, state: StateLi
     state.progress(0.5, f"calibrating activations on {sum(map(len, calib))} tokens")
     q_run = runner(sim.model)
     beside = forked.worth_forking(sim.model, device)
-    sim.compute_encodings(partial(_calibrate, sim=sim, q_run=q_run, calib=calib, decode=options.calib_decode,
-                                  beside=beside, state=state), None)
+    sim.compute_encodings(partial(_calibrate, sim=sim, q_run=q_run, calib=_with_adapters(calib, adapters),
+                                  decode=options.calib_decode, beside=beside, state=state), None)
+    q_run.extra = base_inputs  # the eval's: the base model
     lap("calibrate")
 
     # from here on the large objects are held by `held` alone, so that the export can let them go
@@ -200,7 +206,19 @@ def _apply_recipe(sim: Any, calib: list[list[int]], runner: Callable[[torch.nn.M
         lap(step)
 
 
-def _calibrate(_model: torch.nn.Module, _args: object, *, sim: Any, q_run: KVCacheRunner, calib: list[list[int]],
+Run = tuple[list[int], dict[str, torch.Tensor] | None]  # a calibration sequence, and the extra inputs it runs with
+
+
+def _with_adapters(calib: list[list[int]], adapters: dict[str, dict[str, torch.Tensor]]) -> list[Run]:
+    """Each sequence with one switchable adapter's inputs in turn (each adapter at least once): the encodings of
+    what the adapters' branches compute then hold every adapter's range."""
+    if not adapters:
+        return [(seq, None) for seq in calib]
+    inputs = list(adapters.values())
+    return [(calib[k % len(calib)], inputs[k % len(inputs)]) for k in range(max(len(calib), len(inputs)))]
+
+
+def _calibrate(_model: torch.nn.Module, _args: object, *, sim: Any, q_run: KVCacheRunner, calib: list[Run],
                decode: int, beside: bool, state: StateLike) -> None:
     """AIMET's forward pass: the activation encodings observed on the calibration sequences; with a core to spare,
     the second half of them in a forked copy of this process, the first here, each on one core, the copy's observed
@@ -319,15 +337,17 @@ def _export_here(held: _Held, graph_list: list[str], out_dir: Path, blobs: expor
     return files
 
 
-def _calibrate_on(q_run: KVCacheRunner, seqs: list[list[int]], decode: int, state: StateLike, start: float,
+def _calibrate_on(q_run: KVCacheRunner, seqs: list[Run], decode: int, state: StateLike, start: float,
                   end: float) -> None:
-    for i, seq in enumerate(seqs):
+    for i, (seq, extra) in enumerate(seqs):
         state.check()
+        if extra is not None:
+            q_run.extra = extra
         q_run.score(seq, decode)
         state.progress(start + (end - start) * (i + 1) / len(seqs))
 
 
-def _calibrate_part(q_run: KVCacheRunner, seqs: list[list[int]], decode: int, observers: dict[str, Any],
+def _calibrate_part(q_run: KVCacheRunner, seqs: list[Run], decode: int, observers: dict[str, Any],
                     path: str) -> None:
     """In a forked child: calibrate on `seqs`, then write what the observers saw to `path`."""
     from ..progress import State

@@ -71,7 +71,7 @@ def trace_graph(sim: Any, feeds: dict[str, torch.Tensor], name: str, out: Path,
     trim_heap()  # what the evaluation freed goes back to the system before the export's peak
 
     layers = sim.model.spec.layers
-    ins, outs = io_names(layers)
+    ins, outs = io_names(layers, sim.model.extra_inputs)
     args = tuple(feeds[n] for n in ins)
     kw: dict[str, Any] = {"input_names": ins, "output_names": outs, "dynamo": False, "opset_version": 21}
     float_onnx, qdq_onnx, enc_file = out / f"{name}.onnx", out / f"{name}_qdq.onnx", out / f"{name}.encodings"

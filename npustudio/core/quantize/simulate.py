@@ -25,6 +25,7 @@ import torch
 
 from ..graph.decoder import StaticDecoder
 from ..graph.half_weights import HALF, UNPACK, hold_packed, restore_module, widen_module, widened
+from ..graph.lora_inputs import ALPHA
 from ..progress import heap_blocks_reused, trim_heap
 from ..targets import Soc
 from .presets import Overrides, Preset
@@ -58,8 +59,9 @@ def import_aimet() -> None:
 
 
 def build(model: StaticDecoder, dummy: tuple[torch.Tensor, ...], preset: Preset, target: Soc,
-          overrides: Overrides) -> Any:
-    """A configured QuantizationSimModel over `model` (in place: no second copy of the weights)."""
+          overrides: Overrides, adapters: dict[str, dict[str, torch.Tensor]] | None = None) -> Any:
+    """A configured QuantizationSimModel over `model` (in place: no second copy of the weights); `adapters`: the
+    switchable LoRA adapters' input values, by adapter (their inputs' encodings must hold every one of them)."""
     import logging
 
     import_aimet()
@@ -78,6 +80,8 @@ def build(model: StaticDecoder, dummy: tuple[torch.Tensor, ...], preset: Preset,
                                default_output_bw=preset.activation_bits, default_param_bw=preset.weight_bits,
                                config_file=config_file(target), in_place=True)
     configure(sim.model, preset, overrides)
+    if adapters:
+        _configure_lora(sim.model, preset, adapters)
     sim.model.to(next(model.parameters()).device)  # the quantizers `configure` made are on the CPU: where the model is
     return sim
 
@@ -194,11 +198,44 @@ def _share_rope_tables(model: Any) -> None:
                 qs[i] = q
 
 
+def _configure_lora(model: Any, preset: Preset, adapters: dict[str, dict[str, torch.Tensor]]) -> None:
+    """The switchable adapters' inputs: each A and B one frozen encoding over all adapters' values (and zero, the
+    base), exactly what Genie quantizes an adapter's `.raw` file with; the strength one frozen [0, 1] encoding for
+    every slot (1 exact: Genie's default strength). A branch that ends in a V head's output writes the KV cache:
+    its Add takes the cache's encoding (a V head's, a NoPE layer's K head's)."""
+    import torch as t
+
+    br = model.branches
+    alpha = _qdq((), preset.activation_bits, False)
+    alpha.set_range(t.tensor(0.0), t.tensor(1.0))
+    alpha.allow_overwrite(False)
+    for i, s in enumerate(br.slots):
+        for mm, name in ((br.a_mm[i], s.a), (br.b_mm[i], s.b)):
+            q = _qdq((), preset.activation_bits, False)
+            lo = min(0.0, *(float(v[name].min()) for v in adapters.values()))
+            hi = max(0.0, *(float(v[name].max()) for v in adapters.values()))
+            q.set_range(t.tensor(lo), t.tensor(hi if hi > lo else lo + 1e-6))
+            q.allow_overwrite(False)
+            mm.input_quantizers[0] = q
+        br.strength[i].input_quantizers[1] = alpha
+    for conv_name, at in br.at.items():
+        kv = model.get_submodule(conv_name).output_quantizers[0]
+        if getattr(kv, "_npustudio_kv", False):  # the conv's output is a new cache entry: now the Add's is
+            for _i, _rows, key in at:
+                br.adds[key].output_quantizers[0] = kv
+
+
 def input_quantizers(model: Any) -> dict[str, Any]:
     """The quantizers that encode the float graph inputs (by input name)."""
-    return {"position_ids_cos": model.cos_cat.output_quantizers[0],
-            "position_ids_sin": model.sin_cat.output_quantizers[0],
-            "attention_mask": model.layers[0].attn.mask_add.input_quantizers[1]}
+    out = {"position_ids_cos": model.cos_cat.output_quantizers[0],
+           "position_ids_sin": model.sin_cat.output_quantizers[0],
+           "attention_mask": model.layers[0].attn.mask_add.input_quantizers[1]}
+    br = model.branches
+    if br is not None:
+        for i, s in enumerate(br.slots):
+            out[s.a], out[s.b] = br.a_mm[i].input_quantizers[0], br.b_mm[i].input_quantizers[0]
+        out[ALPHA] = br.strength[0].input_quantizers[1]
+    return out
 
 
 def fold(sim: Any) -> None:

@@ -34,7 +34,8 @@ class AdaptPage(Page):
 
     def options(self) -> AdaptOptions:
         return self.project.rerun_options(stages.ADAPT, **self.fields.values(), device=self.window_.settings.device,
-                                          lora=self.project.choices().lora)  # picked on the Model page
+                                          lora=self.project.choices().lora,  # picked on the Model page
+                                          lora_switchable=self.project.choices().lora_switchable)
 
     def start(self, force: bool = False) -> None:
         opts = self.unless_refused(self.options)
@@ -67,7 +68,8 @@ class AdaptPage(Page):
             ("Positions compared", f"{s.positions} (prefill AR-{s.prefill_ar}, {s.decode_steps} AR-1 steps)"),
             ("Perplexity: original / adapted", f"{s.ppl_fp:.3f} / {s.ppl_adapted:.3f}"),
             ("Graphs", ", ".join(s.graphs)),
-        ] + ([("LoRA adapters merged", ", ".join(s.lora))] if s.lora else [])
+        ] + ([("LoRA adapters merged", ", ".join(s.lora))] if s.lora else []) + [
+            ("LoRA adapter, switchable", line) for line in s.switchable]
         fill(self.results, rows, [BAD if accepted and i < 3 else None for i in range(len(rows))])
         if accepted:
             self.strip.status.setStyleSheet("color: #b00020; font-weight: bold")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from PySide6.QtCore import QSignalBlocker
 from PySide6.QtWidgets import (
     QButtonGroup,
+    QCheckBox,
     QFileDialog,
     QGridLayout,
     QHBoxLayout,
@@ -76,12 +78,16 @@ class ModelPage(Page):
         self.adapters.setWordWrap(True)
         self.add_adapter = QPushButton("Add LoRA adapter…")
         self.add_adapter.setToolTip("A folder PEFT saved (adapter_config.json, adapter_model.safetensors): merged "
-                                    "into the model's weights before adaptation")
+                                    "into the model's weights before adaptation, or kept switchable")
         self.clear_adapters = QPushButton("Remove adapters")
+        self.switchable = QCheckBox("Switchable")
+        self.switchable.setToolTip("Keep the adapters apart from the model: one bundle answers as the base model or "
+                                   "with any of them, picked in the chat, instead of merged into the weights")
         lora_row = QWidget()
         ll = QHBoxLayout(lora_row)
         ll.setContentsMargins(0, 0, 0, 0)
         ll.addWidget(self.adapters, 1)
+        ll.addWidget(self.switchable)
         ll.addWidget(self.add_adapter)
         ll.addWidget(self.clear_adapters)
         self.form.addRow("Fine-tune:", lora_row)
@@ -102,6 +108,7 @@ class ModelPage(Page):
         self.browse.clicked.connect(self._browse)
         self.add_adapter.clicked.connect(self._pick_adapter)
         self.clear_adapters.clicked.connect(lambda: self.set_adapters(()))
+        self.switchable.toggled.connect(self._switchable_changed)
         self.strip.run.clicked.connect(lambda: self.start())
         self._kind_changed(0, True)
         self.fits: list[model_fit.FitEstimate] = []
@@ -155,10 +162,18 @@ class ModelPage(Page):
         self._show_adapters(adapters)
         self.changed.emit()
 
+    def _switchable_changed(self, on: bool) -> None:
+        if on != self.project.choices().lora_switchable:
+            self.project.choose(lora_switchable=on)
+            self.changed.emit()
+
     def _show_adapters(self, adapters: tuple[LoraAdapter, ...]) -> None:
         self.adapters.setText(", ".join(lora.label(a) for a in adapters) or NO_ADAPTER)
         self.adapters.setToolTip("\n".join(a.path for a in adapters))
         self.clear_adapters.setEnabled(bool(adapters))
+        self.switchable.setEnabled(bool(adapters))
+        with QSignalBlocker(self.switchable):
+            self.switchable.setChecked(self.project.choices().lora_switchable)
 
     def start(self, force: bool = False) -> None:
         spec, cl, project = self.spec(), self.cl.value(), self.project
