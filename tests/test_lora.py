@@ -448,11 +448,14 @@ def test_one_bundle_switches_adapters_in_genie_as_our_runner_answers_with_each(
 
 
 def test_chat_answers_with_the_chosen_adapter_and_refuses_one_the_bundle_lacks(
-        switchable_project: tuple[Project, Path]) -> None:
+        switchable_project: tuple[Project, Path], adb_server: list[str], tmp_path: Path) -> None:
     """`chat --lora NAME` and `genie-run -l NAME,lora_alpha,S` as processes: an adapter of the bundle answers, one
-    it lacks or a malformed -l is refused naming what there is; deploying it to a device is refused up front (its
-    adapter folders would not go along)."""
-    from npustudio.core.device import DeviceInfo, compatibility
+    it lacks or a malformed -l is refused naming what there is. On a device through the real adb server: deploy
+    sends the adapters' folders too, and the device's genie-t2t-run answers with the adapter `-l` names, as the CPU
+    preview here does with it."""
+    from npustudio.core import device
+    from npustudio.core.device import deploy
+    from npustudio.core.device.virtual import VirtualDevice
 
     project, _ = switchable_project
     bundle = project.stage_dir("bundle")
@@ -465,8 +468,19 @@ def test_chat_answers_with_the_chosen_adapter_and_refuses_one_the_bundle_lacks(
     assert run.returncode == 0 and "[BEGIN]" in run.stdout, run.stderr[-1500:]
     bad = npustudio("genie-run", "-c", str(bundle / layout.GENIE_CONFIG), "-p", "hi", "-l", "b2,alpha", timeout=120)
     assert bad.returncode == 2 and "NAME,lora_alpha,STRENGTH" in bad.stderr
-    dev = DeviceInfo(serial="phone", state="device", soc="SM8750", dsp_arch="v79")
-    assert any("switchable LoRA adapters (adapter, b2)" in p for p, _ in compatibility(dev, bundle))
+    vd = VirtualDevice(tmp_path / "phone", preview=True).start()
+    try:
+        assert "connected" in str(device.client().connect(vd.serial, timeout=15))
+        there = npustudio("chat", "--device", vd.serial, "--bundle", str(bundle), "--lora", "b2", "hello",
+                          timeout=600)
+        assert there.returncode == 0, there.stderr[-1500:]
+        remote = vd.host_path(deploy.remote_dir(bundle))
+        for raw in (bundle / layout.LORA_BUNDLE).rglob("*.raw"):
+            assert (remote / raw.relative_to(bundle)).read_bytes() == raw.read_bytes()
+        assert there.stdout.strip() == ok.stdout.strip()  # the device's preview with b2, as this computer's
+    finally:
+        device.client().disconnect(vd.serial)
+        vd.stop()
 
 
 def test_switchable_adapters_need_adapters_with_distinct_plain_names(base: tuple[Path, Path], tmp_path: Path) -> None:
@@ -521,3 +535,39 @@ def test_the_chat_panel_picks_the_bundles_adapter_and_the_model_page_keeps_them_
         assert said[name] == chat.clean_answer(raw[0], session.tok)
     assert said[None] != said["b2"]
     w.close()
+
+
+def test_a_switched_adapter_answers_as_the_bundle_with_it_merged_within_quantization(
+        switchable_project: tuple[Project, Path], merged_project: Project) -> None:
+    """The same adapter, switched on in the switchable bundle and merged in another: on the HTP simulator over the
+    eval text, the two agree on the next token nearly everywhere and score it the same within the quantization's
+    noise, while the base model agrees with neither."""
+    from transformers import PreTrainedTokenizerFast
+
+    from npustudio.core.evaluate import load_corpus
+    from npustudio.core.genie import adapters
+    from npustudio.core.genie.meta import read_metadata
+    from tests.test_families import htp_runner
+
+    project, _ = switchable_project
+    bundle = project.stage_dir("bundle")
+    meta = read_metadata(bundle)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(bundle / layout.TOKENIZER))
+    ids = tok(load_corpus("default", "eval"))["input_ids"][:56]
+    switched = htp_runner(project)
+    logits = {}
+    for name in ("adapter", None):
+        switched.reset()
+        switched.extra = adapters.feeds(bundle, meta, adapters.Choice(name=name))
+        logits[name] = switched.score(ids)
+    merged = htp_runner(merged_project).score(ids)
+    target = torch.tensor(ids[1:])
+
+    def nll(x: torch.Tensor) -> float:
+        return float(torch.nn.functional.cross_entropy(x[:-1], target))
+
+    def top1(x: torch.Tensor) -> float:
+        return float((x.argmax(-1) == merged.argmax(-1)).float().mean())
+
+    assert top1(logits["adapter"]) >= 0.9 and abs(nll(logits["adapter"]) - nll(merged)) < 0.02
+    assert top1(logits[None]) < 0.5 and abs(nll(logits[None]) - nll(merged)) > 0.2

@@ -184,12 +184,6 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
 
     meta = read_metadata(bundle_dir)
     problems = []
-    if meta.lora_adapters:  # Genie reads each adapter from a folder of its own; deploy sends one flat folder
-        problems.append((f"The bundle carries switchable LoRA adapters ({', '.join(meta.lora_adapters)}), each in a "
-                         f"folder under {layout.LORA_BUNDLE}/, and NPU Studio's deploy sends a bundle's own files, "
-                         "not its folders: Genie on the device could not find them.",
-                         "Chat with it on this computer (npustudio chat --desktop --bundle B --lora NAME), or build "
-                         "one bundle per adapter with it merged (leave --lora-switchable out) for the phone."))
     want = meta.target
     if not dev.dsp_arch:
         problems.append((f"{dev.serial} reports SoC {dev.soc or '?'}, which has no known Hexagon NPU.",
@@ -200,6 +194,7 @@ def compatibility(dev: DeviceInfo, bundle_dir: Path) -> list[tuple[str, str]]:
                          f"Recompile for this phone: `npustudio quantize --target {dev.soc}` then compile and "
                          "bundle again."))
     size = sum(p.stat().st_size for p in bundle_dir.iterdir() if p.is_file())
+    size += sum(p.stat().st_size for p in (bundle_dir / layout.LORA_BUNDLE).rglob("*.raw"))  # switchable adapters
     bins = sum(p.stat().st_size for p in bundle_dir.glob("*.bin"))
     bins += sum(p.stat().st_size for p in bundle_dir.glob(layout.EMBEDDING_LUT))  # Genie's lookup table: RAM too
     if dev.free_bytes is not None and dev.free_bytes < size:

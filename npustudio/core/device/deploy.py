@@ -84,9 +84,27 @@ def local_files(bundle_dir: Path) -> list[Path]:
         return (name == layout.BUNDLE_RESULT  # the bundle stage's record stays here
                 or name == layout.CHAT_HISTORY or fnmatch.fnmatchcase(name, layout.CHAT_HISTORY_ASIDE))
 
-    return folder_files(Path(bundle_dir), host_only, "the bundle",
-                        "Remove the link, or rebuild the bundle with `npustudio bundle`.",
-                        "Build one with `npustudio bundle --project P`.")
+    fix = "Remove the link, or rebuild the bundle with `npustudio bundle`."
+    files = folder_files(Path(bundle_dir), host_only, "the bundle", fix,
+                         "Build one with `npustudio bundle --project P`.")
+    adapters = Path(bundle_dir) / layout.LORA_BUNDLE  # switchable LoRA adapters: a folder of files each
+    if adapters.is_symlink():
+        raise UserError(f"{adapters} is a link, not the bundle's own adapter folder; nothing was deployed.", fix)
+    if adapters.is_dir():
+        for sub in sorted(adapters.iterdir()):
+            if sub.is_symlink():
+                raise UserError(f"{sub} is a link, not one of the bundle's adapters; nothing was deployed.", fix)
+            if sub.is_dir() and not sub.name.startswith("."):
+                files += folder_files(sub, lambda _n: False, "the bundle's adapter", fix)
+    return files
+
+
+def remote_name(path: Path, root: Path | None) -> str:
+    """A file's name in the device folder: its path under `root` (a bundle's adapter files keep their folders),
+    else its own name (a runtime library, the metadata's phone copy)."""
+    if root is not None and path.is_relative_to(root):
+        return path.relative_to(root).as_posix()
+    return path.name
 
 
 def folder_files(folder: Path, host_only: Callable[[str], bool], what: str, link_fix: str,
@@ -591,7 +609,7 @@ def deploy(bundle_dir: Path, dev: DeviceInfo, state: StateLike, force: bool = Fa
             if p.parent == Path(scratch):
                 st = p.stat()
                 recorded[p.name] = (st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-        return deploy_files(files, remote_dir(bundle_dir), dev, state, force, recorded)
+        return deploy_files(files, remote_dir(bundle_dir), dev, state, force, recorded, root=bundle_dir)
 
 
 def _for_phone(metadata: Path, scratch: Path, keep: frozenset[str] = frozenset()) -> Path:
@@ -609,9 +627,10 @@ def _for_phone(metadata: Path, scratch: Path, keep: frozenset[str] = frozenset()
 
 
 def deploy_files(files: list[Path], rdir: str, dev: DeviceInfo, state: StateLike, force: bool = False,
-                 recorded: dict[str, tuple[int, int, str]] | None = None) -> DeployResult:
+                 recorded: dict[str, tuple[int, int, str]] | None = None, root: Path | None = None
+                 ) -> DeployResult:
     """Push `files` (distinct names) into the device folder `rdir` as a bundle's are: what the device lacks, each
-    file atomically, the manifest last."""
+    file atomically, the manifest last. A file under `root` keeps its folders there (`remote_name`)."""
     adb = client(ping=False)  # `dev` was just read from the server
     hashes = _HashCache(lambda message: state.partial("warning", message=message))
     sync: _Sync | None = None
@@ -622,6 +641,8 @@ def deploy_files(files: list[Path], rdir: str, dev: DeviceInfo, state: StateLike
             sync.abort()
             sync = _Sync(adb, dev.serial)
         on_device = sync.listdir(rdir)
+        for sub in sorted({posixpath.dirname(remote_name(p, root)) for p in files} - {""}):
+            on_device |= {posixpath.join(sub, n): e for n, e in sync.listdir(posixpath.join(rdir, sub)).items()}
     except UserError:
         raise
     except Exception as e:
@@ -633,7 +654,7 @@ def deploy_files(files: list[Path], rdir: str, dev: DeviceInfo, state: StateLike
     todo: list[_Item] = []
     rows, skipped = [], 0
     for p in files:
-        st, name = p.stat(), p.name
+        st, name = p.stat(), remote_name(p, root)
         known = (recorded or {}).get(name)
         if known is not None and known[:2] == (st.st_size, st.st_mtime_ns) and hashes.cached(p, st) != known[2]:
             hashes.put(p, st, known[2])
@@ -646,7 +667,8 @@ def deploy_files(files: list[Path], rdir: str, dev: DeviceInfo, state: StateLike
         else:
             mode = 0o644 if name.endswith((".json", ".txt", ".bin")) else 0o755
             todo.append(_Item(name, p, st.st_size, st.st_mtime_ns, hashes.cached(p, st),
-                              posixpath.join(rdir, f".{name}.part"), mode, st.st_size >= _MANIFEST_EVERY))
+                              posixpath.join(rdir, posixpath.dirname(name), f".{posixpath.basename(name)}.part"),
+                              mode, st.st_size >= _MANIFEST_EVERY))
     if todo:
         todo[-1].record = False  # the last file is recorded at the end, with the small ones
     total = sum(it.size for it in todo)
