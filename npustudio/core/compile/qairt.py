@@ -197,7 +197,8 @@ def run(quant_dir: Path, options: CompileOptions, out_dir: Path, state: StateLik
     binary = out_dir / f"{binary_name(graphs)}.bin"
     check = parse_utility(out_dir / f"{binary_name(graphs)}.json", graphs, specs)
     io = {name: enc for name, enc in activation_encodings(quant_dir / f"{graphs[0]}.encodings").items()
-          if name in ("attention_mask", "position_ids_cos", "position_ids_sin", "logits") or name.startswith("past_")}
+          if name in ("attention_mask", "position_ids_cos", "position_ids_sin", "logits")
+          or name.startswith(("past_", "lora_"))}  # lora_*: switchable adapters' inputs (graph.lora_inputs)
     size = binary.stat().st_size if binary.is_file() else 0
     compiled = [Compiled(graph=g, context_onnx="", context_bin=binary.name, bin_bytes=size, seconds=0.0,
                          nodes_on_qnn=0, nodes_on_cpu=[]) for g in graphs]
