@@ -394,11 +394,12 @@ def test_olmo2_fails_the_gate_with_pre_norms_or_per_head_qk_norms(tmp_path: Path
     assert good.result["spec"]["post_norms"] and good.result["equivalence"]["top1_agreement"] == 1.0
 
     def pre_norms(self: decoder.Layer, h: torch.Tensor, rope: tuple[torch.Tensor, ...], mask: torch.Tensor,
-                  past_k: torch.Tensor, past_v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                  past_k: torch.Tensor, past_v: torch.Tensor, lin: decoder.Linear = decoder.plain
+                  ) -> tuple[torch.Tensor, ...]:
         assert self.mlp_norm is not None
-        a, k, v = self.attn(self.post_norm(h), rope, mask, past_k, past_v)
+        a, k, v = self.attn(self.post_norm(h), rope, mask, past_k, past_v, lin)
         h = self.attn_add(h, a)
-        return self.mlp_add(h, self.mlp(self.mlp_norm(h))), k, v
+        return self.mlp_add(h, self.mlp(self.mlp_norm(h), lin)), k, v
 
     whole = ops.RMSNorm.forward
 
