@@ -199,9 +199,11 @@ class StaticDecoder(nn.Module):
         rope = (cos2.repeat(g, 1), sin2.repeat(g, 1), cos2.t(), sin2.t())
         h = self.embed(input_ids).permute(0, 2, 1).reshape(1, -1, 1, n)  # (1, D, 1, N)
         kv_out: list[torch.Tensor] = []
-        linear = self.branches.linears(self, extra) if self.branches is not None else (lambda _i: plain)
+        linear = self.branches.linears(self, extra) if self.branches is not None else None
         for i, layer in enumerate(self.layers):
-            h, k, v = layer(h, rope, attention_mask, past[2 * i], past[2 * i + 1], linear(i))
+            # without branches a block is called as before them: what wraps or replays a block sees its five inputs
+            more = (linear(i),) if linear is not None else ()
+            h, k, v = layer(h, rope, attention_mask, past[2 * i], past[2 * i + 1], *more)
             kv_out += [k, v]
         logits = self.lm_head(self.norm(h)).reshape(1, -1, n).transpose(1, 2)
         return (logits, *kv_out)

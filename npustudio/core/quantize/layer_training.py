@@ -149,8 +149,8 @@ def _computing_through(model: Any, last: int) -> Iterator[None]:
             del m.forward
 
 
-def _passes_through(h: torch.Tensor, _rope: Any, _mask: Any, past_k: torch.Tensor, past_v: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _passes_through(h: torch.Tensor, _rope: Any, _mask: Any, past_k: torch.Tensor, past_v: torch.Tensor,
+                    _lin: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = h.shape[-1]
     return h, past_k.new_zeros(*past_k.shape[:3], n), past_v.new_zeros(*past_v.shape[:2], n, past_v.shape[3])
 
